@@ -1,0 +1,563 @@
+//! The TOML config: typed structs, defaults and validation.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// Default values, each with the reason for it.
+pub mod defaults {
+    use std::time::Duration;
+
+    /// Loopback only: a gateway that can start processes must not be reachable
+    /// from the network unless the operator says so.
+    pub const LISTEN: &str = "127.0.0.1:8080";
+    /// A dot-folder beside the config, like `.git`: easy to find, easy to ignore.
+    pub const STATE_DIR: &str = ".warmgate";
+    /// Kubernetes' default `terminationGracePeriodSeconds`: long enough for a
+    /// model server to finish a streamed completion.
+    pub const STOP_GRACE: Duration = Duration::from_secs(30);
+    /// Large enough for a batch of embeddings inputs or a long chat history,
+    /// small enough that a client cannot make the gateway buffer gigabytes.
+    pub const MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+    /// A GPU model server batches well up to a handful of concurrent requests;
+    /// 8 keeps latency predictable without leaving the GPU idle.
+    pub const CONCURRENCY: u32 = 8;
+    /// Loading multi-GB weights onto a GPU can take minutes.
+    pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(300);
+    /// Scale to zero by default: idle GPUs are the bill.
+    pub const MIN: u32 = 0;
+    /// A small cap, so a traffic spike cannot take every GPU on the box.
+    pub const MAX: u32 = 4;
+    /// Knative's `container-concurrency-target-percentage`: aim at 70% of the
+    /// hard limit so bursts find a free slot.
+    pub const TARGET_UTILIZATION: f64 = 0.7;
+    /// Knative's `scale-to-zero-grace-period` plus its stable window: a minute
+    /// without traffic before the last replica goes.
+    pub const SCALE_TO_ZERO_AFTER: Duration = Duration::from_secs(60);
+    /// Knative's stable window.
+    pub const STABLE_WINDOW: Duration = Duration::from_secs(60);
+    /// Knative's panic window (10% of the stable window).
+    pub const PANIC_WINDOW: Duration = Duration::from_secs(6);
+    /// Knative's panic threshold: 200% of current capacity.
+    pub const PANIC_THRESHOLD: f64 = 2.0;
+    /// Enough to absorb a burst while an app wakes from zero.
+    pub const MAX_PENDING: u32 = 1000;
+    /// Long enough to cover a cold start that loads weights.
+    pub const QUEUE_TIMEOUT: Duration = Duration::from_secs(120);
+}
+
+/// The whole config file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address the gateway listens on.
+    pub listen: SocketAddr,
+    /// SQLite state, weight cache and replica logs. Relative paths are
+    /// resolved against the config file's folder.
+    pub state_dir: PathBuf,
+    /// Where replicas run.
+    pub backend: BackendConfig,
+    /// Request limits of the data plane.
+    pub limits: LimitsConfig,
+    /// Serving apps.
+    pub apps: Vec<AppSpec>,
+}
+
+/// Which backend runs replicas, and its resources.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BackendConfig {
+    /// `local` (child processes) or `kubernetes`.
+    pub kind: BackendKind,
+    /// Local GPU ids handed out through `CUDA_VISIBLE_DEVICES`.
+    pub gpus: Vec<u32>,
+    /// Time between SIGTERM and SIGKILL when a replica is stopped.
+    #[serde(with = "humantime_serde")]
+    pub stop_grace: Duration,
+}
+
+/// The kind of backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Child processes on this machine.
+    #[default]
+    Local,
+    /// Pods on a Kubernetes cluster.
+    Kubernetes,
+}
+
+/// Limits applied to every data-plane request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Largest request body accepted, in bytes (413 past it).
+    pub max_body_bytes: u64,
+}
+
+/// One serving app.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AppSpec {
+    /// The app's name: a DNS label, also its OpenAI `model` name.
+    pub name: String,
+    /// More OpenAI `model` names routed to this app.
+    pub aliases: Vec<String>,
+    /// The worker's command line (local backend).
+    pub command: Vec<String>,
+    /// The worker's container image (kubernetes backend).
+    pub image: Option<String>,
+    /// Extra environment variables for the worker.
+    pub env: BTreeMap<String, String>,
+    /// Checkpoint URI (`file://`, `s3://`, `gs://`, `az://`).
+    pub checkpoint: Option<String>,
+    /// Hard limit of requests in flight per replica.
+    pub concurrency: u32,
+    /// GPUs per replica.
+    pub gpus: u32,
+    /// How long a replica may take to answer `/healthz` with 200.
+    #[serde(with = "humantime_serde")]
+    pub startup_timeout: Duration,
+    /// Scaling policy.
+    pub autoscale: AutoscaleSpec,
+    /// The hold queue for requests that find no free slot.
+    pub queue: QueueSpec,
+}
+
+/// An app's scaling policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AutoscaleSpec {
+    /// Fewest replicas (0 allows scale to zero).
+    pub min: u32,
+    /// Most replicas.
+    pub max: u32,
+    /// Desired in-flight requests per replica. Defaults to 70% of
+    /// `concurrency`.
+    pub target: Option<f64>,
+    /// Time without traffic before the last replica is stopped.
+    #[serde(with = "humantime_serde")]
+    pub scale_to_zero_after: Duration,
+    /// Window over which demand is averaged for normal scaling.
+    #[serde(with = "humantime_serde")]
+    pub stable_window: Duration,
+    /// Short window that detects bursts.
+    #[serde(with = "humantime_serde")]
+    pub panic_window: Duration,
+    /// Panic when short-window demand reaches this multiple of capacity.
+    pub panic_threshold: f64,
+}
+
+/// An app's hold queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QueueSpec {
+    /// Requests held while no slot is free; past it, 429.
+    pub max_pending: u32,
+    /// How long a held request may wait; past it, 504.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+// === impl Config ===
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: defaults::LISTEN
+                .parse()
+                .expect("the default address parses"),
+            state_dir: PathBuf::from(defaults::STATE_DIR),
+            backend: BackendConfig::default(),
+            limits: LimitsConfig::default(),
+            apps: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates a config file, and resolves its relative
+    /// paths against the file's folder.
+    pub fn load(file: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(file).map_err(|source| Error::Read {
+            file: file.to_owned(),
+            source,
+        })?;
+        let base = file
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        Config::parse(&text, file, base)
+    }
+
+    /// Parses and validates config text. `file` names the source in errors;
+    /// relative paths are resolved against `base`.
+    pub fn parse(text: &str, file: &Path, base: &Path) -> Result<Config> {
+        let parse_err = |key: String, message: String| Error::Parse {
+            file: file.to_owned(),
+            key,
+            message,
+        };
+        let de = toml::Deserializer::parse(text)
+            .map_err(|e| parse_err("(syntax)".into(), one_line(&e.to_string())))?;
+        let mut config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = match e.path().to_string() {
+                p if p == "." || p.is_empty() => "(top level)".to_string(),
+                p => p,
+            };
+            parse_err(key, one_line(&e.into_inner().to_string()))
+        })?;
+        config.validate().map_err(|(key, message)| Error::Invalid {
+            file: file.to_owned(),
+            key,
+            message,
+        })?;
+        config.resolve_paths(base);
+        Ok(config)
+    }
+
+    /// Checks values that parse but make no sense. Returns the key and why.
+    pub fn validate(&self) -> std::result::Result<(), (String, String)> {
+        if self.backend.kind == BackendKind::Kubernetes {
+            return Err((
+                "backend.kind".into(),
+                "the kubernetes backend is not available in this version; use \"local\"".into(),
+            ));
+        }
+        let mut seen_gpus = HashSet::new();
+        for (i, gpu) in self.backend.gpus.iter().enumerate() {
+            if !seen_gpus.insert(gpu) {
+                return Err((
+                    format!("backend.gpus[{i}]"),
+                    format!("GPU {gpu} is listed twice"),
+                ));
+            }
+        }
+        if self.limits.max_body_bytes == 0 {
+            return Err(("limits.max_body_bytes".into(), "must be at least 1".into()));
+        }
+        let mut names: HashSet<&str> = HashSet::new();
+        for (i, app) in self.apps.iter().enumerate() {
+            let at = |key: &str| format!("apps[{i}].{key}");
+            check_dns_label(&app.name).map_err(|m| (at("name"), m))?;
+            for (j, alias) in app.aliases.iter().enumerate() {
+                if alias.is_empty() || alias.chars().any(char::is_whitespace) {
+                    return Err((
+                        at(&format!("aliases[{j}]")),
+                        format!("{alias:?} must be non-empty and contain no spaces"),
+                    ));
+                }
+            }
+            for (key, name) in std::iter::once(("name".to_string(), &app.name)).chain(
+                app.aliases
+                    .iter()
+                    .enumerate()
+                    .map(|(j, a)| (format!("aliases[{j}]"), a)),
+            ) {
+                if !names.insert(name) {
+                    return Err((
+                        at(&key),
+                        format!("the name {name:?} is already used by another app"),
+                    ));
+                }
+            }
+            match self.backend.kind {
+                BackendKind::Local if app.command.is_empty() => {
+                    return Err((
+                        at("command"),
+                        "is required for the local backend (e.g. command = [\"./my-worker\"])"
+                            .into(),
+                    ));
+                }
+                BackendKind::Local if app.command[0].is_empty() => {
+                    return Err((at("command[0]"), "the program must not be empty".into()));
+                }
+                _ => {}
+            }
+            for key in app.env.keys() {
+                if key.is_empty() || key.contains('=') || key.contains('\0') {
+                    return Err((at("env"), format!("{key:?} is not a valid variable name")));
+                }
+            }
+            if app.concurrency == 0 {
+                return Err((at("concurrency"), "must be at least 1".into()));
+            }
+            if app.gpus as usize > self.backend.gpus.len() {
+                return Err((
+                    at("gpus"),
+                    format!(
+                        "a replica needs {} GPUs but backend.gpus lists {}",
+                        app.gpus,
+                        self.backend.gpus.len()
+                    ),
+                ));
+            }
+            if app.startup_timeout.is_zero() {
+                return Err((at("startup_timeout"), "must be more than 0s".into()));
+            }
+            let a = &app.autoscale;
+            if a.max == 0 {
+                return Err((at("autoscale.max"), "must be at least 1".into()));
+            }
+            if a.min > a.max {
+                return Err((
+                    at("autoscale.min"),
+                    format!("min ({}) is above max ({})", a.min, a.max),
+                ));
+            }
+            if let Some(t) = a.target
+                && !(t.is_finite() && t > 0.0)
+            {
+                return Err((at("autoscale.target"), "must be a number above 0".into()));
+            }
+            if !(a.panic_threshold.is_finite() && a.panic_threshold > 1.0) {
+                return Err((
+                    at("autoscale.panic_threshold"),
+                    "must be above 1.0 (2.0 means 200% of capacity)".into(),
+                ));
+            }
+            if a.stable_window.is_zero() {
+                return Err((at("autoscale.stable_window"), "must be more than 0s".into()));
+            }
+            if a.panic_window.is_zero() || a.panic_window > a.stable_window {
+                return Err((
+                    at("autoscale.panic_window"),
+                    "must be more than 0s and at most stable_window".into(),
+                ));
+            }
+            if app.queue.timeout.is_zero() {
+                return Err((at("queue.timeout"), "must be more than 0s".into()));
+            }
+        }
+        Ok(())
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        if self.state_dir.is_relative() {
+            self.state_dir = base.join(&self.state_dir);
+        }
+        for app in &mut self.apps {
+            if let Some(program) = app.command.first_mut() {
+                let p = Path::new(program.as_str());
+                if p.is_relative() && program.contains('/') {
+                    *program = base.join(p).to_string_lossy().into_owned();
+                }
+            }
+        }
+    }
+
+    /// The app with this name or alias.
+    pub fn app(&self, name: &str) -> Option<&AppSpec> {
+        self.apps
+            .iter()
+            .find(|a| a.name == name || a.aliases.iter().any(|x| x == name))
+    }
+}
+
+// === impl BackendConfig ===
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig {
+            kind: BackendKind::Local,
+            gpus: Vec::new(),
+            stop_grace: defaults::STOP_GRACE,
+        }
+    }
+}
+
+// === impl LimitsConfig ===
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_body_bytes: defaults::MAX_BODY_BYTES,
+        }
+    }
+}
+
+// === impl AppSpec ===
+
+impl Default for AppSpec {
+    fn default() -> Self {
+        AppSpec {
+            name: String::new(),
+            aliases: Vec::new(),
+            command: Vec::new(),
+            image: None,
+            env: BTreeMap::new(),
+            checkpoint: None,
+            concurrency: defaults::CONCURRENCY,
+            gpus: 0,
+            startup_timeout: defaults::STARTUP_TIMEOUT,
+            autoscale: AutoscaleSpec::default(),
+            queue: QueueSpec::default(),
+        }
+    }
+}
+
+impl AppSpec {
+    /// The scaling target in requests per replica, with its default applied.
+    pub fn target(&self) -> f64 {
+        self.autoscale
+            .target
+            .unwrap_or((f64::from(self.concurrency) * defaults::TARGET_UTILIZATION).max(1.0))
+    }
+}
+
+// === impl AutoscaleSpec ===
+
+impl Default for AutoscaleSpec {
+    fn default() -> Self {
+        AutoscaleSpec {
+            min: defaults::MIN,
+            max: defaults::MAX,
+            target: None,
+            scale_to_zero_after: defaults::SCALE_TO_ZERO_AFTER,
+            stable_window: defaults::STABLE_WINDOW,
+            panic_window: defaults::PANIC_WINDOW,
+            panic_threshold: defaults::PANIC_THRESHOLD,
+        }
+    }
+}
+
+// === impl QueueSpec ===
+
+impl Default for QueueSpec {
+    fn default() -> Self {
+        QueueSpec {
+            max_pending: defaults::MAX_PENDING,
+            timeout: defaults::QUEUE_TIMEOUT,
+        }
+    }
+}
+
+/// App names end up in URLs, file names, metric labels and (on Kubernetes)
+/// object names, so they follow RFC 1123 labels.
+fn check_dns_label(name: &str) -> std::result::Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name.as_bytes()[0].is_ascii_lowercase()
+        && !name.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name:?} is not a valid name: use 1-63 lowercase letters, digits and '-', \
+             starting with a letter"
+        ))
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config> {
+        Config::parse(text, Path::new("test.toml"), Path::new("/base"))
+    }
+
+    #[test]
+    fn interface_example_parses_with_defaults() {
+        let c = parse(
+            r#"
+            listen = "127.0.0.1:9000"
+            [backend]
+            gpus = [0, 1]
+            [[apps]]
+            name = "minilm"
+            command = ["./bin/embedder", "--flag"]
+            gpus = 1
+            [apps.autoscale]
+            max = 2
+            scale_to_zero_after = "90s"
+            "#,
+        )
+        .expect("valid config");
+        let app = &c.apps[0];
+        assert_eq!(app.command[0], "/base/./bin/embedder");
+        assert_eq!(app.command[1], "--flag");
+        assert_eq!(app.concurrency, defaults::CONCURRENCY);
+        assert_eq!(app.autoscale.scale_to_zero_after, Duration::from_secs(90));
+        assert_eq!(app.autoscale.max, 2);
+        assert_eq!(app.queue.max_pending, defaults::MAX_PENDING);
+        assert!((app.target() - 5.6).abs() < 1e-9);
+        assert_eq!(c.state_dir, PathBuf::from("/base/.warmgate"));
+    }
+
+    #[test]
+    fn unknown_key_names_its_path() {
+        let err = parse(
+            r#"
+            [[apps]]
+            name = "a"
+            command = ["x"]
+            [apps.autoscale]
+            mni = 1
+            "#,
+        )
+        .unwrap_err();
+        assert_eq!(err.key(), Some("apps[0].autoscale.mni"));
+        assert!(err.to_string().contains("unknown field `mni`"), "{err}");
+        assert!(err.to_string().starts_with("test.toml: "), "{err}");
+    }
+
+    #[test]
+    fn bad_duration_names_its_key() {
+        let err = parse("[[apps]]\nname = \"a\"\ncommand = [\"x\"]\nstartup_timeout = \"soon\"\n")
+            .unwrap_err();
+        assert_eq!(err.key(), Some("apps[0].startup_timeout"));
+    }
+
+    #[test]
+    fn invalid_values_are_refused() {
+        let cases = [
+            ("[[apps]]\nname = \"A\"\ncommand = [\"x\"]", "apps[0].name"),
+            ("[[apps]]\nname = \"a\"", "apps[0].command"),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\nconcurrency = 0",
+                "apps[0].concurrency",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\ngpus = 1",
+                "apps[0].gpus",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.autoscale]\nmin = 3\nmax = 2",
+                "apps[0].autoscale.min",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[[apps]]\nname = \"b\"\ncommand = [\"x\"]\naliases = [\"a\"]",
+                "apps[1].aliases[0]",
+            ),
+            ("[backend]\nkind = \"kubernetes\"", "backend.kind"),
+            ("[backend]\ngpus = [0, 0]", "backend.gpus[1]"),
+        ];
+        for (text, key) in cases {
+            let err = parse(text).unwrap_err();
+            assert_eq!(err.key(), Some(key), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn syntax_error_is_reported() {
+        let err = parse("[[apps]\nname = ").unwrap_err();
+        assert!(matches!(err, Error::Parse { .. }), "{err}");
+    }
+}

@@ -1,0 +1,62 @@
+//! warmgate's declarative model: the config schema and the app specs.
+//!
+//! The config is TOML (see `INTERFACE.md`). Every struct here denies unknown
+//! keys, has an explicit `Default` whose values are named constants with the
+//! reason for each, and is checked by [`Config::validate`] before anything
+//! starts, so a typo fails fast with the key and the file named.
+
+#![warn(missing_docs)]
+
+mod config;
+
+pub use config::{
+    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, LimitsConfig, QueueSpec, defaults,
+};
+
+use std::path::PathBuf;
+
+/// A config that could not be read, parsed or validated.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file could not be read.
+    #[error("{file}: cannot read the config: {source}")]
+    Read {
+        /// The config file.
+        file: PathBuf,
+        /// Why reading failed.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML, or a key has the wrong type or is unknown.
+    #[error("{file}: {key}: {message}")]
+    Parse {
+        /// The config file.
+        file: PathBuf,
+        /// The dotted path of the offending key (`apps[0].autoscale.min`).
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The file parsed, but a value is out of range or inconsistent.
+    #[error("{file}: {key}: {message}")]
+    Invalid {
+        /// The config file.
+        file: PathBuf,
+        /// The dotted path of the offending key.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+impl Error {
+    /// The dotted path of the offending key, when there is one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Error::Read { .. } => None,
+            Error::Parse { key, .. } | Error::Invalid { key, .. } => Some(key),
+        }
+    }
+}
+
+/// The result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

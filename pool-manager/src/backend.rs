@@ -1,0 +1,300 @@
+//! Backends start and stop replica processes. They all implement [`Backend`].
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+
+use async_trait::async_trait;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+
+use crate::{Error, Result};
+
+/// Everything a backend needs to start one replica.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// Replica id (`minilm-3`), also `WARMGATE_REPLICA`.
+    pub replica: String,
+    /// App or pool name, `WARMGATE_TARGET`.
+    pub target: String,
+    /// Revision, `WARMGATE_REVISION`.
+    pub revision: String,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Extra environment, applied before the `WARMGATE_*` variables.
+    pub env: BTreeMap<String, String>,
+    /// GPU ids for `CUDA_VISIBLE_DEVICES`.
+    pub gpus: Vec<u32>,
+    /// Working directory of the process.
+    pub workdir: Option<PathBuf>,
+    /// Checkpoint URI, `WARMGATE_CHECKPOINT`.
+    pub checkpoint: Option<String>,
+}
+
+/// A running replica process.
+#[async_trait]
+pub trait Process: Send {
+    /// Where it listens.
+    fn addr(&self) -> SocketAddr;
+    /// Its process id, when it has one.
+    fn pid(&self) -> Option<u32>;
+    /// Where its output goes.
+    fn log(&self) -> String;
+    /// Waits until it exits; says how. Cancel-safe.
+    async fn wait(&mut self) -> String;
+    /// Asks it to stop (SIGTERM).
+    fn terminate(&self);
+    /// Stops it now (SIGKILL).
+    fn kill(&self);
+}
+
+/// Starts replicas somewhere: local processes, or pods.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// Starts one replica. It is not ready yet: the caller probes it.
+    async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>>;
+}
+
+/// Runs replicas as child processes on this machine.
+///
+/// Each replica gets its own process group, so stopping it also stops the
+/// processes it started, and its stdout and stderr are appended to
+/// `<log_dir>/<replica>.log`.
+#[derive(Debug, Clone)]
+pub struct LocalBackend {
+    log_dir: PathBuf,
+}
+
+impl LocalBackend {
+    /// A backend that writes replica logs under `log_dir`.
+    pub fn new(log_dir: impl Into<PathBuf>) -> Self {
+        LocalBackend {
+            log_dir: log_dir.into(),
+        }
+    }
+
+    fn open_log(&self, replica: &str) -> Result<(std::fs::File, PathBuf)> {
+        let path = self.log_dir.join(format!("{replica}.log"));
+        let err = |e: std::io::Error| Error::LogFile {
+            path: path.clone(),
+            reason: e.to_string(),
+        };
+        std::fs::create_dir_all(&self.log_dir).map_err(err)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(err)?;
+        Ok((file, path))
+    }
+}
+
+#[async_trait]
+impl Backend for LocalBackend {
+    async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>> {
+        let port = free_port()?;
+        let (out, log_path) = self.open_log(&launch.replica)?;
+        let err_file = out.try_clone().map_err(|e| Error::LogFile {
+            path: log_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let program = launch.command.first().ok_or_else(|| Error::SpawnFailed {
+            program: String::new(),
+            reason: "the command is empty".into(),
+        })?;
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(&launch.command[1..])
+            .envs(&launch.env)
+            .env("PORT", port.to_string())
+            .env("WARMGATE_REPLICA", &launch.replica)
+            .env("WARMGATE_TARGET", &launch.target)
+            .env("WARMGATE_REVISION", &launch.revision)
+            .env("CUDA_VISIBLE_DEVICES", gpu_list(&launch.gpus))
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err_file))
+            .process_group(0)
+            .kill_on_drop(true);
+        if let Some(c) = &launch.checkpoint {
+            cmd.env("WARMGATE_CHECKPOINT", c);
+        }
+        if let Some(dir) = &launch.workdir {
+            cmd.current_dir(dir);
+        }
+        let child = cmd.spawn().map_err(|e| Error::SpawnFailed {
+            program: program.clone(),
+            reason: e.to_string(),
+        })?;
+        let pid = child.id();
+        Ok(Box::new(LocalProcess {
+            child,
+            pid,
+            addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+            log: log_path,
+        }))
+    }
+}
+
+/// `CUDA_VISIBLE_DEVICES` for these GPUs. Empty hides every GPU, so a
+/// replica that asked for none cannot grab one by accident.
+pub fn gpu_list(gpus: &[u32]) -> String {
+    gpus.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+struct LocalProcess {
+    child: tokio::process::Child,
+    pid: Option<u32>,
+    addr: SocketAddr,
+    log: PathBuf,
+}
+
+#[async_trait]
+impl Process for LocalProcess {
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    fn log(&self) -> String {
+        display_path(&self.log)
+    }
+
+    async fn wait(&mut self) -> String {
+        match self.child.wait().await {
+            Ok(status) => describe_exit(status),
+            Err(e) => format!("could not be waited on ({e})"),
+        }
+    }
+
+    fn terminate(&self) {
+        self.signal(Signal::SIGTERM);
+    }
+
+    fn kill(&self) {
+        self.signal(Signal::SIGKILL);
+    }
+}
+
+impl LocalProcess {
+    fn signal(&self, sig: Signal) {
+        let Some(pid) = self.pid.and_then(|p| i32::try_from(p).ok()) else {
+            return;
+        };
+        // The child leads its own process group (`process_group(0)`), so the
+        // group id is its pid. ESRCH only means it has exited already.
+        if let Err(e) = killpg(Pid::from_raw(pid), sig)
+            && e != nix::errno::Errno::ESRCH
+        {
+            tracing::warn!(pid, ?sig, error = %e, "could not signal replica");
+        }
+    }
+}
+
+fn describe_exit(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(sig)) => match Signal::try_from(sig) {
+            Ok(s) => format!("was killed by {s}"),
+            Err(_) => format!("was killed by signal {sig}"),
+        },
+        _ => "exited".to_string(),
+    }
+}
+
+fn display_path(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// Asks the OS for a free loopback port. Another process could take it
+/// before the worker binds it; the worker then fails to start and is retried.
+fn free_port() -> Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .map_err(|e| Error::NoFreePort(e.to_string()))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| Error::NoFreePort(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(cmd: &[&str]) -> Launch {
+        Launch {
+            replica: "t-1".into(),
+            target: "t".into(),
+            revision: "t-00001".into(),
+            command: cmd.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::from([("EXTRA".to_string(), "yes".to_string())]),
+            gpus: vec![2, 3],
+            workdir: None,
+            checkpoint: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn child_gets_the_contract_environment_and_a_log_file() {
+        let dir = std::env::temp_dir().join(format!("wg-backend-{}", std::process::id()));
+        let backend = LocalBackend::new(&dir);
+        let mut p = backend
+            .spawn(&launch(&[
+                "sh",
+                "-c",
+                "echo port=$PORT replica=$WARMGATE_REPLICA target=$WARMGATE_TARGET \
+                 revision=$WARMGATE_REVISION gpus=$CUDA_VISIBLE_DEVICES extra=$EXTRA; \
+                 echo oops >&2; exit 3",
+            ]))
+            .await
+            .expect("spawn");
+        assert_eq!(p.wait().await, "exited with status 3");
+        let log = std::fs::read_to_string(p.log()).expect("log written");
+        let port = p.addr().port();
+        assert!(
+            log.contains(&format!(
+                "port={port} replica=t-1 target=t revision=t-00001 gpus=2,3 extra=yes"
+            )),
+            "{log}"
+        );
+        assert!(log.contains("oops"), "stderr goes to the log too: {log}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn terminate_stops_the_whole_process_group() {
+        let dir = std::env::temp_dir().join(format!("wg-backend-g-{}", std::process::id()));
+        let backend = LocalBackend::new(&dir);
+        let mut p = backend
+            .spawn(&launch(&["sh", "-c", "sleep 600 & sleep 600; wait"]))
+            .await
+            .expect("spawn");
+        p.terminate();
+        let how = tokio::time::timeout(std::time::Duration::from_secs(10), p.wait())
+            .await
+            .expect("exits after SIGTERM");
+        assert_eq!(how, "was killed by SIGTERM");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_is_a_spawn_error() {
+        let backend = LocalBackend::new(std::env::temp_dir().join("wg-backend-missing"));
+        let err = backend
+            .spawn(&launch(&["/nonexistent/worker"]))
+            .await
+            .err()
+            .expect("spawn fails");
+        assert!(
+            err.to_string().contains("/nonexistent/worker"),
+            "names the program: {err}"
+        );
+    }
+}

@@ -1,0 +1,71 @@
+//! warmgate's pool manager: the lifecycle of replicas.
+//!
+//! A *target* is an app (or, later, a pool) with a replica spec. The pool
+//! manager keeps each target at the replica count it is told to have:
+//! it starts replicas through a [`Backend`], probes them until they are
+//! ready, tells the gateway through a [`ReplicaSink`] when a replica can take
+//! traffic and when it must stop taking it, restarts replicas that crash
+//! (with backoff), hands out GPUs so that no two replicas share one, and
+//! drains replicas before stopping them.
+//!
+//! It does not decide how many replicas a target needs (that is the
+//! autoscaler's job) and it never routes user traffic.
+
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod gpu;
+mod manager;
+pub mod probe;
+pub mod replica;
+
+pub use backend::{Backend, Launch, LocalBackend, Process};
+pub use gpu::GpuInventory;
+pub use manager::{PoolManager, ReplicaSink, TargetHealth, TargetSpec, TargetStatus};
+pub use replica::{ReplicaHandle, ReplicaState, ReplicaStatus};
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Errors of the pool manager. Variants are named after the step that failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The worker process could not be started.
+    #[error("could not start {program:?}: {reason}")]
+    SpawnFailed {
+        /// The program that was run.
+        program: String,
+        /// Why it failed (from the operating system).
+        reason: String,
+    },
+    /// The replica's log file could not be opened.
+    #[error("could not open the log file {path:?}: {reason}")]
+    LogFile {
+        /// The log file.
+        path: PathBuf,
+        /// Why it failed.
+        reason: String,
+    },
+    /// No free local port could be found for the worker.
+    #[error("could not find a free port: {0}")]
+    NoFreePort(String),
+    /// The worker exited before it answered `/healthz` with 200.
+    #[error("the worker {exit} before it became ready (log: {log})")]
+    ExitedBeforeReady {
+        /// How it exited (`exited with status 1`).
+        exit: String,
+        /// Where its output is.
+        log: String,
+    },
+    /// The worker did not answer `/healthz` with 200 within `startup_timeout`.
+    #[error("the worker did not become ready within {after:?} (log: {log})")]
+    StartupTimeout {
+        /// The startup timeout.
+        after: Duration,
+        /// Where its output is.
+        log: String,
+    },
+}
+
+/// The result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

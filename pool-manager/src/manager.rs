@@ -1,0 +1,937 @@
+//! The pool manager: one actor task per target brings its replicas to the
+//! desired count.
+//!
+//! The actor owns every decision (start, stop, which replica, when to retry).
+//! Each replica has a task of its own that only drives the process through
+//! its life (spawn, probe, watch, stop) and reports back on a bounded channel.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, RwLock};
+use serde::Serialize;
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::Error;
+use crate::backend::{Backend, Launch, Process};
+use crate::gpu::GpuInventory;
+use crate::probe::{HealthRule, LIVENESS_INTERVAL, ProbeResult, Prober, readiness_delay};
+use crate::replica::{ReplicaHandle, ReplicaState, ReplicaStatus, Transition};
+
+/// A replica that stayed ready this long before it crashed resets the
+/// crash-loop backoff: it was a one-off, not a loop.
+const STABLE_RESET: Duration = Duration::from_secs(10);
+/// First delay of the crash-loop backoff (after the second failure in a row).
+const BACKOFF_BASE: Duration = Duration::from_millis(500);
+/// Cap of the crash-loop backoff: a broken worker is retried twice a minute.
+const BACKOFF_CAP: Duration = Duration::from_secs(30);
+/// Events in flight from replica tasks to their actor; a replica sends a
+/// handful in its life, so this only fills if the actor is stuck.
+const EVENT_QUEUE: usize = 256;
+
+/// Where the pool manager tells the gateway what may take traffic.
+pub trait ReplicaSink: Send + Sync + 'static {
+    /// A replica answers `/healthz` and may take traffic now.
+    fn replica_ready(&self, replica: Arc<ReplicaHandle>);
+    /// A replica must take no new traffic (it is draining, or gone).
+    fn replica_removed(&self, replica: &Arc<ReplicaHandle>);
+    /// A replica failed to start; `health` is the target's state after it.
+    fn start_failed(&self, target: &str, error: &Error, health: &TargetHealth);
+}
+
+/// How to run the replicas of one app or pool.
+#[derive(Debug, Clone)]
+pub struct TargetSpec {
+    /// App or pool name.
+    pub name: String,
+    /// Revision its replicas serve.
+    pub revision: String,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Extra environment.
+    pub env: BTreeMap<String, String>,
+    /// Checkpoint URI, passed to the worker.
+    pub checkpoint: Option<String>,
+    /// Working directory of the workers.
+    pub workdir: Option<PathBuf>,
+    /// Requests in flight per replica.
+    pub concurrency: u32,
+    /// GPUs per replica.
+    pub gpus: u32,
+    /// Time allowed to become ready.
+    pub startup_timeout: Duration,
+    /// Time between SIGTERM and SIGKILL (also the drain budget).
+    pub stop_grace: Duration,
+}
+
+/// A target's replicas in brief: what the gateway needs to decide whether a
+/// request can wait for capacity.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TargetHealth {
+    /// Replicas taking traffic.
+    pub ready: usize,
+    /// Replicas started and being probed.
+    pub starting: usize,
+    /// Replicas waiting for resources.
+    pub pending: usize,
+    /// Set when the target keeps failing to start and waits before the next
+    /// try: how long until it.
+    pub retry_in: Option<Duration>,
+    /// The last start or crash error.
+    pub last_error: Option<String>,
+    /// True when the latest attempts failed before becoming ready.
+    pub failing_to_start: bool,
+}
+
+/// The phases of the last cold start of a target.
+#[derive(Debug, Clone, Serialize)]
+pub struct ColdStart {
+    /// The replica that started.
+    pub replica: String,
+    /// Seconds from asking the backend to start the process until it ran.
+    pub spawn_seconds: f64,
+    /// Seconds from the process running until `/healthz` answered 200.
+    pub ready_seconds: f64,
+    /// Unix time it became ready.
+    pub at_unix: f64,
+}
+
+/// One target in a status report.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetStatus {
+    /// App or pool name.
+    pub name: String,
+    /// Revision served.
+    pub revision: String,
+    /// Replica count asked for.
+    pub desired: u32,
+    /// Replicas, in start order.
+    pub replicas: Vec<ReplicaStatus>,
+    /// Replicas replaced after a crash or a failed start.
+    pub restarts: u64,
+    /// Brief health.
+    pub health: TargetHealth,
+    /// The last cold start.
+    pub last_cold_start: Option<ColdStart>,
+}
+
+/// Keeps targets at their desired replica counts.
+pub struct PoolManager {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    sink: Arc<dyn ReplicaSink>,
+    gpus: Mutex<GpuInventory>,
+    gpu_freed: Notify,
+    prober: Prober,
+    targets: RwLock<HashMap<String, Target>>,
+}
+
+struct Target {
+    desired: watch::Sender<u32>,
+    shutdown: watch::Sender<bool>,
+    shared: Arc<Mutex<Shared>>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the actor knows, readable by status calls.
+struct Shared {
+    spec: Arc<TargetSpec>,
+    desired: u32,
+    replicas: BTreeMap<u64, Slot>,
+    consecutive_failures: u32,
+    backoff_until: Option<Instant>,
+    last_error: Option<String>,
+    last_failure_at_start: bool,
+    restarts: u64,
+    last_cold_start: Option<ColdStart>,
+}
+
+struct Slot {
+    id: String,
+    state: ReplicaState,
+    gpus: Vec<u32>,
+    created: Instant,
+    addr: Option<SocketAddr>,
+    pid: Option<u32>,
+    log: Option<String>,
+    handle: Option<Arc<ReplicaHandle>>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+enum Event {
+    Launched {
+        seq: u64,
+        addr: SocketAddr,
+        pid: Option<u32>,
+        log: String,
+    },
+    Ready {
+        seq: u64,
+        handle: Arc<ReplicaHandle>,
+        spawn: Duration,
+        ready: Duration,
+    },
+    StartFailed {
+        seq: u64,
+        error: Error,
+    },
+    Exited {
+        seq: u64,
+        how: String,
+        asked: bool,
+    },
+    Unhealthy {
+        seq: u64,
+        reason: String,
+    },
+}
+
+// === impl PoolManager ===
+
+impl PoolManager {
+    /// A pool manager with this backend, these local GPU ids, telling `sink`
+    /// about replicas.
+    pub fn new(backend: Arc<dyn Backend>, gpus: Vec<u32>, sink: Arc<dyn ReplicaSink>) -> Self {
+        PoolManager {
+            inner: Arc::new(Inner {
+                backend,
+                sink,
+                gpus: Mutex::new(GpuInventory::new(gpus)),
+                gpu_freed: Notify::new(),
+                prober: Prober::new(),
+                targets: RwLock::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Starts managing a target, at zero replicas. Must be called from
+    /// within a tokio runtime.
+    pub fn add_target(&self, spec: TargetSpec) {
+        let (desired_tx, desired_rx) = watch::channel(0);
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let (ev_tx, ev_rx) = mpsc::channel(EVENT_QUEUE);
+        let name = spec.name.clone();
+        let shared = Arc::new(Mutex::new(Shared {
+            spec: Arc::new(spec),
+            desired: 0,
+            replicas: BTreeMap::new(),
+            consecutive_failures: 0,
+            backoff_until: None,
+            last_error: None,
+            last_failure_at_start: false,
+            restarts: 0,
+            last_cold_start: None,
+        }));
+        let actor = Actor {
+            inner: self.inner.clone(),
+            shared: shared.clone(),
+            desired_rx,
+            shutdown_rx,
+            ev_tx,
+            ev_rx,
+            next_seq: 1,
+            shutting_down: false,
+        };
+        let task = tokio::spawn(actor.run());
+        self.inner.targets.write().insert(
+            name,
+            Target {
+                desired: desired_tx,
+                shutdown: shutdown_tx,
+                shared,
+                task: Mutex::new(Some(task)),
+            },
+        );
+    }
+
+    /// Asks for `n` replicas of `target`. Returns false for an unknown target.
+    pub fn scale(&self, target: &str, n: u32) -> bool {
+        match self.inner.targets.read().get(target) {
+            Some(t) => {
+                t.desired.send_if_modified(|cur| {
+                    let changed = *cur != n;
+                    *cur = n;
+                    changed
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The replica count last asked for.
+    pub fn desired(&self, target: &str) -> Option<u32> {
+        self.inner
+            .targets
+            .read()
+            .get(target)
+            .map(|t| *t.desired.borrow())
+    }
+
+    /// A target's health in brief.
+    pub fn health(&self, target: &str) -> Option<TargetHealth> {
+        let targets = self.inner.targets.read();
+        let t = targets.get(target)?;
+        let s = t.shared.lock();
+        Some(s.health(Instant::now()))
+    }
+
+    /// Every target's status, by name.
+    pub fn status(&self) -> Vec<TargetStatus> {
+        let targets = self.inner.targets.read();
+        let mut out: Vec<TargetStatus> =
+            targets.values().map(|t| t.shared.lock().status()).collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Stops every replica (drain, SIGTERM, grace, SIGKILL) and waits until
+    /// all are gone.
+    pub async fn shutdown(&self) {
+        let tasks: Vec<JoinHandle<()>> = {
+            let targets = self.inner.targets.read();
+            targets
+                .values()
+                .filter_map(|t| {
+                    let _ = t.shutdown.send(true);
+                    t.task.lock().take()
+                })
+                .collect()
+        };
+        for t in tasks {
+            if let Err(e) = t.await {
+                tracing::error!(error = %e, "pool manager task failed");
+            }
+        }
+    }
+}
+
+// === impl Shared ===
+
+impl Shared {
+    fn health(&self, now: Instant) -> TargetHealth {
+        let mut h = TargetHealth::default();
+        for slot in self.replicas.values() {
+            match slot.state {
+                ReplicaState::Ready => h.ready += 1,
+                ReplicaState::Starting => h.starting += 1,
+                ReplicaState::Pending { .. } => h.pending += 1,
+                _ => {}
+            }
+        }
+        h.last_error = self.last_error.clone();
+        h.failing_to_start = self.last_failure_at_start && self.consecutive_failures > 0;
+        h.retry_in = self
+            .backoff_until
+            .filter(|until| *until > now)
+            .map(|until| until - now);
+        h
+    }
+
+    fn status(&self) -> TargetStatus {
+        let now = Instant::now();
+        let replicas = self
+            .replicas
+            .values()
+            .map(|s| {
+                let h = s.handle.as_ref();
+                ReplicaStatus {
+                    id: s.id.clone(),
+                    state: s.state.clone(),
+                    revision: self.spec.revision.clone(),
+                    addr: s.addr,
+                    pid: s.pid,
+                    gpus: s.gpus.clone(),
+                    inflight: h.map_or(0, |h| h.inflight()),
+                    concurrency: self.spec.concurrency,
+                    idle_seconds: h
+                        .filter(|_| s.state == ReplicaState::Ready)
+                        .map(|h| h.idle_for().as_secs_f64()),
+                    age_seconds: (now - s.created).as_secs_f64(),
+                    weights_version: h
+                        .map(|h| h.weights_version.load(std::sync::atomic::Ordering::Relaxed)),
+                    log: s.log.clone(),
+                }
+            })
+            .collect();
+        TargetStatus {
+            name: self.spec.name.clone(),
+            revision: self.spec.revision.clone(),
+            desired: self.desired,
+            replicas,
+            restarts: self.restarts,
+            health: self.health(now),
+            last_cold_start: self.last_cold_start.clone(),
+        }
+    }
+}
+
+// === impl Actor ===
+
+struct Actor {
+    inner: Arc<Inner>,
+    shared: Arc<Mutex<Shared>>,
+    desired_rx: watch::Receiver<u32>,
+    shutdown_rx: watch::Receiver<bool>,
+    ev_tx: mpsc::Sender<Event>,
+    ev_rx: mpsc::Receiver<Event>,
+    next_seq: u64,
+    shutting_down: bool,
+}
+
+impl Actor {
+    async fn run(mut self) {
+        loop {
+            let wake_at = self.reconcile();
+            if self.shutting_down && self.shared.lock().replicas.is_empty() {
+                break;
+            }
+            let has_pending = self
+                .shared
+                .lock()
+                .replicas
+                .values()
+                .any(|s| matches!(s.state, ReplicaState::Pending { .. }));
+            let gpu_freed = self.inner.gpu_freed.notified();
+            tokio::select! {
+                changed = self.desired_rx.changed(), if !self.shutting_down => {
+                    if changed.is_err() {
+                        self.shutting_down = true;
+                    }
+                }
+                changed = self.shutdown_rx.changed(), if !self.shutting_down => {
+                    if changed.is_err() || *self.shutdown_rx.borrow() {
+                        self.shutting_down = true;
+                    }
+                }
+                Some(ev) = self.ev_rx.recv() => self.on_event(ev),
+                _ = gpu_freed, if has_pending => {}
+                _ = sleep_until_opt(wake_at), if wake_at.is_some() => {}
+            }
+        }
+        tracing::debug!(target_name = %self.shared.lock().spec.name, "all replicas stopped");
+    }
+
+    /// Brings the replica set toward the desired count. Returns when to look
+    /// again if a backoff is holding starts back.
+    fn reconcile(&mut self) -> Option<tokio::time::Instant> {
+        let now = Instant::now();
+        let desired = if self.shutting_down {
+            0
+        } else {
+            *self.desired_rx.borrow()
+        };
+        let mut shared = self.shared.lock();
+        shared.desired = desired;
+        let active = |s: &Shared| {
+            s.replicas
+                .values()
+                .filter(|r| {
+                    matches!(
+                        r.state,
+                        ReplicaState::Pending { .. } | ReplicaState::Starting | ReplicaState::Ready
+                    )
+                })
+                .count() as u32
+        };
+
+        // Too many: stop the least useful first.
+        let current = active(&shared);
+        if current > desired {
+            for seq in pick_victims(&shared, (current - desired) as usize) {
+                self.stop_replica(&mut shared, seq);
+            }
+        }
+
+        // Pending replicas whose GPUs are now free can start.
+        let pending: Vec<u64> = shared
+            .replicas
+            .iter()
+            .filter(|(_, s)| matches!(s.state, ReplicaState::Pending { .. }))
+            .map(|(k, _)| *k)
+            .collect();
+        for seq in pending {
+            self.try_launch(&mut shared, seq);
+        }
+
+        // Too few: start more, unless a crash loop says to wait.
+        let current = active(&shared);
+        if current < desired {
+            if let Some(until) = shared.backoff_until
+                && until > now
+            {
+                return Some(tokio::time::Instant::from_std(until));
+            }
+            for _ in current..desired {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                let id = format!("{}-{seq}", shared.spec.name);
+                shared.replicas.insert(
+                    seq,
+                    Slot {
+                        id,
+                        state: ReplicaState::Pending {
+                            reason: "waiting to start".into(),
+                        },
+                        gpus: Vec::new(),
+                        created: now,
+                        addr: None,
+                        pid: None,
+                        log: None,
+                        handle: None,
+                        stop: None,
+                    },
+                );
+                self.try_launch(&mut shared, seq);
+            }
+        }
+        None
+    }
+
+    /// Starts a pending replica if its GPUs can be had.
+    fn try_launch(&self, shared: &mut Shared, seq: u64) {
+        let spec = shared.spec.clone();
+        let Some(slot) = shared.replicas.get_mut(&seq) else {
+            return;
+        };
+        let gpus = {
+            let mut inv = self.inner.gpus.lock();
+            match inv.allocate(spec.gpus) {
+                Some(g) => g,
+                None => {
+                    slot.state = ReplicaState::Pending {
+                        reason: format!(
+                            "needs {} GPU(s), {} of {} free",
+                            spec.gpus,
+                            inv.free(),
+                            inv.total()
+                        ),
+                    };
+                    return;
+                }
+            }
+        };
+        let Some(next) = slot.state.next(&Transition::Launched) else {
+            self.inner.gpus.lock().release(&gpus);
+            return;
+        };
+        slot.state = next;
+        slot.gpus = gpus.clone();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        slot.stop = Some(stop_tx);
+        let launch = Launch {
+            replica: slot.id.clone(),
+            target: spec.name.clone(),
+            revision: spec.revision.clone(),
+            command: spec.command.clone(),
+            env: spec.env.clone(),
+            gpus,
+            workdir: spec.workdir.clone(),
+            checkpoint: spec.checkpoint.clone(),
+        };
+        let ctx = ReplicaTask {
+            seq,
+            inner: self.inner.clone(),
+            spec,
+            events: self.ev_tx.clone(),
+        };
+        tokio::spawn(ctx.run(launch, stop_rx));
+    }
+
+    /// Takes a replica out of rotation and tells its task to drain and stop.
+    fn stop_replica(&self, shared: &mut Shared, seq: u64) {
+        let Some(slot) = shared.replicas.get_mut(&seq) else {
+            return;
+        };
+        if matches!(slot.state, ReplicaState::Pending { .. }) {
+            let slot = shared.replicas.remove(&seq).expect("present");
+            self.release_gpus(&slot.gpus);
+            return;
+        }
+        let Some(next) = slot.state.next(&Transition::Drain) else {
+            return;
+        };
+        slot.state = next;
+        if let Some(h) = &slot.handle {
+            h.set_unroutable();
+            self.inner.sink.replica_removed(h);
+        }
+        if let Some(stop) = slot.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
+    fn release_gpus(&self, gpus: &[u32]) {
+        if !gpus.is_empty() {
+            self.inner.gpus.lock().release(gpus);
+            self.inner.gpu_freed.notify_waiters();
+        }
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        let mut shared = self.shared.lock();
+        let name = shared.spec.name.clone();
+        match ev {
+            Event::Launched {
+                seq,
+                addr,
+                pid,
+                log,
+            } => {
+                if let Some(slot) = shared.replicas.get_mut(&seq) {
+                    slot.addr = Some(addr);
+                    slot.pid = pid;
+                    slot.log = Some(log);
+                }
+            }
+            Event::Ready {
+                seq,
+                handle,
+                spawn,
+                ready,
+            } => {
+                let Some(slot) = shared.replicas.get_mut(&seq) else {
+                    return;
+                };
+                let Some(next) = slot.state.next(&Transition::BecameReady) else {
+                    // Asked to stop while it was starting: never route to it.
+                    return;
+                };
+                slot.state = next;
+                slot.handle = Some(handle.clone());
+                self.inner.sink.replica_ready(handle.clone());
+                tracing::info!(
+                    target_name = %name,
+                    replica = %handle.id,
+                    spawn_ms = spawn.as_millis() as u64,
+                    ready_ms = ready.as_millis() as u64,
+                    "replica ready"
+                );
+                shared.last_failure_at_start = false;
+                shared.backoff_until = None;
+                shared.last_cold_start = Some(ColdStart {
+                    replica: handle.id.clone(),
+                    spawn_seconds: spawn.as_secs_f64(),
+                    ready_seconds: ready.as_secs_f64(),
+                    at_unix: SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map(|d| d.as_secs_f64())
+                        .unwrap_or(0.0),
+                });
+            }
+            Event::StartFailed { seq, error } => {
+                let Some(slot) = shared.replicas.remove(&seq) else {
+                    return;
+                };
+                self.release_gpus(&slot.gpus);
+                let asked = slot.state == ReplicaState::Draining;
+                if asked {
+                    return;
+                }
+                tracing::warn!(target_name = %name, replica = %slot.id, %error, "replica failed to start");
+                shared.record_failure(error.to_string(), true, Duration::ZERO);
+                let health = shared.health(Instant::now());
+                drop(shared);
+                self.inner.sink.start_failed(&name, &error, &health);
+            }
+            Event::Exited { seq, how, asked } => {
+                let Some(slot) = shared.replicas.remove(&seq) else {
+                    return;
+                };
+                self.release_gpus(&slot.gpus);
+                if let Some(h) = &slot.handle {
+                    h.set_unroutable();
+                    self.inner.sink.replica_removed(h);
+                }
+                if asked || slot.state == ReplicaState::Draining {
+                    tracing::info!(target_name = %name, replica = %slot.id, %how, "replica stopped");
+                    return;
+                }
+                let ready_for = slot
+                    .handle
+                    .as_ref()
+                    .map_or(Duration::ZERO, |h| h.ready_at.elapsed());
+                let log = slot.log.clone().unwrap_or_default();
+                tracing::warn!(target_name = %name, replica = %slot.id, %how, log = %log, "replica crashed; replacing it");
+                shared.record_failure(
+                    format!("replica {} {how} (log: {log})", slot.id),
+                    false,
+                    ready_for,
+                );
+            }
+            Event::Unhealthy { seq, reason } => {
+                if shared
+                    .replicas
+                    .get(&seq)
+                    .is_some_and(|s| s.state == ReplicaState::Ready)
+                {
+                    let id = shared.replicas[&seq].id.clone();
+                    tracing::warn!(target_name = %name, replica = %id, %reason, "replica failed its liveness probes; replacing it");
+                    let ready_for = shared.replicas[&seq]
+                        .handle
+                        .as_ref()
+                        .map_or(Duration::ZERO, |h| h.ready_at.elapsed());
+                    self.stop_replica(&mut shared, seq);
+                    shared.record_failure(
+                        format!("replica {id} is unhealthy: {reason}"),
+                        false,
+                        ready_for,
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn record_failure(&mut self, error: String, at_start: bool, ready_for: Duration) {
+        if ready_for >= STABLE_RESET {
+            self.consecutive_failures = 0;
+        }
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        self.restarts += 1;
+        self.last_error = Some(error);
+        self.last_failure_at_start = at_start;
+        let delay = crash_backoff(self.consecutive_failures);
+        self.backoff_until = (!delay.is_zero()).then(|| Instant::now() + delay);
+    }
+}
+
+/// Delay before the next start after `failures` failures in a row: none
+/// after the first (a one-off crash is replaced at once), then doubling from
+/// [`BACKOFF_BASE`] up to [`BACKOFF_CAP`].
+pub(crate) fn crash_backoff(failures: u32) -> Duration {
+    if failures <= 1 {
+        return Duration::ZERO;
+    }
+    BACKOFF_BASE
+        .saturating_mul(1u32 << (failures - 2).min(16))
+        .min(BACKOFF_CAP)
+}
+
+/// Which replicas to stop first: ones that have not started, then ones
+/// still starting (newest first), then ready ones idle longest, then the
+/// least busy.
+fn pick_victims(shared: &Shared, n: usize) -> Vec<u64> {
+    // Sort key: (class, requests in flight, longest idle first, newest first).
+    let mut candidates: Vec<((u8, u32, Duration, u64), u64)> = shared
+        .replicas
+        .iter()
+        .filter_map(|(seq, s)| {
+            let newest_first = u64::MAX - seq;
+            let key = match s.state {
+                ReplicaState::Pending { .. } => (0, 0, Duration::ZERO, newest_first),
+                ReplicaState::Starting => (1, 0, Duration::ZERO, newest_first),
+                ReplicaState::Ready => {
+                    let h = s.handle.as_ref();
+                    let inflight = h.map_or(0, |h| h.inflight());
+                    let idle = h.map_or(Duration::ZERO, |h| h.idle_for());
+                    (2, inflight, Duration::MAX - idle, newest_first)
+                }
+                _ => return None,
+            };
+            Some((key, *seq))
+        })
+        .collect();
+    candidates.sort();
+    candidates.into_iter().take(n).map(|(_, seq)| seq).collect()
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+// === impl ReplicaTask ===
+
+/// Drives one replica's process through its life and reports to the actor.
+struct ReplicaTask {
+    seq: u64,
+    inner: Arc<Inner>,
+    spec: Arc<TargetSpec>,
+    events: mpsc::Sender<Event>,
+}
+
+impl ReplicaTask {
+    async fn run(self, launch: Launch, mut stop: oneshot::Receiver<()>) {
+        let seq = self.seq;
+        let t0 = Instant::now();
+        let spawned = tokio::select! {
+            biased;
+            _ = &mut stop => {
+                self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true }).await;
+                return;
+            }
+            r = self.inner.backend.spawn(&launch) => r,
+        };
+        let mut proc = match spawned {
+            Ok(p) => p,
+            Err(error) => {
+                self.send(Event::StartFailed { seq, error }).await;
+                return;
+            }
+        };
+        let spawn = t0.elapsed();
+        let t_spawned = Instant::now();
+        let addr = proc.addr();
+        self.send(Event::Launched {
+            seq,
+            addr,
+            pid: proc.pid(),
+            log: proc.log(),
+        })
+        .await;
+
+        // Readiness: probe fast, back off to a small cap.
+        let deadline = tokio::time::Instant::from_std(t0 + self.spec.startup_timeout);
+        let mut attempt = 0u32;
+        let weights_version = loop {
+            let probe = async {
+                tokio::time::sleep(readiness_delay(attempt)).await;
+                self.inner.prober.probe(addr).await
+            };
+            tokio::select! {
+                biased;
+                _ = &mut stop => {
+                    let how = stop_process(proc.as_mut(), None, self.spec.stop_grace).await;
+                    self.send(Event::Exited { seq, how, asked: true }).await;
+                    return;
+                }
+                how = proc.wait() => {
+                    let error = Error::ExitedBeforeReady { exit: how, log: proc.log() };
+                    self.send(Event::StartFailed { seq, error }).await;
+                    return;
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    proc.kill();
+                    proc.wait().await;
+                    let error = Error::StartupTimeout { after: self.spec.startup_timeout, log: proc.log() };
+                    self.send(Event::StartFailed { seq, error }).await;
+                    return;
+                }
+                r = probe => match r {
+                    ProbeResult::Healthy { weights_version } => break weights_version,
+                    ProbeResult::Unhealthy(_) => attempt = attempt.saturating_add(1),
+                }
+            }
+        };
+        let ready_at = Instant::now();
+        let handle = Arc::new(ReplicaHandle::new(
+            launch.replica.clone(),
+            self.spec.name.clone(),
+            self.spec.revision.clone(),
+            addr,
+            self.spec.concurrency,
+            ready_at,
+        ));
+        handle.weights_version.store(
+            weights_version.unwrap_or(0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.send(Event::Ready {
+            seq,
+            handle: handle.clone(),
+            spawn,
+            ready: ready_at - t_spawned,
+        })
+        .await;
+
+        // Liveness, until it exits or is asked to stop.
+        let mut rule = HealthRule::new(HealthRule::DEFAULT_FAILURES);
+        let mut reported = false;
+        loop {
+            let probe = async {
+                tokio::time::sleep(LIVENESS_INTERVAL).await;
+                self.inner.prober.probe(addr).await
+            };
+            tokio::select! {
+                biased;
+                _ = &mut stop => {
+                    let how = stop_process(proc.as_mut(), Some(&handle), self.spec.stop_grace).await;
+                    self.send(Event::Exited { seq, how, asked: true }).await;
+                    return;
+                }
+                how = proc.wait() => {
+                    self.send(Event::Exited { seq, how, asked: false }).await;
+                    return;
+                }
+                r = probe, if !reported => {
+                    let healthy = match &r {
+                        ProbeResult::Healthy { weights_version } => {
+                            if let Some(v) = weights_version {
+                                handle.weights_version.store(*v, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            true
+                        }
+                        ProbeResult::Unhealthy(_) => false,
+                    };
+                    if rule.observe(healthy) {
+                        reported = true;
+                        let reason = match r {
+                            ProbeResult::Unhealthy(e) => e,
+                            ProbeResult::Healthy { .. } => String::new(),
+                        };
+                        self.send(Event::Unhealthy { seq, reason }).await;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn send(&self, ev: Event) {
+        // The actor only goes away once every replica has reported Exited,
+        // so a failed send means the runtime is shutting down.
+        let _ = self.events.send(ev).await;
+    }
+}
+
+/// Drains and stops a process: waits for in-flight requests (if it took
+/// traffic) within the grace period, sends SIGTERM, and SIGKILL when the
+/// grace period is over. Returns how it exited.
+async fn stop_process(
+    proc: &mut dyn Process,
+    handle: Option<&Arc<ReplicaHandle>>,
+    grace: Duration,
+) -> String {
+    let deadline = tokio::time::Instant::now() + grace;
+    if let Some(h) = handle {
+        h.set_unroutable();
+        tokio::select! {
+            _ = h.wait_idle(deadline) => {}
+            how = proc.wait() => return how,
+        }
+    }
+    proc.terminate();
+    match tokio::time::timeout_at(deadline, proc.wait()).await {
+        Ok(how) => how,
+        Err(_) => {
+            proc.kill();
+            let how = proc.wait().await;
+            format!("{how} after the {grace:?} grace period")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crash_backoff_grows_and_caps() {
+        assert_eq!(crash_backoff(0), Duration::ZERO);
+        assert_eq!(crash_backoff(1), Duration::ZERO);
+        assert_eq!(crash_backoff(2), Duration::from_millis(500));
+        assert_eq!(crash_backoff(3), Duration::from_secs(1));
+        assert_eq!(crash_backoff(8), BACKOFF_CAP);
+        assert_eq!(crash_backoff(u32::MAX), BACKOFF_CAP);
+    }
+}

@@ -1,0 +1,206 @@
+//! Health probes, kept apart from the decision they feed.
+//!
+//! [`Prober::probe`] only reports what one `GET /healthz` saw. [`HealthRule`]
+//! is a pure rule with hysteresis that turns a run of reports into a decision,
+//! so one slow answer does not take a replica out of rotation.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// The first readiness probe goes out this soon after the process starts: a
+/// worker that binds its port at once is seen within milliseconds.
+pub const FIRST_PROBE_DELAY: Duration = Duration::from_millis(2);
+/// Readiness probes back off up to this interval. A refused connect costs
+/// microseconds, so a small cap keeps cold starts from waiting on the prober.
+pub const MAX_PROBE_INTERVAL: Duration = Duration::from_millis(20);
+/// Interval of liveness probes on ready replicas.
+pub const LIVENESS_INTERVAL: Duration = Duration::from_secs(2);
+/// How long one probe may take before it counts as failed.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A `/healthz` body larger than this is not parsed.
+const MAX_HEALTH_BODY: usize = 64 * 1024;
+
+/// What one probe saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeResult {
+    /// 200, with the weights version if the body named one.
+    Healthy {
+        /// `weights_version` from the JSON body.
+        weights_version: Option<u64>,
+    },
+    /// Any other answer, a refused connect or a timeout.
+    Unhealthy(String),
+}
+
+/// Sends `GET /healthz` to workers.
+#[derive(Clone, Debug)]
+pub struct Prober {
+    client: Client<HttpConnector, Empty<Bytes>>,
+}
+
+impl Default for Prober {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Prober {
+    /// A prober with its own small connection pool.
+    pub fn new() -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(PROBE_TIMEOUT));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(LIVENESS_INTERVAL * 3)
+            .pool_max_idle_per_host(1)
+            .build(connector);
+        Prober { client }
+    }
+
+    /// Probes `addr` once.
+    pub async fn probe(&self, addr: SocketAddr) -> ProbeResult {
+        let uri = format!("http://{addr}/healthz");
+        let req = match http::Request::get(uri).body(Empty::new()) {
+            Ok(r) => r,
+            Err(e) => return ProbeResult::Unhealthy(format!("bad probe request: {e}")),
+        };
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| format!("GET /healthz failed: {}", error_chain(&e)))?;
+            let status = resp.status();
+            let body = Limited::new(resp.into_body(), MAX_HEALTH_BODY)
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
+            if status != http::StatusCode::OK {
+                return Err(format!("GET /healthz answered {status}"));
+            }
+            Ok(parse_weights_version(&body))
+        };
+        match tokio::time::timeout(PROBE_TIMEOUT, fut).await {
+            Ok(Ok(weights_version)) => ProbeResult::Healthy { weights_version },
+            Ok(Err(e)) => ProbeResult::Unhealthy(e),
+            Err(_) => ProbeResult::Unhealthy(format!("GET /healthz took over {PROBE_TIMEOUT:?}")),
+        }
+    }
+}
+
+/// The delay before readiness probe number `attempt` (0-based): starts at
+/// [`FIRST_PROBE_DELAY`] and doubles up to [`MAX_PROBE_INTERVAL`].
+pub fn readiness_delay(attempt: u32) -> Duration {
+    FIRST_PROBE_DELAY
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(MAX_PROBE_INTERVAL)
+}
+
+/// Hysteresis for liveness: a replica is declared unhealthy after
+/// `failure_threshold` failures in a row, and any success resets the count.
+#[derive(Debug, Clone)]
+pub struct HealthRule {
+    failure_threshold: u32,
+    failures: u32,
+}
+
+impl HealthRule {
+    /// Consecutive failures needed to declare a replica unhealthy.
+    pub const DEFAULT_FAILURES: u32 = 3;
+
+    /// A rule that trips after `failure_threshold` failures in a row.
+    pub fn new(failure_threshold: u32) -> Self {
+        HealthRule {
+            failure_threshold: failure_threshold.max(1),
+            failures: 0,
+        }
+    }
+
+    /// Feeds one probe result; returns true when the replica is now unhealthy.
+    pub fn observe(&mut self, healthy: bool) -> bool {
+        if healthy {
+            self.failures = 0;
+        } else {
+            self.failures = self.failures.saturating_add(1);
+        }
+        self.failures >= self.failure_threshold
+    }
+}
+
+fn parse_weights_version(body: &[u8]) -> Option<u64> {
+    #[derive(serde::Deserialize)]
+    struct Health {
+        weights_version: Option<u64>,
+    }
+    serde_json_lite(body).and_then(|h: Health| h.weights_version)
+}
+
+/// Parses JSON if the body is JSON; a worker may answer `ok` in plain text.
+fn serde_json_lite<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<T> {
+    serde_json::from_slice(body).ok()
+}
+
+/// `a: b: c` from an error and its sources.
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        let t = inner.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_backoff_starts_fast_and_caps_low() {
+        assert_eq!(readiness_delay(0), Duration::from_millis(2));
+        assert_eq!(readiness_delay(1), Duration::from_millis(4));
+        assert_eq!(readiness_delay(3), Duration::from_millis(16));
+        assert_eq!(readiness_delay(4), MAX_PROBE_INTERVAL);
+        assert_eq!(readiness_delay(1000), MAX_PROBE_INTERVAL);
+    }
+
+    #[test]
+    fn health_rule_needs_consecutive_failures() {
+        let mut r = HealthRule::new(3);
+        assert!(!r.observe(false));
+        assert!(!r.observe(false));
+        assert!(!r.observe(true), "a success resets the count");
+        assert!(!r.observe(false));
+        assert!(!r.observe(false));
+        assert!(r.observe(false));
+    }
+
+    #[test]
+    fn weights_version_is_read_from_json_only() {
+        assert_eq!(parse_weights_version(br#"{"weights_version": 7}"#), Some(7));
+        assert_eq!(parse_weights_version(b"ok"), None);
+        assert_eq!(parse_weights_version(br#"{"status":"ok"}"#), None);
+    }
+
+    #[tokio::test]
+    async fn refused_connection_is_unhealthy() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        drop(l);
+        match Prober::new().probe(addr).await {
+            ProbeResult::Unhealthy(msg) => assert!(msg.contains("/healthz"), "{msg}"),
+            other => panic!("expected unhealthy, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,775 @@
+//! `test-worker`: a fixture worker process for warmgate's end-to-end tests.
+//!
+//! It follows the worker contract (listen on `127.0.0.1:$PORT`, answer
+//! `GET /healthz` once ready, drain in-flight requests on SIGTERM/SIGINT and
+//! exit 0) and lets tests script its behaviour:
+//!
+//! * at startup, through `TEST_WORKER_*` environment variables (slow start,
+//!   never ready, immediate exit, default latency);
+//! * per request, through query parameters or `x-test-*` headers (latency,
+//!   status code, crash, crash mid-body, server-sent events).
+//!
+//! `GET /stats` exposes in-flight / peak / total request counters so tests can
+//! check how the gateway spreads and limits load.
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::Router;
+use axum::body::{Body, Bytes, to_bytes};
+use axum::extract::{Query, Request, State};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use futures_util::StreamExt as _;
+use futures_util::stream;
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+/// Exit code used when a request asks the worker to crash.
+const CRASH_EXIT_CODE: i32 = 17;
+/// Exit code for a missing or invalid `PORT`.
+const USAGE_EXIT_CODE: i32 = 2;
+/// Largest request body the worker reads.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// Delay between the partial chunk and the exit of a `crash_mid` request.
+const CRASH_MID_DELAY: Duration = Duration::from_millis(50);
+/// Default delay between server-sent events.
+const DEFAULT_SSE_INTERVAL: Duration = Duration::from_millis(100);
+/// Number of events streamed when an OpenAI request sets `"stream": true`.
+const OPENAI_STREAM_EVENTS: u32 = 5;
+/// Dimension of the fake embeddings.
+const EMBEDDING_DIM: u64 = 8;
+
+fn main() {
+    if let Some(code) = exit_code_at_start() {
+        eprintln!("test-worker: TEST_WORKER_EXIT_AT_START={code}, exiting before binding");
+        std::process::exit(code);
+    }
+    let port = match port_from_env() {
+        Ok(port) => port,
+        Err(message) => {
+            eprintln!("test-worker: {message}");
+            std::process::exit(USAGE_EXIT_CODE);
+        }
+    };
+    let config = Config::from_env(port);
+
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")
+        .and_then(|runtime| runtime.block_on(run(config)));
+    if let Err(err) = result {
+        eprintln!("test-worker: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Waits for the simulated model load, serves until SIGTERM/SIGINT, then
+/// drains the requests in flight.
+async fn run(config: Config) -> anyhow::Result<()> {
+    // Install the handlers first so a signal during the startup delay is a
+    // clean exit rather than the default "killed by signal".
+    let mut signals = ShutdownSignals::install()?;
+    if !config.startup_delay.is_zero() {
+        tokio::select! {
+            () = tokio::time::sleep(config.startup_delay) => {}
+            name = signals.wait() => {
+                eprintln!("test-worker: received {name} during startup, exiting");
+                return Ok(());
+            }
+        }
+    }
+
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.port));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    eprintln!("test-worker listening on {addr}");
+
+    let state = Arc::new(AppState {
+        config,
+        counters: Arc::default(),
+        pid: std::process::id(),
+    });
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/stats", get(stats))
+        .fallback(handle_request)
+        .with_state(state);
+
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let name = signals.wait().await;
+            eprintln!("test-worker: received {name}, draining in-flight requests");
+        })
+        .await
+        .context("serving")?;
+    eprintln!("test-worker: stopped");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Startup configuration
+// ---------------------------------------------------------------------------
+
+/// Everything read from the environment at startup.
+struct Config {
+    /// Port to listen on (from `PORT`).
+    port: u16,
+    /// `TEST_WORKER_STARTUP_MS`: delay before binding.
+    startup_delay: Duration,
+    /// `TEST_WORKER_NEVER_READY=1`: `/healthz` always answers 503.
+    never_ready: bool,
+    /// `TEST_WORKER_LATENCY_MS`: latency added to each request by default.
+    default_latency: Duration,
+    /// The contract variables, reported by `/stats` and the echo answers.
+    env: WorkerEnv,
+}
+
+impl Config {
+    fn from_env(port: u16) -> Self {
+        Self {
+            port,
+            startup_delay: env_millis("TEST_WORKER_STARTUP_MS"),
+            never_ready: std::env::var("TEST_WORKER_NEVER_READY").is_ok_and(|v| parse_flag(&v)),
+            default_latency: env_millis("TEST_WORKER_LATENCY_MS"),
+            env: WorkerEnv::from_env(),
+        }
+    }
+
+    /// `$WARMGATE_REPLICA`, or `null` when unset.
+    fn replica(&self) -> Option<&str> {
+        self.env.replica.as_deref()
+    }
+
+    /// `$WARMGATE_REVISION`, or `null` when unset.
+    fn revision(&self) -> Option<&str> {
+        self.env.revision.as_deref()
+    }
+}
+
+/// The environment variables warmgate passes to its workers, as seen by this
+/// process (`null` when unset).
+#[derive(Serialize)]
+struct WorkerEnv {
+    #[serde(rename = "PORT")]
+    port: Option<String>,
+    #[serde(rename = "WARMGATE_REPLICA")]
+    replica: Option<String>,
+    #[serde(rename = "WARMGATE_TARGET")]
+    target: Option<String>,
+    #[serde(rename = "WARMGATE_REVISION")]
+    revision: Option<String>,
+    #[serde(rename = "CUDA_VISIBLE_DEVICES")]
+    cuda_visible_devices: Option<String>,
+}
+
+impl WorkerEnv {
+    fn from_env() -> Self {
+        let var = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+        Self {
+            port: var("PORT"),
+            replica: var("WARMGATE_REPLICA"),
+            target: var("WARMGATE_TARGET"),
+            revision: var("WARMGATE_REVISION"),
+            cuda_visible_devices: var("CUDA_VISIBLE_DEVICES"),
+        }
+    }
+}
+
+/// Reads `PORT`, which is required and must be in `1..=65535`.
+fn port_from_env() -> Result<u16, String> {
+    let raw = std::env::var("PORT").map_err(|_| "PORT must be set to the port to listen on")?;
+    match raw.trim().parse::<u16>() {
+        Ok(port) if port != 0 => Ok(port),
+        _ => Err(format!(
+            "invalid PORT {raw:?}: expected an integer in 1..=65535"
+        )),
+    }
+}
+
+/// `TEST_WORKER_EXIT_AT_START`: the code to exit with before binding, if set.
+fn exit_code_at_start() -> Option<i32> {
+    let raw = std::env::var("TEST_WORKER_EXIT_AT_START").ok()?;
+    let code = raw.trim().parse().ok();
+    if code.is_none() {
+        eprintln!("test-worker: ignoring invalid TEST_WORKER_EXIT_AT_START={raw:?}");
+    }
+    code
+}
+
+/// A duration in milliseconds from the environment; zero when unset or invalid.
+fn env_millis(name: &str) -> Duration {
+    let Ok(raw) = std::env::var(name) else {
+        return Duration::ZERO;
+    };
+    parse_millis(&raw).unwrap_or_else(|| {
+        eprintln!("test-worker: ignoring invalid {name}={raw:?}");
+        Duration::ZERO
+    })
+}
+
+/// Parses a non-negative integer number of milliseconds.
+fn parse_millis(raw: &str) -> Option<Duration> {
+    raw.trim().parse().ok().map(Duration::from_millis)
+}
+
+/// `1`, `true`, `yes` and `on` (any case) are true; anything else is false.
+fn parse_flag(raw: &str) -> bool {
+    matches!(
+        raw.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes" | "on"
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Signals
+// ---------------------------------------------------------------------------
+
+/// The signals that ask the worker to stop.
+struct ShutdownSignals {
+    term: Signal,
+    int: Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> anyhow::Result<Self> {
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
+    }
+
+    /// Resolves with the name of the first signal received.
+    async fn wait(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Shared state and in-flight accounting
+// ---------------------------------------------------------------------------
+
+/// State shared by all handlers.
+struct AppState {
+    config: Config,
+    counters: Arc<Counters>,
+    pid: u32,
+}
+
+/// Request counters reported by `/stats`.
+#[derive(Default)]
+struct Counters {
+    in_flight: AtomicU64,
+    peak_in_flight: AtomicU64,
+    requests: AtomicU64,
+}
+
+/// Counts one request as in flight from its creation until it is dropped.
+///
+/// Buffered answers drop it when the handler returns; streamed answers move it
+/// into the body stream so it lives until the last chunk has been produced
+/// (or the client went away).
+struct InFlightGuard {
+    counters: Arc<Counters>,
+}
+
+impl InFlightGuard {
+    fn start(counters: &Arc<Counters>) -> Self {
+        counters.requests.fetch_add(1, Ordering::SeqCst);
+        let now = counters.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        counters.peak_in_flight.fetch_max(now, Ordering::SeqCst);
+        Self {
+            counters: Arc::clone(counters),
+        }
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.counters.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// /healthz and /stats
+// ---------------------------------------------------------------------------
+
+/// Body of `GET /healthz`.
+#[derive(Serialize)]
+struct Health<'a> {
+    status: &'static str,
+    weights_version: u64,
+    replica: Option<&'a str>,
+}
+
+/// `GET /healthz`: 200 once serving, or always 503 with `TEST_WORKER_NEVER_READY`.
+async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    let (status, label) = if state.config.never_ready {
+        (StatusCode::SERVICE_UNAVAILABLE, "loading")
+    } else {
+        (StatusCode::OK, "ok")
+    };
+    let health = Health {
+        status: label,
+        weights_version: 0,
+        replica: state.config.replica(),
+    };
+    (status, axum::Json(health)).into_response()
+}
+
+/// Body of `GET /stats`.
+#[derive(Serialize)]
+struct Stats<'a> {
+    in_flight: u64,
+    peak_in_flight: u64,
+    requests: u64,
+    replica: Option<&'a str>,
+    pid: u32,
+    env: &'a WorkerEnv,
+}
+
+/// `GET /stats`: request counters, process id and contract environment.
+async fn stats(State(state): State<Arc<AppState>>) -> Response {
+    let counters = &state.counters;
+    let stats = Stats {
+        in_flight: counters.in_flight.load(Ordering::SeqCst),
+        peak_in_flight: counters.peak_in_flight.load(Ordering::SeqCst),
+        requests: counters.requests.load(Ordering::SeqCst),
+        replica: state.config.replica(),
+        pid: state.pid,
+        env: &state.config.env,
+    };
+    axum::Json(stats).into_response()
+}
+
+// ---------------------------------------------------------------------------
+// Per-request controls
+// ---------------------------------------------------------------------------
+
+/// What a request asks the worker to do, from query parameters (which win)
+/// or `x-test-*` headers. Unparsable values fall back to the defaults.
+struct Controls {
+    latency: Duration,
+    status: StatusCode,
+    crash: bool,
+    crash_mid: bool,
+    sse_events: Option<u32>,
+    sse_interval: Duration,
+}
+
+impl Controls {
+    fn from_parts(parts: &Parts, default_latency: Duration) -> Self {
+        let query = Query::<HashMap<String, String>>::try_from_uri(&parts.uri)
+            .map(|Query(query)| query)
+            .unwrap_or_default();
+        let lookup =
+            |param: &str, header: &str| control_value(&query, &parts.headers, param, header);
+        Self {
+            latency: lookup("latency_ms", "x-test-latency-ms")
+                .and_then(|v| parse_millis(&v))
+                .unwrap_or(default_latency),
+            status: lookup("status", "x-test-status")
+                .and_then(|v| v.trim().parse::<u16>().ok())
+                .and_then(|code| StatusCode::from_u16(code).ok())
+                .unwrap_or(StatusCode::OK),
+            crash: lookup("crash", "x-test-crash").is_some_and(|v| parse_flag(&v)),
+            crash_mid: lookup("crash_mid", "x-test-crash-mid").is_some_and(|v| parse_flag(&v)),
+            sse_events: lookup("sse", "x-test-sse").and_then(|v| v.trim().parse().ok()),
+            sse_interval: lookup("interval_ms", "x-test-interval-ms")
+                .and_then(|v| parse_millis(&v))
+                .unwrap_or(DEFAULT_SSE_INTERVAL),
+        }
+    }
+}
+
+/// The query parameter `param` if present, else the header `header`.
+fn control_value(
+    query: &HashMap<String, String>,
+    headers: &HeaderMap,
+    param: &str,
+    header: &str,
+) -> Option<String> {
+    query.get(param).cloned().or_else(|| {
+        headers
+            .get(header)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim().to_owned())
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Counted requests (fallback handler)
+// ---------------------------------------------------------------------------
+
+/// Handles every request other than `/healthz` and `/stats`.
+async fn handle_request(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let guard = InFlightGuard::start(&state.counters);
+    let (parts, body) = request.into_parts();
+    let controls = Controls::from_parts(&parts, state.config.default_latency);
+    if controls.crash {
+        crash("crash requested");
+    }
+
+    let body = match to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(body) => body,
+        Err(err) => {
+            let message = format!("failed to read request body: {err}");
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({ "error": message })),
+            )
+                .into_response();
+        }
+    };
+    if !controls.latency.is_zero() {
+        tokio::time::sleep(controls.latency).await;
+    }
+    if controls.crash_mid {
+        return crash_mid_response(guard);
+    }
+    if controls.status.as_u16() >= 400 {
+        let error = json!({ "error": "requested status" });
+        return (controls.status, axum::Json(error)).into_response();
+    }
+
+    let json_body: Option<Value> = serde_json::from_slice(&body).ok();
+    let path = parts.uri.path();
+    let sse_events = controls
+        .sse_events
+        .or_else(|| wants_openai_stream(path, json_body.as_ref()).then_some(OPENAI_STREAM_EVENTS));
+    let mut response = match sse_events {
+        Some(events) => sse_response(events, controls.sse_interval, guard),
+        None => answer(&state.config, &parts, &body, json_body),
+    };
+    *response.status_mut() = controls.status;
+    response
+}
+
+/// Exits the process at once, without answering.
+fn crash(reason: &str) -> ! {
+    eprintln!("test-worker: {reason}, exiting with {CRASH_EXIT_CODE}");
+    std::process::exit(CRASH_EXIT_CODE);
+}
+
+/// Whether the request is an OpenAI completion call that asks for streaming.
+fn wants_openai_stream(path: &str, json_body: Option<&Value>) -> bool {
+    is_completions_path(path) && json_body.and_then(|b| b.get("stream")) == Some(&Value::Bool(true))
+}
+
+/// `/v1/chat/completions`, `/v1/completions` (or any path ending like them).
+fn is_completions_path(path: &str) -> bool {
+    path.ends_with("/completions")
+}
+
+/// The buffered answer: OpenAI-shaped for embeddings and completions with a
+/// usable JSON body, an echo of the request otherwise.
+fn answer(config: &Config, parts: &Parts, body: &Bytes, json_body: Option<Value>) -> Response {
+    let path = parts.uri.path();
+    if let Some(request) = json_body.as_ref() {
+        let openai = if path.ends_with("/embeddings") {
+            embeddings_answer(config, request)
+        } else if is_completions_path(path) {
+            completion_answer(config, request)
+        } else {
+            None
+        };
+        if let Some(openai) = openai {
+            return axum::Json(openai).into_response();
+        }
+    }
+    axum::Json(echo_answer(config, parts, body, json_body)).into_response()
+}
+
+/// Describes the request back to the client.
+fn echo_answer(config: &Config, parts: &Parts, body: &Bytes, json_body: Option<Value>) -> Value {
+    let body_value =
+        json_body.unwrap_or_else(|| Value::String(String::from_utf8_lossy(body).into_owned()));
+    json!({
+        "method": parts.method.as_str(),
+        "path": parts.uri.path(),
+        "query": parts.uri.query(),
+        "replica": config.replica(),
+        "revision": config.revision(),
+        "headers": header_map(&parts.headers),
+        "body_bytes": body.len(),
+        "body": body_value,
+    })
+}
+
+/// Request headers as `lowercase name -> value`; repeated headers are joined
+/// with `", "`.
+fn header_map(headers: &HeaderMap) -> BTreeMap<String, String> {
+    let mut map: BTreeMap<String, String> = BTreeMap::new();
+    for (name, value) in headers {
+        let value = String::from_utf8_lossy(value.as_bytes());
+        map.entry(name.as_str().to_owned())
+            .and_modify(|existing| {
+                existing.push_str(", ");
+                existing.push_str(&value);
+            })
+            .or_insert_with(|| value.into_owned());
+    }
+    map
+}
+
+// ---------------------------------------------------------------------------
+// OpenAI-shaped answers
+// ---------------------------------------------------------------------------
+
+/// `/v1/embeddings`: one deterministic 8-dimensional vector per input string.
+/// `None` (so the request is echoed) without `model` or a usable `input`.
+fn embeddings_answer(config: &Config, request: &Value) -> Option<Value> {
+    let model = request.get("model")?;
+    let inputs = embedding_inputs(request.get("input")?)?;
+    let tokens: usize = inputs.iter().map(|input| count_tokens(input)).sum();
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(index, input)| {
+            json!({ "object": "embedding", "index": index, "embedding": embed(input) })
+        })
+        .collect();
+    Some(json!({
+        "object": "list",
+        "model": model,
+        "data": data,
+        "usage": { "prompt_tokens": tokens, "total_tokens": tokens },
+        "replica": config.replica(),
+        "revision": config.revision(),
+    }))
+}
+
+/// `input` as a list of strings: a string, or an array whose non-string items
+/// are taken as their JSON text.
+fn embedding_inputs(input: &Value) -> Option<Vec<String>> {
+    match input {
+        Value::String(text) => Some(vec![text.clone()]),
+        Value::Array(items) => Some(
+            items
+                .iter()
+                .map(|item| match item {
+                    Value::String(text) => text.clone(),
+                    other => other.to_string(),
+                })
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
+/// A unit-length vector derived from a hash of `text`'s bytes, rounded to six
+/// decimals so the JSON stays short.
+fn embed(text: &str) -> Vec<f64> {
+    let raw: Vec<f64> = (0..EMBEDDING_DIM)
+        .map(|dim| {
+            // Top 53 bits of the hash as a float in [0, 1), mapped to [-1, 1).
+            let unit = (seeded_hash(dim, text.as_bytes()) >> 11) as f64 / (1u64 << 53) as f64;
+            unit * 2.0 - 1.0
+        })
+        .collect();
+    let norm = raw.iter().map(|x| x * x).sum::<f64>().sqrt();
+    raw.iter()
+        .map(|x| {
+            if norm > 0.0 {
+                (x / norm * 1e6).round() / 1e6
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// FNV-1a over `bytes` from a seed-dependent basis, finished with a
+/// splitmix64 mix so nearby seeds give unrelated values.
+fn seeded_hash(seed: u64, bytes: &[u8]) -> u64 {
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut hash = FNV_OFFSET ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(FNV_PRIME);
+    }
+    hash ^= hash >> 30;
+    hash = hash.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    hash ^= hash >> 27;
+    hash = hash.wrapping_mul(0x94d0_49bb_1331_11eb);
+    hash ^ (hash >> 31)
+}
+
+/// A fake token count: whitespace-separated words.
+fn count_tokens(text: &str) -> usize {
+    text.split_whitespace().count()
+}
+
+/// Tokens in a prompt value: strings, arrays of them, and `{"text": ...}`
+/// content parts.
+fn count_value_tokens(value: &Value) -> usize {
+    match value {
+        Value::String(text) => count_tokens(text),
+        Value::Array(items) => items.iter().map(count_value_tokens).sum(),
+        Value::Object(fields) => fields.get("text").map_or(0, count_value_tokens),
+        _ => 0,
+    }
+}
+
+/// Prompt tokens of a completion request (`messages[].content` and `prompt`).
+fn prompt_tokens(request: &Value) -> usize {
+    let contents = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|message| message.get("content"));
+    contents
+        .chain(request.get("prompt"))
+        .map(count_value_tokens)
+        .sum()
+}
+
+/// `/v1/chat/completions` and `/v1/completions` without streaming.
+/// `None` (so the request is echoed) unless the body is a JSON object.
+fn completion_answer(config: &Config, request: &Value) -> Option<Value> {
+    if !request.is_object() {
+        return None;
+    }
+    let content = format!("hello from {}", config.replica().unwrap_or("unknown"));
+    let prompt = prompt_tokens(request);
+    let completion = count_tokens(&content);
+    Some(json!({
+        "id": "cmpl-test",
+        "object": "chat.completion",
+        "model": request.get("model"),
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": content },
+            "finish_reason": "stop",
+        }],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+        "replica": config.replica(),
+        "revision": config.revision(),
+    }))
+}
+
+// ---------------------------------------------------------------------------
+// Streamed answers
+// ---------------------------------------------------------------------------
+
+/// One OpenAI streaming chunk, serialized in OpenAI's field order.
+#[derive(Serialize)]
+struct ChunkEvent {
+    id: &'static str,
+    object: &'static str,
+    choices: [ChunkChoice; 1],
+}
+
+#[derive(Serialize)]
+struct ChunkChoice {
+    index: u32,
+    delta: ChunkDelta,
+}
+
+#[derive(Serialize)]
+struct ChunkDelta {
+    content: String,
+}
+
+/// Produces `events` server-sent events then `data: [DONE]`, one every
+/// `interval` (the first immediately). Holds the request's in-flight guard
+/// until the stream ends or is dropped.
+struct SseStream {
+    events: u32,
+    sent: u32,
+    interval: Duration,
+    _guard: InFlightGuard,
+}
+
+impl SseStream {
+    /// The next frame, or `None` once `[DONE]` has been sent.
+    async fn next_frame(&mut self) -> Option<Bytes> {
+        if self.sent > self.events {
+            return None;
+        }
+        if self.sent > 0 {
+            tokio::time::sleep(self.interval).await;
+        }
+        let frame = if self.sent < self.events {
+            sse_chunk(self.sent)
+        } else {
+            Bytes::from_static(b"data: [DONE]\n\n")
+        };
+        self.sent += 1;
+        Some(frame)
+    }
+}
+
+/// `data: {...chat.completion.chunk with content "tok<index>"...}\n\n`.
+fn sse_chunk(index: u32) -> Bytes {
+    let event = ChunkEvent {
+        id: "x",
+        object: "chat.completion.chunk",
+        choices: [ChunkChoice {
+            index: 0,
+            delta: ChunkDelta {
+                content: format!("tok{index}"),
+            },
+        }],
+    };
+    let json = serde_json::to_string(&event).unwrap_or_default();
+    Bytes::from(format!("data: {json}\n\n"))
+}
+
+/// A `text/event-stream` answer whose events are sent as they are produced.
+fn sse_response(events: u32, interval: Duration, guard: InFlightGuard) -> Response {
+    let state = SseStream {
+        events,
+        sent: 0,
+        interval,
+        _guard: guard,
+    };
+    let frames = stream::unfold(state, |mut state| async move {
+        let frame = state.next_frame().await?;
+        Some((Ok::<_, Infallible>(frame), state))
+    });
+    let mut response = Body::from_stream(frames).into_response();
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+/// A chunked 200 answer that sends `partial\n`, then kills the process so
+/// the body is cut short.
+fn crash_mid_response(guard: InFlightGuard) -> Response {
+    let first = stream::once(async { Ok(Bytes::from_static(b"partial\n")) });
+    let then_crash = stream::once(crash_after(CRASH_MID_DELAY, guard));
+    let mut response = Body::from_stream(first.chain(then_crash)).into_response();
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    response
+}
+
+/// Sleeps, then exits the process; never yields a chunk.
+async fn crash_after(delay: Duration, _guard: InFlightGuard) -> Result<Bytes, Infallible> {
+    tokio::time::sleep(delay).await;
+    crash("crash_mid requested")
+}
