@@ -1,0 +1,444 @@
+//! Pure scaling policy for warmgate serving apps ("KPA v1").
+//!
+//! This is a deliberately small cousin of Knative's KPA: the async gateway
+//! feeds one [`Observation`] per tick (about once a second) into
+//! [`Autoscaler::observe`] and gets back a [`Decision`] with the desired
+//! replica count. When a request hits an app that sits at zero replicas the
+//! gateway calls [`Autoscaler::wake`] right away instead of waiting for the
+//! next tick, so a cold start is never delayed by the tick period.
+//!
+//! The crate is pure: no clocks, no I/O, no async. Time is passed in as a
+//! [`Duration`] since an arbitrary epoch chosen by the caller, which makes
+//! every decision reproducible in tests on virtual time.
+//!
+//! # Policy in one paragraph
+//!
+//! Samples of concurrency (in-flight + queued requests) are averaged over two
+//! sliding windows: a long *stable* window that smooths out noise and a short
+//! *panic* window that reacts to bursts. Normally the desired count follows
+//! the stable average. When the panic-window demand reaches
+//! `panic_threshold` times the capacity of the ready replicas, the policy
+//! *panics* for one stable window: it follows the panic average but never
+//! scales down, so a burst is absorbed quickly and replicas are not torn down
+//! while it drains. Independently, an app that has seen no activity for
+//! `scale_to_zero_after` goes to zero (if `min == 0`), and an app with recent
+//! activity keeps at least one replica.
+
+#![warn(missing_docs)]
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+// === defaults ===
+
+/// Default minimum replicas: 0, because scale-to-zero is the point of a
+/// serving gateway with warm pools (Knative's `min-scale` default is 0 too).
+pub const DEFAULT_MIN_REPLICAS: u32 = 0;
+
+/// Default maximum replicas: 4. Knative defaults to unbounded (`max-scale`
+/// 0), but warmgate usually runs on a single machine whose resources (GPU
+/// memory, cores) are the real cap, so a small explicit bound is safer.
+pub const DEFAULT_MAX_REPLICAS: u32 = 4;
+
+/// Default target concurrency per replica: 4. Knative's soft default is 100,
+/// which suits cheap HTTP handlers; model-serving replicas saturate at a few
+/// concurrent requests, so a small target keeps per-request latency flat.
+pub const DEFAULT_TARGET_CONCURRENCY: f64 = 4.0;
+
+/// Default stable window: 60 s, Knative's `stable-window` default. Long enough
+/// to ride out the gaps between bursty requests without flapping.
+pub const DEFAULT_STABLE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Default panic window: 6 s, i.e. Knative's `panic-window-percentage` of 10%
+/// applied to the 60 s stable window. Short enough to react to a burst within
+/// a few ticks.
+pub const DEFAULT_PANIC_WINDOW: Duration = Duration::from_secs(6);
+
+/// Default idle time before scaling to zero: 60 s. This is one stable window
+/// of silence, which is when Knative's averaging would also reach zero;
+/// cold starts of model servers are expensive, so we do not go lower.
+pub const DEFAULT_SCALE_TO_ZERO_AFTER: Duration = Duration::from_secs(60);
+
+/// Default panic threshold: 2.0 (200%), Knative's
+/// `panic-threshold-percentage` default: panic once short-term demand is
+/// twice what the ready replicas are meant to carry.
+pub const DEFAULT_PANIC_THRESHOLD: f64 = 2.0;
+
+/// Upper bound on retained samples, so memory stays bounded even if a caller
+/// observes far more often than once per tick. With 1 s ticks a 60 s window
+/// holds only ~60 samples; when the cap is hit the oldest samples go first,
+/// which merely shortens the effective window.
+const MAX_SAMPLES: usize = 10_000;
+
+/// Slack subtracted before rounding up, so that float noise such as
+/// `8.000000000000002 / 4.0` does not ask for a spurious extra replica.
+const CEIL_EPSILON: f64 = 1e-9;
+
+/// Largest concurrency accepted from an observation. Anything above is
+/// clamped so that sums over the window stay finite (no `inf`/`NaN` in
+/// [`Decision`]); it is far beyond any realistic replica count anyway.
+const MAX_CONCURRENCY: f64 = 1e12;
+
+// === ScalingConfig ===
+
+/// Knobs of the serving-app policy.
+///
+/// Validation (e.g. `max >= 1`, `target > 0`) happens where the config is
+/// parsed; the [`Autoscaler`] still tolerates odd values without panicking
+/// (see [`Autoscaler::new`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScalingConfig {
+    /// Replicas never go below this. `0` enables scale-to-zero.
+    pub min: u32,
+    /// Replicas never go above this; the hard bound (wins over `min`).
+    pub max: u32,
+    /// desired in-flight requests per replica (> 0)
+    pub target: f64,
+    /// Averaging window for normal (non-panic) decisions, and the duration
+    /// of panic mode after its last trigger.
+    pub stable_window: Duration,
+    /// Short averaging window used to detect and follow bursts.
+    pub panic_window: Duration,
+    /// Idle time (no concurrency, no wake) after which the app scales to
+    /// zero when `min == 0`.
+    pub scale_to_zero_after: Duration,
+    /// panic when panic-window demand / current capacity >= this (2.0 = 200%)
+    pub panic_threshold: f64,
+}
+
+impl Default for ScalingConfig {
+    fn default() -> Self {
+        Self {
+            min: DEFAULT_MIN_REPLICAS,
+            max: DEFAULT_MAX_REPLICAS,
+            target: DEFAULT_TARGET_CONCURRENCY,
+            stable_window: DEFAULT_STABLE_WINDOW,
+            panic_window: DEFAULT_PANIC_WINDOW,
+            scale_to_zero_after: DEFAULT_SCALE_TO_ZERO_AFTER,
+            panic_threshold: DEFAULT_PANIC_THRESHOLD,
+        }
+    }
+}
+
+// === Observation / Decision ===
+
+/// One tick's worth of input from the gateway.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// Current time since the caller's epoch. Expected to be non-decreasing;
+    /// if it goes backwards, samples "from the future" are discarded.
+    pub now: Duration,
+    /// Time-averaged concurrency (in-flight + queued requests) over the last
+    /// tick. Negative or `NaN` values are treated as 0.
+    pub concurrency: f64,
+    /// Replicas currently ready to serve; used to measure capacity for the
+    /// panic decision.
+    pub ready: u32,
+}
+
+/// The policy's answer to one [`Observation`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// Replica count the gateway should converge to.
+    pub desired: u32,
+    /// Whether panic mode (scale up fast, never down) is in effect.
+    pub panicking: bool,
+    /// Mean concurrency over the stable window (0 when empty).
+    pub stable_concurrency: f64,
+    /// Mean concurrency over the panic window (0 when empty).
+    pub panic_concurrency: f64,
+}
+
+// === Autoscaler ===
+
+/// Per-app scaling state: a sliding window of concurrency samples plus the
+/// panic and activity bookkeeping. Feed it with [`Autoscaler::observe`].
+#[derive(Debug, Clone)]
+pub struct Autoscaler {
+    config: ScalingConfig,
+    /// `(time, concurrency)` samples, oldest first, times non-decreasing.
+    samples: VecDeque<(Duration, f64)>,
+    /// Last decision (or wake result); panic mode never goes below it.
+    desired: u32,
+    /// Panic mode lasts while `now < panic_until` (or on the triggering tick).
+    panic_until: Option<Duration>,
+    /// Latest time with concurrency > 0 or a wake; `None` = never active.
+    last_active: Option<Duration>,
+    /// Bound on `samples.len()`: [`MAX_SAMPLES`], lowered only by unit tests.
+    sample_cap: usize,
+}
+
+// === impl Autoscaler ===
+
+impl Autoscaler {
+    /// Creates a policy with no history; [`Autoscaler::desired`] starts at
+    /// `min` (bounded by `max`).
+    ///
+    /// Odd configs never cause a panic: `min > max` makes `max` the bound, a
+    /// non-positive or non-finite `target` is treated as `1.0`, and a `NaN`
+    /// `panic_threshold` simply never triggers panic mode.
+    pub fn new(config: ScalingConfig) -> Self {
+        let desired = config.min.min(config.max);
+        Self {
+            config,
+            samples: VecDeque::new(),
+            desired,
+            panic_until: None,
+            last_active: None,
+            sample_cap: MAX_SAMPLES,
+        }
+    }
+
+    /// The configuration this policy was built with.
+    pub fn config(&self) -> &ScalingConfig {
+        &self.config
+    }
+
+    /// Last desired replica count (from [`Autoscaler::observe`] or
+    /// [`Autoscaler::wake`]); starts at `min`.
+    pub fn desired(&self) -> u32 {
+        self.desired
+    }
+
+    /// Records one tick's observation and returns the new decision.
+    ///
+    /// Steps, in order: update the sample window, compute stable and panic
+    /// averages, decide on panic mode, pick the count (panic only raises),
+    /// apply scale-to-zero / keep-one-alive, never return 0 while requests
+    /// are in flight, and finally clamp to `[min, max]`.
+    pub fn observe(&mut self, obs: Observation) -> Decision {
+        let now = obs.now;
+        let concurrency = sanitize_concurrency(obs.concurrency);
+        self.record(now, concurrency);
+        if concurrency > 0.0 {
+            self.mark_active(now);
+        }
+
+        let target = self.target();
+        let stable_concurrency = self.window_mean(now, self.config.stable_window);
+        let panic_concurrency = self.window_mean(now, self.config.panic_window);
+        let stable_desired = replicas_for(stable_concurrency, target);
+        let panic_desired = replicas_for(panic_concurrency, target);
+
+        // Panic needs ready capacity to compare against: demand at zero ready
+        // replicas is a cold start (wake), not a burst.
+        let triggered = obs.ready > 0
+            && panic_concurrency / (f64::from(obs.ready) * target) >= self.config.panic_threshold;
+        if triggered {
+            self.panic_until = Some(now.saturating_add(self.config.stable_window));
+        }
+        let mut panicking = triggered || self.panic_until.is_some_and(|until| now < until);
+        if !panicking {
+            self.panic_until = None;
+        }
+
+        let mut desired = if panicking {
+            // Panic only ever raises the count: replicas added for a burst
+            // stay until the burst has been quiet for a whole stable window.
+            self.desired.max(panic_desired).max(stable_desired)
+        } else {
+            stable_desired
+        };
+
+        // Idle is measured from the last activity rather than from the
+        // window averages, so a long stable window cannot keep a replica
+        // alive past `scale_to_zero_after`. In-flight requests are never idle.
+        let idle = concurrency == 0.0
+            && self
+                .last_active
+                .is_none_or(|last| now.saturating_sub(last) >= self.config.scale_to_zero_after);
+        if idle && self.config.min == 0 {
+            // A whole idle period ends any panic that was still running.
+            desired = 0;
+            panicking = false;
+            self.panic_until = None;
+        } else if !idle {
+            // Recent activity (which includes requests in flight right now):
+            // keep the last replica until the idle period has passed, even
+            // if the averages already read ~0. Never 0 while requests wait.
+            desired = desired.max(1);
+        }
+
+        self.desired = self.clamp(desired);
+        Decision {
+            desired: self.desired,
+            panicking,
+            stable_concurrency,
+            panic_concurrency,
+        }
+    }
+
+    /// Demand arrived while the app may be at zero: returns the count to scale to right now
+    /// (at least 1, at least the last desired, at most max) and records `now` as activity so the
+    /// next observe() does not scale back to zero.
+    pub fn wake(&mut self, now: Duration) -> u32 {
+        self.mark_active(now);
+        self.desired = self.clamp(self.desired.max(1));
+        self.desired
+    }
+
+    // --- private helpers ---
+
+    /// Appends a sample and drops what no window can see any more.
+    fn record(&mut self, now: Duration, concurrency: f64) {
+        // A clock that went backwards would leave "future" samples that
+        // never age out; drop them so the window stays sorted.
+        while self.samples.back().is_some_and(|&(t, _)| t > now) {
+            self.samples.pop_back();
+        }
+        let retention = self.config.stable_window.max(self.config.panic_window);
+        while self
+            .samples
+            .front()
+            .is_some_and(|&(t, _)| now.saturating_sub(t) >= retention)
+        {
+            self.samples.pop_front();
+        }
+        self.samples.push_back((now, concurrency));
+        while self.samples.len() > self.sample_cap {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Mean of the samples with `now - t < window`; the current sample
+    /// always counts, even for a zero window. Empty -> 0.
+    fn window_mean(&self, now: Duration, window: Duration) -> f64 {
+        let (sum, count) = self
+            .samples
+            .iter()
+            .rev()
+            .take_while(|&&(t, _)| {
+                let age = now.saturating_sub(t);
+                age < window || age.is_zero()
+            })
+            .fold((0.0, 0_u32), |(sum, count), &(_, c)| (sum + c, count + 1));
+        if count == 0 {
+            0.0
+        } else {
+            sum / f64::from(count)
+        }
+    }
+
+    /// Remembers `now` as the latest activity (never moves backwards).
+    fn mark_active(&mut self, now: Duration) {
+        self.last_active = Some(self.last_active.map_or(now, |last| last.max(now)));
+    }
+
+    /// Target per replica, with non-positive or non-finite values as 1.0.
+    fn target(&self) -> f64 {
+        let target = self.config.target;
+        if target.is_finite() && target > 0.0 {
+            target
+        } else {
+            1.0
+        }
+    }
+
+    /// Clamps into `[min, max]`; `max` wins when `min > max`.
+    fn clamp(&self, desired: u32) -> u32 {
+        let max = self.config.max;
+        desired.clamp(self.config.min.min(max), max)
+    }
+}
+
+// === free helpers ===
+
+/// Maps raw input to a finite, non-negative concurrency (`NaN` -> 0).
+fn sanitize_concurrency(concurrency: f64) -> f64 {
+    if concurrency > 0.0 {
+        concurrency.min(MAX_CONCURRENCY)
+    } else {
+        0.0
+    }
+}
+
+/// Replicas needed for `concurrency` at `target` per replica: rounds up,
+/// ignoring float noise, and asks for at least one for any demand > 0.
+fn replicas_for(concurrency: f64, target: f64) -> u32 {
+    if concurrency <= 0.0 {
+        return 0;
+    }
+    // `as` saturates (huge -> u32::MAX, negative -> 0); the caller clamps.
+    let replicas = (concurrency / target - CEIL_EPSILON).ceil() as u32;
+    replicas.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_for_rounds_up_and_ignores_noise() {
+        assert_eq!(replicas_for(0.0, 4.0), 0);
+        assert_eq!(replicas_for(1e-12, 4.0), 1);
+        assert_eq!(replicas_for(4.0, 4.0), 1);
+        assert_eq!(replicas_for(4.000_000_000_01, 4.0), 1);
+        assert_eq!(replicas_for(4.1, 4.0), 2);
+        assert_eq!(replicas_for(10.0, 4.0), 3);
+        assert_eq!(replicas_for(0.1 + 0.2, 0.3), 1);
+        assert_eq!(replicas_for(MAX_CONCURRENCY, 1e-300), u32::MAX);
+    }
+
+    #[test]
+    fn sanitize_concurrency_handles_garbage() {
+        assert_eq!(sanitize_concurrency(f64::NAN), 0.0);
+        assert_eq!(sanitize_concurrency(-3.0), 0.0);
+        assert_eq!(sanitize_concurrency(f64::INFINITY), MAX_CONCURRENCY);
+        assert_eq!(sanitize_concurrency(2.5), 2.5);
+    }
+
+    #[test]
+    fn samples_stay_bounded() {
+        let mut a = Autoscaler::new(ScalingConfig::default());
+        assert_eq!(a.sample_cap, MAX_SAMPLES);
+        // A smaller cap keeps the debug-build test fast; same code path.
+        a.sample_cap = 100;
+        for i in 0..1_000 {
+            let d = a.observe(Observation {
+                now: Duration::from_micros(i),
+                concurrency: if i < 900 { 0.0 } else { 8.0 },
+                ready: 2,
+            });
+            assert!(a.samples.len() <= 100);
+            if i == 999 {
+                // Only the newest 100 samples (all loaded) are averaged.
+                assert_eq!(d.stable_concurrency, 8.0);
+                assert_eq!(d.desired, 2);
+            }
+        }
+        assert_eq!(a.samples.len(), 100);
+        assert_eq!(
+            a.samples.front().map(|&(t, _)| t),
+            Some(Duration::from_micros(900))
+        );
+    }
+
+    #[test]
+    fn old_samples_are_dropped() {
+        let mut a = Autoscaler::new(ScalingConfig::default());
+        for s in 0..200 {
+            a.observe(Observation {
+                now: Duration::from_secs(s),
+                concurrency: 1.0,
+                ready: 1,
+            });
+        }
+        assert_eq!(a.samples.len(), 60);
+    }
+
+    #[test]
+    fn time_going_backwards_does_not_panic() {
+        let mut a = Autoscaler::new(ScalingConfig::default());
+        let at = |s, c| Observation {
+            now: Duration::from_secs(s),
+            concurrency: c,
+            ready: 1,
+        };
+        a.observe(at(100, 4.0));
+        let d = a.observe(at(10, 0.0));
+        assert_eq!(a.samples.len(), 1);
+        assert_eq!(d.stable_concurrency, 0.0);
+        // Activity at t=100 is still remembered, so no scale-to-zero yet.
+        assert_eq!(d.desired, 1);
+    }
+}

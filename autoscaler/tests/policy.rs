@@ -1,0 +1,250 @@
+//! Scenario tests for the KPA v1 policy, all on virtual time.
+
+use std::time::Duration;
+
+use warmgate_autoscaler::{Autoscaler, Decision, Observation, ScalingConfig};
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn tick(a: &mut Autoscaler, s: u64, concurrency: f64, ready: u32) -> Decision {
+    a.observe(Observation {
+        now: secs(s),
+        concurrency,
+        ready,
+    })
+}
+
+// === steady state and bounds ===
+
+#[test]
+fn steady_load_follows_target() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    assert_eq!(a.desired(), 0);
+    for s in 0..180 {
+        // The gateway's replicas catch up with the last decision.
+        let ready = a.desired();
+        let d = tick(&mut a, s, 10.0, ready);
+        assert_eq!(d.desired, 3, "t={s}: {d:?}");
+        assert!(!d.panicking, "t={s}: {d:?}");
+        assert_eq!(a.desired(), 3);
+    }
+}
+
+#[test]
+fn clamps_to_max() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    for s in 0..120 {
+        let d = tick(&mut a, s, 100.0, 4);
+        assert_eq!(d.desired, 4, "t={s}: {d:?}");
+    }
+}
+
+#[test]
+fn min_is_respected() {
+    let config = ScalingConfig {
+        min: 2,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(a.desired(), 2);
+    for s in 0..30 {
+        assert_eq!(tick(&mut a, s, 1.0, 2).desired, 2);
+    }
+    // Long idle: min > 0 disables scale-to-zero.
+    for s in 30..400 {
+        assert_eq!(tick(&mut a, s, 0.0, 2).desired, 2);
+    }
+}
+
+#[test]
+fn odd_config_uses_max_as_bound() {
+    let config = ScalingConfig {
+        min: 5,
+        max: 2,
+        target: 0.0,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(a.desired(), 2);
+    assert_eq!(tick(&mut a, 0, 0.0, 0).desired, 2);
+    assert_eq!(tick(&mut a, 1, 50.0, 0).desired, 2);
+    assert_eq!(a.wake(secs(2)), 2);
+}
+
+// === scale to zero ===
+
+#[test]
+fn never_active_stays_at_zero() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    for s in 0..100 {
+        assert_eq!(tick(&mut a, s, 0.0, 0).desired, 0);
+    }
+}
+
+#[test]
+fn scales_to_zero_exactly_after_idle_period() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    for s in 0..10 {
+        assert_eq!(tick(&mut a, s, 10.0, 3).desired, 3);
+    }
+    // Last activity at t=9; scale_to_zero_after = 60 s.
+    for s in 10..69 {
+        let d = tick(&mut a, s, 0.0, 3);
+        assert!(d.desired >= 1, "scaled to zero early at t={s}: {d:?}");
+    }
+    assert_eq!(tick(&mut a, 69, 0.0, 1).desired, 0);
+    assert_eq!(tick(&mut a, 70, 0.0, 0).desired, 0);
+}
+
+#[test]
+fn scale_to_zero_overrides_longer_stable_window() {
+    let config = ScalingConfig {
+        scale_to_zero_after: secs(30),
+        ..ScalingConfig::default()
+    };
+    assert_eq!(config.stable_window, secs(60));
+    let mut a = Autoscaler::new(config);
+    for s in 0..10 {
+        tick(&mut a, s, 10.0, 3);
+    }
+    let d = tick(&mut a, 38, 0.0, 3);
+    assert!(d.desired >= 1, "{d:?}");
+    let d = tick(&mut a, 39, 0.0, 3);
+    assert!(d.stable_concurrency > 0.0, "window still sees load: {d:?}");
+    assert_eq!(d.desired, 0, "{d:?}");
+}
+
+#[test]
+fn keeps_last_replica_while_window_reads_zero() {
+    let config = ScalingConfig {
+        stable_window: secs(10),
+        panic_window: secs(2),
+        scale_to_zero_after: secs(120),
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    tick(&mut a, 0, 1.0, 0);
+    for s in 1..120 {
+        let d = tick(&mut a, s, 0.0, 1);
+        assert_eq!(d.desired, 1, "t={s}: {d:?}");
+    }
+    assert_eq!(tick(&mut a, 120, 0.0, 1).desired, 0);
+}
+
+// === wake ===
+
+#[test]
+fn wake_from_zero_is_immediate_and_sticks() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    for s in 0..100 {
+        assert_eq!(tick(&mut a, s, 0.0, 0).desired, 0);
+    }
+    let woke_at = secs(100) + Duration::from_millis(500);
+    assert_eq!(a.wake(woke_at), 1);
+    assert_eq!(a.desired(), 1);
+    // Cold start: nothing ready yet, and the tick saw no load.
+    for s in 101..=160 {
+        let d = tick(&mut a, s, 0.0, 0);
+        assert_eq!(d.desired, 1, "t={s}: {d:?}");
+    }
+    // 60.5 s after the wake.
+    assert_eq!(tick(&mut a, 161, 0.0, 1).desired, 0);
+}
+
+#[test]
+fn wake_keeps_a_higher_count_and_respects_max() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    tick(&mut a, 0, 12.0, 0);
+    assert_eq!(a.desired(), 3);
+    assert_eq!(a.wake(secs(1)), 3);
+
+    let config = ScalingConfig {
+        min: 2,
+        max: 3,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(a.wake(secs(0)), 2);
+}
+
+#[test]
+fn demand_at_zero_ready_is_a_wake_not_a_panic() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    let d = tick(&mut a, 0, 40.0, 0);
+    assert!(!d.panicking, "{d:?}");
+    assert_eq!(d.desired, 4);
+}
+
+// === panic ===
+
+fn panic_config() -> ScalingConfig {
+    ScalingConfig {
+        max: 10,
+        target: 1.0,
+        scale_to_zero_after: secs(600),
+        ..ScalingConfig::default()
+    }
+}
+
+#[test]
+fn spike_panics_raises_at_once_never_lowers_and_ends_after_stable_window() {
+    let mut a = Autoscaler::new(panic_config());
+    for s in 0..60 {
+        let d = tick(&mut a, s, 2.0, 2);
+        assert_eq!(d.desired, 2);
+        assert!(!d.panicking);
+    }
+
+    // Spike: panic mean (5*2 + 20)/6 = 5 is 250% of the 2 ready replicas.
+    let d = tick(&mut a, 60, 20.0, 2);
+    assert!(d.panicking, "{d:?}");
+    assert_eq!(d.desired, 5, "{d:?}");
+
+    // Load falls to 1; the panic window keeps re-triggering until the
+    // spike leaves it (last trigger at t=65), then panic holds 60 s more.
+    let mut prev = d.desired;
+    for s in 61..125 {
+        let d = tick(&mut a, s, 1.0, 2);
+        assert!(d.panicking, "t={s}: {d:?}");
+        assert!(d.desired >= prev, "panic lowered the count at t={s}: {d:?}");
+        prev = d.desired;
+    }
+    assert_eq!(prev, 5);
+
+    let d = tick(&mut a, 125, 1.0, 2);
+    assert!(!d.panicking, "{d:?}");
+    assert_eq!(d.desired, 1, "{d:?}");
+}
+
+#[test]
+fn panic_follows_a_growing_burst() {
+    let mut a = Autoscaler::new(panic_config());
+    tick(&mut a, 0, 1.0, 1);
+    let mut prev = 0;
+    for (s, load) in (1..6).zip([4.0, 8.0, 16.0, 32.0, 64.0]) {
+        let d = tick(&mut a, s, load, 1);
+        assert!(d.panicking, "t={s}: {d:?}");
+        assert!(d.desired >= prev);
+        prev = d.desired;
+    }
+    assert_eq!(prev, 10, "clamped to max");
+}
+
+#[test]
+fn scale_to_zero_ends_panic() {
+    let config = ScalingConfig {
+        scale_to_zero_after: secs(30),
+        ..panic_config()
+    };
+    let mut a = Autoscaler::new(config);
+    let d = tick(&mut a, 0, 20.0, 1);
+    assert!(d.panicking);
+    for s in 1..30 {
+        assert!(tick(&mut a, s, 0.0, 1).desired >= 1);
+    }
+    let d = tick(&mut a, 30, 0.0, 1);
+    assert_eq!(d.desired, 0, "{d:?}");
+    assert!(!d.panicking, "{d:?}");
+}

@@ -1,0 +1,207 @@
+//! Property tests over random observation streams on virtual 1 s ticks.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use warmgate_autoscaler::{Autoscaler, Decision, Observation, ScalingConfig};
+
+/// One tick of a random stream: observed concurrency, ready replicas
+/// (reduced modulo `max + 1`) and whether a request woke the app mid-tick.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    concurrency: f64,
+    ready: u32,
+    wake: bool,
+}
+
+/// Valid configs, as the gateway's config validation would let through.
+fn config() -> impl Strategy<Value = ScalingConfig> {
+    (
+        1_u32..=8,
+        0_u32..=8,
+        0.5_f64..16.0,
+        1_u64..=120,
+        1_u64..=30,
+        0_u64..=180,
+        1.0_f64..4.0,
+    )
+        .prop_map(
+            |(max, min, target, stable, panic, to_zero, threshold)| ScalingConfig {
+                min: min.min(max),
+                max,
+                target,
+                stable_window: Duration::from_secs(stable),
+                panic_window: Duration::from_secs(panic),
+                scale_to_zero_after: Duration::from_secs(to_zero),
+                panic_threshold: threshold,
+            },
+        )
+}
+
+/// Concurrency in `0..100`, exactly zero often enough to reach idle periods.
+fn concurrency() -> impl Strategy<Value = f64> {
+    prop_oneof![3 => Just(0.0), 7 => 0.0_f64..100.0]
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    (concurrency(), 0_u32..=8, prop::bool::weighted(0.1)).prop_map(|(concurrency, ready, wake)| {
+        Step {
+            concurrency,
+            ready,
+            wake,
+        }
+    })
+}
+
+fn observe(a: &mut Autoscaler, s: u64, concurrency: f64, ready: u32) -> Decision {
+    let ready = ready % (a.config().max + 1);
+    a.observe(Observation {
+        now: Duration::from_secs(s),
+        concurrency,
+        ready,
+    })
+}
+
+/// Ticks until every sample in both windows comes from the current phase.
+fn fill_ticks(config: &ScalingConfig) -> u64 {
+    config.stable_window.max(config.panic_window).as_secs()
+}
+
+fn changes(desired: &[u32]) -> usize {
+    desired.windows(2).filter(|w| w[0] != w[1]).count()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn invariants_hold_on_random_streams(
+        config in config(),
+        steps in prop::collection::vec(step(), 1..300),
+    ) {
+        let (min, max) = (config.min, config.max);
+        let mut a = Autoscaler::new(config);
+        prop_assert!((min..=max).contains(&a.desired()));
+        let mut prev: Option<Decision> = None;
+        for (s, step) in (0_u64..).zip(&steps) {
+            let d = observe(&mut a, s, step.concurrency, step.ready);
+            prop_assert!((min..=max).contains(&d.desired), "t={}: {:?}", s, d);
+            prop_assert_eq!(d.desired, a.desired());
+            if step.concurrency > 0.0 {
+                prop_assert!(d.desired >= 1, "zero with load at t={}: {:?}", s, d);
+            }
+            prop_assert!(d.stable_concurrency.is_finite() && d.stable_concurrency >= 0.0);
+            prop_assert!(d.panic_concurrency.is_finite() && d.panic_concurrency >= 0.0);
+            // (No let-chain: the workspace MSRV is 1.85.)
+            if let Some(p) = prev.filter(|p| p.panicking && d.panicking) {
+                prop_assert!(
+                    d.desired >= p.desired,
+                    "panic lowered {} -> {} at t={}", p.desired, d.desired, s
+                );
+            }
+            prev = Some(d);
+
+            if step.wake {
+                let before = a.desired();
+                let woke = a.wake(Duration::from_secs(s) + Duration::from_millis(500));
+                prop_assert!(woke >= 1 && woke >= before && woke <= max);
+                prop_assert_eq!(woke, a.desired());
+                // The wake counts as panic's "previous desired" too.
+                prev = prev.map(|p| Decision { desired: woke, ..p });
+            }
+        }
+    }
+
+    #[test]
+    fn constant_load_from_start_does_not_flap(
+        config in config(),
+        load in concurrency(),
+        readies in prop::collection::vec(0_u32..=8, 250),
+    ) {
+        let fill = fill_ticks(&config);
+        let mut a = Autoscaler::new(config);
+        let desired: Vec<u32> = (0_u64..)
+            .zip(&readies)
+            .map(|(s, &ready)| observe(&mut a, s, load, ready).desired)
+            .collect();
+        let settled = &desired[fill as usize..];
+        prop_assert!(changes(settled) <= 1, "flapping: {:?}", settled);
+    }
+
+    #[test]
+    fn constant_load_after_history_does_not_flap(
+        config in config(),
+        history in prop::collection::vec(step(), 0..200),
+        load in concurrency(),
+        readies in prop::collection::vec(0_u32..=8, 250),
+    ) {
+        let fill = fill_ticks(&config);
+        let mut a = Autoscaler::new(config);
+        let mut s = 0_u64;
+        for step in &history {
+            observe(&mut a, s, step.concurrency, step.ready);
+            if step.wake {
+                a.wake(Duration::from_secs(s) + Duration::from_millis(500));
+            }
+            s += 1;
+        }
+        let desired: Vec<u32> = readies
+            .iter()
+            .map(|&ready| {
+                let d = observe(&mut a, s, load, ready).desired;
+                s += 1;
+                d
+            })
+            .collect();
+        let settled = &desired[fill as usize..];
+        if load > 0.0 {
+            prop_assert!(changes(settled) <= 1, "flapping: {:?}", settled);
+        } else {
+            // Winding down: panic ends, then scale-to-zero; never back up.
+            prop_assert!(
+                settled.windows(2).all(|w| w[1] <= w[0]),
+                "went up without load: {:?}", settled
+            );
+        }
+    }
+
+    #[test]
+    fn odd_configs_never_panic(
+        min in 0_u32..=10,
+        max in 0_u32..=10,
+        target in prop_oneof![
+            Just(0.0), Just(-1.0), Just(f64::NAN), Just(f64::INFINITY), Just(1e-300), 0.1_f64..10.0
+        ],
+        threshold in prop_oneof![Just(0.0), Just(-1.0), Just(f64::NAN), 0.5_f64..4.0],
+        windows in (0_u64..=5, 0_u64..=5, 0_u64..=5),
+        steps in prop::collection::vec(
+            (prop_oneof![
+                Just(0.0), Just(-5.0), Just(f64::NAN), Just(f64::INFINITY), 0.0_f64..100.0
+            ], 0_u32..=10, any::<bool>()),
+            1..100,
+        ),
+    ) {
+        let config = ScalingConfig {
+            min,
+            max,
+            target,
+            stable_window: Duration::from_secs(windows.0),
+            panic_window: Duration::from_secs(windows.1),
+            scale_to_zero_after: Duration::from_secs(windows.2),
+            panic_threshold: threshold,
+        };
+        let mut a = Autoscaler::new(config);
+        for (s, &(concurrency, ready, wake)) in (0_u64..).zip(&steps) {
+            let d = a.observe(Observation { now: Duration::from_secs(s), concurrency, ready });
+            prop_assert!(d.desired <= max);
+            prop_assert!(d.desired >= min.min(max));
+            if concurrency > 0.0 && max >= 1 {
+                prop_assert!(d.desired >= 1);
+            }
+            prop_assert!(d.stable_concurrency.is_finite() && d.panic_concurrency.is_finite());
+            if wake {
+                prop_assert!(a.wake(Duration::from_secs(s)) <= max);
+            }
+        }
+    }
+}
