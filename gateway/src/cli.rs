@@ -1,0 +1,382 @@
+//! The command line: `warmgate serve` and the client commands.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use warmgate_deploy::Config;
+use warmgate_pool::LocalBackend;
+
+use crate::server::{Gateway, router};
+
+/// Exit code for a bad config or bad usage (`EX_USAGE` from sysexits.h).
+pub const EXIT_USAGE: i32 = 64;
+/// Exit code when the gateway cannot be reached (`EX_UNAVAILABLE`).
+pub const EXIT_UNAVAILABLE: i32 = 69;
+/// Default gateway address for client commands.
+const DEFAULT_GATEWAY: &str = "http://127.0.0.1:8080";
+
+/// warmgate: warm pools, scale to zero, one gateway for inference and RL.
+#[derive(Debug, Parser)]
+#[command(name = "warmgate", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gateway, pool manager and autoscaler in one process.
+    Serve {
+        /// The TOML config file.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Listen here instead of the config's `listen`.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Only validate the config: exit 0 if it is valid, 64 if not.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Show apps, replicas and queues, like `squeue`.
+    Status {
+        /// Refresh the table in place.
+        #[arg(long, short)]
+        watch: bool,
+        /// Refresh interval for --watch, in seconds.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+    },
+}
+
+/// Runs a command; returns the process exit code.
+pub fn run(cli: Cli) -> i32 {
+    match cli.command {
+        Command::Serve {
+            config,
+            listen,
+            check,
+        } => serve(config, listen, check),
+        Command::Status {
+            watch,
+            interval,
+            gateway,
+        } => status(&gateway, watch, interval),
+    }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    // TOKIO_WORKER_THREADS, read by tokio itself, sets the thread count.
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("warmgate")
+        .build()
+}
+
+fn serve(path: PathBuf, listen: Option<SocketAddr>, check: bool) -> i32 {
+    let mut config = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    if let Some(l) = listen {
+        config.listen = l;
+    }
+    if check {
+        println!(
+            "{}: ok ({} app{})",
+            path.display(),
+            config.apps.len(),
+            if config.apps.len() == 1 { "" } else { "s" }
+        );
+        return 0;
+    }
+    init_tracing();
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: could not start the runtime: {e}");
+            return 1;
+        }
+    };
+    match rt.block_on(serve_async(config)) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WARMGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+async fn serve_async(config: Config) -> anyhow::Result<()> {
+    let logs = config.state_dir.join("logs");
+    std::fs::create_dir_all(&logs)
+        .with_context(|| format!("create the state folder {}", logs.display()))?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("listen on {}", config.listen))?;
+    let addr = listener.local_addr().context("read the listen address")?;
+    let metrics = install_metrics();
+    let grace = config.backend.stop_grace;
+    let gw = Gateway::new(config, Arc::new(LocalBackend::new(logs)), metrics);
+    let autoscaler = gw.spawn_autoscaler();
+
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let server = axum::serve(listener, router(gw.clone()))
+        .with_graceful_shutdown(async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        })
+        .into_future();
+    let mut server = tokio::spawn(server);
+    tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
+    println!("warmgate listening on http://{addr}");
+    let _ = std::io::stdout().flush();
+
+    tokio::select! {
+        r = &mut server => {
+            autoscaler.abort();
+            gw.shutdown().await;
+            return r.context("the server task failed")?.context("serve HTTP");
+        }
+        _ = shutdown_signal() => {}
+    }
+    tracing::info!(grace = ?grace, "shutting down: finishing requests in flight");
+    gw.start_draining();
+    autoscaler.abort();
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(grace, &mut server).await.is_err() {
+        tracing::warn!(grace = ?grace, "requests still in flight after the grace period; closing them");
+        server.abort();
+    }
+    tracing::info!("stopping replicas");
+    gw.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Suffix("_seconds".into()),
+            &[
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0, 120.0,
+            ],
+        )
+        .ok()?;
+    match builder.install_recorder() {
+        Ok(handle) => {
+            let h = handle.clone();
+            tokio::spawn(async move {
+                let mut t = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    t.tick().await;
+                    h.run_upkeep();
+                }
+            });
+            Some(handle)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics are off");
+            None
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+// === client commands ===
+
+fn status(gateway: &str, watch: bool, interval: f64) -> i32 {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let interval = Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
+    rt.block_on(async {
+        loop {
+            let table = match get_json(gateway, "/v1/status").await {
+                Ok(v) => render_status(&v),
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    return EXIT_UNAVAILABLE;
+                }
+            };
+            if watch {
+                // Home the cursor and clear the screen: a table refreshed in place.
+                print!("\x1b[H\x1b[2J{table}");
+            } else {
+                print!("{table}");
+            }
+            let _ = std::io::stdout().flush();
+            if !watch {
+                return 0;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = tokio::signal::ctrl_c() => return 0,
+            }
+        }
+    })
+}
+
+async fn get_json(gateway: &str, path: &str) -> anyhow::Result<Value> {
+    let url = format!("{}{path}", gateway.trim_end_matches('/'));
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut req = http::Request::get(&url)
+        .body(Empty::new())
+        .with_context(|| format!("bad gateway URL {url:?}"))?;
+    if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+        let v = http::HeaderValue::from_str(&format!("Bearer {token}"))
+            .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
+        req.headers_mut().insert(http::header::AUTHORIZATION, v);
+    }
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .with_context(|| format!("{url} did not answer within 10s"))?
+        .with_context(|| {
+            format!("cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY)")
+        })?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .context("read the answer")?
+        .to_bytes();
+    let v: Value = serde_json::from_slice(&body).context("the answer is not JSON")?;
+    if !status.is_success() {
+        let msg = v["error"]["message"].as_str().unwrap_or("no message");
+        anyhow::bail!("{url} answered {status}: {msg}");
+    }
+    Ok(v)
+}
+
+/// The `status` table: one line per app, then its replicas.
+pub fn render_status(v: &Value) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<20} {:<22} {:>9} {:>11} {:>7} {:>10}",
+        "APP", "REVISION", "READY/DES", "INFLIGHT", "QUEUED", "COLD START"
+    );
+    let apps = v["apps"].as_array().cloned().unwrap_or_default();
+    for app in &apps {
+        let pool = &app["pool"];
+        let cold = pool["last_cold_start"]["ready_seconds"]
+            .as_f64()
+            .map(|s| format!("{s:.2}s"))
+            .unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            out,
+            "{:<20} {:<22} {:>9} {:>11} {:>7} {:>10}",
+            app["name"].as_str().unwrap_or("?"),
+            app["revision"].as_str().unwrap_or("?"),
+            format!("{}/{}", app["ready"], app["desired"]),
+            format!("{}/{}", app["inflight"], app["capacity"]),
+            app["queued"],
+            cold,
+        );
+        if let Some(err) = pool["health"]["last_error"].as_str()
+            && pool["health"]["failing_to_start"].as_bool() == Some(true)
+        {
+            let _ = writeln!(out, "  ! {err}");
+        }
+        for r in pool["replicas"].as_array().cloned().unwrap_or_default() {
+            let state = r["state"].as_str().unwrap_or("?");
+            let detail = r["reason"].as_str().unwrap_or("");
+            let idle = r["idle_seconds"]
+                .as_f64()
+                .map(|s| format!("idle {}", human_secs(s)))
+                .unwrap_or_default();
+            let gpus = r["gpus"]
+                .as_array()
+                .filter(|g| !g.is_empty())
+                .map(|g| {
+                    format!(
+                        "gpu {}",
+                        g.iter()
+                            .map(|x| x.to_string())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    )
+                })
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "  {:<18} {:<9} {:>5} {:<10} {:<10} {} {}",
+                r["id"].as_str().unwrap_or("?"),
+                state,
+                format!("{}/{}", r["inflight"], r["concurrency"]),
+                idle,
+                gpus,
+                r["pid"]
+                    .as_u64()
+                    .map(|p| format!("pid {p}"))
+                    .unwrap_or_default(),
+                detail,
+            );
+        }
+    }
+    if apps.is_empty() {
+        out.push_str("(no apps configured)\n");
+    }
+    out
+}
+
+fn human_secs(s: f64) -> String {
+    if s < 60.0 {
+        format!("{s:.0}s")
+    } else if s < 3600.0 {
+        format!("{:.0}m", s / 60.0)
+    } else {
+        format!("{:.1}h", s / 3600.0)
+    }
+}

@@ -1,0 +1,594 @@
+//! Per-app slot accounting: the balancer and the bounded hold queue.
+//!
+//! Every app has one small mutex over its ready replicas, its hold queue and
+//! its demand meter. Holding it only for counter updates keeps the hot path
+//! short, and one lock makes the rules exact: a replica never runs more than
+//! `concurrency` requests, and a freed slot goes to the oldest held request
+//! before any newcomer can take it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
+use warmgate_deploy::AppSpec;
+use warmgate_pool::ReplicaHandle;
+
+use crate::error::{ApiError, ErrorKind};
+
+/// Retry-After for a full queue: a second lets a few slots turn over.
+const QUEUE_FULL_RETRY_SECS: u64 = 1;
+
+/// One app as the data plane sees it.
+pub struct App {
+    /// The app's name.
+    pub name: String,
+    /// The revision traffic goes to.
+    pub revision: String,
+    /// Its spec.
+    pub spec: AppSpec,
+    slots: Mutex<Slots>,
+    scaler: Mutex<Autoscaler>,
+    handoff: Mutex<Option<Duration>>,
+}
+
+struct Slots {
+    replicas: Vec<Arc<ReplicaHandle>>,
+    waiters: VecDeque<Waiter>,
+    /// Waiters still waiting (the deque may also hold cancelled ones).
+    live_waiters: usize,
+    inflight: u32,
+    meter: Meter,
+}
+
+type Grant = Result<Arc<ReplicaHandle>, ApiError>;
+
+struct Waiter {
+    tx: oneshot::Sender<Grant>,
+}
+
+/// What [`App::acquire`] found.
+pub enum Acquire {
+    /// A slot, at once.
+    Ready(SlotGuard),
+    /// No free slot: wait for one. `cold` is set when the app had no
+    /// replica at all.
+    Held {
+        /// The place in the queue.
+        pending: PendingSlot,
+        /// True when no replica was ready: this request waits for a start.
+        cold: bool,
+    },
+}
+
+/// A slot on a replica. Dropping it frees the slot (and hands it to the
+/// oldest held request, if any).
+pub struct SlotGuard {
+    app: Arc<App>,
+    replica: Arc<ReplicaHandle>,
+}
+
+/// A place in an app's hold queue.
+pub struct PendingSlot {
+    app: Arc<App>,
+    rx: Option<oneshot::Receiver<Grant>>,
+    since: Instant,
+}
+
+/// Time-weighted average of in-flight plus queued requests.
+#[derive(Debug)]
+struct Meter {
+    value: u32,
+    last: Instant,
+    window_start: Instant,
+    area: f64,
+    active: bool,
+}
+
+// === impl App ===
+
+impl App {
+    /// The data-plane state of an app at zero replicas.
+    pub fn new(spec: AppSpec, revision: String) -> Self {
+        let a = &spec.autoscale;
+        let scaling = ScalingConfig {
+            min: a.min,
+            max: a.max,
+            target: spec.target(),
+            stable_window: a.stable_window,
+            panic_window: a.panic_window,
+            scale_to_zero_after: a.scale_to_zero_after,
+            panic_threshold: a.panic_threshold,
+        };
+        let now = Instant::now();
+        App {
+            name: spec.name.clone(),
+            revision,
+            slots: Mutex::new(Slots {
+                replicas: Vec::new(),
+                waiters: VecDeque::new(),
+                live_waiters: 0,
+                inflight: 0,
+                meter: Meter {
+                    value: 0,
+                    last: now,
+                    window_start: now,
+                    area: 0.0,
+                    active: false,
+                },
+            }),
+            scaler: Mutex::new(Autoscaler::new(scaling)),
+            handoff: Mutex::new(None),
+            spec,
+        }
+    }
+
+    /// Takes a free slot, or a place in the hold queue, or says why neither
+    /// can be had.
+    pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
+        let mut s = self.slots.lock();
+        let now = Instant::now();
+        if s.live_waiters == 0
+            && let Some(r) = pick(&s.replicas)
+        {
+            r.acquire();
+            s.inflight += 1;
+            s.update_meter(now);
+            return Ok(Acquire::Ready(SlotGuard {
+                app: self.clone(),
+                replica: r,
+            }));
+        }
+        let cold = s.replicas.is_empty();
+        if s.live_waiters >= self.spec.queue.max_pending as usize {
+            let max = self.spec.queue.max_pending;
+            let err = if cold {
+                ApiError::new(
+                    ErrorKind::Starting,
+                    format!(
+                        "app '{}' is starting and already holds {max} requests; try again shortly",
+                        self.name
+                    ),
+                )
+                .retry_after(QUEUE_FULL_RETRY_SECS)
+            } else {
+                ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "app '{}' is at capacity and its queue is full ({max} requests held)",
+                        self.name
+                    ),
+                )
+                .retry_after(QUEUE_FULL_RETRY_SECS)
+            };
+            return Err(err);
+        }
+        // Cancelled waiters are skipped lazily; purge them before the deque
+        // can grow past twice the bound.
+        if s.waiters.len() >= 2 * (self.spec.queue.max_pending as usize).max(1) {
+            s.waiters.retain(|w| !w.tx.is_closed());
+        }
+        let (tx, rx) = oneshot::channel();
+        s.waiters.push_back(Waiter { tx });
+        s.live_waiters += 1;
+        s.update_meter(now);
+        Ok(Acquire::Held {
+            pending: PendingSlot {
+                app: self.clone(),
+                rx: Some(rx),
+                since: now,
+            },
+            cold,
+        })
+    }
+
+    /// A replica became ready: route to it and serve held requests.
+    pub fn add_replica(&self, replica: Arc<ReplicaHandle>) {
+        let mut s = self.slots.lock();
+        if s.replicas.iter().any(|r| Arc::ptr_eq(r, &replica)) {
+            return;
+        }
+        s.replicas.push(replica);
+        s.dispatch();
+    }
+
+    /// A replica must take no new requests. Requests in flight on it finish.
+    pub fn remove_replica(&self, replica: &Arc<ReplicaHandle>) {
+        let mut s = self.slots.lock();
+        s.replicas.retain(|r| !Arc::ptr_eq(r, replica));
+    }
+
+    /// Fails every held request, when the app cannot start and has nothing
+    /// ready to serve them.
+    pub fn fail_waiters(&self, err: &ApiError) {
+        let mut s = self.slots.lock();
+        if !s.replicas.is_empty() {
+            return;
+        }
+        while let Some(w) = s.waiters.pop_front() {
+            if w.tx.is_closed() {
+                continue;
+            }
+            s.live_waiters -= 1;
+            let _ = w.tx.send(Err(err.clone()));
+        }
+        s.update_meter(Instant::now());
+    }
+
+    /// Replicas taking traffic.
+    pub fn ready_replicas(&self) -> usize {
+        self.slots.lock().replicas.len()
+    }
+
+    /// (requests in flight, requests held).
+    pub fn load(&self) -> (u32, usize) {
+        let s = self.slots.lock();
+        (s.inflight, s.live_waiters)
+    }
+
+    /// Runs the scaling policy for one tick and applies the desired count
+    /// with `apply`, under the policy's lock so a concurrent wake cannot be
+    /// overwritten by a stale decision. `now` is the time since the gateway
+    /// started.
+    pub fn tick(&self, now: Duration, apply: impl FnOnce(u32)) {
+        let mut scaler = self.scaler.lock();
+        let (concurrency, ready) = {
+            let mut s = self.slots.lock();
+            let c = s.meter.take(Instant::now());
+            (c, s.replicas.len() as u32)
+        };
+        let desired = scaler
+            .observe(Observation {
+                now,
+                concurrency,
+                ready,
+            })
+            .desired;
+        apply(desired);
+    }
+
+    /// Demand arrived with no replica ready: applies the count to scale to
+    /// at once, without waiting for the next tick.
+    pub fn wake(&self, now: Duration, apply: impl FnOnce(u32)) {
+        let mut scaler = self.scaler.lock();
+        let desired = scaler.wake(now);
+        apply(desired);
+    }
+
+    /// The gateway's share of the last cold start: from the replica
+    /// answering `/healthz` to the first request being forwarded to it.
+    pub fn last_handoff(&self) -> Option<Duration> {
+        *self.handoff.lock()
+    }
+
+    fn release(&self, replica: &Arc<ReplicaHandle>) {
+        let mut s = self.slots.lock();
+        replica.release();
+        s.inflight -= 1;
+        if replica.is_routable() && s.live_waiters > 0 {
+            s.dispatch();
+        }
+        s.update_meter(Instant::now());
+    }
+}
+
+// === impl Slots ===
+
+impl Slots {
+    /// Hands free slots to held requests, oldest first.
+    fn dispatch(&mut self) {
+        while self.live_waiters > 0 {
+            let Some(replica) = pick(&self.replicas) else {
+                break;
+            };
+            let Some(w) = self.waiters.pop_front() else {
+                break;
+            };
+            if w.tx.is_closed() {
+                // Cancelled: its owner already took it off `live_waiters`.
+                continue;
+            }
+            replica.acquire();
+            self.inflight += 1;
+            self.live_waiters -= 1;
+            if w.tx.send(Ok(replica.clone())).is_err() {
+                // The receiver is closed only under this lock, so this does
+                // not happen; undo the slot all the same.
+                replica.release();
+                self.inflight -= 1;
+            }
+        }
+        self.update_meter(Instant::now());
+    }
+
+    fn update_meter(&mut self, now: Instant) {
+        let value = self.inflight + self.live_waiters as u32;
+        self.meter.set(now, value);
+    }
+}
+
+/// Least loaded of two random ready replicas with a free slot; falls back to
+/// a scan so a free slot is never missed.
+fn pick(replicas: &[Arc<ReplicaHandle>]) -> Option<Arc<ReplicaHandle>> {
+    match replicas.len() {
+        0 => None,
+        1 => replicas
+            .first()
+            .filter(|r| r.has_free_slot() && r.is_routable())
+            .cloned(),
+        n => {
+            let a = fastrand::usize(..n);
+            let mut b = fastrand::usize(..n - 1);
+            if b >= a {
+                b += 1;
+            }
+            let (ra, rb) = (&replicas[a], &replicas[b]);
+            let free = |r: &Arc<ReplicaHandle>| r.has_free_slot() && r.is_routable();
+            let best = match (free(ra), free(rb)) {
+                (true, true) => Some(if rb.inflight() < ra.inflight() {
+                    rb
+                } else {
+                    ra
+                }),
+                (true, false) => Some(ra),
+                (false, true) => Some(rb),
+                (false, false) => None,
+            };
+            best.or_else(|| {
+                replicas
+                    .iter()
+                    .filter(|r| free(r))
+                    .min_by_key(|r| r.inflight())
+            })
+            .cloned()
+        }
+    }
+}
+
+// === impl Meter ===
+
+impl Meter {
+    fn set(&mut self, now: Instant, value: u32) {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.area += f64::from(self.value) * dt;
+        self.last = now;
+        if value > 0 {
+            self.active = true;
+        }
+        self.value = value;
+    }
+
+    /// The average since the last call. Any activity in the interval counts,
+    /// however short, so a request between two ticks still keeps the app up.
+    fn take(&mut self, now: Instant) -> f64 {
+        let v = self.value;
+        self.set(now, v);
+        let span = now
+            .saturating_duration_since(self.window_start)
+            .as_secs_f64();
+        let mut avg = if span > 0.0 { self.area / span } else { 0.0 };
+        if self.active && avg <= 0.0 {
+            avg = f64::EPSILON;
+        }
+        self.area = 0.0;
+        self.window_start = now;
+        self.active = self.value > 0;
+        avg
+    }
+}
+
+// === impl SlotGuard ===
+
+impl SlotGuard {
+    /// The replica this slot is on.
+    pub fn replica(&self) -> &Arc<ReplicaHandle> {
+        &self.replica
+    }
+
+    /// Notes that the request is being forwarded now; the first forward to a
+    /// fresh replica measures the gateway's share of the cold start.
+    pub fn note_forward(&self) {
+        if self.replica.take_first_forward() {
+            let handoff = self.replica.ready_at.elapsed();
+            *self.app.handoff.lock() = Some(handoff);
+            metrics::histogram!("warmgate_cold_start_handoff_seconds", "app" => self.app.name.clone())
+                .record(handoff.as_secs_f64());
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.app.release(&self.replica);
+    }
+}
+
+// === impl PendingSlot ===
+
+impl PendingSlot {
+    /// Waits for a slot until `timeout`.
+    pub async fn wait(mut self, timeout: Duration) -> Result<(SlotGuard, Duration), ApiError> {
+        let rx = self
+            .rx
+            .as_mut()
+            .expect("the receiver is only taken on drop");
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(grant)) => {
+                self.rx = None;
+                let replica = grant?;
+                Ok((
+                    SlotGuard {
+                        app: self.app.clone(),
+                        replica,
+                    },
+                    self.since.elapsed(),
+                ))
+            }
+            Ok(Err(_)) => Err(ApiError::new(
+                ErrorKind::NoCapacity,
+                format!("app '{}' is shutting down", self.app.name),
+            )
+            .retry_after(1)),
+            Err(_) => Err(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no replica of app '{}' became free within the queue timeout ({:?})",
+                    self.app.name, timeout
+                ),
+            )),
+        }
+    }
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        let mut s = self.app.slots.lock();
+        rx.close();
+        match rx.try_recv() {
+            // A slot was granted just as we gave up: give it back.
+            Ok(Ok(replica)) => {
+                drop(s);
+                self.app.release(&replica);
+            }
+            // Failed by the gateway: already off the queue.
+            Ok(Err(_)) => {}
+            Err(_) => {
+                s.live_waiters -= 1;
+                s.update_meter(Instant::now());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn app(concurrency: u32, max_pending: u32) -> Arc<App> {
+        let mut spec = AppSpec {
+            name: "a".into(),
+            command: vec!["x".into()],
+            concurrency,
+            ..AppSpec::default()
+        };
+        spec.queue.max_pending = max_pending;
+        Arc::new(App::new(spec, "a-00001".into()))
+    }
+
+    fn replica(id: &str, concurrency: u32) -> Arc<ReplicaHandle> {
+        Arc::new(ReplicaHandle::new(
+            id.into(),
+            "a".into(),
+            "a-00001".into(),
+            "127.0.0.1:1".parse().expect("addr"),
+            concurrency,
+            Instant::now(),
+        ))
+    }
+
+    fn ready(a: Acquire) -> SlotGuard {
+        match a {
+            Acquire::Ready(g) => g,
+            Acquire::Held { .. } => panic!("expected a free slot"),
+        }
+    }
+
+    fn held(a: Acquire) -> PendingSlot {
+        match a {
+            Acquire::Held { pending, .. } => pending,
+            Acquire::Ready(_) => panic!("expected to be held"),
+        }
+    }
+
+    #[tokio::test]
+    async fn limit_holds_and_freed_slots_go_to_the_oldest_waiter() {
+        let app = app(2, 10);
+        let r = replica("a-1", 2);
+        app.add_replica(r.clone());
+        let g1 = ready(app.acquire().expect("slot"));
+        let _g2 = ready(app.acquire().expect("slot"));
+        assert_eq!(r.inflight(), 2);
+        let p1 = held(app.acquire().expect("held"));
+        let p2 = held(app.acquire().expect("held"));
+        assert_eq!(app.load(), (2, 2));
+        drop(g1);
+        assert_eq!(r.inflight(), 2, "the slot went straight to a waiter");
+        let (g3, _) = p1.wait(Duration::from_secs(1)).await.expect("granted");
+        assert_eq!(g3.replica().id, "a-1");
+        assert_eq!(app.load(), (2, 1));
+        drop(p2);
+        assert_eq!(app.load(), (2, 0), "a cancelled waiter leaves the queue");
+    }
+
+    #[tokio::test]
+    async fn queue_full_is_429_with_retry_after_and_cold_is_503() {
+        let cold = app(1, 1);
+        let _p = held(cold.acquire().expect("held"));
+        let err = cold.acquire().err().expect("full");
+        assert_eq!(err.kind, ErrorKind::Starting);
+        assert_eq!(err.retry_after, Some(1));
+
+        let warm = app(1, 1);
+        warm.add_replica(replica("a-1", 1));
+        let _g = ready(warm.acquire().expect("slot"));
+        let _p = held(warm.acquire().expect("held"));
+        let err = warm.acquire().err().expect("full");
+        assert_eq!(err.kind, ErrorKind::QueueFull);
+        assert_eq!(err.retry_after, Some(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn held_request_times_out_and_its_slot_is_not_lost() {
+        let app = app(1, 10);
+        let r = replica("a-1", 1);
+        app.add_replica(r.clone());
+        let g = ready(app.acquire().expect("slot"));
+        let p = held(app.acquire().expect("held"));
+        let err = p.wait(Duration::from_secs(5)).await.err().expect("timeout");
+        assert_eq!(err.kind, ErrorKind::Timeout);
+        drop(g);
+        assert_eq!(r.inflight(), 0);
+        assert_eq!(app.load(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn new_replica_serves_held_requests_and_failure_reaches_them() {
+        let app = app(4, 10);
+        let p = held(app.acquire().expect("held"));
+        app.add_replica(replica("a-1", 4));
+        let (g, _) = p.wait(Duration::from_secs(1)).await.expect("granted");
+        drop(g);
+
+        let app2 = self::app(4, 10);
+        let p = held(app2.acquire().expect("held"));
+        app2.fail_waiters(&ApiError::new(ErrorKind::ReplicaFailed, "boom"));
+        let err = p.wait(Duration::from_secs(1)).await.err().expect("failed");
+        assert_eq!(err.kind, ErrorKind::ReplicaFailed);
+        assert_eq!(app2.load(), (0, 0));
+    }
+
+    #[test]
+    fn p2c_spreads_load_and_respects_limits() {
+        let app = app(3, 0);
+        let rs: Vec<_> = (0..3).map(|i| replica(&format!("a-{i}"), 3)).collect();
+        for r in &rs {
+            app.add_replica(r.clone());
+        }
+        let guards: Vec<_> = (0..9)
+            .map(|_| ready(app.acquire().expect("slot")))
+            .collect();
+        for r in &rs {
+            assert_eq!(r.inflight(), 3);
+        }
+        assert!(app.acquire().is_err(), "no queue: full");
+        drop(guards);
+        for r in &rs {
+            assert_eq!(r.inflight(), 0);
+        }
+    }
+}

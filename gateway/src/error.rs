@@ -1,0 +1,145 @@
+//! The errors clients see: a fixed set of kinds, each with its HTTP status.
+
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use serde::Serialize;
+
+/// The fixed set of error kinds. The kind gives the HTTP status, the JSON
+/// `kind` field and the metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// 400: the request is malformed.
+    BadRequest,
+    /// 401: a bearer token is missing or wrong.
+    Unauthorized,
+    /// 404: no such app, model or route.
+    NotFound,
+    /// 405: the route exists but not for this method.
+    MethodNotAllowed,
+    /// 413: the body is over the size limit.
+    TooLarge,
+    /// 429: the hold queue is full.
+    QueueFull,
+    /// 502: the replica failed (refused, crashed, or failed to start).
+    ReplicaFailed,
+    /// 503: no capacity can be had now.
+    NoCapacity,
+    /// 503: the app is starting and cannot hold more requests.
+    Starting,
+    /// 504: a held request waited longer than the queue timeout.
+    Timeout,
+}
+
+impl ErrorKind {
+    /// Every kind, for pre-registering metrics.
+    pub const ALL: [ErrorKind; 10] = [
+        ErrorKind::BadRequest,
+        ErrorKind::Unauthorized,
+        ErrorKind::NotFound,
+        ErrorKind::MethodNotAllowed,
+        ErrorKind::TooLarge,
+        ErrorKind::QueueFull,
+        ErrorKind::ReplicaFailed,
+        ErrorKind::NoCapacity,
+        ErrorKind::Starting,
+        ErrorKind::Timeout,
+    ];
+
+    /// The HTTP status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::ReplicaFailed => StatusCode::BAD_GATEWAY,
+            ErrorKind::NoCapacity | ErrorKind::Starting => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The JSON `kind` and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::BadRequest => "bad_request",
+            ErrorKind::Unauthorized => "unauthorized",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::TooLarge => "too_large",
+            ErrorKind::QueueFull => "queue_full",
+            ErrorKind::ReplicaFailed => "replica_failed",
+            ErrorKind::NoCapacity => "no_capacity",
+            ErrorKind::Starting => "starting",
+            ErrorKind::Timeout => "timeout",
+        }
+    }
+}
+
+/// An error answered to a client as `{"error": {"kind", "message"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// What went wrong, from the fixed set.
+    pub kind: ErrorKind,
+    /// A sentence for a person, free of internals.
+    pub message: String,
+    /// Seconds for `Retry-After`, when trying again later can work.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        ApiError {
+            kind,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// Adds a `Retry-After` of at least one second.
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs.max(1));
+        self
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    kind: &'static str,
+    message: &'a str,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Body {
+            error: Inner {
+                kind: self.kind.as_str(),
+                message: &self.message,
+            },
+        };
+        let mut resp = (self.kind.status(), Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp.extensions_mut().insert(self.kind);
+        resp
+    }
+}

@@ -1,0 +1,14 @@
+//! warmgate's gateway: the HTTP data plane (proxy, balancer, hold queue),
+//! the control-plane API, the CLI, and the composition root that wires the
+//! pool manager and the autoscaler together.
+
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod dispatch;
+pub mod error;
+pub mod proxy;
+pub mod server;
+
+pub use error::{ApiError, ErrorKind};
+pub use server::{Gateway, router};

@@ -1,0 +1,246 @@
+//! Forwarding a request to a replica and streaming the answer back.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName};
+use http::{Request, Response, Uri};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::dispatch::SlotGuard;
+use crate::error::{ApiError, ErrorKind};
+
+/// Idle upstream connections are kept this long: about as long as a burst
+/// of traffic lasts, shorter than a typical worker's keep-alive timeout.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Idle connections kept per replica; enough for a replica's concurrency.
+const POOL_MAX_IDLE_PER_HOST: usize = 256;
+
+/// A pooled HTTP/1 client to replicas.
+#[derive(Clone)]
+pub struct Proxy {
+    client: Client<HttpConnector, Body>,
+}
+
+impl Default for Proxy {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Proxy {
+    /// A client with keep-alive connections and Nagle off.
+    pub fn new() -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+            .build(connector);
+        Proxy { client }
+    }
+
+    /// Sends `req` to the slot's replica at `path_and_query`. The answer's
+    /// body holds the slot until it has been streamed to the end.
+    pub async fn forward(
+        &self,
+        mut req: Request<Body>,
+        path_and_query: &str,
+        slot: SlotGuard,
+    ) -> Result<Response<Body>, ApiError> {
+        let replica = slot.replica().clone();
+        let uri: Uri = format!("http://{}{}", replica.addr, path_and_query)
+            .parse()
+            .map_err(|_| ApiError::new(ErrorKind::BadRequest, "the request path is not valid"))?;
+        *req.uri_mut() = uri;
+        *req.version_mut() = http::Version::HTTP_11;
+        strip_hop_by_hop(req.headers_mut());
+        req.headers_mut().remove(header::HOST);
+        slot.note_forward();
+        let resp = match self.client.request(req).await {
+            Ok(r) => r,
+            Err(e) => return Err(upstream_error(&e, &replica.id, &replica.target)),
+        };
+        let (mut parts, body) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let body = Body::new(GuardedBody {
+            inner: body,
+            slot: Some(slot),
+        });
+        Ok(Response::from_parts(parts, body))
+    }
+}
+
+/// Marks a body that broke the size limit, so the proxy can answer 413.
+#[derive(Debug)]
+pub struct BodyTooLarge(pub u64);
+
+impl std::fmt::Display for BodyTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the request body is larger than {} bytes", self.0)
+    }
+}
+
+impl std::error::Error for BodyTooLarge {}
+
+fn upstream_error(e: &hyper_util::client::legacy::Error, replica: &str, app: &str) -> ApiError {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(too_large) = err.downcast_ref::<BodyTooLarge>() {
+            return ApiError::new(ErrorKind::TooLarge, too_large.to_string());
+        }
+        cur = err.source();
+    }
+    if e.is_connect() {
+        tracing::warn!(%replica, %app, error = %e, "replica refused the connection");
+        return ApiError::new(
+            ErrorKind::ReplicaFailed,
+            format!("replica {replica} of app '{app}' refused the connection"),
+        );
+    }
+    tracing::warn!(%replica, %app, error = %error_chain(e), "replica failed before answering");
+    ApiError::new(
+        ErrorKind::ReplicaFailed,
+        format!("replica {replica} of app '{app}' closed the connection before answering"),
+    )
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
+/// Removes the headers that belong to one connection, not to the message
+/// (RFC 9110 §7.6.1), including any named by `Connection`.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [
+        header::CONNECTION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// A response body that frees its slot when it ends, fails or is dropped
+/// (the client went away).
+struct GuardedBody {
+    inner: Incoming,
+    slot: Option<SlotGuard>,
+}
+
+impl HttpBody for GuardedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => {
+                if let Poll::Ready(Some(Err(e))) = &polled
+                    && let Some(slot) = &self.slot
+                {
+                    tracing::warn!(
+                        replica = %slot.replica().id,
+                        error = %e,
+                        "replica failed mid-response"
+                    );
+                }
+                self.slot = None;
+            }
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request body that fails once more than `limit` bytes have passed.
+pub struct LimitedBody {
+    inner: Body,
+    limit: u64,
+    seen: u64,
+}
+
+impl LimitedBody {
+    /// Wraps `inner`, allowing at most `limit` bytes.
+    pub fn new(inner: Body, limit: u64) -> Self {
+        LimitedBody {
+            inner,
+            limit,
+            seen: 0,
+        }
+    }
+}
+
+impl HttpBody for LimitedBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.seen += data.len() as u64;
+                    if self.seen > self.limit {
+                        return Poll::Ready(Some(Err(Box::new(BodyTooLarge(self.limit)))));
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+            other => other.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as Self::Error))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

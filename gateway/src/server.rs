@@ -1,0 +1,593 @@
+//! The gateway: its state, the HTTP routes and the autoscaling loop.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use http::{HeaderValue, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use serde::Serialize;
+use serde_json::json;
+use tokio::task::JoinHandle;
+use warmgate_deploy::Config;
+use warmgate_pool::{
+    Backend, PoolManager, ReplicaHandle, ReplicaSink, TargetHealth, TargetSpec, TargetStatus,
+};
+
+use crate::dispatch::{Acquire, App};
+use crate::error::{ApiError, ErrorKind};
+use crate::proxy::{LimitedBody, Proxy};
+
+/// How often the autoscaler looks at demand. One second resolves the 6 s
+/// panic window into six samples, as Knative's 2 s tick does for its window,
+/// and keeps the policy cheap.
+pub const AUTOSCALE_TICK: Duration = Duration::from_secs(1);
+
+const X_REQUEST_ID: &str = "x-request-id";
+const X_REPLICA: &str = "x-warmgate-replica";
+const X_REVISION: &str = "x-warmgate-revision";
+const X_QUEUED_MS: &str = "x-warmgate-queued-ms";
+const X_COLD_START: &str = "x-warmgate-cold-start";
+/// Client-supplied request ids longer than this are replaced.
+const MAX_REQUEST_ID_LEN: usize = 128;
+
+/// The gateway's shared state.
+pub struct Gateway {
+    config: Arc<Config>,
+    /// Apps by name and by alias.
+    routes: HashMap<String, Arc<App>>,
+    /// Apps in config order.
+    apps: Vec<Arc<App>>,
+    pool: PoolManager,
+    proxy: Proxy,
+    started: Instant,
+    draining: AtomicBool,
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+}
+
+/// Tells apps about replicas as the pool manager starts and stops them.
+struct Sink {
+    apps: HashMap<String, Arc<App>>,
+}
+
+impl ReplicaSink for Sink {
+    fn replica_ready(&self, replica: Arc<ReplicaHandle>) {
+        if let Some(app) = self.apps.get(&replica.target) {
+            app.add_replica(replica);
+        }
+    }
+
+    fn replica_removed(&self, replica: &Arc<ReplicaHandle>) {
+        if let Some(app) = self.apps.get(&replica.target) {
+            app.remove_replica(replica);
+        }
+    }
+
+    fn start_failed(&self, target: &str, error: &warmgate_pool::Error, health: &TargetHealth) {
+        if health.ready > 0 || health.starting > 0 {
+            return;
+        }
+        if let Some(app) = self.apps.get(target) {
+            app.fail_waiters(&ApiError::new(
+                ErrorKind::ReplicaFailed,
+                format!("app '{target}' failed to start: {error}"),
+            ));
+        }
+    }
+}
+
+// === impl Gateway ===
+
+impl Gateway {
+    /// Builds the gateway and its pool manager. Replicas start on demand.
+    /// Must be called within a tokio runtime.
+    pub fn new(
+        config: Config,
+        backend: Arc<dyn Backend>,
+        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    ) -> Arc<Self> {
+        let workdir = config.state_dir.parent().map(|p| p.to_path_buf());
+        let apps: Vec<Arc<App>> = config
+            .apps
+            .iter()
+            .map(|spec| Arc::new(App::new(spec.clone(), format!("{}-00001", spec.name))))
+            .collect();
+        let by_name: HashMap<String, Arc<App>> =
+            apps.iter().map(|a| (a.name.clone(), a.clone())).collect();
+        let mut routes = by_name.clone();
+        for app in &apps {
+            for alias in &app.spec.aliases {
+                routes.insert(alias.clone(), app.clone());
+            }
+        }
+        let pool = PoolManager::new(
+            backend,
+            config.backend.gpus.clone(),
+            Arc::new(Sink { apps: by_name }),
+        );
+        for app in &apps {
+            pool.add_target(TargetSpec {
+                name: app.name.clone(),
+                revision: app.revision.clone(),
+                command: app.spec.command.clone(),
+                env: app.spec.env.clone(),
+                checkpoint: app.spec.checkpoint.clone(),
+                workdir: workdir.clone(),
+                concurrency: app.spec.concurrency,
+                gpus: app.spec.gpus,
+                startup_timeout: app.spec.startup_timeout,
+                stop_grace: config.backend.stop_grace,
+            });
+            pool.scale(&app.name, app.spec.autoscale.min);
+        }
+        Arc::new(Gateway {
+            config: Arc::new(config),
+            routes,
+            apps,
+            pool,
+            proxy: Proxy::new(),
+            started: Instant::now(),
+            draining: AtomicBool::new(false),
+            metrics,
+        })
+    }
+
+    /// The config it runs.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Time since start: the autoscaler's clock.
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Runs the autoscaler every [`AUTOSCALE_TICK`] until aborted.
+    pub fn spawn_autoscaler(self: &Arc<Self>) -> JoinHandle<()> {
+        let gw = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(AUTOSCALE_TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if gw.draining.load(Ordering::Acquire) {
+                    return;
+                }
+                let now = gw.now();
+                for app in &gw.apps {
+                    app.tick(now, |n| {
+                        gw.pool.scale(&app.name, n);
+                    });
+                }
+            }
+        })
+    }
+
+    /// Stops taking traffic: `/readyz` fails and the autoscaler stops.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    /// Stops every replica and waits until they are gone.
+    pub async fn shutdown(&self) {
+        self.start_draining();
+        self.pool.shutdown().await;
+    }
+
+    /// Serves one request with `app`: a slot now, or a wait in the hold
+    /// queue, then the forward.
+    async fn serve_app(
+        self: &Arc<Self>,
+        app: &Arc<App>,
+        req: Request,
+        path_and_query: &str,
+    ) -> Result<Response, ApiError> {
+        if app.ready_replicas() == 0 {
+            self.refuse_if_failing(app)?;
+        }
+        let (slot, queued, cold) = match app.acquire()? {
+            Acquire::Ready(slot) => (slot, Duration::ZERO, false),
+            Acquire::Held { pending, cold } => {
+                if cold {
+                    let pool = &self.pool;
+                    app.wake(self.now(), |n| {
+                        if pool.desired(&app.name).unwrap_or(0) < n {
+                            pool.scale(&app.name, n);
+                        }
+                    });
+                }
+                let (slot, waited) = pending.wait(app.spec.queue.timeout).await?;
+                (slot, waited, cold)
+            }
+        };
+        let replica = slot.replica().clone();
+        let mut resp = self.proxy.forward(req, path_and_query, slot).await?;
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&replica.id) {
+            h.insert(X_REPLICA, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&replica.revision) {
+            h.insert(X_REVISION, v);
+        }
+        h.insert(X_QUEUED_MS, HeaderValue::from(queued.as_millis() as u64));
+        if cold {
+            h.insert(X_COLD_START, HeaderValue::from_static("true"));
+        }
+        Ok(resp)
+    }
+
+    /// With no replica ready and the last starts failing, a new request is
+    /// refused at once instead of waiting out the crash-loop backoff.
+    fn refuse_if_failing(&self, app: &App) -> Result<(), ApiError> {
+        let Some(h) = self.pool.health(&app.name) else {
+            return Ok(());
+        };
+        if h.ready == 0
+            && h.starting == 0
+            && h.failing_to_start
+            && let Some(retry) = h.retry_in
+        {
+            let secs = retry.as_secs_f64().ceil() as u64;
+            return Err(ApiError::new(
+                ErrorKind::NoCapacity,
+                format!(
+                    "app '{}' is failing to start ({}); next attempt in {secs}s",
+                    app.name,
+                    h.last_error.as_deref().unwrap_or("unknown error")
+                ),
+            )
+            .retry_after(secs));
+        }
+        Ok(())
+    }
+
+    fn count(&self, app: &str, outcome: &'static str) {
+        metrics::counter!("warmgate_requests_total", "app" => app.to_string(), "outcome" => outcome)
+            .increment(1);
+    }
+
+    fn status_of(&self, app: &App, target: Option<&TargetStatus>) -> AppStatus {
+        let (inflight, queued) = app.load();
+        let ready = app.ready_replicas();
+        AppStatus {
+            name: app.name.clone(),
+            aliases: app.spec.aliases.clone(),
+            revision: app.revision.clone(),
+            desired: target.map_or(0, |t| t.desired),
+            ready,
+            inflight,
+            queued,
+            capacity: ready as u32 * app.spec.concurrency,
+            concurrency: app.spec.concurrency,
+            max_pending: app.spec.queue.max_pending,
+            min: app.spec.autoscale.min,
+            max: app.spec.autoscale.max,
+            handoff_ms: app.last_handoff().map(|d| d.as_secs_f64() * 1e3),
+            pool: target.cloned(),
+        }
+    }
+
+    fn status(&self) -> Vec<AppStatus> {
+        let targets = self.pool.status();
+        self.apps
+            .iter()
+            .map(|a| self.status_of(a, targets.iter().find(|t| t.name == a.name)))
+            .collect()
+    }
+}
+
+/// One app in `/v1/status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AppStatus {
+    /// Name.
+    pub name: String,
+    /// Other `model` names.
+    pub aliases: Vec<String>,
+    /// Revision served.
+    pub revision: String,
+    /// Replicas asked for.
+    pub desired: u32,
+    /// Replicas taking traffic.
+    pub ready: usize,
+    /// Requests in flight.
+    pub inflight: u32,
+    /// Requests held.
+    pub queued: usize,
+    /// Ready replicas × concurrency.
+    pub capacity: u32,
+    /// Per-replica limit.
+    pub concurrency: u32,
+    /// Queue bound.
+    pub max_pending: u32,
+    /// Fewest replicas.
+    pub min: u32,
+    /// Most replicas.
+    pub max: u32,
+    /// The gateway's share of the last cold start, in milliseconds.
+    pub handoff_ms: Option<f64>,
+    /// Replicas and their lifecycle.
+    pub pool: Option<TargetStatus>,
+}
+
+/// The HTTP routes, data plane and control plane.
+pub fn router(gw: Arc<Gateway>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai))
+        .route("/v1/completions", post(openai))
+        .route("/v1/embeddings", post(openai))
+        .route("/v1/models", get(models))
+        .route("/apps/{*rest}", any(passthrough))
+        .route("/v1/status", get(status))
+        .route("/v1/apps", get(list_apps))
+        .route("/v1/apps/{app}", get(get_app))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(json!({"status": "ok"})) }),
+        )
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(request_id))
+        .with_state(gw)
+}
+
+// === handlers ===
+
+async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    let (app_name, result) = match read_model(&gw, req).await {
+        Ok((app, req)) => {
+            let name = app.name.clone();
+            (Some(name), gw.serve_app(&app, req, &path).await)
+        }
+        Err(e) => (None, Err(e)),
+    };
+    finish(&gw, app_name.as_deref(), result)
+}
+
+async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<App>, Request), ApiError> {
+    let limit = gw.config.limits.max_body_bytes;
+    check_content_length(&req, limit)?;
+    let (parts, body) = req.into_parts();
+    let bytes = Limited::new(body, limit as usize)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                too_large(limit)
+            } else {
+                ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+            }
+        })?
+        .to_bytes();
+    let model = model_field(&bytes)?;
+    let app = gw.routes.get(model.as_str()).cloned().ok_or_else(|| {
+        let mut names: Vec<&str> = gw.routes.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        ApiError::new(
+            ErrorKind::NotFound,
+            format!(
+                "model '{model}' not found; available models: {}",
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            ),
+        )
+    })?;
+    Ok((app, Request::from_parts(parts, Body::from(bytes))))
+}
+
+/// The JSON `model` field, without parsing the rest of the body into values.
+pub fn model_field(body: &[u8]) -> Result<String, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Model {
+        model: Option<serde_json::Value>,
+    }
+    let parsed: Model = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the request body must be a JSON object with a \"model\" field ({e})"),
+        )
+    })?;
+    match parsed.model {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s),
+        Some(serde_json::Value::String(_)) => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "the \"model\" field is empty; name an app (see GET /v1/models)",
+        )),
+        Some(_) => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "the \"model\" field must be a string naming an app (see GET /v1/models)",
+        )),
+        None => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "the request body has no \"model\" field; name an app (see GET /v1/models)",
+        )),
+    }
+}
+
+async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let path = req.uri().path();
+    let rest = path.strip_prefix("/apps/").unwrap_or("");
+    let (name, sub) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let Some(app) = gw.routes.get(name).cloned() else {
+        let err = ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"));
+        return finish(&gw, None, Err(err));
+    };
+    let target = match req.uri().query() {
+        Some(q) => format!("{sub}?{q}"),
+        None => sub.to_string(),
+    };
+    let limit = gw.config.limits.max_body_bytes;
+    if let Err(e) = check_content_length(&req, limit) {
+        return finish(&gw, Some(&app.name), Err(e));
+    }
+    let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
+    let result = gw.serve_app(&app, req, &target).await;
+    finish(&gw, Some(&app.name), result)
+}
+
+fn finish(gw: &Gateway, app: Option<&str>, result: Result<Response, ApiError>) -> Response {
+    match result {
+        Ok(resp) => {
+            if let Some(app) = app {
+                gw.count(app, "ok");
+            }
+            resp
+        }
+        Err(e) => {
+            if let Some(app) = app {
+                gw.count(app, e.kind.as_str());
+            }
+            e.into_response()
+        }
+    }
+}
+
+fn check_content_length(req: &Request, limit: u64) -> Result<(), ApiError> {
+    let len = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match len {
+        Some(n) if n > limit => Err(too_large(limit)),
+        _ => Ok(()),
+    }
+}
+
+fn too_large(limit: u64) -> ApiError {
+    ApiError::new(
+        ErrorKind::TooLarge,
+        format!(
+            "the request body is larger than the limit of {limit} bytes (limits.max_body_bytes)"
+        ),
+    )
+}
+
+async fn models(State(gw): State<Arc<Gateway>>) -> Response {
+    let mut data = Vec::new();
+    for app in &gw.apps {
+        for id in std::iter::once(&app.name).chain(app.spec.aliases.iter()) {
+            data.push(json!({"id": id, "object": "model", "created": 0, "owned_by": "warmgate"}));
+        }
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn status(State(gw): State<Arc<Gateway>>) -> Response {
+    axum::Json(json!({"apps": gw.status()})).into_response()
+}
+
+async fn list_apps(State(gw): State<Arc<Gateway>>) -> Response {
+    axum::Json(json!({"apps": gw.status()})).into_response()
+}
+
+async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    match gw.routes.get(&name) {
+        Some(app) => {
+            let targets = gw.pool.status();
+            let t = targets.iter().find(|t| t.name == app.name);
+            axum::Json(gw.status_of(app, t)).into_response()
+        }
+        None => {
+            ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
+        }
+    }
+}
+
+async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
+    if gw.draining.load(Ordering::Acquire) {
+        ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down")
+            .retry_after(1)
+            .into_response()
+    } else {
+        axum::Json(json!({"status": "ready"})).into_response()
+    }
+}
+
+async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
+    match &gw.metrics {
+        Some(h) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            h.render(),
+        )
+            .into_response(),
+        None => (StatusCode::OK, "").into_response(),
+    }
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    ApiError::new(
+        ErrorKind::MethodNotAllowed,
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+/// Echoes `X-Request-Id`, generating one when the client sent none, and
+/// passes it on to the worker.
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = match req.headers().get(X_REQUEST_ID) {
+        Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
+        _ => {
+            let v = HeaderValue::from_str(&format!("{:016x}", fastrand::u64(..)))
+                .expect("hex is a valid header value");
+            req.headers_mut().insert(X_REQUEST_ID, v.clone());
+            v
+        }
+    };
+    let mut resp = next.run(req).await;
+    resp.headers_mut().insert(X_REQUEST_ID, id);
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_field_errors_are_clear() {
+        assert_eq!(
+            model_field(br#"{"model":"a","input":[1,2]}"#).expect("ok"),
+            "a"
+        );
+        let kinds = [
+            &b"not json"[..],
+            br#"{"input":"x"}"#,
+            br#"{"model":7}"#,
+            br#"{"model":""}"#,
+            br#"[1,2]"#,
+        ];
+        for body in kinds {
+            let err = model_field(body).expect_err("error");
+            assert_eq!(err.kind, ErrorKind::BadRequest);
+            assert!(err.message.contains("model"), "{}", err.message);
+        }
+    }
+}
