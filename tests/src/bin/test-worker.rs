@@ -97,26 +97,51 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .with_context(|| format!("binding {addr}"))?;
     eprintln!("test-worker listening on {addr}");
 
+    let close = Arc::new(tokio::sync::Notify::new());
     let state = Arc::new(AppState {
         config,
         counters: Arc::default(),
         pid: std::process::id(),
+        close: close.clone(),
     });
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/stats", get(stats))
+        .route("/close-listener", axum::routing::post(close_listener))
         .fallback(handle_request)
         .with_state(state);
 
+    let by_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = by_request.clone();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
-            let name = signals.wait().await;
-            eprintln!("test-worker: received {name}, draining in-flight requests");
+            tokio::select! {
+                name = signals.wait() => {
+                    eprintln!("test-worker: received {name}, draining in-flight requests");
+                }
+                () = close.notified() => {
+                    flag.store(true, Ordering::SeqCst);
+                    eprintln!("test-worker: closing the listener but staying alive");
+                }
+            }
         })
         .await
         .context("serving")?;
+    if by_request.load(Ordering::SeqCst) {
+        // A worker that is alive but refuses connections: wait for a signal.
+        let mut signals = ShutdownSignals::install()?;
+        let name = signals.wait().await;
+        eprintln!("test-worker: received {name} while not listening");
+    }
     eprintln!("test-worker: stopped");
     Ok(())
+}
+
+/// `POST /close-listener`: stop accepting connections but keep the process
+/// alive, to test how the gateway handles a worker that refuses connections.
+async fn close_listener(State(state): State<Arc<AppState>>) -> StatusCode {
+    state.close.notify_one();
+    StatusCode::ACCEPTED
 }
 
 // ---------------------------------------------------------------------------
@@ -269,6 +294,8 @@ struct AppState {
     config: Config,
     counters: Arc<Counters>,
     pid: u32,
+    /// Notified by `POST /close-listener`.
+    close: Arc<tokio::sync::Notify>,
 }
 
 /// Request counters reported by `/stats`.

@@ -1,0 +1,222 @@
+//! The end-to-end harness: start the real `warmgate` binary on port 0 with a
+//! config written to a temporary folder, talk to it over HTTP, and wait by
+//! bounded polling.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long any single wait in a test may take before it fails.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// A binary built by `cargo build --workspace` (or nextest) beside the test.
+pub fn bin(name: &str) -> PathBuf {
+    let var = format!("WARMGATE_E2E_{}", name.to_uppercase().replace('-', "_"));
+    if let Some(p) = std::env::var_os(var) {
+        return PathBuf::from(p);
+    }
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let exe = std::env::current_exe().expect("the test knows its path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test runs from target/<profile>/deps");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not found: build the workspace first (cargo build --workspace --bins)",
+        p.display()
+    );
+    p
+}
+
+/// The fixture worker.
+pub fn test_worker() -> String {
+    bin("test-worker").to_string_lossy().into_owned()
+}
+
+/// A running `warmgate serve`.
+pub struct Gateway {
+    child: Option<Child>,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+    /// The folder with the config and the state.
+    pub dir: tempfile::TempDir,
+    /// An HTTP client for tests.
+    pub http: reqwest::Client,
+}
+
+impl Gateway {
+    /// Writes `config` (TOML, without `listen`/`state_dir`) and starts the
+    /// gateway on a free port. `{worker}` in the text becomes the
+    /// test-worker path.
+    pub fn start(config: &str) -> Gateway {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let text = config.replace("{worker}", &test_worker());
+        let path = dir.path().join("warmgate.toml");
+        std::fs::write(&path, format!("state_dir = \"state\"\n{text}")).expect("write config");
+        let mut child = Command::new(bin("warmgate"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .args(["--listen", "127.0.0.1:0"])
+            .env("WARMGATE_LOG", "info,warmgate_pool=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.path().join("gateway.log")).expect("log file"),
+            ))
+            .spawn()
+            .expect("start warmgate");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = tx.send(line);
+            }
+            // Keep draining so the gateway never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let line = rx.recv_timeout(WAIT).unwrap_or_else(|_| {
+            let log = std::fs::read_to_string(dir.path().join("gateway.log")).unwrap_or_default();
+            panic!("warmgate did not start listening:\n{log}")
+        });
+        let url = line
+            .strip_prefix("warmgate listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+            .to_string();
+        Gateway {
+            child: Some(child),
+            url,
+            dir,
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(64)
+                .build()
+                .expect("client"),
+        }
+    }
+
+    /// `url + path`.
+    pub fn at(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+
+    /// GET a JSON document.
+    pub async fn json(&self, path: &str) -> Value {
+        self.http
+            .get(self.at(path))
+            .send()
+            .await
+            .expect("request")
+            .json()
+            .await
+            .expect("json")
+    }
+
+    /// The status of one app from `/v1/status`.
+    pub async fn app_status(&self, app: &str) -> Value {
+        let v = self.json("/v1/status").await;
+        v["apps"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["name"] == app).cloned())
+            .unwrap_or_else(|| panic!("app {app} not in status: {v}"))
+    }
+
+    /// Ready replica pids of an app.
+    pub async fn replica_pids(&self, app: &str) -> Vec<i32> {
+        let s = self.app_status(app).await;
+        s["pool"]["replicas"]
+            .as_array()
+            .map(|rs| {
+                rs.iter()
+                    .filter_map(|r| r["pid"].as_i64())
+                    .map(|p| p as i32)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The gateway's own log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
+    }
+
+    /// The gateway's pid.
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    pub fn stop(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!(
+                    "warmgate did not exit within {WAIT:?} of SIGTERM:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let status = self.stop();
+            if !std::thread::panicking() {
+                assert!(
+                    status.success(),
+                    "warmgate exited with {status}:\n{}",
+                    self.log()
+                );
+            }
+        }
+    }
+}
+
+/// Polls `check` until it returns `Some`, at most `WAIT`; panics with
+/// `what` otherwise.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut delay = Duration::from_millis(10);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {WAIT:?} waiting for: {what}");
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// Whether a process exists.
+pub fn alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+}
+
+/// The `error.kind` of an error response body.
+pub fn kind(v: &Value) -> &str {
+    v["error"]["kind"].as_str().unwrap_or("<no kind>")
+}

@@ -1,0 +1,340 @@
+//! Bad input and broken workers: every failure is a clear JSON error, never
+//! a panic or a hang.
+
+mod common;
+
+use common::{Gateway, eventually, kind};
+use serde_json::{Value, json};
+
+async fn error_of(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    let body: Value = resp.json().await.expect("errors are JSON");
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_json_errors() {
+    let gw = Gateway::start(
+        r#"
+        [limits]
+        max_body_bytes = 1024
+        [[apps]]
+        name = "echo"
+        command = ["{worker}"]
+        "#,
+    );
+    let cases: Vec<(reqwest::RequestBuilder, u16, &str, &str)> = vec![
+        (
+            gw.http.get(gw.at("/apps/nope/x")),
+            404,
+            "not_found",
+            "app 'nope'",
+        ),
+        (
+            gw.http
+                .post(gw.at("/v1/chat/completions"))
+                .json(&json!({"model": "gpt-5"})),
+            404,
+            "not_found",
+            "available models: echo",
+        ),
+        (
+            gw.http
+                .post(gw.at("/v1/chat/completions"))
+                .json(&json!({"messages": []})),
+            400,
+            "bad_request",
+            "no \"model\" field",
+        ),
+        (
+            gw.http
+                .post(gw.at("/v1/completions"))
+                .json(&json!({"model": 3})),
+            400,
+            "bad_request",
+            "must be a string",
+        ),
+        (
+            gw.http.post(gw.at("/v1/embeddings")).body("{not json"),
+            400,
+            "bad_request",
+            "JSON object",
+        ),
+        (
+            gw.http.post(gw.at("/v1/embeddings")).body(format!(
+                r#"{{"model":"echo","input":"{}"}}"#,
+                "x".repeat(4096)
+            )),
+            413,
+            "too_large",
+            "1024 bytes",
+        ),
+        (
+            gw.http
+                .post(gw.at("/apps/echo/upload"))
+                .body(vec![b'x'; 4096]),
+            413,
+            "too_large",
+            "1024 bytes",
+        ),
+        (
+            gw.http.get(gw.at("/v1/embeddings")),
+            405,
+            "method_not_allowed",
+            "GET",
+        ),
+        (gw.http.get(gw.at("/nowhere")), 404, "not_found", "/nowhere"),
+    ];
+    for (req, status, want_kind, words) in cases {
+        let (got, body) = error_of(req.send().await.expect("send")).await;
+        assert_eq!(got, status, "{body}");
+        assert_eq!(kind(&body), want_kind, "{body}");
+        let msg = body["error"]["message"].as_str().expect("a message");
+        assert!(
+            msg.contains(words),
+            "message {msg:?} should mention {words:?}"
+        );
+    }
+
+    // A chunked upload without Content-Length is cut off at the limit too.
+    let chunks = futures_util::stream::iter(
+        (0..8).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'y'; 512]))),
+    );
+    let resp = gw
+        .http
+        .post(gw.at("/apps/echo/upload"))
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .expect("send");
+    let (status, body) = error_of(resp).await;
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(kind(&body), "too_large");
+
+    // The app still works.
+    let resp = gw
+        .http
+        .post(gw.at("/apps/echo/ok"))
+        .body("small")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_replica_is_replaced_and_later_requests_succeed() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "fragile"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    let first = eventually("one replica ready", || async {
+        let s = gw.app_status("fragile").await;
+        (s["ready"] == 1).then(|| s["pool"]["replicas"][0]["id"].as_str().map(String::from))?
+    })
+    .await;
+
+    let (status, body) = error_of(
+        gw.http
+            .get(gw.at("/apps/fragile/boom?crash=1"))
+            .send()
+            .await
+            .expect("send"),
+    )
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(kind(&body), "replica_failed");
+
+    let second = eventually("a new replica replaces the crashed one", || async {
+        let s = gw.app_status("fragile").await;
+        let id = s["pool"]["replicas"][0]["id"].as_str().map(String::from)?;
+        (s["ready"] == 1 && id != first).then_some(id)
+    })
+    .await;
+    for _ in 0..5 {
+        let resp = gw
+            .http
+            .get(gw.at("/apps/fragile/ok"))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-warmgate-replica"], second.as_str());
+    }
+    let s = gw.app_status("fragile").await;
+    assert_eq!(s["pool"]["restarts"], 1, "{s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_mid_response_cuts_the_stream_and_frees_the_slot() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "midway"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    let mut resp = gw
+        .http
+        .get(gw.at("/apps/midway/x?crash_mid=1"))
+        .send()
+        .await
+        .expect("headers arrive before the crash");
+    assert_eq!(resp.status(), 200);
+    let mut got = Vec::new();
+    let outcome = loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => got.extend_from_slice(&c),
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    assert!(
+        outcome.is_err(),
+        "the client sees a broken body, not a clean end"
+    );
+    assert_eq!(String::from_utf8_lossy(&got), "partial\n");
+    eventually("the app recovers", || async {
+        let r = gw.http.get(gw.at("/apps/midway/ok")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let s = gw.app_status("midway").await;
+    assert_eq!(s["inflight"], 0, "no slot leaked: {s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_refuses_connections_is_a_502_then_replaced() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "deaf"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    let first = eventually("one replica ready", || async {
+        let s = gw.app_status("deaf").await;
+        (s["ready"] == 1).then(|| s["pool"]["replicas"][0]["id"].as_str().map(String::from))?
+    })
+    .await;
+    let resp = gw
+        .http
+        .post(gw.at("/apps/deaf/close-listener"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 202);
+    // Until the liveness probe replaces it, requests to it fail clearly.
+    let (status, body) = eventually("a request hits the deaf replica", || async {
+        let r = gw.http.get(gw.at("/apps/deaf/x")).send().await.ok()?;
+        (r.status() != 200).then_some(r)
+    })
+    .await
+    .pipe(error_of)
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(kind(&body), "replica_failed", "{body}");
+    eventually(
+        "the deaf replica is replaced and requests succeed",
+        || async {
+            let r = gw.http.get(gw.at("/apps/deaf/x")).send().await.ok()?;
+            let replica = r
+                .headers()
+                .get("x-warmgate-replica")?
+                .to_str()
+                .ok()?
+                .to_string();
+            (r.status() == 200 && replica != first).then_some(())
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_never_becomes_ready_fails_held_requests_clearly() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "stuck"
+        command = ["{worker}"]
+        startup_timeout = "1s"
+        env = { TEST_WORKER_NEVER_READY = "1" }
+        "#,
+    );
+    let (status, body) = error_of(
+        gw.http
+            .get(gw.at("/apps/stuck/x"))
+            .send()
+            .await
+            .expect("send"),
+    )
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(kind(&body), "replica_failed");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("did not become ready within 1s"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_exits_at_start_fails_fast_and_backs_off() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "broken"
+        command = ["{worker}"]
+        env = { TEST_WORKER_EXIT_AT_START = "3" }
+        "#,
+    );
+    let (status, body) = error_of(
+        gw.http
+            .get(gw.at("/apps/broken/x"))
+            .send()
+            .await
+            .expect("send"),
+    )
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(kind(&body), "replica_failed");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("exited with status 3"), "{msg}");
+
+    // While it crash-loops, requests are refused at once with Retry-After,
+    // instead of waiting out the backoff.
+    let resp = eventually("a request is refused during the backoff", || async {
+        let r = gw.http.get(gw.at("/apps/broken/x")).send().await.ok()?;
+        (r.status() == 503).then_some(r)
+    })
+    .await;
+    assert!(resp.headers().contains_key("retry-after"));
+    let (_, body) = error_of(resp).await;
+    assert_eq!(kind(&body), "no_capacity", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("failing to start"),
+        "{body}"
+    );
+    let s = gw.app_status("broken").await;
+    assert!(s["pool"]["health"]["failing_to_start"] == true, "{s}");
+}
+
+/// `x.pipe(f)` for chaining an async function onto a value.
+trait Pipe: Sized {
+    fn pipe<R>(self, f: impl FnOnce(Self) -> R) -> R {
+        f(self)
+    }
+}
+impl<T> Pipe for T {}

@@ -1,0 +1,180 @@
+//! The gateway's own lifecycle: config checks, GPUs, graceful shutdown.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Command;
+
+use common::{Gateway, alive, bin, eventually};
+use serde_json::Value;
+
+fn check(config: &str) -> (i32, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, config).expect("write");
+    let out = Command::new(bin("warmgate"))
+        .args(["serve", "--check", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run warmgate");
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn serve_check_exits_64_naming_the_key_and_the_file() {
+    let (code, text) = check("[[apps]]\nname = \"a\"\ncommand = [\"w\"]\nconcurency = 2\n");
+    assert_eq!(code, 64, "{text}");
+    assert!(text.contains("bad.toml"), "names the file: {text}");
+    assert!(text.contains("apps[0].concurency"), "names the key: {text}");
+
+    let (code, text) =
+        check("[[apps]]\nname = \"a\"\ncommand = [\"w\"]\n[apps.autoscale]\nmin = 5\nmax = 2\n");
+    assert_eq!(code, 64, "{text}");
+    assert!(text.contains("apps[0].autoscale.min"), "{text}");
+
+    let (code, text) = check("[[apps]]\nname = \"a\"\ncommand = [\"w\"]\n");
+    assert_eq!(code, 0, "{text}");
+}
+
+#[test]
+fn the_example_configs_are_valid() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&root).expect("examples/configs exists") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let out = Command::new(bin("warmgate"))
+                .args(["serve", "--check", "--config"])
+                .arg(&path)
+                .output()
+                .expect("run warmgate");
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            n += 1;
+        }
+    }
+    assert!(n > 0, "no example configs found in {}", root.display());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_are_never_shared_and_a_replica_without_one_waits() {
+    let gw = Gateway::start(
+        r#"
+        [backend]
+        gpus = [0, 1]
+        [[apps]]
+        name = "gpu"
+        command = ["{worker}"]
+        gpus = 1
+        [apps.autoscale]
+        min = 3
+        max = 3
+        [[apps]]
+        name = "cpu"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    let s = eventually("two GPU replicas ready and one pending", || async {
+        let s = gw.app_status("gpu").await;
+        let states: Vec<String> = s["pool"]["replicas"]
+            .as_array()?
+            .iter()
+            .filter_map(|r| r["state"].as_str().map(String::from))
+            .collect();
+        let ready = states.iter().filter(|x| *x == "ready").count();
+        let pending = states.iter().filter(|x| *x == "pending").count();
+        (ready == 2 && pending == 1).then_some(s)
+    })
+    .await;
+    let pending = s["pool"]["replicas"]
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .find(|r| r["state"] == "pending")
+        .expect("a pending replica");
+    assert!(
+        pending["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("needs 1 GPU(s), 0 of 2 free"),
+        "the reason is shown: {pending}"
+    );
+
+    // Each ready replica sees its own GPU.
+    let mut seen = HashSet::new();
+    for _ in 0..50 {
+        let stats: Value = gw.json("/apps/gpu/stats").await;
+        seen.insert(
+            stats["env"]["CUDA_VISIBLE_DEVICES"]
+                .as_str()
+                .unwrap_or("?")
+                .to_string(),
+        );
+        if seen.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(seen, HashSet::from(["0".to_string(), "1".to_string()]));
+
+    // A replica that asked for no GPU sees none.
+    eventually("the cpu app is ready", || async {
+        (gw.app_status("cpu").await["ready"] == 1).then_some(())
+    })
+    .await;
+    let stats: Value = gw.json("/apps/cpu/stats").await;
+    assert_eq!(stats["env"]["CUDA_VISIBLE_DEVICES"], "");
+    assert_eq!(stats["env"]["WARMGATE_TARGET"], "cpu");
+    assert_eq!(stats["env"]["WARMGATE_REVISION"], "cpu-00001");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_requests_in_flight_and_leaves_no_process_behind() {
+    let mut gw = Gateway::start(
+        r#"
+        [backend]
+        stop_grace = "10s"
+        [[apps]]
+        name = "svc"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 2
+        max = 2
+        "#,
+    );
+    let pids = eventually("two replicas ready", || async {
+        let pids = gw.replica_pids("svc").await;
+        (gw.app_status("svc").await["ready"] == 2 && pids.len() == 2).then_some(pids)
+    })
+    .await;
+    assert!(pids.iter().all(|p| alive(*p)));
+
+    let http = gw.http.clone();
+    let slow = tokio::spawn(http.get(gw.at("/apps/svc/slow?latency_ms=1500")).send());
+    eventually("the slow request is in flight", || async {
+        (gw.app_status("svc").await["inflight"] == 1).then_some(())
+    })
+    .await;
+    let status = tokio::task::spawn_blocking(move || {
+        let status = gw.stop();
+        (status, gw)
+    });
+    let resp = slow
+        .await
+        .expect("task")
+        .expect("the in-flight request completes");
+    assert_eq!(resp.status(), 200);
+    let (status, gw) = status.await.expect("stop");
+    assert!(status.success(), "clean exit: {status}\n{}", gw.log());
+    for pid in pids {
+        assert!(!alive(pid), "replica process {pid} outlived the gateway");
+    }
+}
