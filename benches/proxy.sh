@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# Proxy overhead of warmgate against nginx, and the gateway's share of a cold
+# start. Everything runs in one go on loopback:
+#
+#   upstream  = echo-upstream (hyper), started by warmgate as an app replica,
+#               so nginx and warmgate proxy to the very same process
+#   proxies   = nginx (Debian, 1 worker, upstream keep-alive) and warmgate
+#               (1 tokio worker thread), both pinned to CPU 0
+#   load      = wrk (saturation, closed loop) and loadgen (fixed open-loop
+#               rate, latency from the scheduled send time), pinned to CPU 1
+#               together with the upstream
+#
+# Usage: benches/proxy.sh            (RATE, DURATION, CONNS, COLD_N override)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RATE=${RATE:-5000}
+DURATION=${DURATION:-10}
+CONNS=${CONNS:-64}
+COLD_N=${COLD_N:-30}
+PROXY_CPU=${PROXY_CPU:-0}
+LOAD_CPU=${LOAD_CPU:-1}
+
+need() { command -v "$1" >/dev/null 2>&1; }
+if ! need nginx || ! need wrk || ! need taskset; then
+  echo "installing nginx, wrk, util-linux from Debian" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq nginx-light wrk util-linux >/dev/null
+fi
+
+cargo build --release --workspace --bins -q
+BIN=$PWD/target/release
+WORK=$(mktemp -d /tmp/warmgate-bench.XXXXXX)
+OUT=${OUT:-$PWD/target/bench-results}
+mkdir -p "$OUT"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  [ -f "$WORK/nginx/nginx.pid" ] && kill -QUIT "$(cat "$WORK/nginx/nginx.pid")" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+start_gateway() { # config-file -> sets GW_URL
+  local cfg=$1 log=$2
+  taskset -c "$PROXY_CPU" env TOKIO_WORKER_THREADS=1 WARMGATE_LOG=warn \
+    "$BIN/warmgate" serve --config "$cfg" --listen 127.0.0.1:0 >"$log.out" 2>"$log" &
+  PIDS+=($!)
+  for _ in $(seq 1 500); do
+    if grep -q "listening on" "$log.out" 2>/dev/null; then break; fi
+    sleep 0.01
+  done
+  GW_URL=$(sed -n 's/^warmgate listening on //p' "$log.out" | head -1)
+  [ -n "$GW_URL" ] || { cat "$log"; echo "warmgate did not start" >&2; exit 1; }
+}
+
+# --- 1. warmgate with the upstream as its replica ---------------------------
+cat >"$WORK/proxy.toml" <<EOF
+state_dir = "$WORK/state"
+[[apps]]
+name = "echo"
+command = ["taskset", "-c", "$LOAD_CPU", "$BIN/echo-upstream"]
+env = { TOKIO_WORKER_THREADS = "1" }
+concurrency = 100000
+[apps.autoscale]
+min = 1
+max = 1
+[apps.queue]
+max_pending = 100000
+EOF
+start_gateway "$WORK/proxy.toml" "$WORK/gw.log"
+UPSTREAM=""
+for _ in $(seq 1 500); do
+  UPSTREAM=$(curl -s "$GW_URL/v1/status" | python3 -c '
+import json,sys
+a=json.load(sys.stdin)["apps"][0]
+r=[x for x in a["pool"]["replicas"] if x["state"]=="ready"]
+print(r[0]["addr"] if r else "")' || true)
+  [ -n "$UPSTREAM" ] && break
+  sleep 0.02
+done
+[ -n "$UPSTREAM" ] || { echo "the upstream replica did not become ready" >&2; exit 1; }
+
+# --- 2. nginx in front of the same upstream ----------------------------------
+NGINX_PORT=$(free_port)
+mkdir -p "$WORK/nginx/logs"
+cat >"$WORK/nginx/nginx.conf" <<EOF
+worker_processes 1;
+daemon on;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/logs/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx/body;
+  proxy_temp_path $WORK/nginx/proxy;
+  fastcgi_temp_path $WORK/nginx/fcgi;
+  uwsgi_temp_path $WORK/nginx/uwsgi;
+  scgi_temp_path $WORK/nginx/scgi;
+  upstream up { server $UPSTREAM; keepalive 256; }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    keepalive_requests 1000000;
+    location /apps/echo/ {
+      proxy_pass http://up/;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+EOF
+taskset -c "$PROXY_CPU" nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf"
+for _ in $(seq 1 200); do curl -sf "http://127.0.0.1:$NGINX_PORT/apps/echo/" >/dev/null && break; sleep 0.02; done
+
+declare -A URL=(
+  [direct]="http://$UPSTREAM/"
+  [nginx]="http://127.0.0.1:$NGINX_PORT/apps/echo/"
+  [warmgate]="$GW_URL/apps/echo/"
+)
+for t in direct nginx warmgate; do
+  curl -sf "${URL[$t]}" >/dev/null || { echo "$t does not answer at ${URL[$t]}" >&2; exit 1; }
+done
+
+# --- 3. saturation (wrk) and fixed-rate latency (loadgen) ---------------------
+declare -A RPS P50 P99 P999 ERR
+for t in direct nginx warmgate; do
+  out=$(taskset -c "$LOAD_CPU" wrk -t1 -c"$CONNS" -d"${DURATION}s" "${URL[$t]}")
+  RPS[$t]=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+  j=$(taskset -c "$LOAD_CPU" "$BIN/loadgen" --url "${URL[$t]}" --rate "$RATE" \
+      --duration "$DURATION" --connections "$CONNS" --label "$t")
+  P50[$t]=$(echo "$j" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p50_ms"])')
+  P99[$t]=$(echo "$j" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p99_ms"])')
+  P999[$t]=$(echo "$j" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p999_ms"])')
+  ERR[$t]=$(echo "$j" | python3 -c 'import json,sys; print(json.load(sys.stdin)["errors"])')
+  echo "$t: wrk ${RPS[$t]} req/s; loadgen $j" >&2
+done
+kill -TERM "${PIDS[0]}"; wait "${PIDS[0]}" 2>/dev/null || true; PIDS=()
+kill -QUIT "$(cat "$WORK/nginx/nginx.pid")" 2>/dev/null || true
+
+# --- 4. the gateway's share of cold starts ------------------------------------
+{
+  echo "state_dir = \"$WORK/state-cold\""
+  for i in $(seq 1 "$COLD_N"); do
+    cat <<EOF
+[[apps]]
+name = "cold$i"
+command = ["$BIN/echo-upstream"]
+env = { TOKIO_WORKER_THREADS = "1" }
+EOF
+  done
+} >"$WORK/cold.toml"
+start_gateway "$WORK/cold.toml" "$WORK/gw-cold.log"
+TOTALS=()
+for i in $(seq 1 "$COLD_N"); do
+  TOTALS+=("$(curl -s -o /dev/null -w '%{time_total}' "$GW_URL/apps/cold$i/")")
+done
+COLD=$(curl -s "$GW_URL/v1/status" | python3 -c '
+import json,sys,statistics
+apps=json.load(sys.stdin)["apps"]
+h=sorted(a["handoff_ms"] for a in apps if a["handoff_ms"] is not None)
+r=sorted(a["pool"]["last_cold_start"]["ready_seconds"]*1e3 for a in apps if a["pool"]["last_cold_start"])
+q=lambda v,p: v[min(len(v)-1,int(p*len(v)))]
+print(f"{len(h)} {q(h,.5):.3f} {q(h,.9):.3f} {h[-1]:.3f} {q(r,.5):.1f}")')
+read -r COLD_COUNT HO_P50 HO_P90 HO_MAX READY_P50 <<<"$COLD"
+TOTAL_P50=$(printf '%s\n' "${TOTALS[@]}" | sort -n | awk '{a[NR]=$1} END {printf "%.1f", a[int((NR+1)/2)]*1000}')
+
+# --- 5. report ----------------------------------------------------------------
+python3 - "$OUT/proxy.md" <<EOF
+import sys
+rps = {"direct": ${RPS[direct]}, "nginx": ${RPS[nginx]}, "warmgate": ${RPS[warmgate]}}
+p50 = {"direct": ${P50[direct]}, "nginx": ${P50[nginx]}, "warmgate": ${P50[warmgate]}}
+p99 = {"direct": ${P99[direct]}, "nginx": ${P99[nginx]}, "warmgate": ${P99[warmgate]}}
+p999 = {"direct": ${P999[direct]}, "nginx": ${P999[nginx]}, "warmgate": ${P999[warmgate]}}
+err = {"direct": ${ERR[direct]}, "nginx": ${ERR[nginx]}, "warmgate": ${ERR[warmgate]}}
+add50 = {k: p50[k] - p50["direct"] for k in ("nginx", "warmgate")}
+add99 = {k: p99[k] - p99["direct"] for k in ("nginx", "warmgate")}
+def ratio(a, b):
+    return f"{a / b:.2f}" if b > 0 else "n/a (nginx added nothing)"
+lines = [
+    f"## Proxy overhead (open loop {${RATE}} req/s for ${DURATION}s, {${CONNS}} connections; wrk -c{${CONNS}} for saturation)",
+    "",
+    "| target | saturation req/s | p50 ms | p99 ms | p99.9 ms | added p50 ms | added p99 ms | errors |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
+]
+for k in ("direct", "nginx", "warmgate"):
+    a50 = f"{add50[k]:.3f}" if k in add50 else "-"
+    a99 = f"{add99[k]:.3f}" if k in add99 else "-"
+    lines.append(f"| {k} | {rps[k]:.0f} | {p50[k]:.3f} | {p99[k]:.3f} | {p999[k]:.3f} | {a50} | {a99} | {err[k]} |")
+lines += [
+    "",
+    f"- throughput ratio warmgate / nginx: **{rps['warmgate'] / rps['nginx']:.2f}** (goal >= 1)",
+    f"- added p99 ratio warmgate / nginx: **{ratio(add99['warmgate'], add99['nginx'])}** (goal <= 1)",
+    f"- added p50 ratio warmgate / nginx: {ratio(add50['warmgate'], add50['nginx'])}",
+    "",
+    f"## Cold start: the gateway's share ({${COLD_COUNT}} cold starts)",
+    "",
+    "From the replica answering /healthz to the first held request being forwarded:",
+    f"p50 **{${HO_P50}} ms**, p90 {${HO_P90}} ms, max {${HO_MAX}} ms (goal: p50 < 5 ms).",
+    f"For scale: spawn-to-ready p50 {${READY_P50}} ms, client-seen cold request p50 {${TOTAL_P50}} ms.",
+]
+text = "\n".join(lines) + "\n"
+open(sys.argv[1], "w").write(text)
+print(text)
+EOF
