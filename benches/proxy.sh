@@ -46,7 +46,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 start_gateway() { # config-file -> sets GW_URL
   local cfg=$1 log=$2
-  taskset -c "$PROXY_CPU" env TOKIO_WORKER_THREADS=1 WARMGATE_LOG=warn \
+  taskset -c "$PROXY_CPU" env WARMGATE_THREADS=1 WARMGATE_LOG=warn \
     "$BIN/warmgate" serve --config "$cfg" --listen 127.0.0.1:0 >"$log.out" 2>"$log" &
   PIDS+=($!)
   for _ in $(seq 1 500); do

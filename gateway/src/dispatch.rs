@@ -32,6 +32,8 @@ pub struct App {
     slots: Mutex<Slots>,
     scaler: Mutex<Autoscaler>,
     handoff: Mutex<Option<Duration>>,
+    /// `warmgate_requests_total` by outcome: `ok`, then [`ErrorKind::ALL`].
+    outcomes: Vec<metrics::Counter>,
 }
 
 struct Slots {
@@ -121,6 +123,16 @@ impl App {
             }),
             scaler: Mutex::new(Autoscaler::new(scaling)),
             handoff: Mutex::new(None),
+            outcomes: std::iter::once("ok")
+                .chain(ErrorKind::ALL.iter().map(|k| k.as_str()))
+                .map(|outcome| {
+                    metrics::counter!(
+                        "warmgate_requests_total",
+                        "app" => spec.name.clone(),
+                        "outcome" => outcome
+                    )
+                })
+                .collect(),
             spec,
         }
     }
@@ -255,6 +267,14 @@ impl App {
         let mut scaler = self.scaler.lock();
         let desired = scaler.wake(now);
         apply(desired);
+    }
+
+    /// Counts a finished request: `None` for success, or its error kind.
+    pub fn count(&self, outcome: Option<ErrorKind>) {
+        let i = outcome.map_or(0, |k| k as usize + 1);
+        if let Some(c) = self.outcomes.get(i) {
+            c.increment(1);
+        }
     }
 
     /// The gateway's share of the last cold start: from the replica

@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod dispatch;
 pub mod error;
+pub mod listener;
 pub mod proxy;
 pub mod server;
 

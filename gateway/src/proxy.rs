@@ -57,8 +57,11 @@ impl Proxy {
         slot: SlotGuard,
     ) -> Result<Response<Body>, ApiError> {
         let replica = slot.replica().clone();
-        let uri: Uri = format!("http://{}{}", replica.addr, path_and_query)
-            .parse()
+        let uri = Uri::builder()
+            .scheme(http::uri::Scheme::HTTP)
+            .authority(replica.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
             .map_err(|_| ApiError::new(ErrorKind::BadRequest, "the request path is not valid"))?;
         *req.uri_mut() = uri;
         *req.version_mut() = http::Version::HTTP_11;
@@ -127,15 +130,8 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// Removes the headers that belong to one connection, not to the message
 /// (RFC 9110 §7.6.1), including any named by `Connection`.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    if headers.contains_key(header::CONNECTION) {
+        strip_connection_named(headers);
     }
     for name in [
         header::CONNECTION,
@@ -150,6 +146,20 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
     headers.remove("keep-alive");
     headers.remove("proxy-connection");
+}
+
+/// Removes the headers that `Connection` names.
+fn strip_connection_named(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
 }
 
 /// A response body that frees its slot when it ends, fails or is dropped

@@ -248,11 +248,6 @@ impl Gateway {
         Ok(())
     }
 
-    fn count(&self, app: &str, outcome: &'static str) {
-        metrics::counter!("warmgate_requests_total", "app" => app.to_string(), "outcome" => outcome)
-            .increment(1);
-    }
-
     fn status_of(&self, app: &App, target: Option<&TargetStatus>) -> AppStatus {
         let (inflight, queued) = app.load();
         let ready = app.ready_replicas();
@@ -347,14 +342,13 @@ async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_string();
-    let (app_name, result) = match read_model(&gw, req).await {
+    match read_model(&gw, req).await {
         Ok((app, req)) => {
-            let name = app.name.clone();
-            (Some(name), gw.serve_app(&app, req, &path).await)
+            let result = gw.serve_app(&app, req, &path).await;
+            finish(Some(&app), result)
         }
-        Err(e) => (None, Err(e)),
-    };
-    finish(&gw, app_name.as_deref(), result)
+        Err(e) => finish(None, Err(e)),
+    }
 }
 
 async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<App>, Request), ApiError> {
@@ -429,7 +423,7 @@ async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     };
     let Some(app) = gw.routes.get(name).cloned() else {
         let err = ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"));
-        return finish(&gw, None, Err(err));
+        return finish(None, Err(err));
     };
     let target = match req.uri().query() {
         Some(q) => format!("{sub}?{q}"),
@@ -437,24 +431,24 @@ async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     };
     let limit = gw.config.limits.max_body_bytes;
     if let Err(e) = check_content_length(&req, limit) {
-        return finish(&gw, Some(&app.name), Err(e));
+        return finish(Some(&app), Err(e));
     }
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
     let result = gw.serve_app(&app, req, &target).await;
-    finish(&gw, Some(&app.name), result)
+    finish(Some(&app), result)
 }
 
-fn finish(gw: &Gateway, app: Option<&str>, result: Result<Response, ApiError>) -> Response {
+fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {
     match result {
         Ok(resp) => {
             if let Some(app) = app {
-                gw.count(app, "ok");
+                app.count(None);
             }
             resp
         }
         Err(e) => {
             if let Some(app) = app {
-                gw.count(app, e.kind.as_str());
+                app.count(Some(e.kind));
             }
             e.into_response()
         }

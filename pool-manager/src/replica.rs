@@ -86,6 +86,8 @@ pub struct ReplicaHandle {
     pub revision: String,
     /// Where it listens.
     pub addr: SocketAddr,
+    /// `addr` as a URI authority, built once for every request to reuse.
+    pub authority: http::uri::Authority,
     /// Concurrency limit of this replica.
     pub concurrency: u32,
     /// When `/healthz` first answered 200.
@@ -114,6 +116,8 @@ impl ReplicaHandle {
             target,
             revision,
             addr,
+            authority: http::uri::Authority::try_from(addr.to_string().as_str())
+                .expect("a socket address is a valid authority"),
             concurrency,
             ready_at,
             weights_version: AtomicU64::new(0),
