@@ -1,0 +1,21 @@
+# Mirrors CI (.ci/run): `make ci` runs what CI runs, after CI's installs.
+.PHONY: ci lint test bench fmt
+
+ci: lint test
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+# The README's test command. The end-to-end tests start the real binaries,
+# so build them first (the test build reuses every compiled dependency).
+test:
+	cargo build --workspace --bins
+	cargo nextest run --workspace
+
+# Benchmarks (not in CI: they take minutes and need two quiet cores).
+bench:
+	bash benches/proxy.sh
+
+fmt:
+	cargo fmt --all

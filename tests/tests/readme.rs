@@ -1,0 +1,57 @@
+//! The README's examples work as a new user would paste them: every `curl`
+//! line runs against `warmgate serve` on the quickstart config.
+
+mod common;
+
+use common::Gateway;
+
+fn root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_curl_examples_work_against_the_quickstart_config() {
+    let quickstart = std::fs::read_to_string(root().join("examples/configs/quickstart.toml"))
+        .expect("the quickstart config exists");
+    assert!(
+        quickstart.contains("../../target/release/test-worker"),
+        "the quickstart runs the test worker the README builds"
+    );
+    // Same config, but with the binaries this test run built, and the
+    // harness's own port and state folder.
+    let config: String = quickstart
+        .lines()
+        .filter(|l| !l.starts_with("listen") && !l.starts_with("state_dir"))
+        .map(|l| l.replace("../../target/release/test-worker", "{worker}") + "\n")
+        .collect();
+    let gw = Gateway::start(&config);
+    let hostport = gw.url.trim_start_matches("http://").to_string();
+
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+    let curls: Vec<&str> = readme
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("curl "))
+        .collect();
+    assert!(curls.len() >= 5, "the README shows curl examples");
+    for line in curls {
+        let cmd = line.replace("localhost:8080", &hostport);
+        let out = tokio::process::Command::new("sh")
+            .args(["-c", &cmd])
+            .output()
+            .await
+            .expect("run curl");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{line}\nfailed: {out:?}");
+        assert!(!text.is_empty(), "{line}\nprinted nothing");
+        if line.contains("\"nope\"") {
+            assert!(text.contains("\"kind\":\"not_found\""), "{line}\n{text}");
+        } else {
+            assert!(!text.contains("\"error\""), "{line}\n{text}");
+            assert!(!text.starts_with("HTTP/1.1 4") && !text.starts_with("HTTP/1.1 5"), "{line}\n{text}");
+        }
+        if line.contains("\"stream\": true") {
+            assert!(text.contains("data: [DONE]"), "{line}\n{text}");
+        }
+    }
+}
