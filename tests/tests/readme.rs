@@ -48,7 +48,10 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
             assert!(text.contains("\"kind\":\"not_found\""), "{line}\n{text}");
         } else {
             assert!(!text.contains("\"error\""), "{line}\n{text}");
-            assert!(!text.starts_with("HTTP/1.1 4") && !text.starts_with("HTTP/1.1 5"), "{line}\n{text}");
+            assert!(
+                !text.starts_with("HTTP/1.1 4") && !text.starts_with("HTTP/1.1 5"),
+                "{line}\n{text}"
+            );
         }
         if line.contains("\"stream\": true") {
             assert!(text.contains("data: [DONE]"), "{line}\n{text}");
