@@ -1,9 +1,11 @@
 //! Open-loop HTTP load generator.
 //!
-//! Requests are scheduled at a fixed rate, and each one's latency is
-//! measured from the time it was *scheduled*, not from when a connection was
-//! free to send it (as wrk2 does). A server that stalls therefore shows its
-//! full queueing delay. Prints one JSON line with the percentiles.
+//! Requests are released at a fixed rate, and each one's latency is
+//! measured from the moment it was *released*, not from when a connection
+//! was free to send it (as wrk2 does). A server that stalls therefore shows
+//! its full queueing delay: no coordinated omission. The release time is
+//! read after the timer fires, so the timer's millisecond granularity is not
+//! counted against the server. Prints one JSON line with the percentiles.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,7 +100,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         if at > now {
             tokio::time::sleep(at - now).await;
         }
-        if tx.send((i, at)).await.is_err() {
+        if tx.send((i, Instant::now())).await.is_err() {
             break;
         }
     }
