@@ -428,6 +428,33 @@ impl Drop for SlotGuard {
 // === impl PendingSlot ===
 
 impl PendingSlot {
+    /// The slot, if one was granted already; `None` while still waiting.
+    pub fn try_take(&mut self) -> Option<Result<(SlotGuard, Duration), ApiError>> {
+        let rx = self.rx.as_mut()?;
+        match rx.try_recv() {
+            Ok(grant) => {
+                self.rx = None;
+                Some(grant.map(|replica| {
+                    (
+                        SlotGuard {
+                            app: self.app.clone(),
+                            replica,
+                        },
+                        self.since.elapsed(),
+                    )
+                }))
+            }
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                self.rx = None;
+                Some(Err(ApiError::new(
+                    ErrorKind::NoCapacity,
+                    format!("app '{}' is shutting down", self.app.name),
+                )))
+            }
+        }
+    }
+
     /// Waits for a slot until `timeout`.
     pub async fn wait(mut self, timeout: Duration) -> Result<(SlotGuard, Duration), ApiError> {
         let rx = self

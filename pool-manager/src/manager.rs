@@ -388,7 +388,11 @@ struct Actor {
 
 impl Actor {
     async fn run(mut self) {
+        let inner = self.inner.clone();
         loop {
+            // Made before reconcile looks at the GPUs, so a release between
+            // the two still wakes this loop.
+            let gpu_freed = inner.gpu_freed.notified();
             let wake_at = self.reconcile();
             if self.shutting_down && self.shared.lock().replicas.is_empty() {
                 break;
@@ -399,7 +403,6 @@ impl Actor {
                 .replicas
                 .values()
                 .any(|s| matches!(s.state, ReplicaState::Pending { .. }));
-            let gpu_freed = self.inner.gpu_freed.notified();
             tokio::select! {
                 changed = self.desired_rx.changed(), if !self.shutting_down => {
                     if changed.is_err() {
