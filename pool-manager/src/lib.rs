@@ -18,6 +18,7 @@ pub mod gpu;
 mod manager;
 pub mod probe;
 pub mod replica;
+pub mod weights;
 
 pub use backend::{Backend, Launch, LocalBackend, Process};
 pub use gpu::GpuInventory;
@@ -56,6 +57,22 @@ pub enum Error {
         exit: String,
         /// Where its output is.
         log: String,
+    },
+    /// A checkpoint could not be read, or is not what it claims to be.
+    #[error("{uri}: {reason}")]
+    Weights {
+        /// The object or prefix.
+        uri: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The local weight cache could not be read or written.
+    #[error("weight cache {path:?}: {reason}")]
+    Cache {
+        /// The file or folder.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
     },
     /// The worker did not answer `/healthz` with 200 within `startup_timeout`.
     #[error("the worker did not become ready within {after:?} (log: {log})")]

@@ -1,0 +1,226 @@
+//! A node-local, content-addressed cache of objects under `state_dir`.
+//!
+//! An entry's name is a hash of what the store says identifies the content
+//! (ETag or version, plus size), so a second replica, a restart or a
+//! rollback reads the same bytes locally. Entries are written to a temporary
+//! file and renamed into place only after their size is checked, so a crash
+//! never leaves a partial entry that a later read would trust. Least
+//! recently used entries are evicted past the size limit.
+
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use object_store::ObjectMeta;
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
+
+use crate::{Error, Result};
+
+const TMP_SUFFIX: &str = ".tmp";
+
+/// The cache folder and its size limit.
+#[derive(Debug, Clone)]
+pub struct Cache {
+    dir: PathBuf,
+    max_bytes: u64,
+}
+
+/// A cache entry being written. Dropped without [`CacheWriter::commit`], it
+/// removes its temporary file.
+#[derive(Debug)]
+pub struct CacheWriter {
+    file: Option<tokio::fs::File>,
+    tmp: PathBuf,
+    target: PathBuf,
+    written: u64,
+    cache: Cache,
+}
+
+impl Cache {
+    /// Opens (creating) the cache folder and removes temporary files that a
+    /// crash left behind.
+    pub fn open(dir: impl Into<PathBuf>, max_bytes: u64) -> Result<Cache> {
+        let dir = dir.into();
+        let err = |e: std::io::Error| Error::Cache {
+            path: dir.clone(),
+            reason: e.to_string(),
+        };
+        std::fs::create_dir_all(&dir).map_err(err)?;
+        for entry in std::fs::read_dir(&dir).map_err(err)?.flatten() {
+            if entry.file_name().to_string_lossy().ends_with(TMP_SUFFIX) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        Ok(Cache { dir, max_bytes })
+    }
+
+    /// The entry name for an object: a hash of its ETag (or version) and
+    /// size; without either, of its URI, modification time and size.
+    pub fn key(uri: &str, meta: &ObjectMeta) -> String {
+        let mut h = Sha256::new();
+        match (&meta.e_tag, &meta.version) {
+            (Some(etag), _) => h.update(format!("etag:{etag}|size:{}", meta.size)),
+            (None, Some(v)) => h.update(format!("version:{v}|size:{}", meta.size)),
+            (None, None) => h.update(format!(
+                "uri:{uri}|modified:{}|size:{}",
+                meta.last_modified.timestamp_nanos_opt().unwrap_or_default(),
+                meta.size
+            )),
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The entry's path if it is present and has the expected size; marks
+    /// it as recently used. An entry of the wrong size is removed.
+    pub fn lookup(&self, key: &str, size: u64) -> Option<PathBuf> {
+        let path = self.dir.join(key);
+        let meta = std::fs::metadata(&path).ok()?;
+        if meta.len() != size {
+            tracing::warn!(path = %path.display(), expected = size, found = meta.len(), "removing a cache entry of the wrong size");
+            let _ = std::fs::remove_file(&path);
+            return None;
+        }
+        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+            let _ = f.set_modified(SystemTime::now());
+        }
+        Some(path)
+    }
+
+    /// Starts writing an entry.
+    pub async fn writer(&self, key: &str) -> Result<CacheWriter> {
+        let tmp = self.dir.join(format!(
+            "{key}.{}.{:x}{TMP_SUFFIX}",
+            std::process::id(),
+            rand_u64()
+        ));
+        let file = tokio::fs::File::create(&tmp)
+            .await
+            .map_err(|e| Error::Cache {
+                path: tmp.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(CacheWriter {
+            file: Some(file),
+            target: self.dir.join(key),
+            tmp,
+            written: 0,
+            cache: self.clone(),
+        })
+    }
+
+    /// Total bytes of committed entries.
+    pub fn size(&self) -> u64 {
+        self.entries().iter().map(|e| e.1).sum()
+    }
+
+    fn entries(&self) -> Vec<(PathBuf, u64, SystemTime)> {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter(|e| !e.file_name().to_string_lossy().ends_with(TMP_SUFFIX))
+            .filter_map(|e| {
+                let m = e.metadata().ok()?;
+                m.is_file().then(|| {
+                    (
+                        e.path(),
+                        m.len(),
+                        m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Removes least recently used entries until the cache fits, never
+    /// `keep`.
+    fn evict(&self, keep: &Path) {
+        let mut entries = self.entries();
+        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        if total <= self.max_bytes {
+            return;
+        }
+        entries.sort_by_key(|e| e.2);
+        for (path, len, _) in entries {
+            if total <= self.max_bytes {
+                break;
+            }
+            if path == keep {
+                continue;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                total -= len;
+                tracing::info!(path = %path.display(), bytes = len, "evicted from the weight cache");
+            }
+        }
+    }
+}
+
+impl CacheWriter {
+    /// Appends bytes.
+    pub async fn write(&mut self, data: &Bytes) -> Result<()> {
+        let file = self.file.as_mut().ok_or_else(|| Error::Cache {
+            path: self.tmp.clone(),
+            reason: "written after commit".into(),
+        })?;
+        file.write_all(data).await.map_err(|e| Error::Cache {
+            path: self.tmp.clone(),
+            reason: e.to_string(),
+        })?;
+        self.written += data.len() as u64;
+        Ok(())
+    }
+
+    /// Checks the size, syncs, and renames the entry into place; then
+    /// evicts old entries past the limit. Returns the entry's path.
+    pub async fn commit(mut self, expected: u64) -> Result<PathBuf> {
+        let err = |path: &Path, reason: String| Error::Cache {
+            path: path.to_owned(),
+            reason,
+        };
+        if self.written != expected {
+            return Err(err(
+                &self.tmp,
+                format!("wrote {} bytes but the object has {expected}", self.written),
+            ));
+        }
+        let mut file = self.file.take().expect("committed once");
+        file.flush()
+            .await
+            .map_err(|e| err(&self.tmp, e.to_string()))?;
+        file.sync_all()
+            .await
+            .map_err(|e| err(&self.tmp, e.to_string()))?;
+        drop(file);
+        if let Err(e) = tokio::fs::rename(&self.tmp, &self.target).await {
+            let _ = tokio::fs::remove_file(&self.tmp).await;
+            return Err(err(&self.target, e.to_string()));
+        }
+        let cache = self.cache.clone();
+        let target = self.target.clone();
+        let keep = target.clone();
+        let _ = tokio::task::spawn_blocking(move || cache.evict(&keep)).await;
+        Ok(target)
+    }
+}
+
+impl Drop for CacheWriter {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or_default(),
+    );
+    h.finish()
+}

@@ -1,0 +1,18 @@
+//! Weights streamed from object storage.
+//!
+//! A checkpoint is a prefix in an object store (`file://`, `s3://`, `gs://`,
+//! `az://`, `memory://`) holding `*.safetensors` files and small side files.
+//! [`Source`] reads an object with many ranged GETs in parallel, in order,
+//! within a memory budget; [`Source::tensors`] parses the safetensors header
+//! first and yields each tensor as soon as its bytes are complete, so a
+//! worker can place tensor N while tensor N+1 is still arriving. [`Cache`]
+//! keeps objects on local disk, keyed by what the store says about their
+//! content, so a second replica or a rollback never downloads them again.
+
+mod cache;
+pub mod header;
+mod source;
+
+pub use cache::{Cache, CacheWriter};
+pub use header::{Header, TensorEntry};
+pub use source::{Source, StreamConfig, Tensor};

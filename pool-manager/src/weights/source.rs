@@ -1,0 +1,332 @@
+//! Reading objects with parallel ranged GETs.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::stream::{self, BoxStream, StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
+use safetensors::Dtype;
+
+use super::header::{self, Header, LEN_PREFIX, MAX_HEADER_BYTES};
+use crate::{Error, Result};
+
+/// How an object is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamConfig {
+    /// Ranged GETs in flight at once. Object stores cap each connection's
+    /// throughput, so parallel ranges are what make S3 fast.
+    pub concurrency: usize,
+    /// Bytes per ranged GET.
+    pub part_size: u64,
+    /// Bytes of parts held in memory at once; caps `concurrency` so that
+    /// `concurrency × part_size` stays under it.
+    pub memory_limit: u64,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            // 16 × 8 MiB: past the per-connection cap of S3-like stores
+            // (~100 MB/s each) without a flood of tiny requests.
+            concurrency: 16,
+            part_size: 8 * 1024 * 1024,
+            // Four times the default in-flight bytes: room for the tensor
+            // being assembled.
+            memory_limit: 512 * 1024 * 1024,
+        }
+    }
+}
+
+impl StreamConfig {
+    /// Ranged GETs in flight, within the memory limit (at least one).
+    pub fn effective_concurrency(&self) -> usize {
+        let by_memory = self.memory_limit / self.part_size.max(1);
+        self.concurrency.min(by_memory as usize).max(1)
+    }
+}
+
+/// One tensor, complete.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    /// Its name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Its bytes, little-endian as in the file.
+    pub data: Bytes,
+}
+
+/// An object (or a prefix of objects) in a store.
+#[derive(Debug, Clone)]
+pub struct Source {
+    store: Arc<dyn ObjectStore>,
+    path: Path,
+    uri: String,
+}
+
+impl Source {
+    /// Opens a URI with object_store's own builders; credentials and
+    /// endpoints come from the environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
+    /// A relative `file://` path is resolved against `base`.
+    pub fn open(uri: &str, base: &std::path::Path) -> Result<Source> {
+        let bad = |reason: String| Error::Weights {
+            uri: uri.to_string(),
+            reason,
+        };
+        let resolved = match uri.strip_prefix("file://") {
+            Some(rest) if !rest.starts_with('/') => {
+                let abs = base.join(rest.trim_start_matches("./"));
+                format!("file://{}", abs.display())
+            }
+            _ => uri.to_string(),
+        };
+        let url = url::Url::parse(&resolved).map_err(|e| bad(format!("not a valid URI: {e}")))?;
+        if url.scheme() == "file" {
+            // object_store's local store refuses paths that do not exist yet;
+            // a missing checkpoint is reported on first read instead.
+            let path = url
+                .to_file_path()
+                .map_err(|_| bad("not a valid local path".into()))?;
+            let store = object_store::local::LocalFileSystem::new();
+            let location = Path::from_filesystem_path(&path)
+                .or_else(|_| Path::parse(path.to_string_lossy().trim_start_matches('/')))
+                .map_err(|e| bad(e.to_string()))?;
+            return Ok(Source::new(Arc::new(store), location, uri));
+        }
+        let env = std::env::vars().map(|(k, v)| (k.to_ascii_lowercase(), v));
+        let (store, path) =
+            object_store::parse_url_opts(&url, env).map_err(|e| bad(e.to_string()))?;
+        Ok(Source::new(Arc::from(store), path, uri))
+    }
+
+    /// A source over an existing store (tests, `memory://`).
+    pub fn new(store: Arc<dyn ObjectStore>, path: Path, uri: impl Into<String>) -> Source {
+        Source {
+            store,
+            path,
+            uri: uri.into(),
+        }
+    }
+
+    /// The URI, for messages.
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// The object at `location` in the same store.
+    pub fn child(&self, location: &Path) -> Source {
+        let rel = location.as_ref();
+        let base = self.path.as_ref();
+        let suffix = rel
+            .strip_prefix(base)
+            .unwrap_or(rel)
+            .trim_start_matches('/');
+        Source {
+            store: self.store.clone(),
+            path: location.clone(),
+            uri: format!("{}/{}", self.uri.trim_end_matches('/'), suffix),
+        }
+    }
+
+    /// The object's size, ETag and version.
+    pub async fn head(&self) -> Result<ObjectMeta> {
+        self.store
+            .head(&self.path)
+            .await
+            .map_err(|e| store_error(&self.uri, e))
+    }
+
+    /// Every object under this prefix, sorted by path.
+    pub async fn list(&self) -> Result<Vec<ObjectMeta>> {
+        let mut objects: Vec<ObjectMeta> = self
+            .store
+            .list(Some(&self.path))
+            .try_collect()
+            .await
+            .map_err(|e| store_error(&self.uri, e))?;
+        objects.sort_by(|a, b| a.location.cmp(&b.location));
+        if objects.is_empty() {
+            return Err(Error::Weights {
+                uri: self.uri.clone(),
+                reason: "no objects under this prefix".into(),
+            });
+        }
+        Ok(objects)
+    }
+
+    /// The bytes of `range`, as parts in order, with up to
+    /// [`StreamConfig::effective_concurrency`] ranged GETs in flight.
+    pub fn parts(
+        &self,
+        range: Range<u64>,
+        cfg: &StreamConfig,
+    ) -> BoxStream<'static, Result<Bytes>> {
+        let part = cfg.part_size.max(1);
+        let end = range.end;
+        let store = self.store.clone();
+        let path = self.path.clone();
+        let uri = self.uri.clone();
+        stream::iter((range.start..range.end).step_by(part as usize))
+            .map(move |s| {
+                let e = (s + part).min(end);
+                let (store, path, uri) = (store.clone(), path.clone(), uri.clone());
+                async move {
+                    let b = store
+                        .get_range(&path, s..e)
+                        .await
+                        .map_err(|err| store_error(&uri, err))?;
+                    if b.len() as u64 != e - s {
+                        return Err(Error::Weights {
+                            uri,
+                            reason: format!(
+                                "asked for bytes {s}..{e} and got {} bytes (object changed or truncated)",
+                                b.len()
+                            ),
+                        });
+                    }
+                    Ok(b)
+                }
+            })
+            .buffered(cfg.effective_concurrency())
+            .boxed()
+    }
+
+    /// Reads and checks the safetensors header of an object of `size` bytes.
+    pub async fn header(&self, size: u64) -> Result<Header> {
+        let bad = |reason: String| Error::Weights {
+            uri: self.uri.clone(),
+            reason,
+        };
+        if size < LEN_PREFIX {
+            return Err(bad(format!(
+                "the object is {size} bytes, too short for a safetensors header"
+            )));
+        }
+        let prefix = self.range(0..LEN_PREFIX).await?;
+        let n = header::json_len(&prefix, size, MAX_HEADER_BYTES).map_err(bad)?;
+        let json = self.range(LEN_PREFIX..LEN_PREFIX + n).await?;
+        header::parse(&json, size).map_err(bad)
+    }
+
+    async fn range(&self, range: Range<u64>) -> Result<Bytes> {
+        let want = range.end - range.start;
+        let b = self
+            .store
+            .get_range(&self.path, range)
+            .await
+            .map_err(|e| store_error(&self.uri, e))?;
+        if b.len() as u64 != want {
+            return Err(Error::Weights {
+                uri: self.uri.clone(),
+                reason: "the object is shorter than its size says".into(),
+            });
+        }
+        Ok(b)
+    }
+
+    /// Each tensor, in file order, as soon as its bytes are complete.
+    pub fn tensors(
+        &self,
+        header: Header,
+        cfg: &StreamConfig,
+    ) -> BoxStream<'static, Result<Tensor>> {
+        let parts = self.parts(header.data_start()..header.data_end(), cfg);
+        let state = Assembly {
+            parts,
+            chunks: Vec::new(),
+            chunks_start: header.data_start(),
+            chunks_end: header.data_start(),
+            tensors: header.tensors.into_iter(),
+        };
+        stream::try_unfold(state, |mut st| async move {
+            let Some(t) = st.tensors.next() else {
+                return Ok(None);
+            };
+            while st.chunks_end < t.end {
+                match st.parts.next().await {
+                    Some(part) => {
+                        let part = part?;
+                        st.chunks_end += part.len() as u64;
+                        st.chunks.push(part);
+                    }
+                    None => break,
+                }
+            }
+            let data = st.take(t.start, t.end);
+            let tensor = Tensor {
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+                data,
+            };
+            Ok(Some((tensor, st)))
+        })
+        .boxed()
+    }
+}
+
+/// Parts received but not yet handed out as tensors.
+struct Assembly {
+    parts: BoxStream<'static, Result<Bytes>>,
+    chunks: Vec<Bytes>,
+    chunks_start: u64,
+    chunks_end: u64,
+    tensors: std::vec::IntoIter<super::TensorEntry>,
+}
+
+impl Assembly {
+    /// The bytes `start..end` (which the chunks cover, as tensors are
+    /// contiguous), dropping chunks no later tensor needs. A tensor inside
+    /// one part is a zero-copy slice.
+    fn take(&mut self, start: u64, end: u64) -> Bytes {
+        let mut out: Option<BytesMut> = None;
+        let mut single: Option<Bytes> = None;
+        let mut pos = self.chunks_start;
+        for c in &self.chunks {
+            let c_end = pos + c.len() as u64;
+            if c_end > start && pos < end {
+                let from = (start.max(pos) - pos) as usize;
+                let to = (end.min(c_end) - pos) as usize;
+                let piece = c.slice(from..to);
+                if pos <= start && c_end >= end {
+                    single = Some(piece);
+                    break;
+                }
+                out.get_or_insert_with(|| BytesMut::with_capacity((end - start) as usize))
+                    .extend_from_slice(&piece);
+            }
+            pos = c_end;
+        }
+        // Drop chunks that end at or before `end`.
+        while let Some(first) = self.chunks.first() {
+            let first_end = self.chunks_start + first.len() as u64;
+            if first_end <= end {
+                self.chunks_start = first_end;
+                self.chunks.remove(0);
+            } else {
+                break;
+            }
+        }
+        single.unwrap_or_else(|| out.map(BytesMut::freeze).unwrap_or_default())
+    }
+}
+
+/// An object-store error as a message that names the URI and the problem.
+pub(crate) fn store_error(uri: &str, e: object_store::Error) -> Error {
+    use object_store::Error as E;
+    let reason = match &e {
+        E::NotFound { .. } => "not found".to_string(),
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => {
+            format!("credentials refused ({e})")
+        }
+        _ => e.to_string(),
+    };
+    Error::Weights {
+        uri: uri.to_string(),
+        reason,
+    }
+}
