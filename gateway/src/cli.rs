@@ -53,6 +53,12 @@ pub enum Command {
         #[arg(long, env = "WARMGATE_THREADS")]
         threads: Option<usize>,
     },
+    /// Work with checkpoints in object storage.
+    Weights {
+        /// What to do.
+        #[command(subcommand)]
+        command: WeightsCommand,
+    },
     /// Show apps, replicas and queues, like `squeue`.
     Status {
         /// Refresh the table in place.
@@ -64,6 +70,34 @@ pub enum Command {
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
+    },
+}
+
+/// The `weights` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum WeightsCommand {
+    /// Stream a checkpoint (a prefix, or one object) to a local folder with
+    /// parallel ranged reads, showing progress and the final throughput.
+    Pull {
+        /// `s3://bucket/prefix`, `gs://…`, `az://…`, `file:///…` or a
+        /// relative `file://./…`. Credentials come from the usual
+        /// environment variables (AWS_*, GOOGLE_*, AZURE_*).
+        uri: String,
+        /// The folder to write into (created if missing).
+        dir: PathBuf,
+        /// Ranged GETs in flight.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// Bytes per ranged GET, in MiB.
+        #[arg(long, default_value_t = 8)]
+        part_size_mib: u64,
+        /// Bytes of parts held in memory at once, in MiB.
+        #[arg(long, default_value_t = 512)]
+        memory_limit_mib: u64,
+        /// Keep a content-addressed copy here; a later pull of the same
+        /// objects reads it instead of the store.
+        #[arg(long)]
+        cache: Option<PathBuf>,
     },
 }
 
@@ -81,6 +115,24 @@ pub fn run(cli: Cli) -> i32 {
             interval,
             gateway,
         } => status(&gateway, watch, interval),
+        Command::Weights {
+            command:
+                WeightsCommand::Pull {
+                    uri,
+                    dir,
+                    concurrency,
+                    part_size_mib,
+                    memory_limit_mib,
+                    cache,
+                },
+        } => {
+            let cfg = warmgate_pool::weights::StreamConfig {
+                concurrency: concurrency.max(1),
+                part_size: part_size_mib.max(1) << 20,
+                memory_limit: memory_limit_mib.max(1) << 20,
+            };
+            weights_pull(&uri, &dir, cfg, cache)
+        }
     }
 }
 
@@ -238,6 +290,80 @@ async fn shutdown_signal() {
 }
 
 // === client commands ===
+
+fn weights_pull(
+    uri: &str,
+    dir: &std::path::Path,
+    cfg: warmgate_pool::weights::StreamConfig,
+    cache_dir: Option<PathBuf>,
+) -> i32 {
+    use warmgate_pool::weights::{Cache, Source, plan, pull};
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let result = rt.block_on(async {
+        let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+        let src = Source::open(uri, &cwd)?;
+        let items = plan(&src).await?;
+        let total: u64 = items.iter().map(|i| i.meta.size).sum();
+        let cache = cache_dir
+            .map(|d| Cache::open(d, u64::MAX))
+            .transpose()?;
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let start = std::time::Instant::now();
+        let report = pull(&items, dir, &cfg, cache.as_ref(), &|n| bar.inc(n)).await;
+        bar.finish_and_clear();
+        report.map(|r| (r, start.elapsed()))
+    });
+    match result {
+        Ok((r, took)) => {
+            let secs = took.as_secs_f64().max(1e-9);
+            println!(
+                "pulled {} file{} ({}) from {uri} to {} in {:.2}s: {}/s ({} from the cache)",
+                r.files,
+                if r.files == 1 { "" } else { "s" },
+                human_bytes(r.bytes),
+                dir.display(),
+                secs,
+                human_bytes((r.bytes as f64 / secs) as u64),
+                human_bytes(r.from_cache),
+            );
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
+}
 
 fn status(gateway: &str, watch: bool, interval: f64) -> i32 {
     let rt = match tokio::runtime::Builder::new_current_thread()

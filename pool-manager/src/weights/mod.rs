@@ -11,8 +11,10 @@
 
 mod cache;
 pub mod header;
+mod pull;
 mod source;
 
 pub use cache::{Cache, CacheWriter};
 pub use header::{Header, TensorEntry};
+pub use pull::{PullItem, PullReport, plan, pull};
 pub use source::{Source, StreamConfig, Tensor};

@@ -117,6 +117,11 @@ impl Source {
         &self.uri
     }
 
+    /// The path inside the store.
+    pub fn path_str(&self) -> &str {
+        self.path.as_ref()
+    }
+
     /// The object at `location` in the same store.
     pub fn child(&self, location: &Path) -> Source {
         let rel = location.as_ref();
@@ -318,12 +323,22 @@ impl Assembly {
 /// An object-store error as a message that names the URI and the problem.
 pub(crate) fn store_error(uri: &str, e: object_store::Error) -> Error {
     use object_store::Error as E;
+    let text = e.to_string();
+    // S3-style error bodies carry a short code (`InvalidAccessKeyId`).
+    let code = text
+        .split_once("<Code>")
+        .and_then(|(_, rest)| rest.split_once("</Code>"))
+        .map(|(c, _)| c.to_string());
+    let refused = matches!(e, E::PermissionDenied { .. } | E::Unauthenticated { .. })
+        || text.contains("403 Forbidden")
+        || text.contains("401 Unauthorized");
     let reason = match &e {
         E::NotFound { .. } => "not found".to_string(),
-        E::PermissionDenied { .. } | E::Unauthenticated { .. } => {
-            format!("credentials refused ({e})")
-        }
-        _ => e.to_string(),
+        _ if refused => match code {
+            Some(c) => format!("credentials refused ({c})"),
+            None => "credentials refused".to_string(),
+        },
+        _ => text,
     };
     Error::Weights {
         uri: uri.to_string(),

@@ -1,0 +1,179 @@
+//! Copying a checkpoint to a local folder: `warmgate weights pull`.
+
+use std::path::{Component, Path, PathBuf};
+
+use object_store::ObjectMeta;
+use tokio::io::AsyncWriteExt;
+
+use super::{Cache, Source, StreamConfig};
+use crate::{Error, Result};
+use futures_util::StreamExt;
+
+/// One object to pull and where it goes.
+#[derive(Debug, Clone)]
+pub struct PullItem {
+    /// The object.
+    pub source: Source,
+    /// Its size, ETag and version.
+    pub meta: ObjectMeta,
+    /// Its path relative to the checkpoint prefix.
+    pub relative: PathBuf,
+}
+
+/// What a pull did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PullReport {
+    /// Files written.
+    pub files: usize,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Of those, bytes read from the local cache.
+    pub from_cache: u64,
+}
+
+/// The objects of a checkpoint: every object under the prefix, or the one
+/// object the URI names.
+pub async fn plan(src: &Source) -> Result<Vec<PullItem>> {
+    let objects = match src.list().await {
+        Ok(objects) => objects,
+        Err(list_err) => match src.head().await {
+            Ok(meta) => vec![meta],
+            Err(_) => return Err(list_err),
+        },
+    };
+    let base = src.path_str().trim_end_matches('/').to_string();
+    objects
+        .into_iter()
+        .map(|meta| {
+            let loc = meta.location.as_ref();
+            let rel = loc
+                .strip_prefix(&base)
+                .map(|r| r.trim_start_matches('/'))
+                .filter(|r| !r.is_empty())
+                .unwrap_or_else(|| loc.rsplit('/').next().unwrap_or(loc));
+            let relative = safe_relative(rel).ok_or_else(|| Error::Weights {
+                uri: src.uri().to_string(),
+                reason: format!("object {loc:?} would be written outside the target folder"),
+            })?;
+            Ok(PullItem {
+                source: src.child(&meta.location),
+                meta,
+                relative,
+            })
+        })
+        .collect()
+}
+
+/// Pulls every item into `dest`, through `cache` when given. Safetensors
+/// files have their header checked before any data is downloaded.
+/// `on_bytes` is told about progress.
+pub async fn pull(
+    items: &[PullItem],
+    dest: &Path,
+    cfg: &StreamConfig,
+    cache: Option<&Cache>,
+    on_bytes: &(dyn Fn(u64) + Sync),
+) -> Result<PullReport> {
+    let mut report = PullReport::default();
+    for item in items {
+        let size = item.meta.size;
+        let target = dest.join(&item.relative);
+        if let Some(parent) = target.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|e| io_error(parent, e))?;
+        }
+        if item
+            .relative
+            .extension()
+            .is_some_and(|e| e == "safetensors")
+        {
+            item.source.header(size).await?;
+        }
+        let key = Cache::key(item.source.uri(), &item.meta);
+        if let Some(cached) = cache.and_then(|c| c.lookup(&key, size)) {
+            place(&cached, &target).await?;
+            on_bytes(size);
+            report.from_cache += size;
+        } else if let Some(cache) = cache {
+            let mut w = cache.writer(&key).await?;
+            let mut parts = item.source.parts(0..size, cfg);
+            while let Some(part) = parts.next().await {
+                let part = part?;
+                w.write(&part).await?;
+                on_bytes(part.len() as u64);
+            }
+            let entry = w.commit(size).await?;
+            place(&entry, &target).await?;
+        } else {
+            let tmp = target.with_extension("warmgate-partial");
+            let mut f = tokio::fs::File::create(&tmp)
+                .await
+                .map_err(|e| io_error(&tmp, e))?;
+            let mut parts = item.source.parts(0..size, cfg);
+            while let Some(part) = parts.next().await {
+                let part = match part {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = tokio::fs::remove_file(&tmp).await;
+                        return Err(e);
+                    }
+                };
+                f.write_all(&part).await.map_err(|e| io_error(&tmp, e))?;
+                on_bytes(part.len() as u64);
+            }
+            f.sync_all().await.map_err(|e| io_error(&tmp, e))?;
+            tokio::fs::rename(&tmp, &target)
+                .await
+                .map_err(|e| io_error(&target, e))?;
+        }
+        report.files += 1;
+        report.bytes += size;
+    }
+    Ok(report)
+}
+
+/// Hard-links a cache entry into place (no second copy on disk), copying
+/// when the folders are on different file systems.
+async fn place(entry: &Path, target: &Path) -> Result<()> {
+    let _ = tokio::fs::remove_file(target).await;
+    if tokio::fs::hard_link(entry, target).await.is_ok() {
+        return Ok(());
+    }
+    let tmp = target.with_extension("warmgate-partial");
+    tokio::fs::copy(entry, &tmp)
+        .await
+        .map_err(|e| io_error(&tmp, e))?;
+    tokio::fs::rename(&tmp, target)
+        .await
+        .map_err(|e| io_error(target, e))
+}
+
+/// A relative path with no `..`, root or prefix components.
+fn safe_relative(rel: &str) -> Option<PathBuf> {
+    let p = PathBuf::from(rel);
+    p.components()
+        .all(|c| matches!(c, Component::Normal(_)))
+        .then_some(p)
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> Error {
+    Error::Cache {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_cannot_escape() {
+        assert!(safe_relative("model.safetensors").is_some());
+        assert!(safe_relative("sub/tokenizer.json").is_some());
+        assert!(safe_relative("../etc/passwd").is_none());
+        assert!(safe_relative("/etc/passwd").is_none());
+        assert!(safe_relative("a/../../b").is_none());
+    }
+}
