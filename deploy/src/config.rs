@@ -43,6 +43,15 @@ pub mod defaults {
     pub const STABLE_WINDOW: Duration = Duration::from_secs(60);
     /// Knative's panic window (10% of the stable window).
     pub const PANIC_WINDOW: Duration = Duration::from_secs(6);
+    /// 16 ranged GETs of 8 MiB: past the per-connection cap of S3-like
+    /// stores (about 100 MB/s each) without a flood of small requests.
+    pub const WEIGHTS_CONCURRENCY: usize = 16;
+    /// See [`WEIGHTS_CONCURRENCY`].
+    pub const WEIGHTS_PART_SIZE: u64 = 8 * 1024 * 1024;
+    /// Four times the default in-flight bytes.
+    pub const WEIGHTS_MEMORY_LIMIT: u64 = 512 * 1024 * 1024;
+    /// Room for a handful of 7B-parameter checkpoints in bf16.
+    pub const WEIGHTS_CACHE_MAX: u64 = 100 * 1024 * 1024 * 1024;
     /// Knative's panic threshold: 200% of current capacity.
     pub const PANIC_THRESHOLD: f64 = 2.0;
     /// Enough to absorb a burst while an app wakes from zero.
@@ -64,6 +73,8 @@ pub struct Config {
     pub backend: BackendConfig,
     /// Request limits of the data plane.
     pub limits: LimitsConfig,
+    /// How checkpoints are read and cached.
+    pub weights: WeightsConfig,
     /// Serving apps.
     pub apps: Vec<AppSpec>,
 }
@@ -98,6 +109,21 @@ pub enum BackendKind {
 pub struct LimitsConfig {
     /// Largest request body accepted, in bytes (413 past it).
     pub max_body_bytes: u64,
+}
+
+/// How checkpoints are streamed from object storage and cached.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WeightsConfig {
+    /// Ranged GETs in flight per object.
+    pub concurrency: usize,
+    /// Bytes per ranged GET.
+    pub part_size_bytes: u64,
+    /// Bytes of parts held in memory per object.
+    pub memory_limit_bytes: u64,
+    /// Size of the node-local cache under `state_dir/cache`; least recently
+    /// used entries are evicted past it.
+    pub cache_max_bytes: u64,
 }
 
 /// One serving app.
@@ -175,6 +201,7 @@ impl Default for Config {
             state_dir: PathBuf::from(defaults::STATE_DIR),
             backend: BackendConfig::default(),
             limits: LimitsConfig::default(),
+            weights: WeightsConfig::default(),
             apps: Vec::new(),
         }
     }
@@ -192,7 +219,9 @@ impl Config {
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        Config::parse(&text, file, base)
+        // Absolute, so paths stay right whatever the workers' folder is.
+        let base = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
+        Config::parse(&text, file, &base)
     }
 
     /// Parses and validates config text. `file` names the source in errors;
@@ -238,6 +267,15 @@ impl Config {
                 ));
             }
         }
+        if self.weights.concurrency == 0 {
+            return Err(("weights.concurrency".into(), "must be at least 1".into()));
+        }
+        if self.weights.part_size_bytes == 0 {
+            return Err((
+                "weights.part_size_bytes".into(),
+                "must be at least 1".into(),
+            ));
+        }
         if self.limits.max_body_bytes == 0 {
             return Err(("limits.max_body_bytes".into(), "must be at least 1".into()));
         }
@@ -282,6 +320,24 @@ impl Config {
             for key in app.env.keys() {
                 if key.is_empty() || key.contains('=') || key.contains('\0') {
                     return Err((at("env"), format!("{key:?} is not a valid variable name")));
+                }
+            }
+            if let Some(c) = &app.checkpoint {
+                let known = [
+                    "file://",
+                    "s3://",
+                    "gs://",
+                    "az://",
+                    "abfs://",
+                    "memory://",
+                    "http://",
+                    "https://",
+                ];
+                if !known.iter().any(|p| c.starts_with(p)) {
+                    return Err((
+                        at("checkpoint"),
+                        format!("{c:?} is not a checkpoint URI (file://, s3://, gs://, az://)"),
+                    ));
                 }
             }
             if app.concurrency == 0 {
@@ -342,6 +398,13 @@ impl Config {
             self.state_dir = base.join(&self.state_dir);
         }
         for app in &mut self.apps {
+            if let Some(c) = &mut app.checkpoint
+                && let Some(rest) = c.strip_prefix("file://")
+                && !rest.starts_with('/')
+            {
+                let abs = base.join(rest.trim_start_matches("./"));
+                *c = format!("file://{}", abs.display());
+            }
             if let Some(program) = app.command.first_mut() {
                 let p = Path::new(program.as_str());
                 if p.is_relative() && program.contains('/') {
@@ -377,6 +440,19 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         LimitsConfig {
             max_body_bytes: defaults::MAX_BODY_BYTES,
+        }
+    }
+}
+
+// === impl WeightsConfig ===
+
+impl Default for WeightsConfig {
+    fn default() -> Self {
+        WeightsConfig {
+            concurrency: defaults::WEIGHTS_CONCURRENCY,
+            part_size_bytes: defaults::WEIGHTS_PART_SIZE,
+            memory_limit_bytes: defaults::WEIGHTS_MEMORY_LIMIT,
+            cache_max_bytes: defaults::WEIGHTS_CACHE_MAX,
         }
     }
 }

@@ -10,7 +10,8 @@
 mod config;
 
 pub use config::{
-    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, LimitsConfig, QueueSpec, defaults,
+    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, LimitsConfig, QueueSpec,
+    WeightsConfig, defaults,
 };
 
 use std::path::PathBuf;

@@ -210,7 +210,7 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
     let addr = listener.local_addr().context("read the listen address")?;
     let metrics = install_metrics();
     let grace = config.backend.stop_grace;
-    let gw = Gateway::new(config, Arc::new(LocalBackend::new(logs)), metrics);
+    let gw = Gateway::new(config, Arc::new(LocalBackend::new(logs)), metrics, addr)?;
     let autoscaler = gw.spawn_autoscaler();
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);

@@ -50,6 +50,7 @@ pub struct Gateway {
     started: Instant,
     draining: AtomicBool,
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    weights: Arc<crate::weights::Weights>,
 }
 
 /// Tells apps about replicas as the pool manager starts and stops them.
@@ -87,12 +88,15 @@ impl ReplicaSink for Sink {
 
 impl Gateway {
     /// Builds the gateway and its pool manager. Replicas start on demand.
+    /// `addr` is where the gateway listens, for the workers' weights URL.
     /// Must be called within a tokio runtime.
     pub fn new(
         config: Config,
         backend: Arc<dyn Backend>,
         metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-    ) -> Arc<Self> {
+        addr: std::net::SocketAddr,
+    ) -> anyhow::Result<Arc<Self>> {
+        use anyhow::Context as _;
         let workdir = config.state_dir.parent().map(|p| p.to_path_buf());
         let apps: Vec<Arc<App>> = config
             .apps
@@ -107,17 +111,55 @@ impl Gateway {
                 routes.insert(alias.clone(), app.clone());
             }
         }
+        let base = workdir
+            .clone()
+            .unwrap_or_else(|| std::path::PathBuf::from("."));
+        let mut sources = HashMap::new();
+        for app in &apps {
+            if let Some(uri) = &app.spec.checkpoint {
+                let src = warmgate_pool::weights::Source::open(uri, &base)
+                    .with_context(|| format!("app '{}': open its checkpoint", app.name))?;
+                sources.insert(app.name.clone(), src);
+            }
+        }
+        let w = &config.weights;
+        let cache =
+            warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
+                .context("open the weight cache")?;
+        let weights = Arc::new(crate::weights::Weights::new(
+            cache,
+            warmgate_pool::weights::StreamConfig {
+                concurrency: w.concurrency,
+                part_size: w.part_size_bytes,
+                memory_limit: w.memory_limit_bytes,
+            },
+            sources,
+        ));
+        // Workers on this machine reach the gateway on loopback when it
+        // listens on every interface.
+        let reach = if addr.ip().is_unspecified() {
+            std::net::SocketAddr::from(([127, 0, 0, 1], addr.port()))
+        } else {
+            addr
+        };
         let pool = PoolManager::new(
             backend,
             config.backend.gpus.clone(),
             Arc::new(Sink { apps: by_name }),
         );
         for app in &apps {
+            let mut env = app.spec.env.clone();
+            if app.spec.checkpoint.is_some() {
+                env.insert(
+                    "WARMGATE_WEIGHTS_URL".into(),
+                    format!("http://{reach}/v1/weights/{}/{}", app.name, app.revision),
+                );
+            }
             pool.add_target(TargetSpec {
                 name: app.name.clone(),
                 revision: app.revision.clone(),
                 command: app.spec.command.clone(),
-                env: app.spec.env.clone(),
+                env,
                 checkpoint: app.spec.checkpoint.clone(),
                 workdir: workdir.clone(),
                 concurrency: app.spec.concurrency,
@@ -127,7 +169,7 @@ impl Gateway {
             });
             pool.scale(&app.name, app.spec.autoscale.min);
         }
-        Arc::new(Gateway {
+        Ok(Arc::new(Gateway {
             config: Arc::new(config),
             routes,
             apps,
@@ -136,7 +178,8 @@ impl Gateway {
             started: Instant::now(),
             draining: AtomicBool::new(false),
             metrics,
-        })
+            weights,
+        }))
     }
 
     /// The config it runs.
@@ -248,6 +291,21 @@ impl Gateway {
         Ok(())
     }
 
+    /// The app serving `revision`.
+    fn revision_app(&self, name: &str, revision: &str) -> Result<Arc<App>, ApiError> {
+        let app = self
+            .routes
+            .get(name)
+            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))?;
+        if app.revision != revision {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("app '{name}' has no revision '{revision}'"),
+            ));
+        }
+        Ok(app.clone())
+    }
+
     fn status_of(&self, app: &App, target: Option<&TargetStatus>) -> AppStatus {
         let (inflight, queued) = app.load();
         let ready = app.ready_replicas();
@@ -319,6 +377,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/embeddings", post(openai))
         .route("/v1/models", get(models))
         .route("/apps/{*rest}", any(passthrough))
+        .route("/v1/weights/{app}/{revision}", get(weights_manifest))
+        .route("/v1/weights/{app}/{revision}/{*file}", get(weights_file))
         .route("/v1/status", get(status))
         .route("/v1/apps", get(list_apps))
         .route("/v1/apps/{app}", get(get_app))
@@ -504,6 +564,58 @@ async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Re
         None => {
             ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
         }
+    }
+}
+
+/// The files of a revision's checkpoint.
+async fn weights_manifest(
+    State(gw): State<Arc<Gateway>>,
+    Path((app, revision)): Path<(String, String)>,
+) -> Response {
+    let result = async {
+        let app = gw.revision_app(&app, &revision)?;
+        let files = gw.weights.files(&app.name).await?;
+        let list: Vec<_> = files
+            .iter()
+            .map(|f| json!({"name": f.relative.to_string_lossy(), "size": f.meta.size}))
+            .collect();
+        Ok::<_, ApiError>(axum::Json(json!({
+            "app": app.name,
+            "revision": revision,
+            "checkpoint": app.spec.checkpoint,
+            "files": list,
+        })))
+    }
+    .await;
+    match result {
+        Ok(j) => j.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// One file of a revision's checkpoint, streamed.
+async fn weights_file(
+    State(gw): State<Arc<Gateway>>,
+    Path((app, revision, file)): Path<(String, String, String)>,
+) -> Response {
+    let result = async {
+        let app = gw.revision_app(&app, &revision)?;
+        gw.weights.file(&app.name, &file).await
+    }
+    .await;
+    match result {
+        Ok((body, size)) => (
+            [
+                (
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/octet-stream"),
+                ),
+                (header::CONTENT_LENGTH, HeaderValue::from(size)),
+            ],
+            body,
+        )
+            .into_response(),
+        Err(e) => e.into_response(),
     }
 }
 

@@ -14,15 +14,37 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
     let quickstart = std::fs::read_to_string(root().join("examples/configs/quickstart.toml"))
         .expect("the quickstart config exists");
     assert!(
-        quickstart.contains("../../target/release/test-worker"),
-        "the quickstart runs the test worker the README builds"
+        quickstart.contains("../../target/release/test-worker")
+            && quickstart.contains("../../target/release/embedder"),
+        "the quickstart runs the workers the README builds"
     );
     // Same config, but with the binaries this test run built, and the
     // harness's own port and state folder.
+    let ckpt = root().join("checkpoints/minilm");
+    if !ckpt.join("model.safetensors").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI fetches the MiniLM checkpoint (.ci/run)"
+        );
+        eprintln!("SKIPPED: run examples/fetch-minilm.sh first");
+        return;
+    }
+    let ckpt = std::path::absolute(ckpt).expect("absolute");
     let config: String = quickstart
         .lines()
         .filter(|l| !l.starts_with("listen") && !l.starts_with("state_dir"))
-        .map(|l| l.replace("../../target/release/test-worker", "{worker}") + "\n")
+        .map(|l| {
+            l.replace("../../target/release/test-worker", "{worker}")
+                .replace(
+                    "../../target/release/embedder",
+                    &common::bin("embedder").to_string_lossy(),
+                )
+                .replace(
+                    "file://../../checkpoints/minilm",
+                    &format!("file://{}", ckpt.display()),
+                )
+                + "\n"
+        })
         .collect();
     let gw = Gateway::start(&config);
     let hostport = gw.url.trim_start_matches("http://").to_string();
@@ -52,6 +74,9 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
                 !text.starts_with("HTTP/1.1 4") && !text.starts_with("HTTP/1.1 5"),
                 "{line}\n{text}"
             );
+        }
+        if line.contains("/v1/embeddings") {
+            assert!(text.contains("\"embedding\""), "{line}\n{text}");
         }
         if line.contains("\"stream\": true") {
             assert!(text.contains("data: [DONE]"), "{line}\n{text}");

@@ -158,13 +158,29 @@ impl Cache {
 }
 
 impl CacheWriter {
+    /// The temporary file being written; readers may follow it as it grows.
+    pub fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
     /// Appends bytes.
     pub async fn write(&mut self, data: &Bytes) -> Result<()> {
         let file = self.file.as_mut().ok_or_else(|| Error::Cache {
             path: self.tmp.clone(),
             reason: "written after commit".into(),
         })?;
-        file.write_all(data).await.map_err(|e| Error::Cache {
+        // tokio's File writes in the background; flushing makes the bytes
+        // visible to readers that follow the file as it grows.
+        let io = async {
+            file.write_all(data).await?;
+            file.flush().await
+        };
+        io.await.map_err(|e| Error::Cache {
             path: self.tmp.clone(),
             reason: e.to_string(),
         })?;

@@ -79,6 +79,7 @@ impl Source {
         };
         let resolved = match uri.strip_prefix("file://") {
             Some(rest) if !rest.starts_with('/') => {
+                let base = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
                 let abs = base.join(rest.trim_start_matches("./"));
                 format!("file://{}", abs.display())
             }

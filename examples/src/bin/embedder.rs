@@ -1,0 +1,272 @@
+//! `embedder`: a real embeddings worker (sentence-transformers
+//! all-MiniLM-L6-v2 or any BERT checkpoint) that follows warmgate's worker
+//! contract.
+//!
+//! At start it streams its checkpoint (`config.json`, `tokenizer.json`,
+//! `model.safetensors`) from `$WARMGATE_WEIGHTS_URL`, which warmgate serves
+//! from its node-local cache, builds the model with candle, and only then
+//! listens on `$PORT`, so `GET /healthz` answering means it is ready. It
+//! serves OpenAI-compatible `POST /v1/embeddings`, pooled as
+//! sentence-transformers does: mean over the attention mask, then L2
+//! normalisation.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context as _, bail};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use bytes::Bytes;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertModel, Config};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
+
+/// Longest input in tokens, as all-MiniLM-L6-v2 was trained
+/// (`max_seq_length` in its `sentence_bert_config.json`).
+const MAX_TOKENS: usize = 256;
+/// Most inputs in one request: bounds the memory of one forward pass.
+const MAX_INPUTS: usize = 256;
+
+struct Model {
+    bert: BertModel,
+    tokenizer: Tokenizer,
+    name: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let port: u16 = std::env::var("PORT")
+        .context("PORT must be set (the worker contract)")?
+        .parse()
+        .context("PORT must be a port number")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run(port))
+}
+
+async fn run(port: u16) -> anyhow::Result<()> {
+    let url = std::env::var("WARMGATE_WEIGHTS_URL").context(
+        "WARMGATE_WEIGHTS_URL is not set: run the embedder under `warmgate serve` with a \
+         `checkpoint` for its app",
+    )?;
+    let t0 = Instant::now();
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let config = fetch(&client, &format!("{url}/config.json")).await?;
+    let tokenizer = fetch(&client, &format!("{url}/tokenizer.json")).await?;
+    let weights = fetch(&client, &format!("{url}/model.safetensors")).await?;
+    let streamed = t0.elapsed();
+    let bytes = weights.len();
+    let model = tokio::task::spawn_blocking(move || build(&config, &tokenizer, weights))
+        .await
+        .context("the model build task failed")??;
+    eprintln!(
+        "embedder: weights streamed in {:.3}s ({:.1} MB), model ready in {:.3}s",
+        streamed.as_secs_f64(),
+        bytes as f64 / 1e6,
+        t0.elapsed().as_secs_f64()
+    );
+    let state = Arc::new(model);
+    let app = Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/embeddings", post(embeddings))
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))
+        .await
+        .with_context(|| format!("listen on port {port}"))?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => return std::future::pending().await,
+                };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        })
+        .await?;
+    Ok(())
+}
+
+async fn fetch(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
+    url: &str,
+) -> anyhow::Result<Bytes> {
+    let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+    let resp = client
+        .get(uri)
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .with_context(|| format!("read {url}"))?
+        .to_bytes();
+    if !status.is_success() {
+        bail!("GET {url}: {status}: {}", String::from_utf8_lossy(&body));
+    }
+    Ok(body)
+}
+
+fn build(config: &[u8], tokenizer: &[u8], weights: Bytes) -> anyhow::Result<Model> {
+    let config: Config = serde_json::from_slice(config).context("parse config.json")?;
+    let mut tokenizer = Tokenizer::from_bytes(tokenizer)
+        .map_err(|e| anyhow::anyhow!("parse tokenizer.json: {e}"))?;
+    tokenizer.with_padding(Some(PaddingParams::default()));
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length: MAX_TOKENS,
+            ..Default::default()
+        }))
+        .map_err(|e| anyhow::anyhow!("set truncation: {e}"))?;
+    let vb = VarBuilder::from_buffered_safetensors(weights.to_vec(), DType::F32, &Device::Cpu)
+        .context("read model.safetensors")?;
+    let bert = BertModel::load(vb, &config).context("build the BERT model")?;
+    let name = std::env::var("WARMGATE_TARGET").unwrap_or_else(|_| "embedder".into());
+    Ok(Model {
+        bert,
+        tokenizer,
+        name,
+    })
+}
+
+#[derive(Deserialize)]
+struct Request {
+    model: Option<String>,
+    input: Value,
+    encoding_format: Option<String>,
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = if status == StatusCode::BAD_REQUEST {
+        "bad_request"
+    } else {
+        "replica_failed"
+    };
+    (
+        status,
+        Json(json!({"error": {"kind": kind, "message": message.into()}})),
+    )
+        .into_response()
+}
+
+async fn embeddings(State(model): State<Arc<Model>>, body: Bytes) -> Response {
+    let req: Request = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad request body: {e}")),
+    };
+    let inputs: Vec<String> = match req.input {
+        Value::String(s) => vec![s],
+        Value::Array(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            for item in items {
+                match item {
+                    Value::String(s) => out.push(s),
+                    _ => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            "`input` must be a string or an array of strings",
+                        );
+                    }
+                }
+            }
+            out
+        }
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "`input` must be a string or an array of strings",
+            );
+        }
+    };
+    if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("`input` must have 1 to {MAX_INPUTS} items"),
+        );
+    }
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("encoding_format {other:?} is not supported (float, base64)"),
+            );
+        }
+    };
+    let m = model.clone();
+    let result = tokio::task::spawn_blocking(move || embed(&m, &inputs)).await;
+    let (vectors, tokens) = match result {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    let data: Vec<Value> = vectors
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let embedding = if base64 {
+                let raw: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                Value::String(base64::engine::general_purpose::STANDARD.encode(raw))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Json(json!({
+        "object": "list",
+        "model": req.model.unwrap_or_else(|| model.name.clone()),
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response()
+}
+
+/// Embeds a batch: BERT, mean pooling over real tokens, L2 normalisation.
+fn embed(model: &Model, inputs: &[String]) -> anyhow::Result<(Vec<Vec<f32>>, usize)> {
+    let enc = model
+        .tokenizer
+        .encode_batch(inputs.to_vec(), true)
+        .map_err(|e| anyhow::anyhow!("tokenize: {e}"))?;
+    let dev = &model.bert.device;
+    let ids: Vec<Tensor> = enc
+        .iter()
+        .map(|e| Tensor::new(e.get_ids(), dev))
+        .collect::<Result<_, _>>()?;
+    let masks: Vec<Tensor> = enc
+        .iter()
+        .map(|e| Tensor::new(e.get_attention_mask(), dev))
+        .collect::<Result<_, _>>()?;
+    let tokens: usize = enc
+        .iter()
+        .map(|e| e.get_attention_mask().iter().filter(|m| **m == 1).count())
+        .sum();
+    let ids = Tensor::stack(&ids, 0)?;
+    let mask = Tensor::stack(&masks, 0)?;
+    let types = ids.zeros_like()?;
+    let hidden = model.bert.forward(&ids, &types, Some(&mask))?;
+    let mask_f = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+    let summed = hidden.broadcast_mul(&mask_f)?.sum(1)?;
+    let counts = mask_f.sum(1)?;
+    let mean = summed.broadcast_div(&counts)?;
+    let norm = mean.sqr()?.sum_keepdim(1)?.sqrt()?;
+    let normed = mean.broadcast_div(&norm)?;
+    Ok((normed.to_vec2::<f32>()?, tokens))
+}

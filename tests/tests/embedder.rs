@@ -1,0 +1,245 @@
+//! The real embeddings worker behind the gateway: all-MiniLM-L6-v2 weights
+//! streamed through warmgate's cache, OpenAI-compatible answers, and the
+//! official `openai` Python client.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{Gateway, bin, eventually};
+use serde_json::{Value, json};
+
+/// The checkpoint fetched by `examples/fetch-minilm.sh` (run by `.ci/run`).
+fn minilm() -> Option<PathBuf> {
+    let dir = std::env::var_os("WARMGATE_MINILM").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../checkpoints/minilm"),
+        PathBuf::from,
+    );
+    if dir.join("model.safetensors").exists() {
+        return Some(std::path::absolute(dir).expect("absolute path"));
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{} is missing under CI; .ci/run fetches it with examples/fetch-minilm.sh",
+        dir.display()
+    );
+    eprintln!(
+        "SKIPPED: no MiniLM checkpoint at {}; run examples/fetch-minilm.sh",
+        dir.display()
+    );
+    None
+}
+
+fn config(ckpt: &std::path::Path) -> String {
+    format!(
+        r#"
+        [[apps]]
+        name = "minilm"
+        aliases = ["all-MiniLM-L6-v2"]
+        command = ["{}"]
+        checkpoint = "file://{}"
+        concurrency = 4
+        [apps.autoscale]
+        scale_to_zero_after = "1s"
+        stable_window = "2s"
+        panic_window = "1s"
+        "#,
+        bin("embedder").display(),
+        ckpt.display()
+    )
+}
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+async fn embed(gw: &Gateway, inputs: &[&str]) -> Vec<Vec<f64>> {
+    let resp = gw
+        .http
+        .post(gw.at("/v1/embeddings"))
+        .json(&json!({"model": "minilm", "input": inputs}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.expect("json");
+    body["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .map(|d| {
+            d["embedding"]
+                .as_array()
+                .expect("floats")
+                .iter()
+                .map(|x| x.as_f64().expect("float"))
+                .collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minilm_embeddings_rank_sentences_as_a_person_would() {
+    let Some(ckpt) = minilm() else { return };
+    let gw = Gateway::start(&config(&ckpt));
+    let v = embed(
+        &gw,
+        &[
+            "A man is eating food.",
+            "A man is eating a piece of bread.",
+            "The girl is carrying a baby.",
+            "A man is riding a horse.",
+            "A man is riding a white horse on an enclosed ground.",
+        ],
+    )
+    .await;
+    assert_eq!(v.len(), 5);
+    for e in &v {
+        assert_eq!(e.len(), 384, "MiniLM-L6 has 384 dimensions");
+        assert!((cosine(e, e) - 1.0).abs() < 1e-4, "L2-normalised");
+    }
+    // sentence-transformers' documentation gives 0.7553 for this pair with
+    // this model (mean pooling, normalised): the reference value.
+    let food_bread = cosine(&v[0], &v[1]);
+    assert!((food_bread - 0.7553).abs() < 1e-3, "cos = {food_bread}");
+    assert!(
+        food_bread > cosine(&v[0], &v[2]) + 0.5,
+        "eating ≉ carrying a baby"
+    );
+    assert!(
+        cosine(&v[3], &v[4]) > cosine(&v[3], &v[2]),
+        "horse riding pairs up"
+    );
+    assert!(cosine(&v[3], &v[4]) > cosine(&v[3], &v[1]));
+
+    // Bad input is a clear 400 from the worker, passed through.
+    let resp = gw
+        .http
+        .post(gw.at("/v1/embeddings"))
+        .json(&json!({"model": "minilm", "input": 42}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_cold_start_reads_the_weights_from_the_cache() {
+    let Some(ckpt) = minilm() else { return };
+    let gw = Gateway::start(&config(&ckpt));
+    let first = embed(&gw, &["warm pools"]).await;
+    let metrics = |text: &str, name: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let m1 = gw
+        .http
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let from_store = metrics(&m1, "warmgate_weights_store_bytes_total");
+    assert!(
+        from_store > 90e6,
+        "the first start streamed the model from the store: {from_store}"
+    );
+
+    eventually("the app scales to zero", || async {
+        let s = gw.app_status("minilm").await;
+        (s["pool"]["replicas"].as_array().is_some_and(Vec::is_empty) && s["desired"] == 0)
+            .then_some(())
+    })
+    .await;
+    let second = embed(&gw, &["warm pools"]).await;
+    assert!(
+        (cosine(&first[0], &second[0]) - 1.0).abs() < 1e-6,
+        "same weights, same vector"
+    );
+    let m2 = gw
+        .http
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert_eq!(
+        metrics(&m2, "warmgate_weights_store_bytes_total"),
+        from_store,
+        "the second start did not go back to the store"
+    );
+    assert!(
+        metrics(&m2, "warmgate_weights_cache_bytes_total") > 90e6,
+        "it read the cache"
+    );
+
+    // The worker's URL serves the manifest too.
+    let s = gw.app_status("minilm").await;
+    assert_eq!(s["revision"], "minilm-00001");
+    let manifest = gw.json("/v1/weights/minilm/minilm-00001").await;
+    let names: Vec<&str> = manifest["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"model.safetensors") && names.contains(&"tokenizer.json"),
+        "{names:?}"
+    );
+    let resp = gw
+        .http
+        .get(gw.at("/v1/weights/minilm/minilm-00009/config.json"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_client_gets_real_vectors() {
+    let Some(ckpt) = minilm() else { return };
+    let has_openai = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_openai {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the openai package is required under CI"
+        );
+        eprintln!("SKIPPED: pip install openai");
+        return;
+    }
+    let gw = Gateway::start(&config(&ckpt));
+    let script = r#"
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+r = client.embeddings.create(model="minilm", input=["A man is eating food.", "A man is eating a piece of bread."])
+a, b = r.data[0].embedding, r.data[1].embedding
+print(len(a), round(sum(x * y for x, y in zip(a, b)), 4), r.usage.prompt_tokens)
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &gw.url])
+        .output()
+        .await
+        .expect("python3");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    assert_eq!(fields[0], "384", "{text}");
+    let cos: f64 = fields[1].parse().expect("cosine");
+    assert!((cos - 0.7553).abs() < 1e-3, "{text}");
+}
