@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::body::Body;
-use bytes::Bytes;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
@@ -21,8 +20,9 @@ use warmgate_pool::weights::{Cache, PullItem, Source, StreamConfig, plan};
 
 use crate::error::{ApiError, ErrorKind};
 
-/// Bytes read from disk per body chunk.
-const CHUNK: usize = 256 * 1024;
+/// Bytes read from disk per body chunk: large enough that the per-read
+/// hop to tokio's blocking pool is amortised.
+const CHUNK: usize = 4 * 1024 * 1024;
 
 /// How far a download has got.
 #[derive(Debug, Clone)]
@@ -214,11 +214,16 @@ fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
                     }
                 }
                 let want = ((available - st.offset) as usize).min(CHUNK);
-                let mut buf = vec![0u8; want];
+                let mut buf = bytes::BytesMut::with_capacity(want);
                 let file = st.file.as_mut().expect("opened above");
-                file.read_exact(&mut buf).await?;
+                let mut limited = file.take(want as u64);
+                while buf.len() < want {
+                    if limited.read_buf(&mut buf).await? == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                }
                 st.offset += want as u64;
-                return Ok(Some((Bytes::from(buf), st)));
+                return Ok(Some((buf.freeze(), st)));
             }
             if st.rx.changed().await.is_err() {
                 // The sender is gone: look at its last word once more.

@@ -243,3 +243,50 @@ print(len(a), round(sum(x * y for x, y in zip(a, b)), 4), r.usage.prompt_tokens)
     let cos: f64 = fields[1].parse().expect("cosine");
     assert!((cos - 0.7553).abs() < 1e-3, "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_starting_together_share_one_download() {
+    let Some(ckpt) = minilm() else { return };
+    // Two replicas from the start: both stream the checkpoint at once.
+    let config = format!(
+        r#"
+        [[apps]]
+        name = "minilm"
+        command = ["{}"]
+        checkpoint = "file://{}"
+        [apps.autoscale]
+        min = 2
+        max = 2
+        "#,
+        bin("embedder").display(),
+        ckpt.display()
+    );
+    let gw = Gateway::start(&config);
+    eventually("two replicas ready", || async {
+        (gw.app_status("minilm").await["ready"] == 2).then_some(())
+    })
+    .await;
+    let m = gw
+        .http
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let from_store: f64 = m
+        .lines()
+        .find(|l| l.starts_with("warmgate_weights_store_bytes_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let on_disk: u64 = ["config.json", "tokenizer.json", "model.safetensors"]
+        .iter()
+        .map(|f| std::fs::metadata(ckpt.join(f)).expect("file").len())
+        .sum();
+    assert_eq!(
+        from_store as u64, on_disk,
+        "each file came from the store exactly once"
+    );
+}

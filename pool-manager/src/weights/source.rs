@@ -40,10 +40,15 @@ impl Default for StreamConfig {
 }
 
 impl StreamConfig {
-    /// Ranged GETs in flight, within the memory limit (at least one).
+    /// Parts held at once, downloading or waiting to be consumed: the
+    /// memory limit in parts (at least one).
+    pub fn window(&self) -> usize {
+        ((self.memory_limit / self.part_size.max(1)) as usize).max(1)
+    }
+
+    /// Ranged GETs in flight, within the window (at least one).
     pub fn effective_concurrency(&self) -> usize {
-        let by_memory = self.memory_limit / self.part_size.max(1);
-        self.concurrency.min(by_memory as usize).max(1)
+        self.concurrency.min(self.window()).max(1)
     }
 }
 
@@ -98,7 +103,14 @@ impl Source {
                 .map_err(|e| bad(e.to_string()))?;
             return Ok(Source::new(Arc::new(store), location, uri));
         }
-        let env = std::env::vars().map(|(k, v)| (k.to_ascii_lowercase(), v));
+        let mut options: Vec<(String, String)> = std::env::vars()
+            .map(|(k, v)| (k.to_ascii_lowercase(), v))
+            .collect();
+        if url.scheme() == "http" {
+            // A plain-HTTP checkpoint URI says so itself.
+            options.push(("allow_http".into(), "true".into()));
+        }
+        let env = options;
         let (store, path) =
             object_store::parse_url_opts(&url, env).map_err(|e| bad(e.to_string()))?;
         Ok(Source::new(Arc::from(store), path, uri))
@@ -131,10 +143,15 @@ impl Source {
             .strip_prefix(base)
             .unwrap_or(rel)
             .trim_start_matches('/');
+        let uri = if suffix.is_empty() {
+            self.uri.clone()
+        } else {
+            format!("{}/{}", self.uri.trim_end_matches('/'), suffix)
+        };
         Source {
             store: self.store.clone(),
             path: location.clone(),
-            uri: format!("{}/{}", self.uri.trim_end_matches('/'), suffix),
+            uri,
         }
     }
 
@@ -164,8 +181,12 @@ impl Source {
         Ok(objects)
     }
 
-    /// The bytes of `range`, as parts in order, with up to
-    /// [`StreamConfig::effective_concurrency`] ranged GETs in flight.
+    /// The bytes of `range`, as parts in order. Each ranged GET runs as a
+    /// task of its own, so downloads go on while the consumer is busy; at
+    /// most [`StreamConfig::effective_concurrency`] are in flight, and at
+    /// most [`StreamConfig::window`] parts are held, so a slow part holds
+    /// back delivery but not the downloads behind it, within the memory
+    /// limit. Dropping the stream cancels what is still running.
     pub fn parts(
         &self,
         range: Range<u64>,
@@ -176,18 +197,22 @@ impl Source {
         let store = self.store.clone();
         let path = self.path.clone();
         let uri = self.uri.clone();
+        let permits = Arc::new(tokio::sync::Semaphore::new(cfg.effective_concurrency()));
         stream::iter((range.start..range.end).step_by(part as usize))
             .map(move |s| {
                 let e = (s + part).min(end);
-                let (store, path, uri) = (store.clone(), path.clone(), uri.clone());
-                async move {
+                let (store, path) = (store.clone(), path.clone());
+                let (uri, task_uri) = (uri.clone(), uri.clone());
+                let permits = permits.clone();
+                let task = AbortOnDrop(tokio::spawn(async move {
+                    let _permit = permits.acquire_owned().await.ok();
                     let b = store
                         .get_range(&path, s..e)
                         .await
-                        .map_err(|err| store_error(&uri, err))?;
+                        .map_err(|err| store_error(&task_uri, err))?;
                     if b.len() as u64 != e - s {
                         return Err(Error::Weights {
-                            uri,
+                            uri: task_uri,
                             reason: format!(
                                 "asked for bytes {s}..{e} and got {} bytes (object changed or truncated)",
                                 b.len()
@@ -195,9 +220,19 @@ impl Source {
                         });
                     }
                     Ok(b)
+                }));
+                async move {
+                    let mut task = task;
+                    match (&mut task.0).await {
+                        Ok(r) => r,
+                        Err(e) => Err(Error::Weights {
+                            uri,
+                            reason: format!("the download task failed: {e}"),
+                        }),
+                    }
                 }
             })
-            .buffered(cfg.effective_concurrency())
+            .buffered(cfg.window())
             .boxed()
     }
 
@@ -272,6 +307,15 @@ impl Source {
             Ok(Some((tensor, st)))
         })
         .boxed()
+    }
+}
+
+/// A task that is aborted when its handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Weight streaming: the streamer against one sequential GET and raw parallel
+# ranges, served by nginx with a per-connection rate limit (object stores cap
+# each connection; that is why parallel ranges win), then through warmgate's
+# /v1/weights endpoint cold and from the cache, then the embedder's cold
+# start split into phases from a cold and a warm cache.
+#
+# Usage: benches/weights.sh   (env SIZE_MIB=2048, RATE=100m per connection)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZE_MIB=${SIZE_MIB:-2048}
+RATE=${RATE:-100m}
+
+if ! command -v nginx >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null
+fi
+cargo build --release --workspace --bins -q
+BIN=$PWD/target/release
+WORK=$(mktemp -d /tmp/warmgate-wbench.XXXXXX)
+OUT=${OUT:-$PWD/target/bench-results}
+mkdir -p "$OUT" "$WORK/www" "$WORK/nginx"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  [ -f "$WORK/nginx/nginx.pid" ] && kill -QUIT "$(cat "$WORK/nginx/nginx.pid")" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+echo "writing a ${SIZE_MIB} MiB checkpoint" >&2
+"$BIN/weights-bench" gen --out "$WORK/www/model.safetensors" --size-mib "$SIZE_MIB"
+
+PORT=$(free_port)
+cat >"$WORK/nginx/nginx.conf" <<CONF
+user root;
+worker_processes 2;
+daemon on;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  sendfile on;
+  client_body_temp_path $WORK/nginx/body;
+  proxy_temp_path $WORK/nginx/proxy;
+  fastcgi_temp_path $WORK/nginx/fcgi;
+  uwsgi_temp_path $WORK/nginx/uwsgi;
+  scgi_temp_path $WORK/nginx/scgi;
+  server {
+    listen 127.0.0.1:$PORT;
+    root $WORK/www;
+    limit_rate $RATE;
+  }
+}
+CONF
+nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf"
+URL="http://127.0.0.1:$PORT/model.safetensors"
+
+# warmgate, for its /v1/weights endpoint (the app never starts a worker).
+cat >"$WORK/gw.toml" <<CONF
+state_dir = "$WORK/state"
+[[apps]]
+name = "ck"
+command = ["true"]
+checkpoint = "$URL"
+CONF
+WARMGATE_LOG=warn "$BIN/warmgate" serve --config "$WORK/gw.toml" --listen 127.0.0.1:0 >"$WORK/gw.out" 2>"$WORK/gw.err" &
+PIDS+=($!)
+for _ in $(seq 1 200); do grep -q "listening on" "$WORK/gw.out" && break; sleep 0.02; done
+GW=$(sed -n 's/^warmgate listening on //p' "$WORK/gw.out")
+
+{
+  echo "## Weight streaming (nginx, limit_rate $RATE per connection, ${SIZE_MIB} MiB checkpoint)"
+  echo
+  "$BIN/weights-bench" run --url "$URL" --gateway-url "$GW/v1/weights/ck/ck-00001/model.safetensors" \
+    --cache-dir "$WORK/state/cache"
+} | tee "$OUT/weights.md"
+
+# The embedder's cold start, from a cold and from a warm cache.
+if [ -f checkpoints/minilm/model.safetensors ]; then
+  cat >"$WORK/mini.toml" <<CONF
+state_dir = "$WORK/mini-state"
+[[apps]]
+name = "minilm"
+command = ["$BIN/embedder"]
+checkpoint = "file://$PWD/checkpoints/minilm"
+[apps.autoscale]
+scale_to_zero_after = "1s"
+stable_window = "2s"
+panic_window = "1s"
+CONF
+  WARMGATE_LOG=warn "$BIN/warmgate" serve --config "$WORK/mini.toml" --listen 127.0.0.1:0 >"$WORK/mini.out" 2>"$WORK/mini.err" &
+  PIDS+=($!)
+  for _ in $(seq 1 200); do grep -q "listening on" "$WORK/mini.out" && break; sleep 0.02; done
+  MG=$(sed -n 's/^warmgate listening on //p' "$WORK/mini.out")
+  req() { curl -s -o /dev/null -w '%{time_total}' "$MG/v1/embeddings" -d '{"model":"minilm","input":"warm pools"}'; }
+  T1=$(req)
+  for _ in $(seq 1 300); do
+    n=$(curl -s "$MG/v1/status" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["apps"][0]["pool"]["replicas"]))')
+    [ "$n" = 0 ] && break; sleep 0.05
+  done
+  T2=$(req)
+  {
+    echo
+    echo "## Embedder cold start (all-MiniLM-L6-v2, 91 MB)"
+    echo
+    echo "| start | first request (s) | worker log |"
+    echo "|---|---:|---|"
+    mapfile -t LINES < <(grep -h "embedder:" "$WORK"/mini-state/logs/*.log)
+    echo "| cold cache | $T1 | ${LINES[0]:-?} |"
+    echo "| warm cache | $T2 | ${LINES[1]:-?} |"
+  } | tee -a "$OUT/weights.md"
+fi
