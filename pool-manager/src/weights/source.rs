@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
 use safetensors::Dtype;
 
 use super::header::{self, Header, LEN_PREFIX, MAX_HEADER_BYTES};
@@ -270,44 +270,137 @@ impl Source {
     }
 
     /// Each tensor, in file order, as soon as its bytes are complete.
+    ///
+    /// Parts are planned within tensors, and each part's response body is
+    /// copied straight into its slice of the tensor's final buffer, so every
+    /// byte is copied once on its way from the socket to the consumer.
     pub fn tensors(
         &self,
         header: Header,
         cfg: &StreamConfig,
     ) -> BoxStream<'static, Result<Tensor>> {
-        let parts = self.parts(header.data_start()..header.data_end(), cfg);
-        let state = Assembly {
-            parts,
-            chunks: Vec::new(),
-            chunks_start: header.data_start(),
-            chunks_end: header.data_start(),
-            tensors: header.tensors.into_iter(),
-        };
-        stream::try_unfold(state, |mut st| async move {
-            let Some(t) = st.tensors.next() else {
-                return Ok(None);
-            };
-            while st.chunks_end < t.end {
-                match st.parts.next().await {
-                    Some(part) => {
-                        let part = part?;
-                        st.chunks_end += part.len() as u64;
-                        st.chunks.push(part);
-                    }
-                    None => break,
+        let part = cfg.part_size.max(1);
+        let permits = Arc::new(tokio::sync::Semaphore::new(cfg.effective_concurrency()));
+        let (store, path, uri) = (self.store.clone(), self.path.clone(), self.uri.clone());
+        let entries = Arc::new(header.tensors);
+        // Jobs are made lazily, tensor by tensor, as the window pulls them,
+        // so a tensor's buffer is allocated only when its first part starts.
+        let plan = entries.clone();
+        let jobs = (0..plan.len()).flat_map(move |ti| {
+            let t = &plan[ti];
+            // Zeroed pages from the allocator cost no extra pass.
+            let mut buf = BytesMut::zeroed((t.end - t.start) as usize);
+            let mut jobs = Vec::new();
+            let mut s = t.start;
+            loop {
+                let e = (s + part).min(t.end);
+                let slice = buf.split_to((e - s) as usize);
+                jobs.push(PartJob {
+                    tensor: ti,
+                    range: s..e,
+                    slice,
+                    last: e == t.end,
+                });
+                if e == t.end {
+                    break;
                 }
+                s = e;
             }
-            let data = st.take(t.start, t.end);
-            let tensor = Tensor {
-                name: t.name,
-                dtype: t.dtype,
-                shape: t.shape,
-                data,
-            };
-            Ok(Some((tensor, st)))
-        })
+            jobs
+        });
+        let parts = stream::iter(jobs)
+            .map(move |job| {
+                let (store, path, uri) = (store.clone(), path.clone(), uri.clone());
+                let permits = permits.clone();
+                let err_uri = uri.clone();
+                let task = AbortOnDrop(tokio::spawn(async move {
+                    let _permit = permits.acquire_owned().await.ok();
+                    fill(store.as_ref(), &path, &uri, job).await
+                }));
+                async move {
+                    let mut task = task;
+                    match (&mut task.0).await {
+                        Ok(r) => r,
+                        Err(e) => Err(Error::Weights {
+                            uri: err_uri,
+                            reason: format!("the download task failed: {e}"),
+                        }),
+                    }
+                }
+            })
+            .buffered(cfg.window());
+        stream::try_unfold(
+            (parts.boxed(), None::<BytesMut>, entries),
+            |(mut parts, mut acc, entries)| async move {
+                while let Some(job) = parts.next().await {
+                    let job = job?;
+                    match acc.as_mut() {
+                        Some(a) => a.unsplit(job.slice),
+                        None => acc = Some(job.slice),
+                    }
+                    if job.last {
+                        let t = &entries[job.tensor];
+                        let tensor = Tensor {
+                            name: t.name.clone(),
+                            dtype: t.dtype,
+                            shape: t.shape.clone(),
+                            data: acc.take().map(BytesMut::freeze).unwrap_or_default(),
+                        };
+                        return Ok(Some((tensor, (parts, acc, entries))));
+                    }
+                }
+                Ok(None)
+            },
+        )
         .boxed()
     }
+}
+
+/// One ranged GET into its slice of a tensor's buffer.
+struct PartJob {
+    tensor: usize,
+    range: Range<u64>,
+    slice: BytesMut,
+    last: bool,
+}
+
+/// Streams one range into the job's slice; checks it got exactly the bytes
+/// it asked for.
+async fn fill(
+    store: &dyn ObjectStore,
+    path: &Path,
+    uri: &str,
+    mut job: PartJob,
+) -> Result<PartJob> {
+    if job.range.is_empty() {
+        return Ok(job);
+    }
+    let (s, e) = (job.range.start, job.range.end);
+    let short = |got: u64| Error::Weights {
+        uri: uri.to_string(),
+        reason: format!(
+            "asked for bytes {s}..{e} and got {got} bytes (object changed or truncated)"
+        ),
+    };
+    let result = store
+        .get_opts(path, GetOptions::new().with_range(Some(s..e)))
+        .await
+        .map_err(|err| store_error(uri, err))?;
+    let mut body = result.into_stream();
+    let mut filled = 0usize;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|err| store_error(uri, err))?;
+        let end = filled + chunk.len();
+        let Some(dst) = job.slice.get_mut(filled..end) else {
+            return Err(short(end as u64));
+        };
+        dst.copy_from_slice(&chunk);
+        filled = end;
+    }
+    if filled != job.slice.len() {
+        return Err(short(filled as u64));
+    }
+    Ok(job)
 }
 
 /// A task that is aborted when its handle is dropped.
@@ -316,52 +409,6 @@ struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
-    }
-}
-
-/// Parts received but not yet handed out as tensors.
-struct Assembly {
-    parts: BoxStream<'static, Result<Bytes>>,
-    chunks: Vec<Bytes>,
-    chunks_start: u64,
-    chunks_end: u64,
-    tensors: std::vec::IntoIter<super::TensorEntry>,
-}
-
-impl Assembly {
-    /// The bytes `start..end` (which the chunks cover, as tensors are
-    /// contiguous), dropping chunks no later tensor needs. A tensor inside
-    /// one part is a zero-copy slice.
-    fn take(&mut self, start: u64, end: u64) -> Bytes {
-        let mut out: Option<BytesMut> = None;
-        let mut single: Option<Bytes> = None;
-        let mut pos = self.chunks_start;
-        for c in &self.chunks {
-            let c_end = pos + c.len() as u64;
-            if c_end > start && pos < end {
-                let from = (start.max(pos) - pos) as usize;
-                let to = (end.min(c_end) - pos) as usize;
-                let piece = c.slice(from..to);
-                if pos <= start && c_end >= end {
-                    single = Some(piece);
-                    break;
-                }
-                out.get_or_insert_with(|| BytesMut::with_capacity((end - start) as usize))
-                    .extend_from_slice(&piece);
-            }
-            pos = c_end;
-        }
-        // Drop chunks that end at or before `end`.
-        while let Some(first) = self.chunks.first() {
-            let first_end = self.chunks_start + first.len() as u64;
-            if first_end <= end {
-                self.chunks_start = first_end;
-                self.chunks.remove(0);
-            } else {
-                break;
-            }
-        }
-        single.unwrap_or_else(|| out.map(BytesMut::freeze).unwrap_or_default())
     }
 }
 
