@@ -16,6 +16,7 @@ test:
 # Benchmarks (not in CI: they take minutes and need two quiet cores).
 bench:
 	bash benches/proxy.sh
+	bash benches/weights.sh
 
 fmt:
 	cargo fmt --all
