@@ -297,7 +297,7 @@ fn weights_pull(
     cfg: warmgate_pool::weights::StreamConfig,
     cache_dir: Option<PathBuf>,
 ) -> i32 {
-    use warmgate_pool::weights::{Cache, Source, plan, pull};
+    use warmgate_pool::weights::{Cache, Source, checksums, plan, pull};
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -312,6 +312,7 @@ fn weights_pull(
         let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
         let src = Source::open(uri, &cwd)?;
         let items = plan(&src).await?;
+        let sums = checksums(&items, &cfg).await?;
         let total: u64 = items.iter().map(|i| i.meta.size).sum();
         let cache = cache_dir
             .map(|d| Cache::open(d, u64::MAX))
@@ -324,7 +325,7 @@ fn weights_pull(
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         let start = std::time::Instant::now();
-        let report = pull(&items, dir, &cfg, cache.as_ref(), &|n| bar.inc(n)).await;
+        let report = pull(&items, dir, &cfg, cache.as_ref(), &sums, &|n| bar.inc(n)).await;
         bar.finish_and_clear();
         report.map(|r| (r, start.elapsed()))
     });

@@ -576,6 +576,7 @@ async fn weights_manifest(
         let app = gw.revision_app(&app, &revision)?;
         let files = gw.weights.files(&app.name).await?;
         let list: Vec<_> = files
+            .items
             .iter()
             .map(|f| json!({"name": f.relative.to_string_lossy(), "size": f.meta.size}))
             .collect();

@@ -16,7 +16,7 @@ use futures_util::StreamExt;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::watch;
-use warmgate_pool::weights::{Cache, PullItem, Source, StreamConfig, plan};
+use warmgate_pool::weights::{Cache, PullItem, Source, StreamConfig, checksums, plan};
 
 use crate::error::{ApiError, ErrorKind};
 
@@ -35,12 +35,20 @@ enum Progress {
     Failed(String),
 }
 
+/// A checkpoint's files and the checksums its `SHA256SUMS` gives.
+pub struct Listing {
+    /// The files.
+    pub items: Vec<PullItem>,
+    /// Expected SHA-256 by file name.
+    pub sums: HashMap<String, String>,
+}
+
 /// Checkpoints of the apps, their listings, and downloads in flight.
 pub struct Weights {
     cache: Cache,
     cfg: StreamConfig,
     sources: HashMap<String, Source>,
-    listings: Mutex<HashMap<String, Arc<Vec<PullItem>>>>,
+    listings: Mutex<HashMap<String, Arc<Listing>>>,
     downloads: Mutex<HashMap<String, watch::Receiver<Progress>>>,
 }
 
@@ -58,7 +66,7 @@ impl Weights {
 
     /// The files of an app's checkpoint (listed once; a revision's
     /// checkpoint does not change).
-    pub async fn files(&self, app: &str) -> Result<Arc<Vec<PullItem>>, ApiError> {
+    pub async fn files(&self, app: &str) -> Result<Arc<Listing>, ApiError> {
         if let Some(l) = self.listings.lock().get(app) {
             return Ok(l.clone());
         }
@@ -68,15 +76,23 @@ impl Weights {
                 format!("app '{app}' has no checkpoint"),
             )
         })?;
-        let items = Arc::new(plan(src).await.map_err(|e| weights_error(&e))?);
-        self.listings.lock().insert(app.to_string(), items.clone());
-        Ok(items)
+        let items = plan(src).await.map_err(|e| weights_error(&e))?;
+        let sums = checksums(&items, &self.cfg)
+            .await
+            .map_err(|e| weights_error(&e))?;
+        let listing = Arc::new(Listing { items, sums });
+        self.listings
+            .lock()
+            .insert(app.to_string(), listing.clone());
+        Ok(listing)
     }
 
     /// One file of an app's checkpoint, as a streamed body, and its size.
     pub async fn file(self: &Arc<Self>, app: &str, name: &str) -> Result<(Body, u64), ApiError> {
         let files = self.files(app).await?;
+        let expected = files.sums.get(name).cloned();
         let item = files
+            .items
             .iter()
             .find(|i| i.relative.to_str() == Some(name))
             .ok_or_else(|| {
@@ -92,7 +108,7 @@ impl Weights {
             metrics::counter!("warmgate_weights_cache_bytes_total").increment(size);
             return Ok((follow(watch::channel(Progress::Done(path)).1, size), size));
         }
-        let rx = self.download(key, item).await?;
+        let rx = self.download(key, item, expected).await?;
         Ok((follow(rx, size), size))
     }
 
@@ -101,6 +117,7 @@ impl Weights {
         self: &Arc<Self>,
         key: String,
         item: PullItem,
+        sha256: Option<String>,
     ) -> Result<watch::Receiver<Progress>, ApiError> {
         if let Some(rx) = self.downloads.lock().get(&key) {
             return Ok(rx.clone());
@@ -150,7 +167,7 @@ impl Weights {
                 });
             }
             let done = match outcome {
-                Ok(()) => match writer.commit(size).await {
+                Ok(()) => match writer.commit(size, sha256.as_deref()).await {
                     Ok(path) => Progress::Done(path),
                     Err(e) => Progress::Failed(e.to_string()),
                 },

@@ -172,12 +172,12 @@ async fn cache_entries_are_atomic_checked_and_evicted_lru() {
     // A short write is refused at commit.
     let mut w = cache.writer(&key).await.expect("writer");
     w.write(&Bytes::from(vec![7u8; 40])).await.expect("write");
-    assert!(w.commit(100).await.is_err());
+    assert!(w.commit(100, None).await.is_err());
     assert!(cache.lookup(&key, 100).is_none());
 
     let mut w = cache.writer(&key).await.expect("writer");
     w.write(&Bytes::from(vec![7u8; 100])).await.expect("write");
-    let path = w.commit(100).await.expect("commit");
+    let path = w.commit(100, None).await.expect("commit");
     assert_eq!(cache.lookup(&key, 100), Some(path.clone()));
     // A wrong-size entry is treated as absent and removed.
     assert!(cache.lookup(&key, 99).is_none());
@@ -187,7 +187,7 @@ async fn cache_entries_are_atomic_checked_and_evicted_lru() {
     for (i, k) in ["a", "b", "c"].iter().enumerate() {
         let mut w = cache.writer(k).await.expect("writer");
         w.write(&Bytes::from(vec![1u8; 100])).await.expect("write");
-        let p = w.commit(100).await.expect("commit");
+        let p = w.commit(100, None).await.expect("commit");
         // Distinct, ordered use times without waiting for the clock.
         let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000 + i as u64);
         if let Ok(f) = std::fs::File::options().write(true).open(&p) {

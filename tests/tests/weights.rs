@@ -98,6 +98,69 @@ fn pull_copies_a_local_checkpoint_and_the_cache_serves_the_second_pull() {
     );
 }
 
+fn sha256_hex(data: &[u8]) -> String {
+    let out = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(data)?;
+            c.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8_lossy(&out.stdout)[..64].to_string()
+}
+
+#[test]
+fn a_sha256sums_file_is_verified_and_a_mismatch_refused() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ck = dir.path().join("ck");
+    std::fs::create_dir_all(&ck).expect("mkdir");
+    let model = safetensors(3, 10_000);
+    std::fs::write(ck.join("model.safetensors"), &model).expect("write");
+    std::fs::write(ck.join("config.json"), b"{}").expect("write");
+    let good = format!(
+        "{}  model.safetensors\n{}  config.json\n",
+        sha256_hex(&model),
+        sha256_hex(b"{}")
+    );
+    std::fs::write(ck.join("SHA256SUMS"), &good).expect("write");
+    for cache in [true, false] {
+        let mut args = vec!["file://./ck", "ok"];
+        if cache {
+            args.extend(["--cache", "cache"]);
+        }
+        let (code, _, err) = pull(&args, dir.path(), &[]);
+        assert_eq!(code, 0, "{err}");
+    }
+
+    // One flipped byte in the data (same size, valid header): refused.
+    let mut bad = model.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0xff;
+    std::fs::write(ck.join("model.safetensors"), &bad).expect("write");
+    for cache in [true, false] {
+        let out = format!("out-{cache}");
+        let mut args = vec!["file://./ck", out.as_str()];
+        if cache {
+            args.extend(["--cache", "cache2"]);
+        }
+        let (code, _, err) = pull(&args, dir.path(), &[]);
+        assert_eq!(code, 1);
+        assert!(
+            err.contains("file://./ck/model.safetensors") && err.contains("sha256 mismatch"),
+            "{err}"
+        );
+        assert!(!dir.path().join(&out).join("model.safetensors").exists());
+    }
+    let bad_cached = std::fs::read_dir(dir.path().join("cache2"))
+        .expect("cache folder")
+        .flatten()
+        .any(|e| e.metadata().is_ok_and(|m| m.len() == bad.len() as u64));
+    assert!(!bad_cached, "the bad model is never cached");
+}
+
 #[test]
 fn pull_refuses_a_lying_checkpoint_before_downloading_it() {
     let dir = tempfile::tempdir().expect("dir");

@@ -34,6 +34,7 @@ pub struct CacheWriter {
     tmp: PathBuf,
     target: PathBuf,
     written: u64,
+    hasher: Sha256,
     cache: Cache,
 }
 
@@ -68,7 +69,7 @@ impl Cache {
                 meta.size
             )),
         }
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        hex(&h.finalize())
     }
 
     /// The entry's path if it is present and has the expected size; marks
@@ -105,6 +106,7 @@ impl Cache {
             target: self.dir.join(key),
             tmp,
             written: 0,
+            hasher: Sha256::new(),
             cache: self.clone(),
         })
     }
@@ -185,12 +187,14 @@ impl CacheWriter {
             reason: e.to_string(),
         })?;
         self.written += data.len() as u64;
+        self.hasher.update(data);
         Ok(())
     }
 
-    /// Checks the size, syncs, and renames the entry into place; then
-    /// evicts old entries past the limit. Returns the entry's path.
-    pub async fn commit(mut self, expected: u64) -> Result<PathBuf> {
+    /// Checks the size (and the SHA-256, when one is expected), syncs,
+    /// and renames the entry into place; then evicts old entries past the
+    /// limit. Returns the entry's path. On a mismatch nothing is committed.
+    pub async fn commit(mut self, expected: u64, sha256: Option<&str>) -> Result<PathBuf> {
         let err = |path: &Path, reason: String| Error::Cache {
             path: path.to_owned(),
             reason,
@@ -200,6 +204,17 @@ impl CacheWriter {
                 &self.tmp,
                 format!("wrote {} bytes but the object has {expected}", self.written),
             ));
+        }
+        if let Some(want) = sha256 {
+            let got = hex(&std::mem::take(&mut self.hasher).finalize());
+            if !got.eq_ignore_ascii_case(want) {
+                return Err(err(
+                    &self.tmp,
+                    format!(
+                        "sha256 mismatch: the checkpoint's SHA256SUMS says {want}, the bytes hash to {got}"
+                    ),
+                ));
+            }
         }
         let mut file = self.file.take().expect("committed once");
         file.flush()
@@ -229,6 +244,29 @@ impl Drop for CacheWriter {
     }
 }
 
+/// Lower-case hex of a digest.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A `SHA256SUMS` file (`sha256sum` output: `<hex>  <name>` per line),
+/// by file name. Lines that are not of that form are ignored.
+pub fn parse_sha256sums(text: &str) -> std::collections::HashMap<String, String> {
+    text.lines()
+        .filter_map(|line| {
+            let (hash, name) = line.split_once(char::is_whitespace)?;
+            let name = name.trim_start().trim_start_matches('*').trim();
+            (hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()) && !name.is_empty())
+                .then(|| {
+                    (
+                        name.trim_start_matches("./").to_string(),
+                        hash.to_ascii_lowercase(),
+                    )
+                })
+        })
+        .collect()
+}
+
 fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -239,4 +277,21 @@ fn rand_u64() -> u64 {
             .unwrap_or_default(),
     );
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sha256sums_lines_are_parsed_like_sha256sum_writes_them() {
+        let h = "a".repeat(64);
+        let text =
+            format!("{h}  model.safetensors\n{h} *bin/x.json\n{h}  ./tok.json\nnot a line\n");
+        let sums = parse_sha256sums(&text);
+        assert_eq!(sums.len(), 3);
+        assert_eq!(sums["model.safetensors"], h);
+        assert_eq!(sums["bin/x.json"], h);
+        assert_eq!(sums["tok.json"], h);
+    }
 }

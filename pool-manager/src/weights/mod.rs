@@ -14,7 +14,7 @@ pub mod header;
 mod pull;
 mod source;
 
-pub use cache::{Cache, CacheWriter};
+pub use cache::{Cache, CacheWriter, parse_sha256sums};
 pub use header::{Header, TensorEntry};
-pub use pull::{PullItem, PullReport, plan, pull};
+pub use pull::{PullItem, PullReport, SHA256SUMS, checksums, plan, pull};
 pub use source::{Source, StreamConfig, Tensor};

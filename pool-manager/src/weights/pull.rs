@@ -5,9 +5,18 @@ use std::path::{Component, Path, PathBuf};
 use object_store::ObjectMeta;
 use tokio::io::AsyncWriteExt;
 
+use super::cache::{hex, parse_sha256sums};
 use super::{Cache, Source, StreamConfig};
 use crate::{Error, Result};
 use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+
+/// The checksum file a checkpoint may carry, in `sha256sum` format. When it
+/// is there, every file it names is verified while it streams, and a
+/// mismatch is refused before anything is committed.
+pub const SHA256SUMS: &str = "SHA256SUMS";
+/// A checksum file larger than this is not read.
+const MAX_SUMS_BYTES: u64 = 16 * 1024 * 1024;
 
 /// One object to pull and where it goes.
 #[derive(Debug, Clone)]
@@ -64,19 +73,57 @@ pub async fn plan(src: &Source) -> Result<Vec<PullItem>> {
         .collect()
 }
 
+/// The expected SHA-256 of each file, from the checkpoint's `SHA256SUMS`
+/// (empty when it has none).
+pub async fn checksums(
+    items: &[PullItem],
+    cfg: &StreamConfig,
+) -> Result<std::collections::HashMap<String, String>> {
+    let Some(item) = items.iter().find(|i| i.relative.as_os_str() == SHA256SUMS) else {
+        return Ok(Default::default());
+    };
+    if item.meta.size > MAX_SUMS_BYTES {
+        return Err(Error::Weights {
+            uri: item.source.uri().to_string(),
+            reason: format!("larger than {MAX_SUMS_BYTES} bytes"),
+        });
+    }
+    let mut text = Vec::with_capacity(item.meta.size as usize);
+    let mut parts = item.source.parts(0..item.meta.size, cfg);
+    while let Some(part) = parts.next().await {
+        text.extend_from_slice(&part?);
+    }
+    Ok(parse_sha256sums(&String::from_utf8_lossy(&text)))
+}
+
 /// Pulls every item into `dest`, through `cache` when given. Safetensors
-/// files have their header checked before any data is downloaded.
-/// `on_bytes` is told about progress.
+/// files have their header checked before any data is downloaded, and files
+/// named in `sums` are verified. `on_bytes` is told about progress.
 pub async fn pull(
     items: &[PullItem],
     dest: &Path,
     cfg: &StreamConfig,
     cache: Option<&Cache>,
+    sums: &std::collections::HashMap<String, String>,
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<PullReport> {
     let mut report = PullReport::default();
     for item in items {
         let size = item.meta.size;
+        let expected = item
+            .relative
+            .to_str()
+            .and_then(|r| sums.get(r))
+            .map(String::as_str);
+        let mismatch = |e: Error| match e {
+            Error::Cache { reason, .. } if reason.starts_with("sha256 mismatch") => {
+                Error::Weights {
+                    uri: item.source.uri().to_string(),
+                    reason,
+                }
+            }
+            other => other,
+        };
         let target = dest.join(&item.relative);
         if let Some(parent) = target.parent() {
             tokio::fs::create_dir_all(parent)
@@ -103,13 +150,14 @@ pub async fn pull(
                 w.write(&part).await?;
                 on_bytes(part.len() as u64);
             }
-            let entry = w.commit(size).await?;
+            let entry = w.commit(size, expected).await.map_err(mismatch)?;
             place(&entry, &target).await?;
         } else {
             let tmp = target.with_extension("warmgate-partial");
             let mut f = tokio::fs::File::create(&tmp)
                 .await
                 .map_err(|e| io_error(&tmp, e))?;
+            let mut hasher = Sha256::new();
             let mut parts = item.source.parts(0..size, cfg);
             while let Some(part) = parts.next().await {
                 let part = match part {
@@ -120,7 +168,20 @@ pub async fn pull(
                     }
                 };
                 f.write_all(&part).await.map_err(|e| io_error(&tmp, e))?;
+                hasher.update(&part);
                 on_bytes(part.len() as u64);
+            }
+            if let Some(want) = expected {
+                let got = hex(&hasher.finalize());
+                if !got.eq_ignore_ascii_case(want) {
+                    let _ = tokio::fs::remove_file(&tmp).await;
+                    return Err(Error::Weights {
+                        uri: item.source.uri().to_string(),
+                        reason: format!(
+                            "sha256 mismatch: the checkpoint's SHA256SUMS says {want}, the bytes hash to {got}"
+                        ),
+                    });
+                }
             }
             f.sync_all().await.map_err(|e| io_error(&tmp, e))?;
             tokio::fs::rename(&tmp, &target)
