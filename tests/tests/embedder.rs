@@ -128,23 +128,7 @@ async fn a_second_cold_start_reads_the_weights_from_the_cache() {
     let Some(ckpt) = minilm() else { return };
     let gw = Gateway::start(&config(&ckpt));
     let first = embed(&gw, &["warm pools"]).await;
-    let metrics = |text: &str, name: &str| -> f64 {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
-    };
-    let m1 = gw
-        .http
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    let from_store = metrics(&m1, "warmgate_weights_store_bytes_total");
+    let from_store = gw.metric("warmgate_weights_store_bytes_total").await;
     assert!(
         from_store > 90e6,
         "the first start streamed the model from the store: {from_store}"
@@ -161,22 +145,13 @@ async fn a_second_cold_start_reads_the_weights_from_the_cache() {
         (cosine(&first[0], &second[0]) - 1.0).abs() < 1e-6,
         "same weights, same vector"
     );
-    let m2 = gw
-        .http
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
     assert_eq!(
-        metrics(&m2, "warmgate_weights_store_bytes_total"),
+        gw.metric("warmgate_weights_store_bytes_total").await,
         from_store,
         "the second start did not go back to the store"
     );
     assert!(
-        metrics(&m2, "warmgate_weights_cache_bytes_total") > 90e6,
+        gw.metric("warmgate_weights_cache_bytes_total").await > 90e6,
         "it read the cache"
     );
 
@@ -262,25 +237,8 @@ async fn replicas_starting_together_share_one_download() {
         ckpt.display()
     );
     let gw = Gateway::start(&config);
-    eventually("two replicas ready", || async {
-        (gw.app_status("minilm").await["ready"] == 2).then_some(())
-    })
-    .await;
-    let m = gw
-        .http
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    let from_store: f64 = m
-        .lines()
-        .find(|l| l.starts_with("warmgate_weights_store_bytes_total"))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
+    gw.wait_ready("minilm", 2).await;
+    let from_store = gw.metric("warmgate_weights_store_bytes_total").await;
     let on_disk: u64 = ["config.json", "tokenizer.json", "model.safetensors"]
         .iter()
         .map(|f| std::fs::metadata(ckpt.join(f)).expect("file").len())

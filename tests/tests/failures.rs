@@ -134,11 +134,10 @@ async fn a_crashed_replica_is_replaced_and_later_requests_succeed() {
         max = 1
         "#,
     );
-    let first = eventually("one replica ready", || async {
-        let s = gw.app_status("fragile").await;
-        (s["ready"] == 1).then(|| s["pool"]["replicas"][0]["id"].as_str().map(String::from))?
-    })
-    .await;
+    let first = gw.wait_ready("fragile", 1).await["pool"]["replicas"][0]["id"]
+        .as_str()
+        .expect("a replica id")
+        .to_string();
 
     let (status, body) = error_of(
         gw.http
@@ -224,11 +223,10 @@ async fn a_worker_that_refuses_connections_is_a_502_then_replaced() {
         max = 1
         "#,
     );
-    let first = eventually("one replica ready", || async {
-        let s = gw.app_status("deaf").await;
-        (s["ready"] == 1).then(|| s["pool"]["replicas"][0]["id"].as_str().map(String::from))?
-    })
-    .await;
+    let first = gw.wait_ready("deaf", 1).await["pool"]["replicas"][0]["id"]
+        .as_str()
+        .expect("a replica id")
+        .to_string();
     let resp = gw
         .http
         .post(gw.at("/apps/deaf/close-listener"))

@@ -94,10 +94,7 @@ async fn the_concurrency_limit_is_never_exceeded() {
         max = 1
         "#,
     );
-    eventually("one replica ready", || async {
-        (gw.app_status("limited").await["ready"] == 1).then_some(())
-    })
-    .await;
+    gw.wait_ready("limited", 1).await;
     let mut tasks = Vec::new();
     for _ in 0..30 {
         let http = gw.http.clone();
@@ -132,10 +129,7 @@ async fn a_full_hold_queue_answers_429_with_retry_after() {
         max_pending = 2
         "#,
     );
-    eventually("one replica ready", || async {
-        (gw.app_status("tiny").await["ready"] == 1).then_some(())
-    })
-    .await;
+    gw.wait_ready("tiny", 1).await;
 
     // One request takes the only slot; wait until the gateway sees it.
     let http = gw.http.clone();
@@ -201,10 +195,7 @@ async fn a_held_request_times_out_with_504() {
         timeout = "300ms"
         "#,
     );
-    eventually("one replica ready", || async {
-        (gw.app_status("busy").await["ready"] == 1).then_some(())
-    })
-    .await;
+    gw.wait_ready("busy", 1).await;
     let http = gw.http.clone();
     let first = tokio::spawn(http.get(gw.at("/apps/busy/a?latency_ms=3000")).send());
     eventually("the first request is in flight", || async {

@@ -127,6 +127,33 @@ impl Gateway {
             .unwrap_or_else(|| panic!("app {app} not in status: {v}"))
     }
 
+    /// Waits until `app` has `n` ready replicas; returns its status.
+    pub async fn wait_ready(&self, app: &str, n: u64) -> Value {
+        eventually(&format!("{n} ready replica(s) of {app}"), || async {
+            let s = self.app_status(app).await;
+            (s["ready"] == n).then_some(s)
+        })
+        .await
+    }
+
+    /// A counter or gauge from `/metrics` without labels (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .http
+            .get(self.at("/metrics"))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// Ready replica pids of an app.
     pub async fn replica_pids(&self, app: &str) -> Vec<i32> {
         let s = self.app_status(app).await;
