@@ -29,6 +29,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+pub mod sim;
+
 // === defaults ===
 
 /// Default minimum replicas: 0, because scale-to-zero is the point of a

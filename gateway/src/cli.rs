@@ -59,6 +59,33 @@ pub enum Command {
         #[command(subcommand)]
         command: WeightsCommand,
     },
+    /// Replay an arrival trace against the autoscaling policy and baselines
+    /// (Knative's and Ray Serve's defaults, always at peak); print replica-
+    /// seconds (the GPU bill), queueing delay, cold starts and rejections.
+    Simulate {
+        /// The trace (Azure LLM inference format:
+        /// TIMESTAMP,ContextTokens,GeneratedTokens).
+        #[arg(long)]
+        trace: PathBuf,
+        /// The config whose app supplies concurrency, target and knobs.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Which app of the config (default: the first).
+        #[arg(long)]
+        app: Option<String>,
+        /// Cold start(s) to simulate, comma-separated (e.g. 2s,20s,60s).
+        #[arg(long, value_delimiter = ',', default_value = "20s")]
+        cold_start: Vec<humantime::Duration>,
+        /// Service time: fixed overhead per request.
+        #[arg(long, default_value = "20ms")]
+        base: humantime::Duration,
+        /// Service time: prefill per prompt token, in microseconds.
+        #[arg(long, default_value_t = 100)]
+        prefill_us: u64,
+        /// Service time: decode per generated token, in milliseconds.
+        #[arg(long, default_value_t = 20)]
+        decode_ms: u64,
+    },
     /// Show apps, replicas and queues, like `squeue`.
     Status {
         /// Refresh the table in place.
@@ -115,6 +142,23 @@ pub fn run(cli: Cli) -> i32 {
             interval,
             gateway,
         } => status(&gateway, watch, interval),
+        Command::Simulate {
+            trace,
+            config,
+            app,
+            cold_start,
+            base,
+            prefill_us,
+            decode_ms,
+        } => {
+            let model = warmgate_autoscaler::sim::ServiceModel {
+                base: base.into(),
+                per_context_token: Duration::from_micros(prefill_us),
+                per_generated_token: Duration::from_millis(decode_ms),
+            };
+            let colds: Vec<Duration> = cold_start.into_iter().map(Into::into).collect();
+            simulate(&trace, &config, app.as_deref(), &colds, model)
+        }
         Command::Weights {
             command:
                 WeightsCommand::Pull {
@@ -287,6 +331,132 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
+}
+
+// === simulate ===
+
+fn simulate(
+    trace: &std::path::Path,
+    config: &std::path::Path,
+    app: Option<&str>,
+    colds: &[Duration],
+    model: warmgate_autoscaler::sim::ServiceModel,
+) -> i32 {
+    use warmgate_autoscaler::ScalingConfig;
+    use warmgate_autoscaler::sim::{
+        AlwaysPeak, Knative, Policy, RayServe, SimConfig, parse_azure_trace, peak_replicas,
+        simulate, warmgate,
+    };
+    let config = match Config::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let spec = match app {
+        Some(name) => config.app(name),
+        None => config.apps.first(),
+    };
+    let Some(spec) = spec else {
+        eprintln!("error: no such app in the config (use --app NAME)");
+        return EXIT_USAGE;
+    };
+    let text = match std::fs::read_to_string(trace) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {}: {e}", trace.display());
+            return EXIT_USAGE;
+        }
+    };
+    let requests = match parse_azure_trace(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {}: {e}", trace.display());
+            return EXIT_USAGE;
+        }
+    };
+    let a = &spec.autoscale;
+    let target = spec.target();
+    let scaling = ScalingConfig {
+        min: a.min,
+        max: a.max,
+        target,
+        stable_window: a.stable_window,
+        panic_window: a.panic_window,
+        scale_to_zero_after: a.scale_to_zero_after,
+        panic_threshold: a.panic_threshold,
+    };
+    let span = requests.last().map_or(0.0, |r| r.arrival.as_secs_f64());
+    println!(
+        "trace: {} ({} requests over {:.0} s); app '{}': concurrency {}, target {:.1}, replicas {}..{}",
+        trace.display(),
+        requests.len(),
+        span,
+        spec.name,
+        spec.concurrency,
+        target,
+        a.min,
+        a.max
+    );
+    println!(
+        "service time = {:?} + {:?}/prompt token + {:?}/generated token",
+        model.base, model.per_context_token, model.per_generated_token
+    );
+    let peak = peak_replicas(&requests, &model, target, a.max);
+    for cold in colds {
+        let sim = SimConfig {
+            cold_start: *cold,
+            concurrency: spec.concurrency,
+            tick: Duration::from_secs(1),
+            max_pending: spec.queue.max_pending as usize,
+            queue_timeout: spec.queue.timeout,
+        };
+        let mut policies: Vec<Box<dyn Policy>> = vec![
+            Box::new(warmgate(scaling.clone())),
+            Box::new(Knative::new(target, a.min, a.max)),
+            Box::new(RayServe::new(target, a.min, a.max)),
+            Box::new(AlwaysPeak(peak)),
+        ];
+        let reports: Vec<_> = policies
+            .iter_mut()
+            .map(|p| simulate(&requests, &model, p.as_mut(), &sim))
+            .collect();
+        let knative = reports[1].replica_seconds.max(1e-9);
+        println!();
+        println!("cold start {}:", humantime::format_duration(*cold));
+        println!(
+            "| {:<22} | {:>15} | {:>10} | {:>8} | {:>8} | {:>8} | {:>11} | {:>8} | {:>9} |",
+            "policy",
+            "replica-seconds",
+            "vs Knative",
+            "p50 wait",
+            "p95 wait",
+            "p99 wait",
+            "cold starts",
+            "rejected",
+            "timed out"
+        );
+        println!(
+            "|{:-<24}|{:->17}|{:->12}|{:->10}|{:->10}|{:->10}|{:->13}|{:->10}|{:->11}|",
+            "", "", "", "", "", "", "", "", ""
+        );
+        for r in &reports {
+            println!(
+                "| {:<22} | {:>15.0} | {:>10.2} | {:>7.2}s | {:>7.2}s | {:>7.2}s | {:>11} | {:>8} | {:>9} |",
+                r.policy,
+                r.replica_seconds,
+                r.replica_seconds / knative,
+                r.queue_delay[0],
+                r.queue_delay[1],
+                r.queue_delay[2],
+                r.cold_starts,
+                r.rejected,
+                r.timed_out
+            );
+        }
+    }
+    0
 }
 
 // === client commands ===

@@ -178,3 +178,51 @@ async fn sigterm_finishes_requests_in_flight_and_leaves_no_process_behind() {
         assert!(!alive(pid), "replica process {pid} outlived the gateway");
     }
 }
+
+#[test]
+fn simulate_prints_the_policy_table_for_each_cold_start() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut csv = String::from("TIMESTAMP,ContextTokens,GeneratedTokens\n");
+    for i in 0..600 {
+        csv.push_str(&format!(
+            "2023-11-16 18:{:02}:{:02}.5000000,{},{}\n",
+            15 + i / 60,
+            i % 60,
+            300 + i % 7,
+            40 + i % 11
+        ));
+    }
+    std::fs::write(dir.path().join("trace.csv"), csv).expect("write");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(bin("warmgate"))
+        .args(["simulate", "--trace"])
+        .arg(dir.path().join("trace.csv"))
+        .arg("--config")
+        .arg(root.join("examples/configs/llm-sim.toml"))
+        .args(["--cold-start", "2s,60s"])
+        .output()
+        .expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("600 requests"), "{text}");
+    assert_eq!(text.matches("| warmgate ").count(), 2, "{text}");
+    for name in ["Knative defaults", "Ray Serve defaults", "always at peak"] {
+        assert!(text.contains(name), "{text}");
+    }
+
+    // A bad trace is a clear usage error.
+    std::fs::write(dir.path().join("bad.csv"), "TIMESTAMP,a,b\nyesterday,1,2\n").expect("write");
+    let out = Command::new(bin("warmgate"))
+        .args(["simulate", "--trace"])
+        .arg(dir.path().join("bad.csv"))
+        .arg("--config")
+        .arg(root.join("examples/configs/llm-sim.toml"))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad timestamp"));
+}

@@ -1,0 +1,154 @@
+//! The simulator on synthetic traces, and on the real Azure trace when it is
+//! there (`.ci/run` points `WARMGATE_TRACE` at it).
+
+use std::time::Duration;
+
+use warmgate_autoscaler::ScalingConfig;
+use warmgate_autoscaler::sim::{
+    AlwaysPeak, Knative, Policy, RayServe, ServiceModel, SimConfig, TraceRequest,
+    parse_azure_trace, peak_replicas, simulate, warmgate,
+};
+
+fn cfg(cold: u64) -> SimConfig {
+    SimConfig {
+        cold_start: Duration::from_secs(cold),
+        concurrency: 8,
+        tick: Duration::from_secs(1),
+        max_pending: 100_000,
+        queue_timeout: Duration::from_secs(600),
+    }
+}
+
+/// Deterministic pseudo-random arrivals: `rate` per second for `secs`.
+fn poisson(rate: f64, secs: u64, seed: u64, offset: f64) -> Vec<TraceRequest> {
+    let mut x = seed.max(1);
+    let mut t = offset;
+    let mut out = Vec::new();
+    loop {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+        t += -(1.0 - u).ln() / rate;
+        if t > offset + secs as f64 {
+            return out;
+        }
+        out.push(TraceRequest {
+            arrival: Duration::from_secs_f64(t),
+            context_tokens: 500,
+            generated_tokens: 50,
+        });
+    }
+}
+
+fn scaling() -> ScalingConfig {
+    ScalingConfig {
+        min: 0,
+        max: 10,
+        target: 5.6,
+        ..ScalingConfig::default()
+    }
+}
+
+#[test]
+fn the_azure_trace_format_parses_relative_and_sorted() {
+    let csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+               2023-11-16 18:15:46.6805900,374,44\n\
+               2023-11-16 18:15:50.9951690,396,109\n\
+               2023-11-16 18:15:46.2224670,879,55\n";
+    let t = parse_azure_trace(csv).expect("parses");
+    assert_eq!(t.len(), 3);
+    // Relative to the earliest row, and sorted.
+    assert_eq!(t[0].arrival, Duration::ZERO);
+    assert_eq!(t[0].context_tokens, 879);
+    assert!((t[1].arrival.as_secs_f64() - 0.458123).abs() < 1e-6);
+    assert!((t[2].arrival.as_secs_f64() - 4.772702).abs() < 1e-6);
+    assert!(parse_azure_trace("TIMESTAMP,a,b\n2023-11-16 18:15:46.1,x,3\n").is_err());
+    assert!(parse_azure_trace("").is_err());
+}
+
+#[test]
+fn every_request_is_accounted_for_under_every_policy() {
+    let trace = poisson(5.0, 600, 7, 0.0);
+    let model = ServiceModel::default();
+    let peak = peak_replicas(&trace, &model, 5.6, 10);
+    let mut policies: Vec<Box<dyn Policy>> = vec![
+        Box::new(warmgate(scaling())),
+        Box::new(Knative::new(5.6, 0, 10)),
+        Box::new(RayServe::new(5.6, 0, 10)),
+        Box::new(AlwaysPeak(peak)),
+    ];
+    for p in &mut policies {
+        let r = simulate(&trace, &model, p.as_mut(), &cfg(20));
+        assert_eq!(
+            r.served + r.rejected + r.timed_out,
+            trace.len() as u64,
+            "{}: nothing is lost",
+            r.policy
+        );
+        assert!(r.replica_seconds > 0.0);
+        assert!(r.queue_delay[0] <= r.queue_delay[1] && r.queue_delay[1] <= r.queue_delay[2]);
+    }
+}
+
+#[test]
+fn on_off_traffic_scales_to_zero_between_bursts() {
+    // Two 2-minute bursts, 20 minutes apart.
+    let mut trace = poisson(4.0, 120, 3, 0.0);
+    trace.extend(poisson(4.0, 120, 5, 1320.0));
+    let model = ServiceModel::default();
+    let wg = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(20));
+    let peak = simulate(&trace, &model, &mut AlwaysPeak(4), &cfg(20));
+    assert!(wg.cold_starts >= 2, "woke from zero for each burst: {wg:?}");
+    assert!(
+        wg.replica_seconds < 0.5 * peak.replica_seconds,
+        "idle time is not billed: {} vs {}",
+        wg.replica_seconds,
+        peak.replica_seconds
+    );
+    let zero_in_gap = wg
+        .timeline
+        .iter()
+        .any(|(t, _, n)| *t > 600.0 && *t < 1300.0 && *n == 0);
+    assert!(zero_in_gap, "zero replicas during the gap");
+}
+
+#[test]
+fn a_longer_cold_start_means_longer_queueing_at_zero() {
+    let trace = poisson(2.0, 300, 11, 0.0);
+    let model = ServiceModel::default();
+    let fast = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(2));
+    let slow = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(60));
+    assert!(slow.queue_delay[2] > fast.queue_delay[2]);
+    assert!(
+        slow.queue_delay[2] >= 59.0,
+        "the first requests wait out the cold start"
+    );
+}
+
+#[test]
+fn the_real_azure_trace_replays_under_all_policies() {
+    let path = std::env::var("WARMGATE_TRACE").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/data/azure-llm-inference-2023-conv.csv"
+        )
+        .into()
+    });
+    let Ok(csv) = std::fs::read_to_string(&path) else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{path} is required under CI"
+        );
+        eprintln!("SKIPPED: no trace at {path}");
+        return;
+    };
+    let trace = parse_azure_trace(&csv).expect("parses");
+    assert!(trace.len() > 19_000, "{}", trace.len());
+    let span = trace.last().expect("rows").arrival.as_secs_f64();
+    assert!((3000.0..4000.0).contains(&span), "about an hour: {span}");
+    let model = ServiceModel::default();
+    let r = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(20));
+    assert_eq!(r.served + r.rejected + r.timed_out, trace.len() as u64);
+    assert!(r.served > 19_000);
+}
