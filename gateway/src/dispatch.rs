@@ -34,6 +34,10 @@ pub struct App {
     handoff: Mutex<Option<Duration>>,
     /// `warmgate_requests_total` by outcome: `ok`, then [`ErrorKind::ALL`].
     outcomes: Vec<metrics::Counter>,
+    /// `warmgate_request_duration_seconds`: slot asked for to response done.
+    duration: metrics::Histogram,
+    /// `warmgate_request_queued_seconds`: time waiting for a slot.
+    queued: metrics::Histogram,
 }
 
 struct Slots {
@@ -70,6 +74,8 @@ pub enum Acquire {
 pub struct SlotGuard {
     app: Arc<App>,
     replica: Arc<ReplicaHandle>,
+    /// When the request asked for a slot: its end-to-end clock.
+    start: Instant,
 }
 
 /// A place in an app's hold queue.
@@ -133,6 +139,8 @@ impl App {
                     )
                 })
                 .collect(),
+            duration: metrics::histogram!("warmgate_request_duration_seconds", "app" => spec.name.clone()),
+            queued: metrics::histogram!("warmgate_request_queued_seconds", "app" => spec.name.clone()),
             spec,
         }
     }
@@ -148,9 +156,11 @@ impl App {
             r.acquire();
             s.inflight += 1;
             s.update_meter(now);
+            self.queued.record(0.0);
             return Ok(Acquire::Ready(SlotGuard {
                 app: self.clone(),
                 replica: r,
+                start: now,
             }));
         }
         let cold = s.replicas.is_empty();
@@ -421,6 +431,7 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        self.app.duration.record(self.start.elapsed().as_secs_f64());
         self.app.release(&self.replica);
     }
 }
@@ -428,21 +439,24 @@ impl Drop for SlotGuard {
 // === impl PendingSlot ===
 
 impl PendingSlot {
+    fn granted(&self, replica: Arc<ReplicaHandle>) -> (SlotGuard, Duration) {
+        let waited = self.since.elapsed();
+        self.app.queued.record(waited.as_secs_f64());
+        let guard = SlotGuard {
+            app: self.app.clone(),
+            replica,
+            start: self.since,
+        };
+        (guard, waited)
+    }
+
     /// The slot, if one was granted already; `None` while still waiting.
     pub fn try_take(&mut self) -> Option<Result<(SlotGuard, Duration), ApiError>> {
         let rx = self.rx.as_mut()?;
         match rx.try_recv() {
             Ok(grant) => {
                 self.rx = None;
-                Some(grant.map(|replica| {
-                    (
-                        SlotGuard {
-                            app: self.app.clone(),
-                            replica,
-                        },
-                        self.since.elapsed(),
-                    )
-                }))
+                Some(grant.map(|replica| self.granted(replica)))
             }
             Err(oneshot::error::TryRecvError::Empty) => None,
             Err(oneshot::error::TryRecvError::Closed) => {
@@ -465,13 +479,7 @@ impl PendingSlot {
             Ok(Ok(grant)) => {
                 self.rx = None;
                 let replica = grant?;
-                Ok((
-                    SlotGuard {
-                        app: self.app.clone(),
-                        replica,
-                    },
-                    self.since.elapsed(),
-                ))
+                Ok(self.granted(replica))
             }
             Ok(Err(_)) => Err(ApiError::new(
                 ErrorKind::NoCapacity,

@@ -207,8 +207,16 @@ impl Gateway {
                 for app in &gw.apps {
                     app.tick(now, |n| {
                         gw.pool.scale(&app.name, n);
+                        metrics::gauge!("warmgate_replicas_desired", "app" => app.name.clone())
+                            .set(f64::from(n));
                     });
+                    let (inflight, queued) = app.load();
+                    metrics::gauge!("warmgate_inflight", "app" => app.name.clone())
+                        .set(f64::from(inflight));
+                    metrics::gauge!("warmgate_queued", "app" => app.name.clone())
+                        .set(queued as f64);
                 }
+                record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
             }
         })
     }
@@ -333,6 +341,34 @@ impl Gateway {
             .iter()
             .map(|a| self.status_of(a, targets.iter().find(|t| t.name == a.name)))
             .collect()
+    }
+}
+
+/// Replicas by state, and replica-seconds (the GPU bill: every replica that
+/// exists, starting ones included), per app.
+fn record_replica_metrics(targets: &[TargetStatus], tick: Duration) {
+    for t in targets {
+        let mut by_state = [0u32; 4];
+        for r in &t.replicas {
+            let i = match r.state.name() {
+                "pending" => 0,
+                "starting" => 1,
+                "ready" => 2,
+                "draining" => 3,
+                _ => continue,
+            };
+            by_state[i] += 1;
+        }
+        for (i, state) in ["pending", "starting", "ready", "draining"]
+            .iter()
+            .enumerate()
+        {
+            metrics::gauge!("warmgate_replicas", "app" => t.name.clone(), "state" => *state)
+                .set(f64::from(by_state[i]));
+        }
+        let live = by_state[1] + by_state[2] + by_state[3];
+        metrics::counter!("warmgate_replica_seconds_total", "app" => t.name.clone())
+            .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
     }
 }
 

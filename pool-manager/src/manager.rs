@@ -617,6 +617,10 @@ impl Actor {
                     ready_ms = ready.as_millis() as u64,
                     "replica ready"
                 );
+                metrics::histogram!("warmgate_cold_start_seconds", "app" => name.clone(), "phase" => "spawn")
+                    .record(spawn.as_secs_f64());
+                metrics::histogram!("warmgate_cold_start_seconds", "app" => name.clone(), "phase" => "ready")
+                    .record(ready.as_secs_f64());
                 shared.last_failure_at_start = false;
                 shared.backoff_until = None;
                 shared.last_cold_start = Some(ColdStart {

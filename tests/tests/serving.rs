@@ -318,3 +318,70 @@ async fn openai_routing_by_model_and_alias_with_headers() {
     let body: Value = resp.json().await.expect("json");
     assert_eq!(body["headers"]["x-request-id"], id.as_str());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_waits_replicas_and_cold_starts() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        concurrency = 2
+        [apps.autoscale]
+        min = 0
+        max = 1
+        "#,
+    );
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let http = gw.http.clone();
+        let url = gw.at("/apps/m/x?latency_ms=30");
+        tasks.push(tokio::spawn(async move {
+            http.get(url).send().await.expect("send").status()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.expect("task"), 200);
+    }
+    let _ = gw.http.get(gw.at("/apps/nope/x")).send().await;
+    assert_eq!(
+        gw.metric(r#"warmgate_requests_total{app="m",outcome="ok"}"#)
+            .await,
+        10.0
+    );
+    // Recorded when each response body ends, which may be a moment after
+    // the client has read it.
+    eventually("every request's end-to-end time is recorded", || async {
+        let n = gw
+            .metric(r#"warmgate_request_duration_seconds_count{app="m"}"#)
+            .await;
+        (n == 10.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        gw.metric(r#"warmgate_request_queued_seconds_count{app="m"}"#)
+            .await,
+        10.0
+    );
+    assert!(
+        gw.metric(r#"warmgate_request_queued_seconds_sum{app="m"}"#)
+            .await
+            > 0.0,
+        "requests held during the cold start and behind the limit waited"
+    );
+    assert_eq!(
+        gw.metric(r#"warmgate_cold_start_seconds_count{app="m",phase="ready"}"#)
+            .await,
+        1.0
+    );
+    eventually("replica gauges and replica-seconds", || async {
+        let ready = gw
+            .metric(r#"warmgate_replicas{app="m",state="ready"}"#)
+            .await;
+        let secs = gw
+            .metric(r#"warmgate_replica_seconds_total{app="m"}"#)
+            .await;
+        (ready == 1.0 && secs >= 1.0).then_some(())
+    })
+    .await;
+}
