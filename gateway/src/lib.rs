@@ -10,6 +10,7 @@ pub mod error;
 pub mod listener;
 pub mod proxy;
 pub mod server;
+pub mod taskqueue;
 pub mod weights;
 
 pub use error::{ApiError, ErrorKind};

@@ -1,0 +1,314 @@
+//! The task queue of a pool: bounded, priority first, round-robin across
+//! tenants within a priority, FIFO within a tenant, with per-tenant quotas.
+//!
+//! It is a plain data structure with synchronous operations; the async task
+//! API (issue 5) drives it. Every operation is O(log P) in the number of
+//! distinct priorities and O(1) otherwise.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Why a task was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// The pool's backlog is at `max_pending`.
+    QueueFull {
+        /// The bound.
+        max_pending: usize,
+    },
+    /// This tenant already has its quota of tasks pending or in flight.
+    TenantQuota {
+        /// The tenant.
+        tenant: String,
+        /// Its quota.
+        quota: usize,
+    },
+}
+
+/// Bounds of a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Tasks waiting, all tenants together.
+    pub max_pending: usize,
+    /// Tasks pending plus in flight for one tenant (`None`: no quota).
+    pub tenant_quota: Option<usize>,
+}
+
+/// One priority level: tenants in round-robin order, each with its FIFO.
+#[derive(Debug)]
+struct Level<T> {
+    ring: VecDeque<String>,
+    queues: HashMap<String, VecDeque<T>>,
+}
+
+/// A bounded task queue with priorities and fairness across tenants.
+#[derive(Debug)]
+pub struct TaskQueue<T> {
+    limits: Limits,
+    /// Highest priority first.
+    levels: BTreeMap<std::cmp::Reverse<i32>, Level<T>>,
+    /// Per tenant: (pending, in flight).
+    tenants: HashMap<String, (usize, usize)>,
+    pending: usize,
+}
+
+impl<T> TaskQueue<T> {
+    /// An empty queue.
+    pub fn new(limits: Limits) -> Self {
+        TaskQueue {
+            limits,
+            levels: BTreeMap::new(),
+            tenants: HashMap::new(),
+            pending: 0,
+        }
+    }
+
+    /// Tasks waiting.
+    pub fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// (pending, in flight) of a tenant.
+    pub fn tenant(&self, tenant: &str) -> (usize, usize) {
+        self.tenants.get(tenant).copied().unwrap_or((0, 0))
+    }
+
+    /// Accepts a task, or says at once why not.
+    pub fn push(&mut self, tenant: &str, priority: i32, task: T) -> Result<(), Refused> {
+        if self.pending >= self.limits.max_pending {
+            return Err(Refused::QueueFull {
+                max_pending: self.limits.max_pending,
+            });
+        }
+        let (pending, inflight) = self.tenant(tenant);
+        if let Some(quota) = self.limits.tenant_quota
+            && pending + inflight >= quota
+        {
+            return Err(Refused::TenantQuota {
+                tenant: tenant.to_string(),
+                quota,
+            });
+        }
+        let level = self
+            .levels
+            .entry(std::cmp::Reverse(priority))
+            .or_insert_with(|| Level {
+                ring: VecDeque::new(),
+                queues: HashMap::new(),
+            });
+        let q = level.queues.entry(tenant.to_string()).or_default();
+        if q.is_empty() {
+            level.ring.push_back(tenant.to_string());
+        }
+        q.push_back(task);
+        self.tenants.entry(tenant.to_string()).or_default().0 += 1;
+        self.pending += 1;
+        Ok(())
+    }
+
+    /// The next task to dispatch: the highest priority, then the next
+    /// tenant in turn at that priority, then that tenant's oldest task. It
+    /// counts as in flight for its tenant until [`TaskQueue::done`].
+    pub fn pop(&mut self) -> Option<(String, T)> {
+        let mut entry = self.levels.first_entry()?;
+        let level = entry.get_mut();
+        let tenant = level
+            .ring
+            .pop_front()
+            .expect("a level with tasks has tenants");
+        let q = level
+            .queues
+            .get_mut(&tenant)
+            .expect("a tenant in the ring has a queue");
+        let task = q.pop_front().expect("a tenant in the ring has tasks");
+        if q.is_empty() {
+            level.queues.remove(&tenant);
+        } else {
+            level.ring.push_back(tenant.clone());
+        }
+        if level.ring.is_empty() {
+            entry.remove();
+        }
+        let t = self.tenants.entry(tenant.clone()).or_default();
+        t.0 -= 1;
+        t.1 += 1;
+        self.pending -= 1;
+        Some((tenant, task))
+    }
+
+    /// A popped task of `tenant` has finished (or failed for good).
+    pub fn done(&mut self, tenant: &str) {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            t.1 = t.1.saturating_sub(1);
+            if *t == (0, 0) {
+                self.tenants.remove(tenant);
+            }
+        }
+    }
+
+    /// Puts a popped task back at the head of its tenant's queue (a replica
+    /// was lost under it: a system failure, so it goes first again). Never
+    /// refused: it was already accepted.
+    pub fn requeue(&mut self, tenant: &str, priority: i32, task: T) {
+        let level = self
+            .levels
+            .entry(std::cmp::Reverse(priority))
+            .or_insert_with(|| Level {
+                ring: VecDeque::new(),
+                queues: HashMap::new(),
+            });
+        let q = level.queues.entry(tenant.to_string()).or_default();
+        if q.is_empty() {
+            level.ring.push_front(tenant.to_string());
+        }
+        q.push_front(task);
+        let t = self.tenants.entry(tenant.to_string()).or_default();
+        t.0 += 1;
+        t.1 = t.1.saturating_sub(1);
+        self.pending += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn q(max: usize, quota: Option<usize>) -> TaskQueue<u32> {
+        TaskQueue::new(Limits {
+            max_pending: max,
+            tenant_quota: quota,
+        })
+    }
+
+    #[test]
+    fn a_flooding_tenant_cannot_starve_a_single_task() {
+        let mut tq = q(100_000, None);
+        for i in 0..10_000 {
+            tq.push("bulk", 0, i).expect("room");
+        }
+        tq.pop();
+        tq.push("light", 0, 42).expect("room");
+        let next: Vec<_> = (0..2).map(|_| tq.pop().expect("task").0).collect();
+        assert!(next.contains(&"light".to_string()), "{next:?}");
+    }
+
+    #[test]
+    fn higher_priority_goes_first_then_fifo() {
+        let mut tq = q(10, None);
+        tq.push("a", 0, 1).expect("room");
+        tq.push("a", 5, 2).expect("room");
+        tq.push("a", 0, 3).expect("room");
+        assert_eq!(tq.pop(), Some(("a".into(), 2)));
+        assert_eq!(tq.pop(), Some(("a".into(), 1)));
+        assert_eq!(tq.pop(), Some(("a".into(), 3)));
+        assert_eq!(tq.pop(), None);
+    }
+
+    #[test]
+    fn bounds_and_quotas_refuse_at_once() {
+        let mut tq = q(3, Some(2));
+        tq.push("a", 0, 1).expect("room");
+        tq.push("a", 0, 2).expect("room");
+        assert_eq!(
+            tq.push("a", 0, 3),
+            Err(Refused::TenantQuota {
+                tenant: "a".into(),
+                quota: 2
+            })
+        );
+        tq.push("b", 0, 4).expect("room");
+        assert_eq!(
+            tq.push("c", 0, 5),
+            Err(Refused::QueueFull { max_pending: 3 })
+        );
+        // In-flight tasks count toward the quota until done.
+        let (t, _) = tq.pop().expect("task");
+        assert_eq!(t, "a");
+        assert!(tq.push("a", 0, 6).is_err());
+        tq.done("a");
+        tq.push("a", 0, 6).expect("room again");
+    }
+
+    #[test]
+    fn a_requeued_task_goes_first() {
+        let mut tq = q(10, None);
+        tq.push("a", 0, 1).expect("room");
+        tq.push("a", 0, 2).expect("room");
+        let (t, task) = tq.pop().expect("task");
+        tq.requeue(&t, 0, task);
+        assert_eq!(tq.pop(), Some(("a".into(), 1)));
+        assert_eq!(tq.tenant("a"), (1, 1));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Push(u8, i8),
+        Pop,
+        Done,
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Bounded, nothing lost or duplicated, priorities respected, FIFO
+        /// per tenant and priority, and quotas hold.
+        #[test]
+        fn invariants_hold_under_random_operations(
+            ops in proptest::collection::vec(
+                prop_oneof![
+                    4 => (0u8..4, -2i8..3).prop_map(|(t, p)| Op::Push(t, p)),
+                    3 => Just(Op::Pop),
+                    2 => Just(Op::Done),
+                ],
+                1..300,
+            ),
+        ) {
+            let mut tq = q(20, Some(8));
+            let mut next_id = 0u32;
+            let mut waiting: Vec<(String, i32, u32)> = Vec::new();
+            let mut running: Vec<String> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Push(t, p) => {
+                        let tenant = format!("t{t}");
+                        if tq.push(&tenant, i32::from(p), next_id).is_ok() {
+                            waiting.push((tenant, i32::from(p), next_id));
+                        }
+                        next_id += 1;
+                    }
+                    Op::Pop => {
+                        let best = waiting.iter().map(|w| w.1).max();
+                        match tq.pop() {
+                            Some((tenant, id)) => {
+                                let i = waiting.iter().position(|w| w.2 == id).expect("was accepted");
+                                let (wt, wp, _) = waiting.remove(i);
+                                prop_assert_eq!(&wt, &tenant);
+                                prop_assert_eq!(Some(wp), best, "highest priority first");
+                                prop_assert!(
+                                    !waiting.iter().any(|w| w.0 == wt && w.1 == wp && w.2 < id),
+                                    "FIFO within a tenant and priority"
+                                );
+                                running.push(tenant);
+                            }
+                            None => prop_assert!(waiting.is_empty()),
+                        }
+                    }
+                    Op::Done => {
+                        if let Some(t) = running.pop() {
+                            tq.done(&t);
+                        }
+                    }
+                }
+                prop_assert!(tq.pending() <= 20);
+                prop_assert_eq!(tq.pending(), waiting.len());
+                for t in 0..4 {
+                    let tenant = format!("t{t}");
+                    let (p, f) = tq.tenant(&tenant);
+                    prop_assert!(p + f <= 8, "quota");
+                    prop_assert_eq!(p, waiting.iter().filter(|w| w.0 == tenant).count());
+                    prop_assert_eq!(f, running.iter().filter(|r| **r == tenant).count());
+                }
+            }
+        }
+    }
+}
