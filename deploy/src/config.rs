@@ -52,6 +52,24 @@ pub mod defaults {
     pub const WEIGHTS_MEMORY_LIMIT: u64 = 512 * 1024 * 1024;
     /// Room for a handful of 7B-parameter checkpoints in bf16.
     pub const WEIGHTS_CACHE_MAX: u64 = 100 * 1024 * 1024 * 1024;
+    /// A warm pool keeps one replica warm: the point is that rollouts never
+    /// wait for a cold start.
+    pub const POOL_MIN: u32 = 1;
+    /// As for apps.
+    pub const POOL_MAX: u32 = 4;
+    /// Rollout workers step an environment and run a policy: a few tasks
+    /// at once keep them busy.
+    pub const POOL_CONCURRENCY: u32 = 4;
+    /// Union's ReusePolicy default idle TTL: five minutes between bursts of
+    /// an RL loop keeps the pool warm across a training step.
+    pub const IDLE_TTL: Duration = Duration::from_secs(300);
+    /// Two retries: enough for a flaky environment, few enough that a bug
+    /// fails quickly.
+    pub const TASK_RETRIES: u32 = 2;
+    /// Rollouts are seconds to minutes long.
+    pub const TASK_TIMEOUT: Duration = Duration::from_secs(300);
+    /// Large enough for a whole batch of rollouts.
+    pub const POOL_MAX_PENDING: u32 = 100_000;
     /// Knative's panic threshold: 200% of current capacity.
     pub const PANIC_THRESHOLD: f64 = 2.0;
     /// Enough to absorb a burst while an app wakes from zero.
@@ -77,6 +95,8 @@ pub struct Config {
     pub weights: WeightsConfig,
     /// Serving apps.
     pub apps: Vec<AppSpec>,
+    /// Warm pools for tasks (RL rollouts).
+    pub pools: Vec<PoolSpec>,
 }
 
 /// Which backend runs replicas, and its resources.
@@ -155,6 +175,64 @@ pub struct AppSpec {
     pub queue: QueueSpec,
 }
 
+/// A warm pool of workers that run tasks (`POST /invoke`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolSpec {
+    /// The pool's name: a DNS label.
+    pub name: String,
+    /// The worker's command line (local backend).
+    pub command: Vec<String>,
+    /// The worker's container image (kubernetes backend).
+    pub image: Option<String>,
+    /// Extra environment for the worker.
+    pub env: BTreeMap<String, String>,
+    /// Checkpoint URI.
+    pub checkpoint: Option<String>,
+    /// `[min, max]` replicas.
+    pub replicas: [u32; 2],
+    /// Tasks in flight per replica.
+    pub concurrency: u32,
+    /// GPUs per replica.
+    pub gpus: u32,
+    /// A replica idle this long is stopped (never below min).
+    #[serde(with = "humantime_serde")]
+    pub idle_ttl: Duration,
+    /// How long a replica may take to answer `/healthz` with 200.
+    #[serde(with = "humantime_serde")]
+    pub startup_timeout: Duration,
+    /// Retries of a task that fails in user code (a task may override it).
+    pub retries: u32,
+    /// How long a task may take, queueing included (a task may override it).
+    #[serde(with = "humantime_serde")]
+    pub task_timeout: Duration,
+    /// The task queue.
+    pub queue: PoolQueueSpec,
+}
+
+/// How a pool's tasks wait.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolQueueSpec {
+    /// Tasks waiting, all tenants together; past it, 429.
+    pub max_pending: u32,
+    /// `tenant`: round-robin across `X-Warmgate-Tenant`; `none`: FIFO.
+    pub fairness: Fairness,
+    /// Tasks pending plus in flight for one tenant; past it, 429 at once.
+    pub tenant_quota: Option<u32>,
+}
+
+/// Queue discipline across tenants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fairness {
+    /// Round-robin across tenants.
+    #[default]
+    Tenant,
+    /// One FIFO for everyone.
+    None,
+}
+
 /// An app's scaling policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -203,6 +281,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             weights: WeightsConfig::default(),
             apps: Vec::new(),
+            pools: Vec::new(),
         }
     }
 }
@@ -390,6 +469,50 @@ impl Config {
                 return Err((at("queue.timeout"), "must be more than 0s".into()));
             }
         }
+        for (i, pool) in self.pools.iter().enumerate() {
+            let at = |key: &str| format!("pools[{i}].{key}");
+            check_dns_label(&pool.name).map_err(|m| (at("name"), m))?;
+            if !names.insert(&pool.name) {
+                return Err((
+                    at("name"),
+                    format!("the name {:?} is already used by an app or pool", pool.name),
+                ));
+            }
+            if self.backend.kind == BackendKind::Local
+                && pool.command.first().is_none_or(|c| c.is_empty())
+            {
+                return Err((at("command"), "is required for the local backend".into()));
+            }
+            let [min, max] = pool.replicas;
+            if max == 0 {
+                return Err((
+                    at("replicas"),
+                    "max (the second number) must be at least 1".into(),
+                ));
+            }
+            if min > max {
+                return Err((at("replicas"), format!("min ({min}) is above max ({max})")));
+            }
+            if pool.concurrency == 0 {
+                return Err((at("concurrency"), "must be at least 1".into()));
+            }
+            if pool.gpus as usize > self.backend.gpus.len() {
+                return Err((
+                    at("gpus"),
+                    format!(
+                        "a replica needs {} GPUs but backend.gpus lists {}",
+                        pool.gpus,
+                        self.backend.gpus.len()
+                    ),
+                ));
+            }
+            if pool.task_timeout.is_zero() || pool.startup_timeout.is_zero() {
+                return Err((at("task_timeout"), "timeouts must be more than 0s".into()));
+            }
+            if pool.queue.tenant_quota == Some(0) {
+                return Err((at("queue.tenant_quota"), "must be at least 1".into()));
+            }
+        }
         Ok(())
     }
 
@@ -397,19 +520,16 @@ impl Config {
         if self.state_dir.is_relative() {
             self.state_dir = base.join(&self.state_dir);
         }
-        for app in &mut self.apps {
-            if let Some(c) = &mut app.checkpoint
-                && let Some(rest) = c.strip_prefix("file://")
-                && !rest.starts_with('/')
-            {
-                let abs = base.join(rest.trim_start_matches("./"));
-                *c = format!("file://{}", abs.display());
+        for pool in &mut self.pools {
+            resolve_command(&mut pool.command, base);
+            if let Some(c) = &mut pool.checkpoint {
+                resolve_checkpoint(c, base);
             }
-            if let Some(program) = app.command.first_mut() {
-                let p = Path::new(program.as_str());
-                if p.is_relative() && program.contains('/') {
-                    *program = base.join(p).to_string_lossy().into_owned();
-                }
+        }
+        for app in &mut self.apps {
+            resolve_command(&mut app.command, base);
+            if let Some(c) = &mut app.checkpoint {
+                resolve_checkpoint(c, base);
             }
         }
     }
@@ -486,6 +606,38 @@ impl AppSpec {
     }
 }
 
+// === impl PoolSpec ===
+
+impl Default for PoolSpec {
+    fn default() -> Self {
+        PoolSpec {
+            name: String::new(),
+            command: Vec::new(),
+            image: None,
+            env: BTreeMap::new(),
+            checkpoint: None,
+            replicas: [defaults::POOL_MIN, defaults::POOL_MAX],
+            concurrency: defaults::POOL_CONCURRENCY,
+            gpus: 0,
+            idle_ttl: defaults::IDLE_TTL,
+            startup_timeout: defaults::STARTUP_TIMEOUT,
+            retries: defaults::TASK_RETRIES,
+            task_timeout: defaults::TASK_TIMEOUT,
+            queue: PoolQueueSpec::default(),
+        }
+    }
+}
+
+impl Default for PoolQueueSpec {
+    fn default() -> Self {
+        PoolQueueSpec {
+            max_pending: defaults::POOL_MAX_PENDING,
+            fairness: Fairness::Tenant,
+            tenant_quota: None,
+        }
+    }
+}
+
 // === impl AutoscaleSpec ===
 
 impl Default for AutoscaleSpec {
@@ -510,6 +662,24 @@ impl Default for QueueSpec {
             max_pending: defaults::MAX_PENDING,
             timeout: defaults::QUEUE_TIMEOUT,
         }
+    }
+}
+
+fn resolve_command(command: &mut [String], base: &Path) {
+    if let Some(program) = command.first_mut() {
+        let p = Path::new(program.as_str());
+        if p.is_relative() && program.contains('/') {
+            *program = base.join(p).to_string_lossy().into_owned();
+        }
+    }
+}
+
+fn resolve_checkpoint(c: &mut String, base: &Path) {
+    if let Some(rest) = c.strip_prefix("file://")
+        && !rest.starts_with('/')
+    {
+        let abs = base.join(rest.trim_start_matches("./"));
+        *c = format!("file://{}", abs.display());
     }
 }
 
@@ -629,6 +799,24 @@ mod tests {
             let err = parse(text).unwrap_err();
             assert_eq!(err.key(), Some(key), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn pools_parse_and_share_the_name_space_with_apps() {
+        let c = parse(
+            "[[pools]]\nname = \"rollouts\"\ncommand = [\"./w\"]\nreplicas = [2, 10]\n[pools.queue]\nfairness = \"none\"\n",
+        )
+        .expect("valid");
+        assert_eq!(c.pools[0].replicas, [2, 10]);
+        assert_eq!(c.pools[0].queue.fairness, Fairness::None);
+        assert_eq!(c.pools[0].command[0], "/base/./w");
+        assert_eq!(c.pools[0].idle_ttl, defaults::IDLE_TTL);
+        let err = parse("[[apps]]\nname = \"x\"\ncommand = [\"w\"]\n[[pools]]\nname = \"x\"\ncommand = [\"w\"]\n")
+            .unwrap_err();
+        assert_eq!(err.key(), Some("pools[0].name"));
+        let err =
+            parse("[[pools]]\nname = \"p\"\ncommand = [\"w\"]\nreplicas = [3, 1]\n").unwrap_err();
+        assert_eq!(err.key(), Some("pools[0].replicas"));
     }
 
     #[test]

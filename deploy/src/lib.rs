@@ -10,8 +10,8 @@
 mod config;
 
 pub use config::{
-    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, LimitsConfig, QueueSpec,
-    WeightsConfig, defaults,
+    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, LimitsConfig,
+    PoolQueueSpec, PoolSpec, QueueSpec, WeightsConfig, defaults,
 };
 
 use std::path::PathBuf;

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod dispatch;
 pub mod error;
 pub mod listener;
+pub mod pools;
 pub mod proxy;
 pub mod server;
 pub mod taskqueue;

@@ -11,6 +11,7 @@ use axum::extract::{Path, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
+use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 use serde::Serialize;
@@ -51,23 +52,31 @@ pub struct Gateway {
     draining: AtomicBool,
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     weights: Arc<crate::weights::Weights>,
+    pools: HashMap<String, Arc<crate::pools::Pool>>,
+    tasks: Arc<crate::pools::TaskStore>,
 }
 
-/// Tells apps about replicas as the pool manager starts and stops them.
+/// Tells apps and pools about replicas as the pool manager starts and
+/// stops them.
 struct Sink {
     apps: HashMap<String, Arc<App>>,
+    pools: HashMap<String, Arc<crate::pools::Pool>>,
 }
 
 impl ReplicaSink for Sink {
     fn replica_ready(&self, replica: Arc<ReplicaHandle>) {
         if let Some(app) = self.apps.get(&replica.target) {
             app.add_replica(replica);
+        } else if let Some(pool) = self.pools.get(&replica.target) {
+            pool.add_replica(replica);
         }
     }
 
     fn replica_removed(&self, replica: &Arc<ReplicaHandle>) {
         if let Some(app) = self.apps.get(&replica.target) {
             app.remove_replica(replica);
+        } else if let Some(pool) = self.pools.get(&replica.target) {
+            pool.remove_replica(replica);
         }
     }
 
@@ -142,11 +151,49 @@ impl Gateway {
         } else {
             addr
         };
+        let tasks = Arc::new(crate::pools::TaskStore::default());
+        let pools: HashMap<String, Arc<crate::pools::Pool>> = config
+            .pools
+            .iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    crate::pools::Pool::new(p.clone(), tasks.clone()),
+                )
+            })
+            .collect();
         let pool = PoolManager::new(
             backend,
             config.backend.gpus.clone(),
-            Arc::new(Sink { apps: by_name }),
+            Arc::new(Sink {
+                apps: by_name,
+                pools: pools.clone(),
+            }),
         );
+        for p in pools.values() {
+            let revision = format!("{}-00001", p.name);
+            let mut env = p.spec.env.clone();
+            if let Some(uri) = &p.spec.checkpoint {
+                // Checked here so a bad URI fails at start, not at first use.
+                warmgate_pool::weights::Source::open(uri, &base)
+                    .with_context(|| format!("pool '{}': open its checkpoint", p.name))?;
+                env.insert("WARMGATE_CHECKPOINT".into(), uri.clone());
+            }
+            pool.add_target(TargetSpec {
+                name: p.name.clone(),
+                revision,
+                command: p.spec.command.clone(),
+                env,
+                checkpoint: p.spec.checkpoint.clone(),
+                workdir: workdir.clone(),
+                concurrency: p.spec.concurrency,
+                gpus: p.spec.gpus,
+                startup_timeout: p.spec.startup_timeout,
+                stop_grace: config.backend.stop_grace,
+            });
+            pool.scale(&p.name, p.spec.replicas[0]);
+            tokio::spawn(p.clone().run());
+        }
         for app in &apps {
             let mut env = app.spec.env.clone();
             if app.spec.checkpoint.is_some() {
@@ -179,6 +226,8 @@ impl Gateway {
             draining: AtomicBool::new(false),
             metrics,
             weights,
+            pools,
+            tasks,
         }))
     }
 
@@ -215,6 +264,10 @@ impl Gateway {
                         .set(f64::from(inflight));
                     metrics::gauge!("warmgate_queued", "app" => app.name.clone())
                         .set(queued as f64);
+                }
+                let instant = Instant::now();
+                for p in gw.pools.values() {
+                    gw.pool.scale(&p.name, p.desired(instant));
                 }
                 record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
             }
@@ -415,6 +468,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/apps/{*rest}", any(passthrough))
         .route("/v1/weights/{app}/{revision}", get(weights_manifest))
         .route("/v1/weights/{app}/{revision}/{*file}", get(weights_file))
+        .route("/v1/pools/{pool}/tasks", post(submit_task))
+        .route("/v1/tasks/{id}", get(get_task))
         .route("/v1/status", get(status))
         .route("/v1/apps", get(list_apps))
         .route("/v1/apps/{app}", get(get_app))
@@ -583,7 +638,18 @@ async fn models(State(gw): State<Arc<Gateway>>) -> Response {
 }
 
 async fn status(State(gw): State<Arc<Gateway>>) -> Response {
-    axum::Json(json!({"apps": gw.status()})).into_response()
+    let targets = gw.pool.status();
+    let mut pools: Vec<serde_json::Value> = gw
+        .pools
+        .values()
+        .map(|p| {
+            let mut v = p.status();
+            v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
+            v
+        })
+        .collect();
+    pools.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+    axum::Json(json!({"apps": gw.status(), "pools": pools})).into_response()
 }
 
 async fn list_apps(State(gw): State<Arc<Gateway>>) -> Response {
@@ -599,6 +665,127 @@ async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Re
         }
         None => {
             ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskBody {
+    input: serde_json::Value,
+    priority: Option<i32>,
+    timeout: Option<serde_json::Value>,
+    retries: Option<u32>,
+    min_weights_version: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct TaskQuery {
+    #[serde(rename = "async", default)]
+    is_async: bool,
+}
+
+/// `POST /v1/pools/{pool}/tasks`: queue a task; wait for its output, or
+/// answer 202 with its id when `?async=true`.
+async fn submit_task(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<TaskQuery>,
+    req: Request,
+) -> Response {
+    let result = async {
+        let pool = gw
+            .pools
+            .get(&name)
+            .cloned()
+            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")))?;
+        let limit = gw.config.limits.max_body_bytes;
+        check_content_length(&req, limit)?;
+        let (parts, body) = req.into_parts();
+        let bytes = Limited::new(body, limit as usize)
+            .collect()
+            .await
+            .map_err(|_| too_large(limit))?
+            .to_bytes();
+        let body: TaskBody = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("the body must be {{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?}} ({e})"),
+            )
+        })?;
+        if body.min_weights_version.is_some() {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "min_weights_version is not supported by this version of warmgate",
+            ));
+        }
+        let timeout = match &body.timeout {
+            None => None,
+            Some(serde_json::Value::Number(n)) => n
+                .as_f64()
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64),
+            Some(serde_json::Value::String(s)) => humantime::parse_duration(s).ok(),
+            Some(_) => None,
+        };
+        if body.timeout.is_some() && timeout.is_none() {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "timeout must be seconds (a number above 0) or a duration like \"30s\"",
+            ));
+        }
+        let header = |n: &str| parts.headers.get(n).and_then(|v| v.to_str().ok());
+        let priority = match (body.priority, header("x-warmgate-priority")) {
+            (Some(p), _) => p,
+            (None, Some(h)) => h.parse().map_err(|_| {
+                ApiError::new(ErrorKind::BadRequest, "X-Warmgate-Priority must be an integer")
+            })?,
+            (None, None) => 0,
+        };
+        let tenant = header("x-warmgate-tenant")
+            .filter(|t| !t.is_empty())
+            .unwrap_or(crate::pools::DEFAULT_TENANT)
+            .to_string();
+        let input = Bytes::from(serde_json::to_vec(&body.input).map_err(|e| {
+            ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}"))
+        })?);
+        let (id, rx) = pool.submit(crate::pools::Submit {
+            input,
+            priority,
+            tenant,
+            timeout,
+            retries: body.retries,
+        })?;
+        // Wake the pool at once when it has nothing running.
+        let desired = pool.desired(Instant::now());
+        if gw.pool.desired(&name).unwrap_or(0) < desired {
+            gw.pool.scale(&name, desired);
+        }
+        if q.is_async {
+            return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
+        }
+        let record = rx.await.map_err(|_| {
+            ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
+        })??;
+        Ok(axum::Json(json!({
+            "id": record.id,
+            "output": record.output,
+            "replica": record.replica,
+            "weights_version": record.weights_version,
+            "attempts": record.attempts,
+        }))
+        .into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/tasks/{id}`.
+async fn get_task(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Response {
+    match gw.tasks.get(&id) {
+        Some(r) => axum::Json(r).into_response(),
+        None => {
+            ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
         }
     }
 }

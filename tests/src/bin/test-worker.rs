@@ -108,6 +108,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .route("/healthz", get(healthz))
         .route("/stats", get(stats))
         .route("/close-listener", axum::routing::post(close_listener))
+        .route("/invoke", axum::routing::post(invoke))
         .fallback(handle_request)
         .with_state(state);
 
@@ -437,6 +438,51 @@ fn control_value(
             .and_then(|v| v.to_str().ok())
             .map(|v| v.trim().to_owned())
     })
+}
+
+// ---------------------------------------------------------------------------
+// Pool tasks
+// ---------------------------------------------------------------------------
+
+/// `POST /invoke`: the pool-task contract. The JSON input may ask for
+/// `sleep_ms`, `fail` (500), `fail_before_attempt: N` (500 while
+/// `X-Warmgate-Attempt` < N) or `crash_on_attempt: N` (exit without
+/// answering on that attempt). Answers `{"echo", "replica", "attempt"}`.
+async fn invoke(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let _guard = InFlightGuard::start(&state.counters);
+    let input: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({"error": format!("input is not JSON: {e}")})),
+            )
+                .into_response();
+        }
+    };
+    let attempt: u64 = headers
+        .get("x-warmgate-attempt")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let field = |k: &str| input.get(k).and_then(Value::as_u64);
+    if field("crash_on_attempt") == Some(attempt) {
+        crash("crash_on_attempt");
+    }
+    if let Some(ms) = field("sleep_ms") {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let fail = input.get("fail").and_then(Value::as_bool) == Some(true)
+        || field("fail_before_attempt").is_some_and(|n| attempt < n);
+    if fail {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(json!({"error": "asked to fail", "attempt": attempt})),
+        )
+            .into_response();
+    }
+    axum::Json(json!({"echo": input, "replica": state.config.replica(), "attempt": attempt}))
+        .into_response()
 }
 
 // ---------------------------------------------------------------------------

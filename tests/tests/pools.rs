@@ -1,0 +1,201 @@
+//! Warm pools end to end: tasks to `POST /invoke`, sync and async, retries
+//! by cause, timeouts, fairness, and bounds.
+
+mod common;
+
+use common::{Gateway, eventually, kind};
+use serde_json::{Value, json};
+
+fn pool(extra: &str) -> String {
+    format!(
+        r#"
+        [[pools]]
+        name = "rollouts"
+        command = ["{{worker}}"]
+        replicas = [1, 2]
+        concurrency = 2
+        retries = 2
+        {extra}
+        "#
+    )
+}
+
+async fn task(gw: &Gateway, body: Value) -> (u16, Value) {
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/tasks"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let status = r.status().as_u16();
+    (status, r.json().await.expect("json"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_runs_on_a_warm_replica_and_answers_with_its_output() {
+    let gw = Gateway::start(&pool(""));
+    let (status, body) = task(&gw, json!({"input": {"x": 1}})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["output"]["echo"], json!({"x": 1}));
+    assert_eq!(body["attempts"], 1);
+    assert!(
+        body["replica"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("rollouts-"))
+    );
+    assert_eq!(body["weights_version"], 0);
+    let id = body["id"].as_str().expect("id");
+    let rec = gw.json(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(rec["state"], "succeeded");
+
+    // The same replica serves the next task: the pool stays warm.
+    let (_, again) = task(&gw, json!({"input": 2})).await;
+    assert_eq!(again["output"]["echo"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_tasks_are_polled_to_completion() {
+    let gw = Gateway::start(&pool(""));
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/tasks?async=true"))
+        .json(&json!({"input": {"sleep_ms": 200}}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 202);
+    let id = r.json::<Value>().await.expect("json")["id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let rec = eventually("the async task finishes", || async {
+        let rec = gw.json(&format!("/v1/tasks/{id}")).await;
+        (rec["state"] == "succeeded").then_some(rec)
+    })
+    .await;
+    assert_eq!(rec["output"]["echo"]["sleep_ms"], 200);
+    let r = gw
+        .http
+        .get(gw.at("/v1/tasks/nope"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_failures_spend_retries_and_system_failures_do_not() {
+    let gw = Gateway::start(&pool(""));
+    // Fails twice in user code, then succeeds: within the budget of 2.
+    let (status, body) = task(&gw, json!({"input": {"fail_before_attempt": 3}})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["attempts"], 3);
+    // Always fails: 1 try + 2 retries, then an explicit error.
+    let (status, body) = task(&gw, json!({"input": {"fail": true}})).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(kind(&body), "replica_failed");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("after 3 attempt(s)"),
+        "{body}"
+    );
+    // A per-task budget of 0 fails at once.
+    let (status, _) = task(&gw, json!({"input": {"fail": true}, "retries": 0})).await;
+    assert_eq!(status, 502);
+    // The replica dies under the first attempt: a system failure, retried
+    // on a new replica without spending the (zero) budget.
+    let (status, body) = task(&gw, json!({"input": {"crash_on_attempt": 1}, "retries": 0})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["attempts"], 2);
+    assert!(
+        gw.metric(r#"warmgate_task_retries_total{pool="rollouts",cause="system"}"#)
+            .await
+            >= 1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_past_its_timeout_fails_with_504() {
+    let gw = Gateway::start(&pool(""));
+    let (status, body) = task(
+        &gw,
+        json!({"input": {"sleep_ms": 5000}, "timeout": "300ms"}),
+    )
+    .await;
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(kind(&body), "timeout");
+    let (status, body) = task(&gw, json!({"input": 1, "timeout": "soon"})).await;
+    assert_eq!(status, 400, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tasks_and_full_queues_are_refused_clearly() {
+    let gw = Gateway::start(
+        r#"
+        [[pools]]
+        name = "rollouts"
+        command = ["{worker}"]
+        replicas = [1, 1]
+        concurrency = 1
+        [pools.queue]
+        max_pending = 2
+        tenant_quota = 2
+        "#,
+    );
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/nope/tasks"))
+        .json(&json!({"input": 1}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 404);
+    let (status, body) = task(&gw, json!({"inputs": [1]})).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = task(&gw, json!({"input": 1, "min_weights_version": 3})).await;
+    assert_eq!(
+        status, 400,
+        "min_weights_version is refused, not ignored: {body}"
+    );
+
+    let submit = |tenant: &'static str| {
+        let http = gw.http.clone();
+        let url = gw.at("/v1/pools/rollouts/tasks?async=true");
+        async move {
+            http.post(url)
+                .header("x-warmgate-tenant", tenant)
+                .json(&json!({"input": {"sleep_ms": 3000}}))
+                .send()
+                .await
+                .expect("send")
+        }
+    };
+    // The quota counts pending and running tasks of one tenant.
+    assert_eq!(submit("a").await.status(), 202);
+    assert_eq!(submit("a").await.status(), 202);
+    let r = submit("a").await;
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let body: Value = r.json().await.expect("json");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("quota"),
+        "{body}"
+    );
+    // Another tenant still gets in, until the backlog bound.
+    eventually("one task running, one queued", || async {
+        let s = gw.json("/v1/status").await;
+        (s["pools"][0]["inflight"] == 1 && s["pools"][0]["pending"] == 1).then_some(())
+    })
+    .await;
+    assert_eq!(submit("b").await.status(), 202);
+    let r = submit("c").await;
+    assert_eq!(r.status(), 429);
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(kind(&body), "queue_full");
+}
