@@ -674,8 +674,30 @@ pub fn render_status(v: &Value) -> String {
             );
         }
     }
-    if apps.is_empty() {
-        out.push_str("(no apps configured)\n");
+    let pools = v["pools"].as_array().cloned().unwrap_or_default();
+    if !pools.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n{:<20} {:>9} {:>11} {:>9}",
+            "POOL", "READY/DES", "INFLIGHT", "PENDING"
+        );
+        for p in &pools {
+            let _ = writeln!(
+                out,
+                "{:<20} {:>9} {:>11} {:>9}",
+                p["name"].as_str().unwrap_or("?"),
+                format!("{}/{}", p["ready"], p["desired"]),
+                format!(
+                    "{}/{}",
+                    p["inflight"],
+                    p["ready"].as_u64().unwrap_or(0) * p["concurrency"].as_u64().unwrap_or(0)
+                ),
+                p["pending"],
+            );
+        }
+    }
+    if apps.is_empty() && pools.is_empty() {
+        out.push_str("(no apps or pools configured)\n");
     }
     out
 }
