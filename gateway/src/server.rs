@@ -12,6 +12,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::{HeaderValue, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 use serde::Serialize;
@@ -352,6 +353,26 @@ impl Gateway {
         Ok(())
     }
 
+    /// Queues a task and wakes its pool at once if it needs more replicas.
+    fn enqueue(
+        &self,
+        pool: &crate::pools::Pool,
+        submit: crate::pools::Submit,
+    ) -> Result<
+        (
+            String,
+            tokio::sync::oneshot::Receiver<crate::pools::Outcome>,
+        ),
+        ApiError,
+    > {
+        let out = pool.submit(submit)?;
+        let desired = pool.desired(Instant::now());
+        if self.pool.desired(&pool.name).unwrap_or(0) < desired {
+            self.pool.scale(&pool.name, desired);
+        }
+        Ok(out)
+    }
+
     /// The app serving `revision`.
     fn revision_app(&self, name: &str, revision: &str) -> Result<Arc<App>, ApiError> {
         let app = self
@@ -469,6 +490,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/weights/{app}/{revision}", get(weights_manifest))
         .route("/v1/weights/{app}/{revision}/{*file}", get(weights_file))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
+        .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
         .route("/v1/tasks/{id}", get(get_task))
         .route("/v1/status", get(status))
         .route("/v1/apps", get(list_apps))
@@ -719,48 +741,21 @@ async fn submit_task(
                 "min_weights_version is not supported by this version of warmgate",
             ));
         }
-        let timeout = match &body.timeout {
-            None => None,
-            Some(serde_json::Value::Number(n)) => n
-                .as_f64()
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .map(Duration::from_secs_f64),
-            Some(serde_json::Value::String(s)) => humantime::parse_duration(s).ok(),
-            Some(_) => None,
-        };
-        if body.timeout.is_some() && timeout.is_none() {
-            return Err(ApiError::new(
-                ErrorKind::BadRequest,
-                "timeout must be seconds (a number above 0) or a duration like \"30s\"",
-            ));
-        }
-        let header = |n: &str| parts.headers.get(n).and_then(|v| v.to_str().ok());
-        let priority = match (body.priority, header("x-warmgate-priority")) {
-            (Some(p), _) => p,
-            (None, Some(h)) => h.parse().map_err(|_| {
-                ApiError::new(ErrorKind::BadRequest, "X-Warmgate-Priority must be an integer")
-            })?,
-            (None, None) => 0,
-        };
-        let tenant = header("x-warmgate-tenant")
-            .filter(|t| !t.is_empty())
-            .unwrap_or(crate::pools::DEFAULT_TENANT)
-            .to_string();
+        let (priority, tenant, timeout) =
+            task_options(&parts.headers, body.priority, body.timeout.as_ref())?;
         let input = Bytes::from(serde_json::to_vec(&body.input).map_err(|e| {
             ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}"))
         })?);
-        let (id, rx) = pool.submit(crate::pools::Submit {
-            input,
-            priority,
-            tenant,
-            timeout,
-            retries: body.retries,
-        })?;
-        // Wake the pool at once when it has nothing running.
-        let desired = pool.desired(Instant::now());
-        if gw.pool.desired(&name).unwrap_or(0) < desired {
-            gw.pool.scale(&name, desired);
-        }
+        let (id, rx) = gw.enqueue(
+            &pool,
+            crate::pools::Submit {
+                input,
+                priority,
+                tenant,
+                timeout,
+                retries: body.retries,
+            },
+        )?;
         if q.is_async {
             return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
         }
@@ -778,6 +773,145 @@ async fn submit_task(
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Priority (body, else `X-Warmgate-Priority`), tenant and timeout of a
+/// task submission.
+fn task_options(
+    headers: &http::HeaderMap,
+    priority: Option<i32>,
+    timeout: Option<&serde_json::Value>,
+) -> Result<(i32, String, Option<Duration>), ApiError> {
+    let parsed = match timeout {
+        None => None,
+        Some(serde_json::Value::Number(n)) => n
+            .as_f64()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64),
+        Some(serde_json::Value::String(s)) => humantime::parse_duration(s).ok(),
+        Some(_) => None,
+    };
+    if timeout.is_some() && parsed.is_none() {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "timeout must be seconds (a number above 0) or a duration like \"30s\"",
+        ));
+    }
+    let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+    let priority = match (priority, header("x-warmgate-priority")) {
+        (Some(p), _) => p,
+        (None, Some(h)) => h.parse().map_err(|_| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                "X-Warmgate-Priority must be an integer",
+            )
+        })?,
+        (None, None) => 0,
+    };
+    let tenant = header("x-warmgate-tenant")
+        .filter(|t| !t.is_empty())
+        .unwrap_or(crate::pools::DEFAULT_TENANT)
+        .to_string();
+    Ok((priority, tenant, parsed))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    inputs: Vec<serde_json::Value>,
+    priority: Option<i32>,
+    timeout: Option<serde_json::Value>,
+    retries: Option<u32>,
+}
+
+/// `POST /v1/pools/{pool}/tasks/batch`: one NDJSON line per input, in input
+/// order, streamed as results complete. At most a window of tasks is
+/// submitted ahead of the line being written, so a batch of 10,000 never
+/// holds 10,000 results while it waits for the first.
+async fn submit_batch(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result = async {
+        let pool = gw
+            .pools
+            .get(&name)
+            .cloned()
+            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")))?;
+        let limit = gw.config.limits.max_body_bytes;
+        check_content_length(&req, limit)?;
+        let (parts, body) = req.into_parts();
+        let bytes = Limited::new(body, limit as usize)
+            .collect()
+            .await
+            .map_err(|_| too_large(limit))?
+            .to_bytes();
+        let body: BatchBody = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("the body must be {{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?}} ({e})"),
+            )
+        })?;
+        let (priority, tenant, timeout) =
+            task_options(&parts.headers, body.priority, body.timeout.as_ref())?;
+        let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
+        let retries = body.retries;
+        let lines = futures_util::stream::iter(body.inputs.into_iter().enumerate())
+            .map(move |(index, input)| {
+                let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
+                async move {
+                    let line = match batch_one(&gw, &pool, input, priority, tenant, timeout, retries).await {
+                        Ok(r) => json!({
+                            "index": index, "id": r.id, "output": r.output, "replica": r.replica,
+                            "weights_version": r.weights_version, "attempts": r.attempts,
+                        }),
+                        Err(e) => json!({
+                            "index": index,
+                            "error": {"kind": e.kind.as_str(), "message": e.message},
+                        }),
+                    };
+                    Ok::<_, std::convert::Infallible>(Bytes::from(format!("{line}\n")))
+                }
+            })
+            .buffered(window);
+        Ok::<_, ApiError>(
+            (
+                [(header::CONTENT_TYPE, "application/x-ndjson")],
+                Body::from_stream(lines),
+            )
+                .into_response(),
+        )
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn batch_one(
+    gw: &Gateway,
+    pool: &crate::pools::Pool,
+    input: serde_json::Value,
+    priority: i32,
+    tenant: String,
+    timeout: Option<Duration>,
+    retries: Option<u32>,
+) -> Result<crate::pools::TaskRecord, ApiError> {
+    let input = Bytes::from(
+        serde_json::to_vec(&input)
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}")))?,
+    );
+    let (_, rx) = gw.enqueue(
+        pool,
+        crate::pools::Submit {
+            input,
+            priority,
+            tenant,
+            timeout,
+            retries,
+        },
+    )?;
+    rx.await
+        .map_err(|_| ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
 }
 
 /// `GET /v1/tasks/{id}`.

@@ -199,3 +199,52 @@ async fn bad_tasks_and_full_queues_are_refused_clearly() {
     let body: Value = r.json().await.expect("json");
     assert_eq!(kind(&body), "queue_full");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_streams_one_line_per_input_in_input_order() {
+    let gw = Gateway::start(&pool(""));
+    // Later inputs finish first; one input always fails.
+    let inputs: Vec<Value> = (0..20)
+        .map(|i| {
+            if i == 7 {
+                json!({"fail": true})
+            } else {
+                json!({"i": i, "sleep_ms": (20 - i) * 10})
+            }
+        })
+        .collect();
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/tasks/batch"))
+        .json(&json!({"inputs": inputs, "retries": 0}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+    let text = r.text().await.expect("body");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    assert_eq!(lines.len(), 20, "one line per input");
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["index"], i, "input order");
+        if i == 7 {
+            assert_eq!(line["error"]["kind"], "replica_failed", "{line}");
+        } else {
+            assert_eq!(line["output"]["echo"]["i"], i, "{line}");
+        }
+    }
+    let (status, body) = {
+        let r = gw
+            .http
+            .post(gw.at("/v1/pools/rollouts/tasks/batch"))
+            .json(&json!({"input": [1]}))
+            .send()
+            .await
+            .expect("send");
+        (r.status().as_u16(), r.json::<Value>().await.expect("json"))
+    };
+    assert_eq!(status, 400, "{body}");
+}
