@@ -525,20 +525,7 @@ async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
 }
 
 async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<App>, Request), ApiError> {
-    let limit = gw.config.limits.max_body_bytes;
-    check_content_length(&req, limit)?;
-    let (parts, body) = req.into_parts();
-    let bytes = Limited::new(body, limit as usize)
-        .collect()
-        .await
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                too_large(limit)
-            } else {
-                ApiError::new(ErrorKind::BadRequest, "could not read the request body")
-            }
-        })?
-        .to_bytes();
+    let (parts, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
     let model = model_field(&bytes)?;
     let app = gw.routes.get(model.as_str()).cloned().ok_or_else(|| {
         let mut names: Vec<&str> = gw.routes.keys().map(String::as_str).collect();
@@ -556,6 +543,46 @@ async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<App>, Request), A
         )
     })?;
     Ok((app, Request::from_parts(parts, Body::from(bytes))))
+}
+
+/// The whole request body, within `limit` bytes (413 past it).
+async fn read_body(req: Request, limit: u64) -> Result<(http::request::Parts, Bytes), ApiError> {
+    check_content_length(&req, limit)?;
+    let (parts, body) = req.into_parts();
+    let bytes = Limited::new(body, limit as usize)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                too_large(limit)
+            } else {
+                ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+            }
+        })?
+        .to_bytes();
+    Ok((parts, bytes))
+}
+
+/// The pool named in the path, the request's headers, and its JSON body
+/// parsed as `B` (`shape` tells the client what is expected).
+async fn pool_request<B: serde::de::DeserializeOwned>(
+    gw: &Gateway,
+    name: &str,
+    req: Request,
+    shape: &str,
+) -> Result<(Arc<crate::pools::Pool>, http::HeaderMap, B), ApiError> {
+    let pool =
+        gw.pools.get(name).cloned().ok_or_else(|| {
+            ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
+        })?;
+    let (parts, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
+    let body = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the body must be {shape} ({e})"),
+        )
+    })?;
+    Ok((pool, parts.headers, body))
 }
 
 /// The JSON `model` field, without parsing the rest of the body into values.
@@ -716,25 +743,13 @@ async fn submit_task(
     req: Request,
 ) -> Response {
     let result = async {
-        let pool = gw
-            .pools
-            .get(&name)
-            .cloned()
-            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")))?;
-        let limit = gw.config.limits.max_body_bytes;
-        check_content_length(&req, limit)?;
-        let (parts, body) = req.into_parts();
-        let bytes = Limited::new(body, limit as usize)
-            .collect()
-            .await
-            .map_err(|_| too_large(limit))?
-            .to_bytes();
-        let body: TaskBody = serde_json::from_slice(&bytes).map_err(|e| {
-            ApiError::new(
-                ErrorKind::BadRequest,
-                format!("the body must be {{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?}} ({e})"),
-            )
-        })?;
+        let (pool, headers, body): (_, _, TaskBody) = pool_request(
+            &gw,
+            &name,
+            req,
+            "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?}",
+        )
+        .await?;
         if body.min_weights_version.is_some() {
             return Err(ApiError::new(
                 ErrorKind::BadRequest,
@@ -742,10 +757,11 @@ async fn submit_task(
             ));
         }
         let (priority, tenant, timeout) =
-            task_options(&parts.headers, body.priority, body.timeout.as_ref())?;
-        let input = Bytes::from(serde_json::to_vec(&body.input).map_err(|e| {
-            ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}"))
-        })?);
+            task_options(&headers, body.priority, body.timeout.as_ref())?;
+        let input = Bytes::from(
+            serde_json::to_vec(&body.input)
+                .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}")))?,
+        );
         let (id, rx) = gw.enqueue(
             &pool,
             crate::pools::Submit {
@@ -834,34 +850,26 @@ async fn submit_batch(
     req: Request,
 ) -> Response {
     let result = async {
-        let pool = gw
-            .pools
-            .get(&name)
-            .cloned()
-            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")))?;
-        let limit = gw.config.limits.max_body_bytes;
-        check_content_length(&req, limit)?;
-        let (parts, body) = req.into_parts();
-        let bytes = Limited::new(body, limit as usize)
-            .collect()
-            .await
-            .map_err(|_| too_large(limit))?
-            .to_bytes();
-        let body: BatchBody = serde_json::from_slice(&bytes).map_err(|e| {
-            ApiError::new(
-                ErrorKind::BadRequest,
-                format!("the body must be {{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?}} ({e})"),
-            )
-        })?;
+        let (pool, headers, body): (_, _, BatchBody) = pool_request(
+            &gw,
+            &name,
+            req,
+            "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?}",
+        )
+        .await?;
         let (priority, tenant, timeout) =
-            task_options(&parts.headers, body.priority, body.timeout.as_ref())?;
+            task_options(&headers, body.priority, body.timeout.as_ref())?;
         let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
         let retries = body.retries;
         let lines = futures_util::stream::iter(body.inputs.into_iter().enumerate())
             .map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
                 async move {
-                    let line = match batch_one(&gw, &pool, input, priority, tenant, timeout, retries).await {
+                    let line = match batch_one(
+                        &gw, &pool, input, priority, tenant, timeout, retries,
+                    )
+                    .await
+                    {
                         Ok(r) => json!({
                             "index": index, "id": r.id, "output": r.output, "replica": r.replica,
                             "weights_version": r.weights_version, "attempts": r.attempts,

@@ -88,6 +88,15 @@ impl<T> TaskQueue<T> {
                 quota,
             });
         }
+        self.enqueue(tenant, priority, task, false);
+        self.tenants.entry(tenant.to_string()).or_default().0 += 1;
+        self.pending += 1;
+        Ok(())
+    }
+
+    /// Adds a task to its tenant's queue at its priority, at the back, or
+    /// at the front (a requeue, which also puts the tenant first in turn).
+    fn enqueue(&mut self, tenant: &str, priority: i32, task: T, front: bool) {
         let level = self
             .levels
             .entry(std::cmp::Reverse(priority))
@@ -97,12 +106,17 @@ impl<T> TaskQueue<T> {
             });
         let q = level.queues.entry(tenant.to_string()).or_default();
         if q.is_empty() {
-            level.ring.push_back(tenant.to_string());
+            if front {
+                level.ring.push_front(tenant.to_string());
+            } else {
+                level.ring.push_back(tenant.to_string());
+            }
         }
-        q.push_back(task);
-        self.tenants.entry(tenant.to_string()).or_default().0 += 1;
-        self.pending += 1;
-        Ok(())
+        if front {
+            q.push_front(task);
+        } else {
+            q.push_back(task);
+        }
     }
 
     /// The next task to dispatch: the highest priority, then the next
@@ -149,18 +163,7 @@ impl<T> TaskQueue<T> {
     /// was lost under it: a system failure, so it goes first again). Never
     /// refused: it was already accepted.
     pub fn requeue(&mut self, tenant: &str, priority: i32, task: T) {
-        let level = self
-            .levels
-            .entry(std::cmp::Reverse(priority))
-            .or_insert_with(|| Level {
-                ring: VecDeque::new(),
-                queues: HashMap::new(),
-            });
-        let q = level.queues.entry(tenant.to_string()).or_default();
-        if q.is_empty() {
-            level.ring.push_front(tenant.to_string());
-        }
-        q.push_front(task);
+        self.enqueue(tenant, priority, task, true);
         let t = self.tenants.entry(tenant.to_string()).or_default();
         t.0 += 1;
         t.1 = t.1.saturating_sub(1);
