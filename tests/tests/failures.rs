@@ -6,6 +6,16 @@ mod common;
 use common::{Gateway, eventually, kind};
 use serde_json::{Value, json};
 
+/// A request that waited for a start which failed: 502 `replica_failed`,
+/// with the cause in the message.
+async fn expect_start_failure(gw: &Gateway, path: &str, cause: &str) {
+    let (status, body) = error_of(gw.http.get(gw.at(path)).send().await.expect("send")).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(kind(&body), "replica_failed");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(cause), "{msg}");
+}
+
 async fn error_of(resp: reqwest::Response) -> (u16, Value) {
     let status = resp.status().as_u16();
     let body: Value = resp.json().await.expect("errors are JSON");
@@ -271,18 +281,7 @@ async fn a_worker_that_never_becomes_ready_fails_held_requests_clearly() {
         env = { TEST_WORKER_NEVER_READY = "1" }
         "#,
     );
-    let (status, body) = error_of(
-        gw.http
-            .get(gw.at("/apps/stuck/x"))
-            .send()
-            .await
-            .expect("send"),
-    )
-    .await;
-    assert_eq!(status, 502, "{body}");
-    assert_eq!(kind(&body), "replica_failed");
-    let msg = body["error"]["message"].as_str().unwrap_or_default();
-    assert!(msg.contains("did not become ready within 1s"), "{msg}");
+    expect_start_failure(&gw, "/apps/stuck/x", "did not become ready within 1s").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,18 +294,7 @@ async fn a_worker_that_exits_at_start_fails_fast_and_backs_off() {
         env = { TEST_WORKER_EXIT_AT_START = "3" }
         "#,
     );
-    let (status, body) = error_of(
-        gw.http
-            .get(gw.at("/apps/broken/x"))
-            .send()
-            .await
-            .expect("send"),
-    )
-    .await;
-    assert_eq!(status, 502, "{body}");
-    assert_eq!(kind(&body), "replica_failed");
-    let msg = body["error"]["message"].as_str().unwrap_or_default();
-    assert!(msg.contains("exited with status 3"), "{msg}");
+    expect_start_failure(&gw, "/apps/broken/x", "exited with status 3").await;
 
     // While it crash-loops, requests are refused at once with Retry-After,
     // instead of waiting out the backoff.

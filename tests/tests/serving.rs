@@ -131,13 +131,8 @@ async fn a_full_hold_queue_answers_429_with_retry_after() {
     );
     gw.wait_ready("tiny", 1).await;
 
-    // One request takes the only slot; wait until the gateway sees it.
-    let http = gw.http.clone();
-    let first = tokio::spawn(http.get(gw.at("/apps/tiny/a?latency_ms=3000")).send());
-    eventually("the first request is in flight", || async {
-        (gw.app_status("tiny").await["inflight"] == 1).then_some(())
-    })
-    .await;
+    // One request takes the only slot.
+    let first = gw.occupy("tiny", "/apps/tiny/a?latency_ms=3000").await;
     let mut held = Vec::new();
     for _ in 0..2 {
         let http = gw.http.clone();
@@ -196,12 +191,8 @@ async fn a_held_request_times_out_with_504() {
         "#,
     );
     gw.wait_ready("busy", 1).await;
-    let http = gw.http.clone();
-    let first = tokio::spawn(http.get(gw.at("/apps/busy/a?latency_ms=3000")).send());
-    eventually("the first request is in flight", || async {
-        (gw.app_status("busy").await["inflight"] == 1).then_some(())
-    })
-    .await;
+    // One request takes the only slot.
+    let first = gw.occupy("busy", "/apps/busy/a?latency_ms=3000").await;
     let resp = gw
         .http
         .get(gw.at("/apps/busy/b"))

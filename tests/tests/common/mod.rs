@@ -136,6 +136,21 @@ impl Gateway {
         .await
     }
 
+    /// Sends a slow GET to `path` of `app` in the background and waits until
+    /// the gateway counts it in flight; the handle yields its response.
+    pub async fn occupy(
+        &self,
+        app: &str,
+        path: &str,
+    ) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+        let first = tokio::spawn(self.http.get(self.at(path)).send());
+        eventually("the first request is in flight", || async {
+            (self.app_status(app).await["inflight"] == 1).then_some(())
+        })
+        .await;
+        first
+    }
+
     /// A counter or gauge from `/metrics` without labels (0 when absent).
     pub async fn metric(&self, name: &str) -> f64 {
         let text = self
