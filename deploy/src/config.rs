@@ -68,6 +68,9 @@ pub mod defaults {
     pub const TASK_RETRIES: u32 = 2;
     /// Rollouts are seconds to minutes long.
     pub const TASK_TIMEOUT: Duration = Duration::from_secs(300);
+    /// Long enough to stream a large checkpoint over a slow link; short
+    /// enough that a stuck replica is replaced within a training step.
+    pub const WEIGHT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
     /// Large enough for a whole batch of rollouts.
     pub const POOL_MAX_PENDING: u32 = 100_000;
     /// Knative's panic threshold: 200% of current capacity.
@@ -208,6 +211,13 @@ pub struct PoolSpec {
     pub task_timeout: Duration,
     /// The task queue.
     pub queue: PoolQueueSpec,
+    /// Versions a replica may lag behind the latest weights and still take
+    /// tasks (`None`: any). `0` dispatches only to replicas on the latest.
+    pub max_staleness: Option<u64>,
+    /// How long an in-place weight sync may take across the pool before the
+    /// replicas still loading are replaced (a request may override it).
+    #[serde(with = "humantime_serde")]
+    pub weight_sync_timeout: Duration,
 }
 
 /// How a pool's tasks wait.
@@ -220,6 +230,9 @@ pub struct PoolQueueSpec {
     pub fairness: Fairness,
     /// Tasks pending plus in flight for one tenant; past it, 429 at once.
     pub tenant_quota: Option<u32>,
+    /// Weighted fairness: a tenant listed here gets this many turns per
+    /// round; every other tenant gets one.
+    pub tenant_weights: BTreeMap<String, u32>,
 }
 
 /// Queue discipline across tenants.
@@ -512,6 +525,17 @@ impl Config {
             if pool.queue.tenant_quota == Some(0) {
                 return Err((at("queue.tenant_quota"), "must be at least 1".into()));
             }
+            for (tenant, w) in &pool.queue.tenant_weights {
+                if *w == 0 || tenant.is_empty() {
+                    return Err((
+                        at(&format!("queue.tenant_weights.{tenant}")),
+                        "a tenant weight must be at least 1 (it is turns per round)".into(),
+                    ));
+                }
+            }
+            if pool.weight_sync_timeout.is_zero() {
+                return Err((at("weight_sync_timeout"), "must be more than 0s".into()));
+            }
         }
         Ok(())
     }
@@ -624,6 +648,8 @@ impl Default for PoolSpec {
             retries: defaults::TASK_RETRIES,
             task_timeout: defaults::TASK_TIMEOUT,
             queue: PoolQueueSpec::default(),
+            max_staleness: None,
+            weight_sync_timeout: defaults::WEIGHT_SYNC_TIMEOUT,
         }
     }
 }
@@ -634,6 +660,7 @@ impl Default for PoolQueueSpec {
             max_pending: defaults::POOL_MAX_PENDING,
             fairness: Fairness::Tenant,
             tenant_quota: None,
+            tenant_weights: BTreeMap::new(),
         }
     }
 }

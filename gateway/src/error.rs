@@ -18,6 +18,9 @@ pub enum ErrorKind {
     NotFound,
     /// 405: the route exists but not for this method.
     MethodNotAllowed,
+    /// 409: the request clashes with the current state (an older weights
+    /// version, a sync already running).
+    Conflict,
     /// 413: the body is over the size limit.
     TooLarge,
     /// 429: the hold queue is full.
@@ -34,11 +37,12 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, for pre-registering metrics.
-    pub const ALL: [ErrorKind; 10] = [
+    pub const ALL: [ErrorKind; 11] = [
         ErrorKind::BadRequest,
         ErrorKind::Unauthorized,
         ErrorKind::NotFound,
         ErrorKind::MethodNotAllowed,
+        ErrorKind::Conflict,
         ErrorKind::TooLarge,
         ErrorKind::QueueFull,
         ErrorKind::ReplicaFailed,
@@ -54,6 +58,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::ReplicaFailed => StatusCode::BAD_GATEWAY,
@@ -69,6 +74,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::Conflict => "conflict",
             ErrorKind::TooLarge => "too_large",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::ReplicaFailed => "replica_failed",

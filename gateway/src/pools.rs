@@ -10,9 +10,9 @@
 //!   queue without spending its budget, up to [`MAX_SYSTEM_RETRIES`] times
 //!   so a task that kills every worker cannot loop forever.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -126,6 +126,8 @@ struct Task {
     id: String,
     tenant: String,
     priority: i32,
+    /// Dispatched only to replicas with at least this weights version.
+    min_version: u64,
     input: Bytes,
     deadline: Instant,
     retries_left: u32,
@@ -147,7 +149,12 @@ pub struct Submit {
     pub timeout: Option<Duration>,
     /// Overrides the pool's retries.
     pub retries: Option<u32>,
+    /// Only replicas with at least this weights version may run it.
+    pub min_weights_version: Option<u64>,
 }
+
+/// Replaces a replica through the pool manager: `(replica, reason)`.
+pub type Replacer = Box<dyn Fn(&str, &str) + Send + Sync>;
 
 /// One warm pool.
 pub struct Pool {
@@ -160,6 +167,7 @@ pub struct Pool {
     store: Arc<TaskStore>,
     client: Client<HttpConnector, Full<Bytes>>,
     ids: AtomicU64,
+    replacer: OnceLock<Replacer>,
 }
 
 struct PoolState {
@@ -169,6 +177,14 @@ struct PoolState {
     /// Last time the demand needed at least the desired count.
     busy_at: Instant,
     desired: u32,
+    /// The newest weights version synced into the pool.
+    latest_version: u64,
+    /// Where workers fetch it (`None` until the first sync).
+    latest_url: Option<String>,
+    /// The version a sync in progress is rolling out.
+    syncing_to: Option<u64>,
+    /// Replicas taken out of dispatch while they swap weights.
+    syncing: HashSet<String>,
 }
 
 // === impl Pool ===
@@ -184,18 +200,29 @@ impl Pool {
                 queue: TaskQueue::new(Limits {
                     max_pending: spec.queue.max_pending as usize,
                     tenant_quota: spec.queue.tenant_quota.map(|q| q as usize),
-                }),
+                })
+                .with_weights(spec.queue.tenant_weights.clone()),
                 replicas: Vec::new(),
                 inflight: 0,
                 busy_at: Instant::now(),
                 desired: spec.replicas[0],
+                latest_version: 0,
+                latest_url: None,
+                syncing_to: None,
+                syncing: HashSet::new(),
             }),
             spec,
             wake: Notify::new(),
             store,
             client: Client::builder(TokioExecutor::new()).build(connector),
             ids: AtomicU64::new(0),
+            replacer: OnceLock::new(),
         })
+    }
+
+    /// How the pool gets a failed replica replaced (set once, at start).
+    pub fn set_replacer(&self, f: Replacer) {
+        let _ = self.replacer.set(f);
     }
 
     /// Queues a task. The receiver gets its outcome.
@@ -211,6 +238,7 @@ impl Pool {
             id: id.clone(),
             tenant: tenant.clone(),
             priority: s.priority,
+            min_version: s.min_weights_version.unwrap_or(0),
             input: s.input,
             deadline: Instant::now() + s.timeout.unwrap_or(self.spec.task_timeout),
             retries_left: s.retries.unwrap_or(self.spec.retries),
@@ -220,6 +248,18 @@ impl Pool {
         };
         {
             let mut st = self.state.lock();
+            if let Some(v) = s.min_weights_version
+                && v > st.latest_version
+            {
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "no replica of pool '{}' can have weights version {v}: the latest synced is {} \
+                         (POST /v1/pools/{}/weights first)",
+                        self.name, st.latest_version, self.name
+                    ),
+                ));
+            }
             st.queue
                 .push(&tenant, s.priority, task)
                 .map_err(|r| match r {
@@ -252,9 +292,32 @@ impl Pool {
         Ok((id, rx))
     }
 
-    /// A replica is ready.
-    pub fn add_replica(&self, r: Arc<ReplicaHandle>) {
-        self.state.lock().replicas.push(r);
+    /// A replica is ready. One that comes up behind the latest synced
+    /// weights (it was started before the sync) is caught up in place.
+    pub fn add_replica(self: &Arc<Self>, r: Arc<ReplicaHandle>) {
+        let catch_up = {
+            let mut st = self.state.lock();
+            st.replicas.push(r.clone());
+            let behind = r.weights_version.load(Ordering::Relaxed) < st.latest_version;
+            // A sync in progress picks it up in its next round.
+            match (st.latest_url.clone(), st.syncing_to) {
+                (Some(url), None) if behind => {
+                    st.syncing.insert(r.id.clone());
+                    Some((url, st.latest_version))
+                }
+                _ => None,
+            }
+        };
+        if let Some((url, version)) = catch_up {
+            let pool = self.clone();
+            tokio::spawn(async move {
+                let deadline = Instant::now() + pool.spec.weight_sync_timeout;
+                let result = pool.sync_replica(&r, &url, version, deadline).await;
+                tracing::info!(pool = %pool.name, replica = %r.id, version, ok = result.ok, "caught up a replica that started behind");
+                pool.state.lock().syncing.remove(&r.id);
+                pool.wake.notify_one();
+            });
+        }
         self.wake.notify_one();
     }
 
@@ -281,7 +344,33 @@ impl Pool {
             "min": self.spec.replicas[0],
             "max": self.spec.replicas[1],
             "concurrency": self.spec.concurrency,
+            "weights_version": st.latest_version,
+            "syncing_to": st.syncing_to,
+            "max_staleness": self.spec.max_staleness,
         })
+    }
+
+    /// Fails the waiting tasks whose timeout has passed, so a task never
+    /// waits past it even while no replica can take it.
+    pub fn expire(&self, now: Instant) {
+        let expired = {
+            let mut st = self.state.lock();
+            if st.queue.pending() == 0 {
+                return;
+            }
+            st.queue.take_where(|t| now >= t.deadline)
+        };
+        for (_, task) in expired {
+            self.finish(task, Err(timeout_error(&self.name)), None);
+        }
+    }
+
+    /// Fails every waiting task at once: the pool cannot start a replica.
+    pub fn fail_pending(&self, error: &ApiError) {
+        let failed = self.state.lock().queue.take_where(|_| true);
+        for (_, task) in failed {
+            self.finish(task, Err(error.clone()), None);
+        }
     }
 
     /// The replica count the pool wants now: enough slots for its tasks,
@@ -303,6 +392,229 @@ impl Pool {
         st.desired
     }
 
+    /// Starts a weight sync to `version`, whose files workers fetch from
+    /// `url`: from now on it is the pool's latest version (so
+    /// `max_staleness` counts from it) and new replicas start with it.
+    /// Refused while another sync runs, or for a version older than the
+    /// latest; the latest itself may be synced again, to finish a sync that
+    /// failed part way.
+    pub fn begin_sync(&self, version: u64, url: String) -> Result<(), ApiError> {
+        let mut st = self.state.lock();
+        self.refuse_sync(&st, version)?;
+        st.latest_version = version;
+        st.latest_url = Some(url);
+        st.syncing_to = Some(version);
+        Ok(())
+    }
+
+    /// Whether a sync to `version` would be refused now, and why.
+    pub fn check_sync(&self, version: u64) -> Result<(), ApiError> {
+        self.refuse_sync(&self.state.lock(), version)
+    }
+
+    fn refuse_sync(&self, st: &PoolState, version: u64) -> Result<(), ApiError> {
+        if let Some(v) = st.syncing_to {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{}' is already syncing weights version {v}; wait for it to finish",
+                    self.name
+                ),
+            ));
+        }
+        if version < st.latest_version {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{}' already has weights version {}; a sync must name that version or a newer one, not {version}",
+                    self.name, st.latest_version
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rolls the latest weights out to every ready replica behind it, at
+    /// most `max_unavailable` at a time so the rest keep taking tasks. Each
+    /// replica finishes its tasks in flight, then loads the weights through
+    /// its `POST /weights`. One that fails, or has not finished by
+    /// `deadline`, is replaced: its successor starts with the new weights.
+    pub async fn sync_weights(
+        self: &Arc<Self>,
+        max_unavailable: usize,
+        deadline: Instant,
+    ) -> Vec<ReplicaSync> {
+        let (version, url) = {
+            let st = self.state.lock();
+            (st.latest_version, st.latest_url.clone().unwrap_or_default())
+        };
+        let mut results: Vec<ReplicaSync> = Vec::new();
+        let mut tried: HashSet<String> = HashSet::new();
+        loop {
+            let batch: Vec<Arc<ReplicaHandle>> = {
+                let mut st = self.state.lock();
+                let picked: Vec<_> = st
+                    .replicas
+                    .iter()
+                    .filter(|r| {
+                        r.is_routable()
+                            && !tried.contains(&r.id)
+                            && !st.syncing.contains(&r.id)
+                            && r.weights_version.load(Ordering::Relaxed) < version
+                    })
+                    .take(max_unavailable.max(1))
+                    .cloned()
+                    .collect();
+                for r in &picked {
+                    st.syncing.insert(r.id.clone());
+                }
+                picked
+            };
+            if batch.is_empty() {
+                break;
+            }
+            let round = futures_util::future::join_all(batch.iter().map(|r| {
+                tried.insert(r.id.clone());
+                self.sync_replica(r, &url, version, deadline)
+            }))
+            .await;
+            {
+                let mut st = self.state.lock();
+                for r in &batch {
+                    st.syncing.remove(&r.id);
+                }
+            }
+            self.wake.notify_one();
+            results.extend(round);
+        }
+        self.state.lock().syncing_to = None;
+        self.wake.notify_one();
+        let ok = results.iter().filter(|r| r.ok).count();
+        metrics::counter!("warmgate_weight_syncs_total", "pool" => self.name.clone()).increment(1);
+        metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "synced")
+            .increment(ok as u64);
+        metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "replaced")
+            .increment((results.len() - ok) as u64);
+        results
+    }
+
+    /// Swaps one replica's weights in place: waits for its tasks in flight
+    /// (it takes no new ones meanwhile), then asks it to load `version` from
+    /// `url`. Replaces it when that fails or runs past `deadline`.
+    async fn sync_replica(
+        &self,
+        r: &Arc<ReplicaHandle>,
+        url: &str,
+        version: u64,
+        deadline: Instant,
+    ) -> ReplicaSync {
+        let started = Instant::now();
+        let from = r.weights_version.load(Ordering::Relaxed);
+        let outcome = if started >= deadline {
+            Err("the sync's deadline passed before this replica's turn".to_string())
+        } else {
+            self.load_within(r, url, version, started, deadline).await
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        match outcome {
+            Ok(()) => {
+                r.weights_version.fetch_max(version, Ordering::Relaxed);
+                metrics::histogram!("warmgate_weight_sync_seconds", "pool" => self.name.clone())
+                    .record(seconds);
+                ReplicaSync {
+                    replica: r.id.clone(),
+                    ok: true,
+                    from_version: from,
+                    version: Some(version),
+                    seconds,
+                    error: None,
+                    action: "synced",
+                }
+            }
+            Err(why) => {
+                tracing::warn!(pool = %self.name, replica = %r.id, version, error = %why, "weight sync failed; replacing the replica");
+                r.set_unroutable();
+                if let Some(replace) = self.replacer.get() {
+                    replace(
+                        &r.id,
+                        &format!("weight sync to version {version} failed: {why}"),
+                    );
+                }
+                ReplicaSync {
+                    replica: r.id.clone(),
+                    ok: false,
+                    from_version: from,
+                    version: None,
+                    seconds,
+                    error: Some(why),
+                    action: "replaced",
+                }
+            }
+        }
+    }
+
+    /// Waits for the replica's tasks in flight, then loads; by `deadline`.
+    async fn load_within(
+        &self,
+        r: &ReplicaHandle,
+        url: &str,
+        version: u64,
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        tokio::time::timeout_at(deadline.into(), async {
+            r.wait_idle(deadline.into()).await;
+            self.load_weights(r, url, version).await
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "did not load the weights before the sync's deadline ({:.1}s after its turn began)",
+                deadline.saturating_duration_since(started).as_secs_f64()
+            ))
+        })
+    }
+
+    /// `POST /weights {"url", "version"}` to a worker.
+    async fn load_weights(&self, r: &ReplicaHandle, url: &str, version: u64) -> Result<(), String> {
+        let body = serde_json::to_vec(&serde_json::json!({"url": url, "version": version}))
+            .map_err(|e| e.to_string())?;
+        let req = http::Request::post(format!("http://{}/weights", r.addr))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| format!("the worker did not answer POST /weights: {e}"))?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), 64 * 1024)
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
+            return Err(if matches!(status.as_u16(), 404 | 405 | 501) {
+                format!(
+                    "the worker does not support in-place weight sync (POST /weights answered {status})"
+                )
+            } else {
+                format!("the worker answered {status}: {text}")
+            });
+        }
+        let reported = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v.get("weights_version").and_then(Value::as_u64));
+        match reported {
+            Some(v) if v != version => Err(format!(
+                "the worker reports weights version {v} after loading {version}"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Runs the dispatcher until the runtime stops.
     pub async fn run(self: Arc<Self>) {
         loop {
@@ -317,23 +629,44 @@ impl Pool {
         }
     }
 
-    /// The next task and a replica with room for it; expired tasks fail.
+    /// The next task and a replica with room for it whose weights are new
+    /// enough (the task's `min_weights_version`, and the pool's
+    /// `max_staleness`); expired tasks fail.
+    ///
+    /// The queue's head waits for such a replica rather than letting later
+    /// tasks pass it: a version it asks for is one already synced, so a
+    /// replica reaches it within the sync's deadline, or is replaced.
     fn next(&self) -> Option<(Task, Arc<ReplicaHandle>)> {
         loop {
             let mut st = self.state.lock();
-            let replica = st
-                .replicas
-                .iter()
-                .filter(|r| r.is_routable() && r.has_free_slot())
-                .min_by_key(|r| r.inflight())
-                .cloned()?;
-            let (_, task) = st.queue.pop()?;
-            if Instant::now() >= task.deadline {
+            let floor = self
+                .spec
+                .max_staleness
+                .map_or(0, |s| st.latest_version.saturating_sub(s));
+            let (deadline, min_version) = {
+                let head = st.queue.peek()?;
+                (head.deadline, head.min_version)
+            };
+            if Instant::now() >= deadline {
+                let (_, task) = st.queue.pop()?;
                 st.queue.done(&task.tenant);
                 drop(st);
                 self.finish(task, Err(timeout_error(&self.name)), None);
                 continue;
             }
+            let need = min_version.max(floor);
+            let replica = st
+                .replicas
+                .iter()
+                .filter(|r| {
+                    r.is_routable()
+                        && r.has_free_slot()
+                        && !st.syncing.contains(&r.id)
+                        && r.weights_version.load(Ordering::Relaxed) >= need
+                })
+                .min_by_key(|r| r.inflight())
+                .cloned()?;
+            let (_, task) = st.queue.pop()?;
             replica.acquire();
             st.inflight += 1;
             return Some((task, replica));
@@ -486,6 +819,25 @@ impl Pool {
     }
 }
 
+/// How one replica's weight sync went.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaSync {
+    /// Replica id.
+    pub replica: String,
+    /// Whether it now runs the new weights.
+    pub ok: bool,
+    /// Its version before.
+    pub from_version: u64,
+    /// Its version after, when it loaded.
+    pub version: Option<u64>,
+    /// Seconds from the start of its turn (draining included).
+    pub seconds: f64,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// `synced`, or `replaced` when it failed.
+    pub action: &'static str,
+}
+
 enum Failure {
     /// The replica went away: requeue without spending the budget.
     System(String),
@@ -498,4 +850,94 @@ fn timeout_error(pool: &str) -> ApiError {
         ErrorKind::Timeout,
         format!("the task did not finish within its timeout in pool '{pool}'"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica(id: &str, version: u64) -> Arc<ReplicaHandle> {
+        let r = ReplicaHandle::new(
+            id.into(),
+            "p".into(),
+            "p-00001".into(),
+            "127.0.0.1:9".parse().expect("addr"),
+            1,
+            Instant::now(),
+        );
+        r.weights_version.store(version, Ordering::Relaxed);
+        Arc::new(r)
+    }
+
+    fn submit(pool: &Pool, min: Option<u64>) {
+        pool.submit(Submit {
+            input: Bytes::from_static(b"1"),
+            priority: 0,
+            tenant: DEFAULT_TENANT.into(),
+            timeout: None,
+            retries: None,
+            min_weights_version: min,
+        })
+        .expect("accepted");
+    }
+
+    #[tokio::test]
+    async fn dispatch_respects_staleness_and_task_versions() {
+        let spec = PoolSpec {
+            name: "p".into(),
+            max_staleness: Some(1),
+            ..PoolSpec::default()
+        };
+        let pool = Pool::new(spec, Arc::new(TaskStore::default()));
+        for (id, v) in [("old", 0), ("behind", 2), ("latest", 3)] {
+            pool.add_replica(replica(id, v));
+        }
+        pool.begin_sync(3, "http://127.0.0.1:9/v1/weights/p/v3".into())
+            .expect("sync");
+
+        // Staleness 1 from version 3: "old" (0) never gets a task.
+        for _ in 0..3 {
+            submit(&pool, None);
+        }
+        let (_, a) = pool.next().expect("first");
+        let (_, b) = pool.next().expect("second");
+        let mut got = [a.id.clone(), b.id.clone()];
+        got.sort();
+        assert_eq!(got, ["behind".to_string(), "latest".to_string()]);
+        assert!(pool.next().is_none(), "only a stale replica is free");
+        a.release();
+        b.release();
+        let (_, c) = pool.next().expect("third");
+        assert_ne!(c.id, "old");
+        c.release();
+
+        // A task asking for version 3 waits for "latest" even when
+        // "behind" is free.
+        let latest = pool.state.lock().replicas[2].clone();
+        latest.acquire();
+        submit(&pool, Some(3));
+        assert!(pool.next().is_none());
+        latest.release();
+        let (_, d) = pool.next().expect("fourth");
+        assert_eq!(d.id, "latest");
+
+        // Versions beyond the latest synced are refused at once.
+        let e = pool
+            .submit(Submit {
+                input: Bytes::from_static(b"1"),
+                priority: 0,
+                tenant: DEFAULT_TENANT.into(),
+                timeout: None,
+                retries: None,
+                min_weights_version: Some(4),
+            })
+            .expect_err("refused");
+        assert_eq!(e.kind, ErrorKind::Conflict);
+        // And a sync may not go back.
+        pool.state.lock().syncing_to = None;
+        assert_eq!(
+            pool.begin_sync(2, String::new()).expect_err("older").kind,
+            ErrorKind::Conflict
+        );
+    }
 }

@@ -55,6 +55,10 @@ pub struct Gateway {
     weights: Arc<crate::weights::Weights>,
     pools: HashMap<String, Arc<crate::pools::Pool>>,
     tasks: Arc<crate::pools::TaskStore>,
+    /// Where workers reach the gateway.
+    reach: std::net::SocketAddr,
+    /// Relative checkpoint paths resolve against it (the config's folder).
+    base: std::path::PathBuf,
 }
 
 /// Tells apps and pools about replicas as the pool manager starts and
@@ -90,6 +94,11 @@ impl ReplicaSink for Sink {
                 ErrorKind::ReplicaFailed,
                 format!("app '{target}' failed to start: {error}"),
             ));
+        } else if let Some(pool) = self.pools.get(target) {
+            pool.fail_pending(&ApiError::new(
+                ErrorKind::ReplicaFailed,
+                format!("pool '{target}' failed to start a replica: {error}"),
+            ));
         }
     }
 }
@@ -124,14 +133,6 @@ impl Gateway {
         let base = workdir
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from("."));
-        let mut sources = HashMap::new();
-        for app in &apps {
-            if let Some(uri) = &app.spec.checkpoint {
-                let src = warmgate_pool::weights::Source::open(uri, &base)
-                    .with_context(|| format!("app '{}': open its checkpoint", app.name))?;
-                sources.insert(app.name.clone(), src);
-            }
-        }
         let w = &config.weights;
         let cache =
             warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
@@ -143,8 +144,14 @@ impl Gateway {
                 part_size: w.part_size_bytes,
                 memory_limit: w.memory_limit_bytes,
             },
-            sources,
         ));
+        for app in &apps {
+            if let Some(uri) = &app.spec.checkpoint {
+                let src = warmgate_pool::weights::Source::open(uri, &base)
+                    .with_context(|| format!("app '{}': open its checkpoint", app.name))?;
+                weights.register(&app.name, &app.revision, src);
+            }
+        }
         // Workers on this machine reach the gateway on loopback when it
         // listens on every interface.
         let reach = if addr.ip().is_unspecified() {
@@ -175,10 +182,15 @@ impl Gateway {
             let revision = format!("{}-00001", p.name);
             let mut env = p.spec.env.clone();
             if let Some(uri) = &p.spec.checkpoint {
-                // Checked here so a bad URI fails at start, not at first use.
-                warmgate_pool::weights::Source::open(uri, &base)
+                // Opened here so a bad URI fails at start, not at first use.
+                let src = warmgate_pool::weights::Source::open(uri, &base)
                     .with_context(|| format!("pool '{}': open its checkpoint", p.name))?;
-                env.insert("WARMGATE_CHECKPOINT".into(), uri.clone());
+                weights.register(&p.name, &revision, src);
+                env.insert(
+                    "WARMGATE_WEIGHTS_URL".into(),
+                    format!("http://{reach}/v1/weights/{}/{revision}", p.name),
+                );
+                env.insert("WARMGATE_WEIGHTS_VERSION".into(), "0".into());
             }
             pool.add_target(TargetSpec {
                 name: p.name.clone(),
@@ -192,6 +204,13 @@ impl Gateway {
                 startup_timeout: p.spec.startup_timeout,
                 stop_grace: config.backend.stop_grace,
             });
+            let manager = pool.clone();
+            let name = p.name.clone();
+            p.set_replacer(Box::new(move |replica, reason| {
+                if !manager.replace(&name, replica, reason) {
+                    tracing::error!(pool = %name, %replica, "could not ask for the replica to be replaced");
+                }
+            }));
             pool.scale(&p.name, p.spec.replicas[0]);
             tokio::spawn(p.clone().run());
         }
@@ -229,6 +248,8 @@ impl Gateway {
             weights,
             pools,
             tasks,
+            reach,
+            base,
         }))
     }
 
@@ -268,6 +289,7 @@ impl Gateway {
                 }
                 let instant = Instant::now();
                 for p in gw.pools.values() {
+                    p.expire(instant);
                     gw.pool.scale(&p.name, p.desired(instant));
                 }
                 record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
@@ -374,18 +396,11 @@ impl Gateway {
     }
 
     /// The app serving `revision`.
-    fn revision_app(&self, name: &str, revision: &str) -> Result<Arc<App>, ApiError> {
-        let app = self
-            .routes
+    /// An app's name for any of its aliases; a pool's name as it is.
+    fn target_name(&self, name: &str) -> String {
+        self.routes
             .get(name)
-            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))?;
-        if app.revision != revision {
-            return Err(ApiError::new(
-                ErrorKind::NotFound,
-                format!("app '{name}' has no revision '{revision}'"),
-            ));
-        }
-        Ok(app.clone())
+            .map_or_else(|| name.to_string(), |a| a.name.clone())
     }
 
     fn status_of(&self, app: &App, target: Option<&TargetStatus>) -> AppStatus {
@@ -487,10 +502,11 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/embeddings", post(openai))
         .route("/v1/models", get(models))
         .route("/apps/{*rest}", any(passthrough))
-        .route("/v1/weights/{app}/{revision}", get(weights_manifest))
-        .route("/v1/weights/{app}/{revision}/{*file}", get(weights_file))
+        .route("/v1/weights/{target}/{revision}", get(weights_manifest))
+        .route("/v1/weights/{target}/{revision}/{*file}", get(weights_file))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
+        .route("/v1/pools/{pool}/weights", post(sync_weights))
         .route("/v1/tasks/{id}", get(get_task))
         .route("/v1/status", get(status))
         .route("/v1/apps", get(list_apps))
@@ -742,20 +758,14 @@ async fn submit_task(
     axum::extract::Query(q): axum::extract::Query<TaskQuery>,
     req: Request,
 ) -> Response {
-    let result = async {
+    let result: Result<Response, ApiError> = async {
         let (pool, headers, body): (_, _, TaskBody) = pool_request(
             &gw,
             &name,
             req,
-            "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?}",
+            "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
         )
         .await?;
-        if body.min_weights_version.is_some() {
-            return Err(ApiError::new(
-                ErrorKind::BadRequest,
-                "min_weights_version is not supported by this version of warmgate",
-            ));
-        }
         let (priority, tenant, timeout) =
             task_options(&headers, body.priority, body.timeout.as_ref())?;
         let input = Bytes::from(
@@ -770,6 +780,7 @@ async fn submit_task(
                 tenant,
                 timeout,
                 retries: body.retries,
+                min_weights_version: body.min_weights_version,
             },
         )?;
         if q.is_async {
@@ -798,21 +809,7 @@ fn task_options(
     priority: Option<i32>,
     timeout: Option<&serde_json::Value>,
 ) -> Result<(i32, String, Option<Duration>), ApiError> {
-    let parsed = match timeout {
-        None => None,
-        Some(serde_json::Value::Number(n)) => n
-            .as_f64()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64),
-        Some(serde_json::Value::String(s)) => humantime::parse_duration(s).ok(),
-        Some(_) => None,
-    };
-    if timeout.is_some() && parsed.is_none() {
-        return Err(ApiError::new(
-            ErrorKind::BadRequest,
-            "timeout must be seconds (a number above 0) or a duration like \"30s\"",
-        ));
-    }
+    let parsed = duration_value(timeout, "timeout")?;
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
     let priority = match (priority, header("x-warmgate-priority")) {
         (Some(p), _) => p,
@@ -838,6 +835,7 @@ struct BatchBody {
     priority: Option<i32>,
     timeout: Option<serde_json::Value>,
     retries: Option<u32>,
+    min_weights_version: Option<u64>,
 }
 
 /// `POST /v1/pools/{pool}/tasks/batch`: one NDJSON line per input, in input
@@ -854,21 +852,26 @@ async fn submit_batch(
             &gw,
             &name,
             req,
-            "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?}",
+            "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
         )
         .await?;
         let (priority, tenant, timeout) =
             task_options(&headers, body.priority, body.timeout.as_ref())?;
         let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
         let retries = body.retries;
+        let min_version = body.min_weights_version;
         let lines = futures_util::stream::iter(body.inputs.into_iter().enumerate())
             .map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
                 async move {
-                    let line = match batch_one(
-                        &gw, &pool, input, priority, tenant, timeout, retries,
-                    )
-                    .await
+                    let submit = BatchTask {
+                        priority,
+                        tenant,
+                        timeout,
+                        retries,
+                        min_weights_version: min_version,
+                    };
+                    let line = match batch_one(&gw, &pool, input, submit).await
                     {
                         Ok(r) => json!({
                             "index": index, "id": r.id, "output": r.output, "replica": r.replica,
@@ -895,14 +898,20 @@ async fn submit_batch(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn batch_one(
-    gw: &Gateway,
-    pool: &crate::pools::Pool,
-    input: serde_json::Value,
+/// The options every task of a batch shares.
+struct BatchTask {
     priority: i32,
     tenant: String,
     timeout: Option<Duration>,
     retries: Option<u32>,
+    min_weights_version: Option<u64>,
+}
+
+async fn batch_one(
+    gw: &Gateway,
+    pool: &crate::pools::Pool,
+    input: serde_json::Value,
+    o: BatchTask,
 ) -> Result<crate::pools::TaskRecord, ApiError> {
     let input = Bytes::from(
         serde_json::to_vec(&input)
@@ -912,14 +921,142 @@ async fn batch_one(
         pool,
         crate::pools::Submit {
             input,
-            priority,
-            tenant,
-            timeout,
-            retries,
+            priority: o.priority,
+            tenant: o.tenant,
+            timeout: o.timeout,
+            retries: o.retries,
+            min_weights_version: o.min_weights_version,
         },
     )?;
     rx.await
         .map_err(|_| ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SyncBody {
+    checkpoint: String,
+    version: u64,
+    timeout: Option<serde_json::Value>,
+    max_unavailable: Option<serde_json::Value>,
+}
+
+/// `POST /v1/pools/{pool}/weights`: swap the weights of the pool's warm
+/// replicas in place, a few at a time, within a deadline; answer with
+/// per-replica results once every replica has the new weights or was
+/// replaced by one that starts with them.
+async fn sync_weights(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        let (pool, _, body): (_, _, SyncBody) = pool_request(
+            &gw,
+            &name,
+            req,
+            "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
+        )
+        .await?;
+        let timeout = duration_value(body.timeout.as_ref(), "timeout")?
+            .unwrap_or(pool.spec.weight_sync_timeout);
+        let ready = pool.load().2;
+        let max_unavailable = max_unavailable(body.max_unavailable.as_ref(), ready)?;
+        let version = body.version;
+        pool.check_sync(version)?;
+        let source = warmgate_pool::weights::Source::open(&body.checkpoint, &gw.base)
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}")))?;
+        let revision = format!("v{version}");
+        gw.weights.register(&pool.name, &revision, source);
+        // The checkpoint must exist and list before any replica is touched.
+        let files = gw.weights.files(&pool.name, &revision).await?;
+        if files.items.is_empty() {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!("checkpoint {} has no files", body.checkpoint),
+            ));
+        }
+        let url = format!("http://{}/v1/weights/{}/{revision}", gw.reach, pool.name);
+        pool.begin_sync(version, url.clone())?;
+        let checkpoint = body.checkpoint.clone();
+        gw.pool.update_target(&pool.name, |t| {
+            t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
+            t.env
+                .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
+            t.checkpoint = Some(checkpoint);
+        });
+        let started = Instant::now();
+        let deadline = started + timeout;
+        // In its own task: a client that hangs up does not cut a rollout
+        // short and leave replicas out of dispatch.
+        let job = {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.sync_weights(max_unavailable, deadline).await })
+        };
+        let results = job.await.map_err(|e| {
+            ApiError::new(ErrorKind::ReplicaFailed, format!("the weight sync failed: {e}"))
+        })?;
+        let synced = results.iter().filter(|r| r.ok).count();
+        tracing::info!(pool = %pool.name, version, synced, replaced = results.len() - synced, "weight sync done");
+        Ok(axum::Json(json!({
+            "pool": pool.name,
+            "version": version,
+            "checkpoint": body.checkpoint,
+            "seconds": started.elapsed().as_secs_f64(),
+            "synced": synced,
+            "replaced": results.len() - synced,
+            "replicas": results,
+        }))
+        .into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A duration given as seconds (a number) or a string like `"30s"`.
+fn duration_value(v: Option<&serde_json::Value>, key: &str) -> Result<Option<Duration>, ApiError> {
+    let Some(v) = v else {
+        return Ok(None);
+    };
+    let parsed = match v {
+        serde_json::Value::Number(n) => n
+            .as_f64()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64),
+        serde_json::Value::String(s) => humantime::parse_duration(s).ok().filter(|d| !d.is_zero()),
+        _ => None,
+    };
+    parsed.map(Some).ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("{key} must be seconds (a number above 0) or a duration like \"30s\""),
+        )
+    })
+}
+
+/// Replicas a sync may take out of dispatch at once: a count, or a
+/// percentage of the ready replicas (rounded up). Kubernetes' rolling
+/// update default, 25%, when absent.
+fn max_unavailable(v: Option<&serde_json::Value>, ready: usize) -> Result<usize, ApiError> {
+    let pct = |p: f64| ((ready as f64 * p / 100.0).ceil() as usize).max(1);
+    let bad = || {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            "max_unavailable must be a count (1 or more) or a percentage like \"50%\"",
+        )
+    };
+    match v {
+        None => Ok(pct(25.0)),
+        Some(serde_json::Value::Number(n)) => match n.as_u64() {
+            Some(k) if k >= 1 => Ok(k as usize),
+            _ => Err(bad()),
+        },
+        Some(serde_json::Value::String(s)) => match s.strip_suffix('%').map(str::parse::<f64>) {
+            Some(Ok(p)) if p > 0.0 && p <= 100.0 => Ok(pct(p)),
+            _ => Err(bad()),
+        },
+        Some(_) => Err(bad()),
+    }
 }
 
 /// `GET /v1/tasks/{id}`.
@@ -935,20 +1072,20 @@ async fn get_task(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Res
 /// The files of a revision's checkpoint.
 async fn weights_manifest(
     State(gw): State<Arc<Gateway>>,
-    Path((app, revision)): Path<(String, String)>,
+    Path((target, revision)): Path<(String, String)>,
 ) -> Response {
     let result = async {
-        let app = gw.revision_app(&app, &revision)?;
-        let files = gw.weights.files(&app.name).await?;
+        let target = gw.target_name(&target);
+        let files = gw.weights.files(&target, &revision).await?;
         let list: Vec<_> = files
             .items
             .iter()
             .map(|f| json!({"name": f.relative.to_string_lossy(), "size": f.meta.size}))
             .collect();
         Ok::<_, ApiError>(axum::Json(json!({
-            "app": app.name,
+            "target": target,
             "revision": revision,
-            "checkpoint": app.spec.checkpoint,
+            "checkpoint": gw.weights.uri(&target, &revision),
             "files": list,
         })))
     }
@@ -962,14 +1099,10 @@ async fn weights_manifest(
 /// One file of a revision's checkpoint, streamed.
 async fn weights_file(
     State(gw): State<Arc<Gateway>>,
-    Path((app, revision, file)): Path<(String, String, String)>,
+    Path((target, revision, file)): Path<(String, String, String)>,
 ) -> Response {
-    let result = async {
-        let app = gw.revision_app(&app, &revision)?;
-        gw.weights.file(&app.name, &file).await
-    }
-    .await;
-    match result {
+    let target = gw.target_name(&target);
+    match gw.weights.file(&target, &revision, &file).await {
         Ok((body, size)) => (
             [
                 (

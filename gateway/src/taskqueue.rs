@@ -1,5 +1,10 @@
-//! The task queue of a pool: bounded, priority first, round-robin across
-//! tenants within a priority, FIFO within a tenant, with per-tenant quotas.
+//! The task queue of a pool: bounded, priority first, weighted round-robin
+//! across tenants within a priority, FIFO within a tenant, with per-tenant
+//! quotas.
+//!
+//! A tenant's weight is the number of tasks it takes per turn (default 1):
+//! with weights `a = 3` and `b = 1`, a busy `a` gets three tasks for each of
+//! `b`'s, and neither can starve the other.
 //!
 //! It is a plain data structure with synchronous operations; the async task
 //! API (issue 5) drives it. Every operation is O(log P) in the number of
@@ -38,6 +43,8 @@ pub struct Limits {
 struct Level<T> {
     ring: VecDeque<String>,
     queues: HashMap<String, VecDeque<T>>,
+    /// Tasks the tenant at the head of `ring` has taken in its turn.
+    turns: u32,
 }
 
 /// A bounded task queue with priorities and fairness across tenants.
@@ -49,6 +56,8 @@ pub struct TaskQueue<T> {
     /// Per tenant: (pending, in flight).
     tenants: HashMap<String, (usize, usize)>,
     pending: usize,
+    /// Turns per round of the tenants that have more than one.
+    weights: HashMap<String, u32>,
 }
 
 impl<T> TaskQueue<T> {
@@ -59,7 +68,21 @@ impl<T> TaskQueue<T> {
             levels: BTreeMap::new(),
             tenants: HashMap::new(),
             pending: 0,
+            weights: HashMap::new(),
         }
+    }
+
+    /// Gives tenants more than one task per turn.
+    pub fn with_weights(mut self, weights: impl IntoIterator<Item = (String, u32)>) -> Self {
+        self.weights = weights.into_iter().filter(|(_, w)| *w > 1).collect();
+        self
+    }
+
+    /// The task [`TaskQueue::pop`] would return next.
+    pub fn peek(&self) -> Option<&T> {
+        let (_, level) = self.levels.first_key_value()?;
+        let tenant = level.ring.front()?;
+        level.queues.get(tenant)?.front()
     }
 
     /// Tasks waiting.
@@ -103,10 +126,12 @@ impl<T> TaskQueue<T> {
             .or_insert_with(|| Level {
                 ring: VecDeque::new(),
                 queues: HashMap::new(),
+                turns: 0,
             });
         let q = level.queues.entry(tenant.to_string()).or_default();
         if q.is_empty() {
             if front {
+                level.turns = 0;
                 level.ring.push_front(tenant.to_string());
             } else {
                 level.ring.push_back(tenant.to_string());
@@ -119,25 +144,31 @@ impl<T> TaskQueue<T> {
         }
     }
 
-    /// The next task to dispatch: the highest priority, then the next
-    /// tenant in turn at that priority, then that tenant's oldest task. It
+    /// The next task to dispatch: the highest priority, then the tenant
+    /// whose turn it is at that priority, then that tenant's oldest task. It
     /// counts as in flight for its tenant until [`TaskQueue::done`].
     pub fn pop(&mut self) -> Option<(String, T)> {
         let mut entry = self.levels.first_entry()?;
         let level = entry.get_mut();
         let tenant = level
             .ring
-            .pop_front()
+            .front()
+            .cloned()
             .expect("a level with tasks has tenants");
         let q = level
             .queues
             .get_mut(&tenant)
             .expect("a tenant in the ring has a queue");
         let task = q.pop_front().expect("a tenant in the ring has tasks");
+        level.turns += 1;
+        let weight = self.weights.get(&tenant).copied().unwrap_or(1);
         if q.is_empty() {
             level.queues.remove(&tenant);
-        } else {
-            level.ring.push_back(tenant.clone());
+            level.ring.pop_front();
+            level.turns = 0;
+        } else if level.turns >= weight {
+            level.ring.rotate_left(1);
+            level.turns = 0;
         }
         if level.ring.is_empty() {
             entry.remove();
@@ -157,6 +188,45 @@ impl<T> TaskQueue<T> {
                 self.tenants.remove(tenant);
             }
         }
+    }
+
+    /// Takes out every waiting task `pred` picks (expired ones, say), as
+    /// if each had been popped and finished. O(n) in the tasks waiting.
+    pub fn take_where(&mut self, mut pred: impl FnMut(&T) -> bool) -> Vec<(String, T)> {
+        let mut out = Vec::new();
+        for level in self.levels.values_mut() {
+            for (tenant, q) in level.queues.iter_mut() {
+                if !q.iter().any(&mut pred) {
+                    continue;
+                }
+                let mut kept = VecDeque::with_capacity(q.len());
+                for task in q.drain(..) {
+                    if pred(&task) {
+                        out.push((tenant.clone(), task));
+                    } else {
+                        kept.push_back(task);
+                    }
+                }
+                *q = kept;
+            }
+            let head = level.ring.front().cloned();
+            level.queues.retain(|_, q| !q.is_empty());
+            level.ring.retain(|t| level.queues.contains_key(t));
+            if level.ring.front() != head.as_ref() {
+                level.turns = 0;
+            }
+        }
+        self.levels.retain(|_, l| !l.ring.is_empty());
+        for (tenant, _) in &out {
+            if let Some(t) = self.tenants.get_mut(tenant) {
+                t.0 -= 1;
+                if *t == (0, 0) {
+                    self.tenants.remove(tenant);
+                }
+            }
+            self.pending -= 1;
+        }
+        out
     }
 
     /// Puts a popped task back at the head of its tenant's queue (a replica
@@ -233,6 +303,39 @@ mod tests {
     }
 
     #[test]
+    fn weights_give_turns_in_proportion() {
+        let mut tq =
+            q(1000, None).with_weights([("heavy".to_string(), 3), ("light".to_string(), 1)]);
+        for i in 0..100 {
+            tq.push("heavy", 0, i).expect("room");
+            tq.push("light", 0, i).expect("room");
+            tq.push("other", 0, i).expect("room");
+        }
+        let first: Vec<String> = (0..50).map(|_| tq.pop().expect("task").0).collect();
+        let count = |t: &str| first.iter().filter(|x| *x == t).count();
+        assert_eq!(count("heavy"), 30, "{first:?}");
+        assert_eq!(count("light"), 10);
+        assert_eq!(count("other"), 10);
+        assert_eq!(tq.peek(), Some(&30));
+    }
+
+    #[test]
+    fn take_where_removes_and_keeps_order() {
+        let mut tq = q(100, Some(50));
+        for i in 0..10 {
+            tq.push("a", 0, i).expect("room");
+            tq.push("b", 1, 100 + i).expect("room");
+        }
+        let taken = tq.take_where(|t| t % 2 == 0);
+        assert_eq!(taken.len(), 10);
+        assert_eq!(tq.pending(), 10);
+        assert_eq!(tq.tenant("a"), (5, 0));
+        let rest: Vec<u32> = std::iter::from_fn(|| tq.pop().map(|p| p.1)).collect();
+        assert_eq!(rest, vec![101, 103, 105, 107, 109, 1, 3, 5, 7, 9]);
+        assert!(tq.take_where(|_| true).is_empty());
+    }
+
+    #[test]
     fn a_requeued_task_goes_first() {
         let mut tq = q(10, None);
         tq.push("a", 0, 1).expect("room");
@@ -248,6 +351,7 @@ mod tests {
         Push(u8, i8),
         Pop,
         Done,
+        Take(u8),
     }
 
     proptest! {
@@ -262,11 +366,12 @@ mod tests {
                     4 => (0u8..4, -2i8..3).prop_map(|(t, p)| Op::Push(t, p)),
                     3 => Just(Op::Pop),
                     2 => Just(Op::Done),
+                    1 => (0u8..5).prop_map(Op::Take),
                 ],
                 1..300,
             ),
         ) {
-            let mut tq = q(20, Some(8));
+            let mut tq = q(20, Some(8)).with_weights([("t1".to_string(), 3)]);
             let mut next_id = 0u32;
             let mut waiting: Vec<(String, i32, u32)> = Vec::new();
             let mut running: Vec<String> = Vec::new();
@@ -281,7 +386,10 @@ mod tests {
                     }
                     Op::Pop => {
                         let best = waiting.iter().map(|w| w.1).max();
-                        match tq.pop() {
+                        let peeked = tq.peek().copied();
+                        let popped = tq.pop();
+                        prop_assert_eq!(peeked, popped.as_ref().map(|p| p.1));
+                        match popped {
                             Some((tenant, id)) => {
                                 let i = waiting.iter().position(|w| w.2 == id).expect("was accepted");
                                 let (wt, wp, _) = waiting.remove(i);
@@ -300,6 +408,12 @@ mod tests {
                         if let Some(t) = running.pop() {
                             tq.done(&t);
                         }
+                    }
+                    Op::Take(k) => {
+                        let taken = tq.take_where(|id| id % 5 == u32::from(k));
+                        let before = waiting.len();
+                        waiting.retain(|w| w.2 % 5 != u32::from(k));
+                        prop_assert_eq!(taken.len(), before - waiting.len());
                     }
                 }
                 prop_assert!(tq.pending() <= 20);

@@ -1,6 +1,7 @@
 //! Serving a revision's checkpoint to its workers over local HTTP.
 //!
-//! Workers get `WARMGATE_WEIGHTS_URL=http://<gateway>/v1/weights/<app>/<revision>`:
+//! Workers get `WARMGATE_WEIGHTS_URL=http://<gateway>/v1/weights/<target>/<revision>`
+//! (the revision of an app, or `v<N>` for weights synced into a pool):
 //! `GET` on it lists the checkpoint's files, and `GET <url>/<file>` streams
 //! one. A file comes from the node-local cache when it is there; otherwise
 //! one download from the store fills the cache, and every reader of that
@@ -43,53 +44,72 @@ pub struct Listing {
     pub sums: HashMap<String, String>,
 }
 
-/// Checkpoints of the apps, their listings, and downloads in flight.
+/// Checkpoints of the apps' revisions and of the pools' weight versions,
+/// their listings, and downloads in flight.
 pub struct Weights {
     cache: Cache,
     cfg: StreamConfig,
-    sources: HashMap<String, Source>,
+    /// By `<target>/<revision>`.
+    sources: Mutex<HashMap<String, Source>>,
     listings: Mutex<HashMap<String, Arc<Listing>>>,
     downloads: Mutex<HashMap<String, watch::Receiver<Progress>>>,
 }
 
 impl Weights {
-    /// Weights for `sources` (app name to its checkpoint), cached in `cache`.
-    pub fn new(cache: Cache, cfg: StreamConfig, sources: HashMap<String, Source>) -> Self {
+    /// Weights with no checkpoints yet, cached in `cache`.
+    pub fn new(cache: Cache, cfg: StreamConfig) -> Self {
         Weights {
             cache,
             cfg,
-            sources,
+            sources: Mutex::new(HashMap::new()),
             listings: Mutex::new(HashMap::new()),
             downloads: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The files of an app's checkpoint (listed once; a revision's
+    /// Serves `source` as the checkpoint of `target` at `revision`.
+    pub fn register(&self, target: &str, revision: &str, source: Source) {
+        let key = format!("{target}/{revision}");
+        self.listings.lock().remove(&key);
+        self.sources.lock().insert(key, source);
+    }
+
+    /// The URI of a registered checkpoint.
+    pub fn uri(&self, target: &str, revision: &str) -> Option<String> {
+        let key = format!("{target}/{revision}");
+        self.sources.lock().get(&key).map(|s| s.uri().to_string())
+    }
+
+    /// The files of a revision's checkpoint (listed once; a revision's
     /// checkpoint does not change).
-    pub async fn files(&self, app: &str) -> Result<Arc<Listing>, ApiError> {
-        if let Some(l) = self.listings.lock().get(app) {
+    pub async fn files(&self, target: &str, revision: &str) -> Result<Arc<Listing>, ApiError> {
+        let key = format!("{target}/{revision}");
+        if let Some(l) = self.listings.lock().get(&key) {
             return Ok(l.clone());
         }
-        let src = self.sources.get(app).ok_or_else(|| {
+        let src = self.sources.lock().get(&key).cloned().ok_or_else(|| {
             ApiError::new(
                 ErrorKind::NotFound,
-                format!("app '{app}' has no checkpoint"),
+                format!("'{target}' has no checkpoint for revision '{revision}'"),
             )
         })?;
-        let items = plan(src).await.map_err(|e| weights_error(&e))?;
+        let items = plan(&src).await.map_err(|e| weights_error(&e))?;
         let sums = checksums(&items, &self.cfg)
             .await
             .map_err(|e| weights_error(&e))?;
         let listing = Arc::new(Listing { items, sums });
-        self.listings
-            .lock()
-            .insert(app.to_string(), listing.clone());
+        self.listings.lock().insert(key, listing.clone());
         Ok(listing)
     }
 
-    /// One file of an app's checkpoint, as a streamed body, and its size.
-    pub async fn file(self: &Arc<Self>, app: &str, name: &str) -> Result<(Body, u64), ApiError> {
-        let files = self.files(app).await?;
+    /// One file of a revision's checkpoint, as a streamed body, and its size.
+    pub async fn file(
+        self: &Arc<Self>,
+        target: &str,
+        revision: &str,
+        name: &str,
+    ) -> Result<(Body, u64), ApiError> {
+        let files = self.files(target, revision).await?;
         let expected = files.sums.get(name).cloned();
         let item = files
             .items
@@ -98,7 +118,9 @@ impl Weights {
             .ok_or_else(|| {
                 ApiError::new(
                     ErrorKind::NotFound,
-                    format!("the checkpoint of app '{app}' has no file '{name}'"),
+                    format!(
+                        "the checkpoint of '{target}' revision '{revision}' has no file '{name}'"
+                    ),
                 )
             })?
             .clone();
@@ -255,7 +277,9 @@ fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
 
 fn weights_error(e: &warmgate_pool::Error) -> ApiError {
     let kind = match e {
-        warmgate_pool::Error::Weights { reason, .. } if reason == "not found" => {
+        warmgate_pool::Error::Weights { reason, .. }
+            if reason == "not found" || reason == "no objects under this prefix" =>
+        {
             ErrorKind::NotFound
         }
         _ => ErrorKind::ReplicaFailed,

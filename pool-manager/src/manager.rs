@@ -120,6 +120,7 @@ pub struct TargetStatus {
 }
 
 /// Keeps targets at their desired replica counts.
+#[derive(Clone)]
 pub struct PoolManager {
     inner: Arc<Inner>,
 }
@@ -135,6 +136,7 @@ struct Inner {
 
 struct Target {
     desired: watch::Sender<u32>,
+    events: mpsc::Sender<Event>,
     shutdown: watch::Sender<bool>,
     shared: Arc<Mutex<Shared>>,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -191,6 +193,11 @@ enum Event {
         seq: u64,
         reason: String,
     },
+    /// Stop this replica and start a fresh one in its place.
+    Replace {
+        id: String,
+        reason: String,
+    },
 }
 
 // === impl PoolManager ===
@@ -217,6 +224,7 @@ impl PoolManager {
         let (desired_tx, desired_rx) = watch::channel(0);
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let (ev_tx, ev_rx) = mpsc::channel(EVENT_QUEUE);
+        let ev_tx_for_target = ev_tx.clone();
         let name = spec.name.clone();
         let shared = Arc::new(Mutex::new(Shared {
             spec: Arc::new(spec),
@@ -244,6 +252,7 @@ impl PoolManager {
             name,
             Target {
                 desired: desired_tx,
+                events: ev_tx_for_target,
                 shutdown: shutdown_tx,
                 shared,
                 task: Mutex::new(Some(task)),
@@ -264,6 +273,37 @@ impl PoolManager {
             }
             None => false,
         }
+    }
+
+    /// Changes how the target's *next* replicas start (their environment,
+    /// checkpoint or revision); running replicas are left alone. Returns
+    /// false for an unknown target.
+    pub fn update_target(&self, target: &str, f: impl FnOnce(&mut TargetSpec)) -> bool {
+        let targets = self.inner.targets.read();
+        let Some(t) = targets.get(target) else {
+            return false;
+        };
+        let mut shared = t.shared.lock();
+        let mut spec = (*shared.spec).clone();
+        f(&mut spec);
+        shared.spec = Arc::new(spec);
+        true
+    }
+
+    /// Stops one replica (drain, SIGTERM, grace, SIGKILL) and starts a fresh
+    /// one in its place, from the target's current spec. Returns false when
+    /// the target is unknown or its actor is too busy to take the request.
+    pub fn replace(&self, target: &str, replica: &str, reason: &str) -> bool {
+        let targets = self.inner.targets.read();
+        let Some(t) = targets.get(target) else {
+            return false;
+        };
+        t.events
+            .try_send(Event::Replace {
+                id: replica.to_string(),
+                reason: reason.to_string(),
+            })
+            .is_ok()
     }
 
     /// The replica count last asked for.
@@ -673,6 +713,20 @@ impl Actor {
                     ready_for,
                 );
             }
+            Event::Replace { id, reason } => {
+                let Some(seq) = shared
+                    .replicas
+                    .iter()
+                    .find(|(_, s)| s.id == id)
+                    .map(|(k, _)| *k)
+                else {
+                    return;
+                };
+                tracing::warn!(target_name = %name, replica = %id, %reason, "replacing replica");
+                self.stop_replica(&mut shared, seq);
+                shared.restarts += 1;
+                shared.last_error = Some(format!("replica {id} was replaced: {reason}"));
+            }
             Event::Unhealthy { seq, reason } => {
                 if shared
                     .replicas
@@ -875,7 +929,7 @@ impl ReplicaTask {
                     let healthy = match &r {
                         ProbeResult::Healthy { weights_version } => {
                             if let Some(v) = weights_version {
-                                handle.weights_version.store(*v, std::sync::atomic::Ordering::Relaxed);
+                                handle.weights_version.fetch_max(*v, std::sync::atomic::Ordering::Relaxed);
                             }
                             true
                         }

@@ -157,9 +157,10 @@ async fn bad_tasks_and_full_queues_are_refused_clearly() {
     assert_eq!(status, 400, "{body}");
     let (status, body) = task(&gw, json!({"input": 1, "min_weights_version": 3})).await;
     assert_eq!(
-        status, 400,
-        "min_weights_version is refused, not ignored: {body}"
+        status, 409,
+        "a version no replica can reach is refused, not left waiting: {body}"
     );
+    assert_eq!(kind(&body), "conflict");
 
     let submit = |tenant: &'static str| {
         let http = gw.http.clone();

@@ -11,6 +11,13 @@
 //!
 //! `GET /stats` exposes in-flight / peak / total request counters so tests can
 //! check how the gateway spreads and limits load.
+//!
+//! Weights: at startup it loads `$WARMGATE_WEIGHTS_URL` (version
+//! `$WARMGATE_WEIGHTS_VERSION`) when set, and `POST /weights {"url",
+//! "version"}` swaps them in place. Loading reads every file of the
+//! manifest and keeps their SHA-256, which `/stats` reports. A replica named
+//! in `TEST_WORKER_WEIGHTS_FAIL` (comma-separated ids) answers 500 to
+//! `POST /weights`; one in `TEST_WORKER_WEIGHTS_HANG` never answers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -97,18 +104,36 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .with_context(|| format!("binding {addr}"))?;
     eprintln!("test-worker listening on {addr}");
 
+    let mut loaded = Loaded::default();
+    if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
+        let version = std::env::var("WARMGATE_WEIGHTS_VERSION")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        loaded = load_weights(&reqwest::Client::new(), &url, version)
+            .await
+            .with_context(|| format!("loading the weights at {url}"))?;
+        eprintln!(
+            "test-worker: loaded weights version {version} ({} bytes)",
+            loaded.bytes
+        );
+    }
     let close = Arc::new(tokio::sync::Notify::new());
     let state = Arc::new(AppState {
         config,
         counters: Arc::default(),
         pid: std::process::id(),
         close: close.clone(),
+        weights_version: AtomicU64::new(loaded.version),
+        weights: tokio::sync::Mutex::new(loaded),
+        http: reqwest::Client::new(),
     });
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/stats", get(stats))
         .route("/close-listener", axum::routing::post(close_listener))
         .route("/invoke", axum::routing::post(invoke))
+        .route("/weights", axum::routing::post(swap_weights))
         .fallback(handle_request)
         .with_state(state);
 
@@ -297,6 +322,126 @@ struct AppState {
     pid: u32,
     /// Notified by `POST /close-listener`.
     close: Arc<tokio::sync::Notify>,
+    /// The weights loaded; the lock is held while a swap loads new ones.
+    weights: tokio::sync::Mutex<Loaded>,
+    /// The version loaded, readable while a swap holds the lock.
+    weights_version: AtomicU64,
+    http: reqwest::Client,
+}
+
+/// What a weights load read.
+#[derive(Debug, Clone, Default, Serialize)]
+struct Loaded {
+    version: u64,
+    bytes: u64,
+    files: u64,
+    /// SHA-256 of the files' contents, in manifest order.
+    sha256: Option<String>,
+    /// Unix milliseconds when the load started and finished.
+    started_ms: u128,
+    finished_ms: u128,
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// Reads every file of the checkpoint at `url` (the gateway's weights URL).
+async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow::Result<Loaded> {
+    use sha2::Digest as _;
+    #[derive(serde::Deserialize)]
+    struct Manifest {
+        files: Vec<File>,
+    }
+    #[derive(serde::Deserialize)]
+    struct File {
+        name: String,
+    }
+    let manifest: Manifest = http
+        .get(url)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let started_ms = unix_ms();
+    let mut hasher = sha2::Sha256::new();
+    let mut bytes = 0u64;
+    for f in &manifest.files {
+        let mut resp = http
+            .get(format!("{url}/{}", f.name))
+            .send()
+            .await?
+            .error_for_status()?;
+        while let Some(chunk) = resp.chunk().await? {
+            bytes += chunk.len() as u64;
+            hasher.update(&chunk);
+        }
+    }
+    Ok(Loaded {
+        version,
+        bytes,
+        files: manifest.files.len() as u64,
+        sha256: Some(format!("{:x}", hasher.finalize())),
+        started_ms,
+        finished_ms: unix_ms(),
+    })
+}
+
+/// Whether `$name` (comma-separated replica ids) names this replica.
+fn listed(name: &str, replica: Option<&str>) -> bool {
+    let (Ok(list), Some(me)) = (std::env::var(name), replica) else {
+        return false;
+    };
+    list.split(',').any(|r| r.trim() == me)
+}
+
+/// `POST /weights {"url", "version"}`: loads new weights in place.
+async fn swap_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Swap {
+        url: String,
+        version: u64,
+    }
+    let swap: Swap = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({"error": format!("bad body: {e}")})),
+            )
+                .into_response();
+        }
+    };
+    let replica = state.config.replica();
+    if listed("TEST_WORKER_WEIGHTS_HANG", replica) {
+        std::future::pending::<()>().await;
+    }
+    if listed("TEST_WORKER_WEIGHTS_FAIL", replica) {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(json!({"error": "asked to fail loading weights"})),
+        )
+            .into_response();
+    }
+    let mut weights = state.weights.lock().await;
+    match load_weights(&state.http, &swap.url, swap.version).await {
+        Ok(loaded) => {
+            *weights = loaded.clone();
+            state
+                .weights_version
+                .store(loaded.version, Ordering::SeqCst);
+            axum::Json(json!({"weights_version": loaded.version, "bytes": loaded.bytes}))
+                .into_response()
+        }
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(json!({"error": format!("{e:#}")})),
+        )
+            .into_response(),
+    }
 }
 
 /// Request counters reported by `/stats`.
@@ -354,7 +499,7 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     };
     let health = Health {
         status: label,
-        weights_version: 0,
+        weights_version: state.weights_version.load(Ordering::SeqCst),
         replica: state.config.replica(),
     };
     (status, axum::Json(health)).into_response()
@@ -369,6 +514,8 @@ struct Stats<'a> {
     replica: Option<&'a str>,
     pid: u32,
     env: &'a WorkerEnv,
+    /// `null` while a swap is loading.
+    weights: Option<Loaded>,
 }
 
 /// `GET /stats`: request counters, process id and contract environment.
@@ -381,6 +528,7 @@ async fn stats(State(state): State<Arc<AppState>>) -> Response {
         replica: state.config.replica(),
         pid: state.pid,
         env: &state.config.env,
+        weights: state.weights.try_lock().ok().map(|w| w.clone()),
     };
     axum::Json(stats).into_response()
 }
@@ -481,8 +629,13 @@ async fn invoke(State(state): State<Arc<AppState>>, headers: HeaderMap, body: By
         )
             .into_response();
     }
-    axum::Json(json!({"echo": input, "replica": state.config.replica(), "attempt": attempt}))
-        .into_response()
+    axum::Json(json!({
+        "echo": input,
+        "replica": state.config.replica(),
+        "attempt": attempt,
+        "weights_version": state.weights_version.load(Ordering::SeqCst),
+    }))
+    .into_response()
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,295 @@
+//! In-place weight sync end to end: `POST /v1/pools/{pool}/weights` rolls a
+//! new checkpoint out to warm test-worker processes, which fetch it through
+//! the gateway; failures and hangs are replaced within the deadline; and
+//! tasks that ask for a weights version only run on replicas that have it.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{Gateway, eventually, kind};
+use serde_json::{Value, json};
+use sha2::Digest as _;
+
+/// Writes a one-file checkpoint with distinct contents; returns its
+/// `file://` URI and the SHA-256 a worker computes over it.
+fn checkpoint(root: &Path, name: &str, size: usize) -> (String, String) {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let data: Vec<u8> = (0..size)
+        .map(|i| (i as u8) ^ name.len() as u8 ^ name.as_bytes()[name.len() - 1])
+        .collect();
+    std::fs::write(dir.join("model.bin"), &data).expect("write");
+    let sha = format!("{:x}", sha2::Sha256::digest(&data));
+    (format!("file://{}", dir.display()), sha)
+}
+
+fn config(initial: &str, replicas: u32, extra: &str) -> String {
+    format!(
+        r#"
+        [[pools]]
+        name = "rollouts"
+        command = ["{{worker}}"]
+        checkpoint = "{initial}"
+        replicas = [{replicas}, {replicas}]
+        concurrency = 2
+        {extra}
+        "#
+    )
+}
+
+async fn sync(gw: &Gateway, body: Value) -> (u16, Value) {
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/weights"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    (r.status().as_u16(), r.json().await.expect("json"))
+}
+
+async fn task(gw: &Gateway, body: Value) -> (u16, Value) {
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/tasks"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    (r.status().as_u16(), r.json().await.expect("json"))
+}
+
+/// The pool's replicas as the pool manager reports them.
+async fn replicas(gw: &Gateway) -> Vec<Value> {
+    let s = gw.json("/v1/status").await;
+    s["pools"][0]["pool"]["replicas"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+async fn wait_ready(gw: &Gateway, n: usize) -> Vec<Value> {
+    eventually(&format!("{n} ready replicas"), || async {
+        let rs = replicas(gw).await;
+        let ready: Vec<Value> = rs.into_iter().filter(|r| r["state"] == "ready").collect();
+        (ready.len() == n).then_some(ready)
+    })
+    .await
+}
+
+/// A worker's `/stats`, straight from its own port.
+async fn stats(gw: &Gateway, replica: &Value) -> Value {
+    let addr = replica["addr"].as_str().expect("addr");
+    gw.http
+        .get(format!("http://{addr}/stats"))
+        .send()
+        .await
+        .expect("stats")
+        .json()
+        .await
+        .expect("json")
+}
+
+fn root() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_roll_out_in_place_one_replica_at_a_time() {
+    let (_keep, root) = root();
+    let (v0, sha0) = checkpoint(&root, "v0", 300_000);
+    let (v1, sha1) = checkpoint(&root, "v1", 1_000_000);
+    let gw = Gateway::start(&config(&v0, 3, ""));
+    let before = wait_ready(&gw, 3).await;
+    for r in &before {
+        let st = stats(&gw, r).await;
+        assert_eq!(st["weights"]["sha256"], sha0.as_str(), "loaded at start");
+        assert_eq!(r["weights_version"], 0);
+    }
+    let pids: Vec<Value> = before.iter().map(|r| r["pid"].clone()).collect();
+
+    let (status, body) = sync(
+        &gw,
+        json!({"checkpoint": v1, "version": 1, "max_unavailable": 1}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["synced"], 3, "{body}");
+    assert_eq!(body["replaced"], 0, "{body}");
+    for r in body["replicas"].as_array().expect("replicas") {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["from_version"], 0);
+        assert_eq!(r["version"], 1);
+    }
+
+    // Same processes (no restart), new weights, new version everywhere.
+    let after = wait_ready(&gw, 3).await;
+    let mut windows = Vec::new();
+    for r in &after {
+        assert!(pids.contains(&r["pid"]), "{r} was restarted");
+        assert_eq!(r["weights_version"], 1);
+        let st = stats(&gw, r).await;
+        assert_eq!(st["weights"]["sha256"], sha1.as_str());
+        assert_eq!(st["weights"]["bytes"], 1_000_000);
+        windows.push((
+            st["weights"]["started_ms"].as_u64().expect("start"),
+            st["weights"]["finished_ms"].as_u64().expect("end"),
+        ));
+    }
+    // max_unavailable = 1: no two replicas were loading at the same time.
+    windows.sort();
+    for w in windows.windows(2) {
+        assert!(w[0].1 <= w[1].0, "loads overlapped: {windows:?}");
+    }
+
+    let s = gw.json("/v1/status").await;
+    assert_eq!(s["pools"][0]["weights_version"], 1);
+
+    // Tasks see the version; a version not yet synced is refused at once.
+    let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 1})).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["weights_version"], 1);
+    assert_eq!(out["output"]["weights_version"], 1);
+    let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 2})).await;
+    assert_eq!(status, 409, "{out}");
+    assert_eq!(kind(&out), "conflict");
+
+    // Going back a version is refused; bad requests say what is wrong.
+    let (status, out) = sync(&gw, json!({"checkpoint": v0, "version": 0})).await;
+    assert_eq!(status, 409, "{out}");
+    let (status, out) = sync(&gw, json!({"checkpoint": "nope://x", "version": 2})).await;
+    assert_eq!(status, 400, "{out}");
+    let missing = format!("file://{}", root.join("absent").display());
+    let (status, out) = sync(&gw, json!({"checkpoint": missing, "version": 2})).await;
+    assert_eq!(status, 404, "{out}");
+    let (status, out) = sync(&gw, json!({"version": 2})).await;
+    assert_eq!(status, 400, "{out}");
+    assert!(
+        out["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("checkpoint")),
+        "{out}"
+    );
+    let (status, out) = sync(
+        &gw,
+        json!({"checkpoint": v1, "version": 2, "max_unavailable": "0%"}),
+    )
+    .await;
+    assert_eq!(status, 400, "{out}");
+    // None of the refused syncs moved the pool's version.
+    let s = gw.json("/v1/status").await;
+    assert_eq!(s["pools"][0]["weights_version"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_and_hanging_replicas_are_replaced_within_the_deadline() {
+    let (_keep, root) = root();
+    let (v0, _) = checkpoint(&root, "v0", 10_000);
+    let (v1, sha1) = checkpoint(&root, "v1", 200_000);
+    let extra = r#"env = { TEST_WORKER_WEIGHTS_FAIL = "rollouts-1", TEST_WORKER_WEIGHTS_HANG = "rollouts-2" }"#;
+    let gw = Gateway::start(&config(&v0, 3, extra));
+    wait_ready(&gw, 3).await;
+
+    let started = Instant::now();
+    let (status, body) = sync(
+        &gw,
+        json!({"checkpoint": v1, "version": 1, "max_unavailable": "100%", "timeout": "3s"}),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(status, 200, "{body}");
+    // The hung replica did not hold the sync past its deadline (the bound
+    // is loose: this checks "did not hang", not speed).
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    assert_eq!(body["synced"], 1, "{body}");
+    assert_eq!(body["replaced"], 2, "{body}");
+    let by_id = |id: &str| {
+        body["replicas"]
+            .as_array()
+            .and_then(|rs| rs.iter().find(|r| r["replica"] == id).cloned())
+            .unwrap_or_else(|| panic!("{id} not in {body}"))
+    };
+    let failed = by_id("rollouts-1");
+    assert_eq!(failed["action"], "replaced");
+    assert!(
+        failed["error"].as_str().is_some_and(|e| e.contains("500")),
+        "{failed}"
+    );
+    let hung = by_id("rollouts-2");
+    assert_eq!(hung["action"], "replaced");
+    assert!(
+        hung["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("deadline")),
+        "{hung}"
+    );
+    assert_eq!(by_id("rollouts-3")["ok"], true);
+
+    // The replacements start with the new weights: the pool converges.
+    let ready = eventually("3 ready replicas on version 1", || async {
+        let rs = replicas(&gw).await;
+        let ok: Vec<Value> = rs
+            .into_iter()
+            .filter(|r| r["state"] == "ready" && r["weights_version"] == 1)
+            .collect();
+        (ok.len() == 3).then_some(ok)
+    })
+    .await;
+    for r in &ready {
+        assert!(
+            r["id"] != "rollouts-1" && r["id"] != "rollouts-2",
+            "{r} should have been replaced"
+        );
+        let st = stats(&gw, r).await;
+        assert_eq!(st["weights"]["sha256"], sha1.as_str(), "{r}");
+    }
+    let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 1})).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["output"]["weights_version"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_keep_flowing_during_a_rolling_sync() {
+    let (_keep, root) = root();
+    let (v0, _) = checkpoint(&root, "v0", 10_000);
+    let (v1, _) = checkpoint(&root, "v1", 20_000);
+    // rollouts-1 never finishes loading: for the whole 4 s sync, the other
+    // replica must keep taking tasks, and none may be lost.
+    let extra = r#"env = { TEST_WORKER_WEIGHTS_HANG = "rollouts-1" }"#;
+    let gw = Gateway::start(&config(&v0, 2, extra));
+    wait_ready(&gw, 2).await;
+    let syncing = {
+        let http = gw.http.clone();
+        let url = gw.at("/v1/pools/rollouts/weights");
+        tokio::spawn(async move {
+            http.post(url)
+                .json(
+                    &json!({"checkpoint": v1, "version": 1, "max_unavailable": 1, "timeout": "4s"}),
+                )
+                .send()
+                .await
+                .expect("sync")
+                .json::<Value>()
+                .await
+                .expect("json")
+        })
+    };
+    eventually("the sync is under way", || async {
+        let s = gw.json("/v1/status").await;
+        (s["pools"][0]["syncing_to"] == 1).then_some(())
+    })
+    .await;
+    let mut served = 0;
+    while !syncing.is_finished() {
+        let (status, out) = task(&gw, json!({"input": {"sleep_ms": 20}})).await;
+        assert_eq!(status, 200, "{out}");
+        served += 1;
+    }
+    let body = syncing.await.expect("join");
+    assert_eq!(body["version"], 1, "{body}");
+    assert!(served > 0, "no task ran during the sync");
+}
