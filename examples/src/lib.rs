@@ -1,1 +1,117 @@
-//! placeholder
+//! Reference workers for warmgate, and what they share.
+//!
+//! - `embedder`: a BERT embeddings server (OpenAI `/v1/embeddings`).
+//! - `cartpole-worker`: RL rollouts of CartPole on a warm pool, with weights
+//!   swapped in place; `cartpole-train`: the REINFORCE trainer that drives
+//!   it through the gateway.
+
+pub mod cartpole;
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// A plain HTTP client for the gateway's weights URL.
+#[derive(Clone)]
+pub struct Fetcher {
+    client: Client<HttpConnector, Empty<Bytes>>,
+}
+
+impl Default for Fetcher {
+    fn default() -> Self {
+        Fetcher {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+}
+
+impl Fetcher {
+    /// `GET url`, whole; a non-2xx answer is an error naming the URL.
+    pub async fn get(&self, url: &str) -> anyhow::Result<Bytes> {
+        let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+        let resp = self
+            .client
+            .get(uri)
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        let status = resp.status();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .with_context(|| format!("read {url}"))?
+            .to_bytes();
+        if !status.is_success() {
+            bail!("GET {url}: {status}: {}", String::from_utf8_lossy(&body));
+        }
+        Ok(body)
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C: the worker contract's stop signal.
+pub async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// `$PORT`, as the worker contract sets it.
+pub fn port() -> anyhow::Result<u16> {
+    std::env::var("PORT")
+        .context("PORT must be set (the worker contract)")?
+        .parse()
+        .context("PORT must be a port number")
+}
+
+pub mod plot {
+    //! Curves saved as PNG images.
+
+    use plotters::prelude::*;
+
+    /// Draws `series` (one value per iteration each) as lines on a white
+    /// background, with `goal` as a dashed horizontal line, y from 0 to
+    /// `top`. No text: the bitmap backend is built without fonts.
+    pub fn line_chart(
+        path: &std::path::Path,
+        series: &[Vec<f32>],
+        goal: Option<f32>,
+        top: f32,
+    ) -> anyhow::Result<()> {
+        let n = series.iter().map(Vec::len).max().unwrap_or(0).max(2);
+        let root = BitMapBackend::new(path, (800, 480)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(20)
+            .build_cartesian_2d(0f32..(n - 1) as f32, 0f32..top * 1.05)?;
+        let grid = RGBColor(225, 225, 225);
+        for k in 0..=10 {
+            let y = top * k as f32 / 10.0;
+            chart.draw_series(LineSeries::new([(0.0, y), ((n - 1) as f32, y)], grid))?;
+        }
+        if let Some(g) = goal {
+            chart.draw_series(DashedLineSeries::new(
+                [(0.0, g), ((n - 1) as f32, g)],
+                8,
+                6,
+                RED.stroke_width(2),
+            ))?;
+        }
+        let colours = [BLUE, GREEN, MAGENTA, BLACK];
+        for (i, s) in series.iter().enumerate() {
+            chart.draw_series(LineSeries::new(
+                s.iter().enumerate().map(|(x, y)| (x as f32, *y)),
+                colours[i % colours.len()].stroke_width(2),
+            ))?;
+        }
+        root.present()?;
+        Ok(())
+    }
+}

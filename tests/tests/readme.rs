@@ -15,7 +15,8 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
         .expect("the quickstart config exists");
     assert!(
         quickstart.contains("../../target/release/test-worker")
-            && quickstart.contains("../../target/release/embedder"),
+            && quickstart.contains("../../target/release/embedder")
+            && quickstart.contains("../../target/release/cartpole-worker"),
         "the quickstart runs the workers the README builds"
     );
     // Same config, but with the binaries this test run built, and the
@@ -38,6 +39,10 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
                 .replace(
                     "../../target/release/embedder",
                     &common::bin("embedder").to_string_lossy(),
+                )
+                .replace(
+                    "../../target/release/cartpole-worker",
+                    &common::bin("cartpole-worker").to_string_lossy(),
                 )
                 .replace(
                     "file://../../checkpoints/minilm",

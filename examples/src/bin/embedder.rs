@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -25,9 +25,6 @@ use bytes::Bytes;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokenizers::{PaddingParams, Tokenizer, TruncationParams};
@@ -45,10 +42,7 @@ struct Model {
 }
 
 fn main() -> anyhow::Result<()> {
-    let port: u16 = std::env::var("PORT")
-        .context("PORT must be set (the worker contract)")?
-        .parse()
-        .context("PORT must be a port number")?;
+    let port = warmgate_examples::port()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -62,10 +56,10 @@ async fn run(port: u16) -> anyhow::Result<()> {
          `checkpoint` for its app",
     )?;
     let t0 = Instant::now();
-    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let config = fetch(&client, &format!("{url}/config.json")).await?;
-    let tokenizer = fetch(&client, &format!("{url}/tokenizer.json")).await?;
-    let weights = fetch(&client, &format!("{url}/model.safetensors")).await?;
+    let http = warmgate_examples::Fetcher::default();
+    let config = http.get(&format!("{url}/config.json")).await?;
+    let tokenizer = http.get(&format!("{url}/tokenizer.json")).await?;
+    let weights = http.get(&format!("{url}/model.safetensors")).await?;
     let streamed = t0.elapsed();
     let bytes = weights.len();
     let model = tokio::task::spawn_blocking(move || build(&config, &tokenizer, weights))
@@ -86,41 +80,9 @@ async fn run(port: u16) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listen on port {port}"))?;
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(s) => s,
-                    Err(_) => return std::future::pending().await,
-                };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        })
+        .with_graceful_shutdown(warmgate_examples::shutdown_signal())
         .await?;
     Ok(())
-}
-
-async fn fetch(
-    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
-    url: &str,
-) -> anyhow::Result<Bytes> {
-    let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
-    let resp = client
-        .get(uri)
-        .await
-        .with_context(|| format!("GET {url}"))?;
-    let status = resp.status();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .with_context(|| format!("read {url}"))?
-        .to_bytes();
-    if !status.is_success() {
-        bail!("GET {url}: {status}: {}", String::from_utf8_lossy(&body));
-    }
-    Ok(body)
 }
 
 fn build(config: &[u8], tokenizer: &[u8], weights: Bytes) -> anyhow::Result<Model> {

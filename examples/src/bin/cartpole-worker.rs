@@ -1,0 +1,185 @@
+//! `cartpole-worker`: a warm RL rollout worker for warmgate pools.
+//!
+//! It keeps its policy network in memory across tasks and follows the
+//! worker contract:
+//! - `POST /invoke {"seed", "episodes"?}` runs that many CartPole episodes
+//!   with the current policy (sampling every random draw from `seed`) and
+//!   answers `{"episodes": [{"obs", "actions", "ret"}], "weights_version"}`;
+//! - `POST /weights {"url", "version"}` loads a new policy from the
+//!   gateway's weights URL and swaps it in place, between tasks;
+//! - `GET /healthz` reports `weights_version`.
+//!
+//! With no weights (`$WARMGATE_WEIGHTS_URL` unset) it acts uniformly at
+//! random, as version 0.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+
+use anyhow::Context as _;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde_json::{Value, json};
+use warmgate_examples::Fetcher;
+use warmgate_examples::cartpole::{Policy, rollout};
+
+/// Most episodes one task may ask for: bounds a task's time and answer.
+const MAX_EPISODES: u64 = 256;
+
+/// The current policy (`None`: random) and its weights version, swapped
+/// as one.
+#[derive(Default)]
+struct Current(RwLock<(Option<Arc<Policy>>, u64)>);
+
+impl Current {
+    fn get(&self) -> (Option<Arc<Policy>>, u64) {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, policy: Policy, version: u64) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = (Some(Arc::new(policy)), version);
+    }
+}
+
+struct Worker {
+    current: Current,
+    http: Fetcher,
+    /// Held while a load runs, so two swaps never interleave.
+    loading: tokio::sync::Mutex<()>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let port = warmgate_examples::port()?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(run(port))
+}
+
+async fn run(port: u16) -> anyhow::Result<()> {
+    let worker = Arc::new(Worker {
+        current: Current::default(),
+        http: Fetcher::default(),
+        loading: tokio::sync::Mutex::new(()),
+    });
+    if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
+        let version = std::env::var("WARMGATE_WEIGHTS_VERSION")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let policy = load(&worker.http, &url)
+            .await
+            .with_context(|| format!("load the policy from {url}"))?;
+        worker.current.set(policy, version);
+        eprintln!("cartpole-worker: loaded weights version {version}");
+    }
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/invoke", post(invoke))
+        .route("/weights", post(weights))
+        .with_state(worker);
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))
+        .await
+        .with_context(|| format!("listen on port {port}"))?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(warmgate_examples::shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+/// Reads the policy from a weights URL: its manifest names the files, and
+/// the first `.safetensors` one is the policy.
+async fn load(http: &Fetcher, url: &str) -> anyhow::Result<Policy> {
+    let manifest: Value =
+        serde_json::from_slice(&http.get(url).await?).context("the manifest is not JSON")?;
+    let name = manifest["files"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["name"].as_str())
+        .find(|n| n.ends_with(".safetensors"))
+        .context("the checkpoint has no .safetensors file")?
+        .to_string();
+    let bytes = http.get(&format!("{url}/{name}")).await?;
+    Policy::from_safetensors(&bytes).with_context(|| format!("read {name}"))
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = if status.is_client_error() {
+        "bad_request"
+    } else {
+        "internal"
+    };
+    (
+        status,
+        Json(json!({"error": {"kind": kind, "message": message.into()}})),
+    )
+        .into_response()
+}
+
+async fn healthz(State(w): State<Arc<Worker>>) -> Json<Value> {
+    Json(json!({"status": "ok", "weights_version": w.current.get().1}))
+}
+
+async fn invoke(State(w): State<Arc<Worker>>, body: Bytes) -> Response {
+    let input: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("input is not JSON: {e}")),
+    };
+    let Some(seed) = input["seed"].as_u64() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "input must be {\"seed\": <unsigned integer>, \"episodes\"?: 1..=256}",
+        );
+    };
+    let episodes = match input.get("episodes") {
+        None => 1,
+        Some(v) => match v.as_u64() {
+            Some(n @ 1..=MAX_EPISODES) => n,
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("episodes must be 1..={MAX_EPISODES}"),
+                );
+            }
+        },
+    };
+    let (policy, version) = w.current.get();
+    let run =
+        tokio::task::spawn_blocking(move || rollout(policy.as_deref(), seed, episodes as usize))
+            .await;
+    match run {
+        Ok(Ok(eps)) => Json(json!({"episodes": eps, "weights_version": version})).into_response(),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+async fn weights(State(w): State<Arc<Worker>>, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Swap {
+        url: String,
+        version: u64,
+    }
+    let swap: Swap = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("the body must be {{\"url\", \"version\"}}: {e}"),
+            );
+        }
+    };
+    let _one_at_a_time = w.loading.lock().await;
+    match load(&w.http, &swap.url).await {
+        Ok(policy) => {
+            w.current.set(policy, swap.version);
+            Json(json!({"weights_version": swap.version})).into_response()
+        }
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")),
+    }
+}
