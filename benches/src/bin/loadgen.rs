@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Parser;
 use hdrhistogram::Histogram;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use tokio::sync::{Mutex, mpsc};
@@ -39,6 +39,21 @@ struct Args {
     /// A label for the output.
     #[arg(long, default_value = "")]
     label: String,
+    /// Send `POST`s with this JSON body instead of `GET`s.
+    #[arg(long)]
+    body: Option<String>,
+    /// Extra request headers, `name: value` (repeatable).
+    #[arg(long = "header")]
+    headers: Vec<String>,
+}
+
+/// What every request carries.
+#[derive(Clone)]
+struct Shape {
+    authority: hyper::http::uri::Authority,
+    path: String,
+    body: Option<Bytes>,
+    headers: Vec<(String, String)>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,8 +66,21 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let uri: hyper::Uri = args.url.parse().context("parse --url")?;
-    let authority = uri.authority().context("--url needs a host:port")?.clone();
-    let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let headers = args
+        .headers
+        .iter()
+        .map(|h| {
+            h.split_once(':')
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .with_context(|| format!("--header {h:?} is not `name: value`"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let shape = Shape {
+        authority: uri.authority().context("--url needs a host:port")?.clone(),
+        path: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
+        body: args.body.clone().map(Bytes::from),
+        headers,
+    };
     let total = ((args.warmup + args.duration) * args.rate as f64) as u64;
     let warmup_n = (args.warmup * args.rate as f64) as u64;
     let (tx, rx) = mpsc::channel::<(u64, Instant)>(total.max(1) as usize);
@@ -61,8 +89,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut workers = Vec::new();
     for _ in 0..args.connections {
         let rx = rx.clone();
-        let authority = authority.clone();
-        let path = path.clone();
+        let shape = shape.clone();
         workers.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("bounds");
             let mut errors = 0u64;
@@ -72,10 +99,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     break;
                 };
                 if sender.is_none() {
-                    sender = connect(authority.as_str()).await.ok();
+                    sender = connect(shape.authority.as_str()).await.ok();
                 }
                 let ok = match sender.as_mut() {
-                    Some(s) => send(s, &authority, &path).await,
+                    Some(s) => send(s, &shape).await,
                     None => false,
                 };
                 if !ok {
@@ -131,7 +158,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn connect(authority: &str) -> anyhow::Result<http1::SendRequest<Empty<Bytes>>> {
+async fn connect(authority: &str) -> anyhow::Result<http1::SendRequest<Full<Bytes>>> {
     let stream = tokio::net::TcpStream::connect(authority).await?;
     stream.set_nodelay(true)?;
     let (sender, conn) = http1::handshake(TokioIo::new(stream)).await?;
@@ -141,18 +168,26 @@ async fn connect(authority: &str) -> anyhow::Result<http1::SendRequest<Empty<Byt
     Ok(sender)
 }
 
-async fn send(
-    sender: &mut http1::SendRequest<Empty<Bytes>>,
-    authority: &hyper::http::uri::Authority,
-    path: &str,
-) -> bool {
+async fn send(sender: &mut http1::SendRequest<Full<Bytes>>, shape: &Shape) -> bool {
     if sender.ready().await.is_err() {
         return false;
     }
-    let req = match hyper::Request::get(path)
-        .header("host", authority.as_str())
-        .body(Empty::new())
-    {
+    let method = if shape.body.is_some() {
+        hyper::Method::POST
+    } else {
+        hyper::Method::GET
+    };
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(shape.path.as_str())
+        .header("host", shape.authority.as_str());
+    if shape.body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    for (k, v) in &shape.headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    let req = match req.body(Full::new(shape.body.clone().unwrap_or_default())) {
         Ok(r) => r,
         Err(_) => return false,
     };
