@@ -17,6 +17,7 @@ test:
 bench:
 	bash benches/proxy.sh
 	bash benches/weights.sh
+	bash benches/pools.sh
 
 fmt:
 	cargo fmt --all

@@ -97,7 +97,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         first.get_or_insert(wait);
         hist.record(wait)?;
     }
-    let status: Value = http.get(format!("{gw}/v1/status")).send().await?.json().await?;
+    let status: Value = http
+        .get(format!("{gw}/v1/status"))
+        .send()
+        .await?
+        .json()
+        .await?;
     let backlog = status["pools"]
         .as_array()
         .and_then(|ps| ps.iter().find(|p| p["name"] == args.pool.as_str()))
