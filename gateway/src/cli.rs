@@ -638,53 +638,23 @@ pub fn render_status(v: &Value) -> String {
         {
             let _ = writeln!(out, "  ! {err}");
         }
-        for r in pool["replicas"].as_array().cloned().unwrap_or_default() {
-            let state = r["state"].as_str().unwrap_or("?");
-            let detail = r["reason"].as_str().unwrap_or("");
-            let idle = r["idle_seconds"]
-                .as_f64()
-                .map(|s| format!("idle {}", human_secs(s)))
-                .unwrap_or_default();
-            let gpus = r["gpus"]
-                .as_array()
-                .filter(|g| !g.is_empty())
-                .map(|g| {
-                    format!(
-                        "gpu {}",
-                        g.iter()
-                            .map(|x| x.to_string())
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    )
-                })
-                .unwrap_or_default();
-            let _ = writeln!(
-                out,
-                "  {:<18} {:<9} {:>5} {:<10} {:<10} {} {}",
-                r["id"].as_str().unwrap_or("?"),
-                state,
-                format!("{}/{}", r["inflight"], r["concurrency"]),
-                idle,
-                gpus,
-                r["pid"]
-                    .as_u64()
-                    .map(|p| format!("pid {p}"))
-                    .unwrap_or_default(),
-                detail,
-            );
-        }
+        replica_lines(&mut out, pool);
     }
     let pools = v["pools"].as_array().cloned().unwrap_or_default();
     if !pools.is_empty() {
         let _ = writeln!(
             out,
-            "\n{:<20} {:>9} {:>11} {:>9}",
-            "POOL", "READY/DES", "INFLIGHT", "PENDING"
+            "\n{:<20} {:>9} {:>11} {:>9} {:>9}",
+            "POOL", "READY/DES", "INFLIGHT", "PENDING", "WEIGHTS"
         );
         for p in &pools {
+            let weights = match p["syncing_to"].as_u64() {
+                Some(to) => format!("v{}>v{to}", p["weights_version"]),
+                None => format!("v{}", p["weights_version"]),
+            };
             let _ = writeln!(
                 out,
-                "{:<20} {:>9} {:>11} {:>9}",
+                "{:<20} {:>9} {:>11} {:>9} {:>9}",
                 p["name"].as_str().unwrap_or("?"),
                 format!("{}/{}", p["ready"], p["desired"]),
                 format!(
@@ -693,13 +663,61 @@ pub fn render_status(v: &Value) -> String {
                     p["ready"].as_u64().unwrap_or(0) * p["concurrency"].as_u64().unwrap_or(0)
                 ),
                 p["pending"],
+                weights,
             );
+            replica_lines(&mut out, &p["pool"]);
         }
     }
     if apps.is_empty() && pools.is_empty() {
         out.push_str("(no apps or pools configured)\n");
     }
     out
+}
+
+/// One line per replica of a pool-manager target: id, state, slots in
+/// use, idle time, weights version, GPUs, pid and any pending reason.
+fn replica_lines(out: &mut String, target: &Value) {
+    use std::fmt::Write as _;
+    for r in target["replicas"].as_array().cloned().unwrap_or_default() {
+        let state = r["state"].as_str().unwrap_or("?");
+        let detail = r["reason"].as_str().unwrap_or("");
+        let idle = r["idle_seconds"]
+            .as_f64()
+            .map(|s| format!("idle {}", human_secs(s)))
+            .unwrap_or_default();
+        let weights = r["weights_version"]
+            .as_u64()
+            .map(|v| format!("v{v}"))
+            .unwrap_or_default();
+        let gpus = r["gpus"]
+            .as_array()
+            .filter(|g| !g.is_empty())
+            .map(|g| {
+                format!(
+                    "gpu {}",
+                    g.iter()
+                        .map(|x| x.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            })
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  {:<18} {:<9} {:>5} {:<10} {:<5} {:<10} {} {}",
+            r["id"].as_str().unwrap_or("?"),
+            state,
+            format!("{}/{}", r["inflight"], r["concurrency"]),
+            idle,
+            weights,
+            gpus,
+            r["pid"]
+                .as_u64()
+                .map(|p| format!("pid {p}"))
+                .unwrap_or_default(),
+            detail,
+        );
+    }
 }
 
 fn human_secs(s: f64) -> String {

@@ -148,6 +148,26 @@ async fn weights_roll_out_in_place_one_replica_at_a_time() {
 
     let s = gw.json("/v1/status").await;
     assert_eq!(s["pools"][0]["weights_version"], 1);
+    // `warmgate status` shows the pool's version and each replica's.
+    let out = std::process::Command::new(common::bin("warmgate"))
+        .args(["status", "--gateway", &gw.url])
+        .output()
+        .expect("warmgate status");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    let pool_line = table
+        .lines()
+        .find(|l| l.starts_with("rollouts"))
+        .unwrap_or_else(|| panic!("no pool line in\n{table}"));
+    assert!(pool_line.trim_end().ends_with("v1"), "{table}");
+    assert_eq!(
+        table
+            .lines()
+            .filter(|l| l.trim_start().starts_with("rollouts-") && l.contains(" v1 "))
+            .count(),
+        3,
+        "{table}"
+    );
 
     // Tasks see the version; a version not yet synced is refused at once.
     let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 1})).await;
