@@ -419,38 +419,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
-    /// The learner itself, without the gateway: the example's trainer
-    /// reaches 195 through warmgate with the same steps.
-    #[test]
-    #[ignore = "tuning aid; the end-to-end test runs the real loop"]
-    fn reinforce_learns_in_process() {
-        let seed: u64 = std::env::var("SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1);
-        let mut learner = Learner::new(&Policy::init(seed).expect("init"), 0.01, 0.99).expect("l");
-        let mut recent: Vec<f32> = Vec::new();
-        for it in 0..300u64 {
-            let p = learner.policy().expect("policy");
-            let mut eps = Vec::new();
-            for task in 0..8u64 {
-                eps.extend(
-                    rollout(Some(&p), seed * 1_000_000 + it * 1000 + task, 4).expect("rollout"),
-                );
-            }
-            let mean = eps.iter().map(|e| e.ret).sum::<f32>() / eps.len() as f32;
-            recent.extend(eps.iter().map(|e| e.ret));
-            let last: Vec<f32> = recent.iter().rev().take(100).copied().collect();
-            let avg = last.iter().sum::<f32>() / last.len() as f32;
-            eprintln!("iter {it} mean {mean:.1} last100 {avg:.1}");
-            if last.len() == 100 && avg >= 195.0 {
-                return;
-            }
-            learner.update(&eps).expect("update");
-        }
-        panic!("did not learn");
-    }
-
     fn tempfile_dir() -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("cartpole-test-{}", std::process::id()));
         std::fs::create_dir_all(&d).expect("mkdir");
