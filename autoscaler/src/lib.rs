@@ -66,6 +66,24 @@ pub const DEFAULT_SCALE_TO_ZERO_AFTER: Duration = Duration::from_secs(60);
 /// twice what the ready replicas are meant to carry.
 pub const DEFAULT_PANIC_THRESHOLD: f64 = 2.0;
 
+/// Default maximum scale-up rate: 1000, Knative's `max-scale-up-rate`: in
+/// practice unbounded, because under-provisioning costs latency at once.
+pub const DEFAULT_MAX_SCALE_UP_RATE: f64 = 1000.0;
+
+/// Default maximum scale-down rate: 2, Knative's `max-scale-down-rate`: at
+/// most half the ready replicas go in one tick, so a dip in a noisy signal
+/// cannot empty the app.
+pub const DEFAULT_MAX_SCALE_DOWN_RATE: f64 = 2.0;
+
+/// Default scale-down delay: none, as in Knative. A lower count takes effect
+/// as soon as the stable average asks for it; set it to hold replicas
+/// through short lulls when cold starts are very expensive.
+pub const DEFAULT_SCALE_DOWN_DELAY: Duration = Duration::ZERO;
+
+/// Weight of the newest measurement in the cold-start moving average: a
+/// few starts move the estimate, one outlier does not.
+pub const COLD_START_EWMA_ALPHA: f64 = 0.3;
+
 /// Upper bound on retained samples, so memory stays bounded even if a caller
 /// observes far more often than once per tick. With 1 s ticks a 60 s window
 /// holds only ~60 samples; when the cap is hit the oldest samples go first,
@@ -106,6 +124,17 @@ pub struct ScalingConfig {
     pub scale_to_zero_after: Duration,
     /// panic when panic-window demand / current capacity >= this (2.0 = 200%)
     pub panic_threshold: f64,
+    /// Per tick, the count grows to at most `rate × ready` (when any is
+    /// ready).
+    pub max_scale_up_rate: f64,
+    /// Per tick, the count shrinks to at least `ready / rate`.
+    pub max_scale_down_rate: f64,
+    /// A lower count takes effect only once it has been the answer for this
+    /// long: the count is the highest asked for within the delay.
+    pub scale_down_delay: Duration,
+    /// Scale for the demand one cold start ahead, from its trend over the
+    /// panic window, so replicas are ready when a ramp arrives (opt-in).
+    pub predictive: bool,
 }
 
 impl Default for ScalingConfig {
@@ -118,6 +147,10 @@ impl Default for ScalingConfig {
             panic_window: DEFAULT_PANIC_WINDOW,
             scale_to_zero_after: DEFAULT_SCALE_TO_ZERO_AFTER,
             panic_threshold: DEFAULT_PANIC_THRESHOLD,
+            max_scale_up_rate: DEFAULT_MAX_SCALE_UP_RATE,
+            max_scale_down_rate: DEFAULT_MAX_SCALE_DOWN_RATE,
+            scale_down_delay: DEFAULT_SCALE_DOWN_DELAY,
+            predictive: false,
         }
     }
 }
@@ -149,6 +182,9 @@ pub struct Decision {
     pub stable_concurrency: f64,
     /// Mean concurrency over the panic window (0 when empty).
     pub panic_concurrency: f64,
+    /// Demand expected one cold start ahead, when the predictive option
+    /// is on and demand is rising.
+    pub predicted_concurrency: Option<f64>,
 }
 
 // === Autoscaler ===
@@ -168,6 +204,10 @@ pub struct Autoscaler {
     last_active: Option<Duration>,
     /// Bound on `samples.len()`: [`MAX_SAMPLES`], lowered only by unit tests.
     sample_cap: usize,
+    /// Recent recommendations, for the scale-down delay.
+    recommendations: VecDeque<(Duration, u32)>,
+    /// Moving average of measured cold starts.
+    cold_start: Option<Duration>,
 }
 
 // === impl Autoscaler ===
@@ -188,7 +228,27 @@ impl Autoscaler {
             panic_until: None,
             last_active: None,
             sample_cap: MAX_SAMPLES,
+            recommendations: VecDeque::new(),
+            cold_start: None,
         }
+    }
+
+    /// Feeds one measured cold start (process start to ready) into the
+    /// moving average the predictive option plans with.
+    pub fn observe_cold_start(&mut self, startup: Duration) {
+        let est = match self.cold_start {
+            None => startup.as_secs_f64(),
+            Some(prev) => {
+                prev.as_secs_f64() * (1.0 - COLD_START_EWMA_ALPHA)
+                    + startup.as_secs_f64() * COLD_START_EWMA_ALPHA
+            }
+        };
+        self.cold_start = Some(Duration::from_secs_f64(est.clamp(0.0, 86_400.0)));
+    }
+
+    /// The moving average of measured cold starts, once there is one.
+    pub fn cold_start(&self) -> Option<Duration> {
+        self.cold_start
     }
 
     /// The configuration this policy was built with.
@@ -242,6 +302,51 @@ impl Autoscaler {
             stable_desired
         };
 
+        // Predictive: a replica started now is ready one cold start from
+        // now, so plan for the demand then, when it is rising.
+        let predicted_concurrency = self.predict(now);
+        if let Some(p) = predicted_concurrency {
+            desired = desired.max(replicas_for(p, target));
+        }
+
+        // Rate limits, as Knative applies them: relative to what is ready;
+        // at zero ready replicas a wake-up is not limited.
+        if obs.ready > 0 {
+            let ready = f64::from(obs.ready);
+            let up = self.config.max_scale_up_rate;
+            if up.is_finite() && up >= 1.0 {
+                // It limits growth; it never takes back what was granted.
+                let cap = ((ready * up).ceil() as u32).max(self.desired);
+                desired = desired.min(cap);
+            }
+            let down = self.config.max_scale_down_rate;
+            if down.is_finite() && down >= 1.0 && !panicking {
+                desired = desired.max((ready / down).floor() as u32);
+            }
+        }
+
+        // Scale-down delay: the highest recommendation within the delay.
+        if !self.config.scale_down_delay.is_zero() {
+            let delay = self.config.scale_down_delay;
+            while self
+                .recommendations
+                .front()
+                .is_some_and(|&(t, _)| now.saturating_sub(t) >= delay || t > now)
+            {
+                self.recommendations.pop_front();
+            }
+            self.recommendations.push_back((now, desired));
+            while self.recommendations.len() > self.sample_cap {
+                self.recommendations.pop_front();
+            }
+            desired = self
+                .recommendations
+                .iter()
+                .map(|&(_, d)| d)
+                .max()
+                .unwrap_or(desired);
+        }
+
         // Idle is measured from the last activity rather than from the
         // window averages, so a long stable window cannot keep a replica
         // alive past `scale_to_zero_after`. In-flight requests are never idle.
@@ -267,7 +372,41 @@ impl Autoscaler {
             panicking,
             stable_concurrency,
             panic_concurrency,
+            predicted_concurrency,
         }
+    }
+
+    /// Demand one cold start ahead, when it is rising: a least-squares
+    /// line through the stable window's samples, read at `now` plus the
+    /// measured cold start. `None` when off, unmeasured, or not rising.
+    /// The whole stable window smooths the per-second noise that a short
+    /// window would mistake for a trend.
+    fn predict(&self, now: Duration) -> Option<f64> {
+        if !self.config.predictive {
+            return None;
+        }
+        let cold = self.cold_start?.as_secs_f64();
+        let window = self.config.stable_window;
+        let (mut n, mut st, mut sc, mut stt, mut stc) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for &(t, c) in self.samples.iter().rev() {
+            let age = now.saturating_sub(t);
+            if age >= window {
+                break;
+            }
+            let x = -age.as_secs_f64();
+            n += 1.0;
+            st += x;
+            sc += c;
+            stt += x * x;
+            stc += x * c;
+        }
+        let denom = n * stt - st * st;
+        if n < 3.0 || denom <= f64::EPSILON {
+            return None;
+        }
+        let slope = (n * stc - st * sc) / denom;
+        let intercept = (sc - slope * st) / n;
+        (slope > 0.0).then(|| sanitize_concurrency(intercept + slope * cold))
     }
 
     /// Demand arrived while the app may be at zero: returns the count to scale to right now

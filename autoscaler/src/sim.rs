@@ -139,6 +139,9 @@ pub trait Policy {
     fn tick(&mut self, now: Duration, demand: f64, ready: u32) -> u32;
     /// A request arrived with no replica at all; returns the count to start.
     fn wake(&mut self, now: Duration) -> u32;
+    /// A replica became ready `startup` after it was started (the pool
+    /// manager's measurement). Policies that plan ahead use it.
+    fn replica_ready(&mut self, _startup: Duration) {}
 }
 
 /// warmgate's own policy.
@@ -146,7 +149,11 @@ pub struct Warmgate(pub Autoscaler);
 
 impl Policy for Warmgate {
     fn name(&self) -> String {
-        "warmgate".into()
+        if self.0.config().predictive {
+            "warmgate (predictive)".into()
+        } else {
+            "warmgate".into()
+        }
     }
     fn tick(&mut self, now: Duration, demand: f64, ready: u32) -> u32 {
         self.0
@@ -159,6 +166,9 @@ impl Policy for Warmgate {
     }
     fn wake(&mut self, now: Duration) -> u32 {
         self.0.wake(now)
+    }
+    fn replica_ready(&mut self, startup: Duration) {
+        self.0.observe_cold_start(startup);
     }
 }
 
@@ -443,6 +453,7 @@ pub fn simulate(
             let Reverse((_, i)) = sim.ready_at.pop().expect("peeked");
             if sim.replicas[i].alive && sim.replicas[i].state == RState::Starting {
                 sim.replicas[i].state = RState::Ready;
+                policy.replica_ready(cfg.cold_start);
             }
             sim.dispatch(trace, model);
         } else if t_arrival == Some(t) {

@@ -248,3 +248,122 @@ fn scale_to_zero_ends_panic() {
     assert_eq!(d.desired, 0, "{d:?}");
     assert!(!d.panicking, "{d:?}");
 }
+
+// === KPA knobs: rates, scale-down delay, predictive ===
+
+/// Runs `load(t)` for `n` ticks from `start`, with ready replicas
+/// following the count one tick behind; returns the counts.
+fn run(a: &mut Autoscaler, start: u64, n: u64, load: impl Fn(u64) -> f64) -> Vec<u32> {
+    (start..start + n)
+        .map(|s| {
+            let ready = a.desired();
+            tick(a, s, load(s), ready).desired
+        })
+        .collect()
+}
+
+#[test]
+fn scale_down_is_limited_to_halving_per_tick() {
+    let config = ScalingConfig {
+        min: 1,
+        max: 16,
+        target: 1.0,
+        stable_window: secs(1),
+        panic_window: secs(1),
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(run(&mut a, 0, 2, |_| 16.0), [16, 16]);
+    // Demand drops to 1: 16 -> 8 -> 4 -> 2 -> 1, never straight to 1.
+    assert_eq!(run(&mut a, 2, 5, |_| 1.0), [8, 4, 2, 1, 1]);
+}
+
+#[test]
+fn scale_up_is_limited_by_its_rate_but_never_takes_back() {
+    let config = ScalingConfig {
+        min: 1,
+        max: 64,
+        target: 1.0,
+        stable_window: secs(1),
+        panic_window: secs(1),
+        max_scale_up_rate: 2.0,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(run(&mut a, 0, 1, |_| 1.0), [1]);
+    assert_eq!(run(&mut a, 1, 6, |_| 40.0), [2, 4, 8, 16, 32, 40]);
+}
+
+#[test]
+fn the_scale_down_delay_holds_the_highest_recent_count() {
+    let config = ScalingConfig {
+        min: 1,
+        max: 16,
+        target: 1.0,
+        stable_window: secs(1),
+        panic_window: secs(1),
+        max_scale_down_rate: 1000.0,
+        scale_down_delay: secs(10),
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    run(&mut a, 0, 3, |_| 6.0);
+    let after = run(&mut a, 3, 12, |_| 2.0);
+    // Held at 6 while 6 is within the last 10 s, then down at once.
+    assert!(after[..8].iter().all(|&d| d == 6), "{after:?}");
+    assert_eq!(*after.last().expect("ticks"), 2, "{after:?}");
+    // Going up is never delayed.
+    assert_eq!(run(&mut a, 15, 1, |_| 9.0), [9]);
+}
+
+#[test]
+fn predictive_scaling_starts_replicas_one_cold_start_ahead_of_a_ramp() {
+    let config = ScalingConfig {
+        min: 0,
+        max: 100,
+        target: 1.0,
+        ..ScalingConfig::default()
+    };
+    // Demand rises by 0.5 per second.
+    let ramp = |s: u64| 0.5 * s as f64;
+    let mut plain = Autoscaler::new(config.clone());
+    plain.observe_cold_start(secs(20));
+    let mut predictive = Autoscaler::new(ScalingConfig {
+        predictive: true,
+        ..config
+    });
+    // Not measured yet: nothing to plan with, same as plain.
+    assert_eq!(
+        run(&mut predictive, 0, 2, ramp),
+        run(&mut plain, 0, 2, ramp)
+    );
+    predictive.observe_cold_start(secs(20));
+    let p = run(&mut predictive, 2, 30, ramp);
+    let q = run(&mut plain, 2, 30, ramp);
+    assert!(p.iter().zip(&q).all(|(p, q)| p >= q), "{p:?} vs {q:?}");
+    // At t=31 demand is 15.5; one cold start later it will be 25.5.
+    let last = *p.last().expect("ticks");
+    assert!(last >= 24, "{p:?}");
+    assert!(*q.last().expect("ticks") < 20, "{q:?}");
+    // Flat demand: no trend, no extra replicas.
+    let mut flat = Autoscaler::new(ScalingConfig {
+        predictive: true,
+        target: 1.0,
+        max: 100,
+        ..ScalingConfig::default()
+    });
+    flat.observe_cold_start(secs(20));
+    assert!(run(&mut flat, 0, 30, |_| 5.0).iter().all(|&d| d == 5));
+}
+
+#[test]
+fn the_cold_start_estimate_is_a_moving_average() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    assert_eq!(a.cold_start(), None);
+    a.observe_cold_start(secs(10));
+    assert_eq!(a.cold_start(), Some(secs(10)));
+    a.observe_cold_start(secs(20));
+    // 0.7 * 10 + 0.3 * 20
+    let est = a.cold_start().expect("measured").as_secs_f64();
+    assert!((est - 13.0).abs() < 1e-6, "{est}");
+}

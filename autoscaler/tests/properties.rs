@@ -24,18 +24,47 @@ fn config() -> impl Strategy<Value = ScalingConfig> {
         1_u64..=30,
         0_u64..=180,
         1.0_f64..4.0,
+        (
+            prop_oneof![Just(1000.0), 1.5_f64..10.0],
+            prop_oneof![Just(2.0), 1.0_f64..10.0],
+            prop_oneof![Just(0_u64), 1_u64..=30],
+            any::<bool>(),
+        ),
     )
         .prop_map(
-            |(max, min, target, stable, panic, to_zero, threshold)| ScalingConfig {
-                min: min.min(max),
+            |(
                 max,
+                min,
                 target,
-                stable_window: Duration::from_secs(stable),
-                panic_window: Duration::from_secs(panic),
-                scale_to_zero_after: Duration::from_secs(to_zero),
-                panic_threshold: threshold,
+                stable,
+                panic,
+                to_zero,
+                threshold,
+                (up, down, delay, predictive),
+            )| {
+                ScalingConfig {
+                    min: min.min(max),
+                    max,
+                    target,
+                    stable_window: Duration::from_secs(stable),
+                    panic_window: Duration::from_secs(panic),
+                    scale_to_zero_after: Duration::from_secs(to_zero),
+                    panic_threshold: threshold,
+                    max_scale_up_rate: up,
+                    max_scale_down_rate: down,
+                    scale_down_delay: Duration::from_secs(delay),
+                    predictive,
+                }
             },
         )
+}
+
+/// A policy as the gateway runs it: with a measured cold start for the
+/// predictive option to plan with.
+fn autoscaler(config: ScalingConfig) -> Autoscaler {
+    let mut a = Autoscaler::new(config);
+    a.observe_cold_start(Duration::from_secs(20));
+    a
 }
 
 /// Concurrency in `0..100`, exactly zero often enough to reach idle periods.
@@ -62,13 +91,37 @@ fn observe(a: &mut Autoscaler, s: u64, concurrency: f64, ready: u32) -> Decision
     })
 }
 
-/// Ticks until every sample in both windows comes from the current phase.
+/// Ticks until the count can have settled under constant load: every
+/// sample in both windows comes from the current phase, the scale-down
+/// delay has passed, and the rate limits have had the ticks they need to
+/// cover `0..=max` (each tick multiplies or divides by the rate).
 fn fill_ticks(config: &ScalingConfig) -> u64 {
+    let rate = config
+        .max_scale_up_rate
+        .min(config.max_scale_down_rate)
+        .max(1.0 + 1e-9);
+    let rate_ticks = if config.max_scale_down_rate <= 1.0 + 1e-9 {
+        0
+    } else {
+        (f64::from(config.max.max(1)).ln() / rate.ln()).ceil() as u64 + 1
+    };
     config.stable_window.max(config.panic_window).as_secs()
+        + config.scale_down_delay.as_secs()
+        + rate_ticks.min(64)
 }
 
 fn changes(desired: &[u32]) -> usize {
     desired.windows(2).filter(|w| w[0] != w[1]).count()
+}
+
+/// Whether the count ever turns around (up then down, or down then up).
+fn reverses(desired: &[u32]) -> bool {
+    let steps: Vec<i64> = desired
+        .windows(2)
+        .map(|w| i64::from(w[1]) - i64::from(w[0]))
+        .filter(|d| *d != 0)
+        .collect();
+    steps.windows(2).any(|w| w[0].signum() != w[1].signum())
 }
 
 proptest! {
@@ -80,7 +133,7 @@ proptest! {
         steps in prop::collection::vec(step(), 1..300),
     ) {
         let (min, max) = (config.min, config.max);
-        let mut a = Autoscaler::new(config);
+        let mut a = autoscaler(config);
         prop_assert!((min..=max).contains(&a.desired()));
         let mut prev: Option<Decision> = None;
         for (s, step) in (0_u64..).zip(&steps) {
@@ -116,16 +169,29 @@ proptest! {
     fn constant_load_from_start_does_not_flap(
         config in config(),
         load in concurrency(),
-        readies in prop::collection::vec(0_u32..=8, 250),
+        lags in prop::collection::vec(prop::bool::weighted(0.2), 400),
     ) {
+        // Ready replicas follow the count (rate limits are relative to
+        // them), one tick behind, or lag further when `lag` says so.
         let fill = fill_ticks(&config);
-        let mut a = Autoscaler::new(config);
+        let mut a = autoscaler(config);
+        let mut ready = 0;
         let desired: Vec<u32> = (0_u64..)
-            .zip(&readies)
-            .map(|(s, &ready)| observe(&mut a, s, load, ready).desired)
+            .zip(&lags)
+            .map(|(s, &lag)| {
+                let d = observe(&mut a, s, load, ready).desired;
+                if !lag {
+                    ready = d;
+                }
+                d
+            })
             .collect();
-        let settled = &desired[fill as usize..];
-        prop_assert!(changes(settled) <= 1, "flapping: {:?}", settled);
+        let settled = &desired[(fill as usize).min(desired.len())..];
+        prop_assert!(!reverses(settled), "flapping: {:?}", settled);
+        // Once replicas keep up, the count moves at most once.
+        if !lags.iter().any(|l| *l) {
+            prop_assert!(changes(settled) <= 1, "flapping: {:?}", settled);
+        }
     }
 
     #[test]
@@ -133,10 +199,10 @@ proptest! {
         config in config(),
         history in prop::collection::vec(step(), 0..200),
         load in concurrency(),
-        readies in prop::collection::vec(0_u32..=8, 250),
+        readies in prop::collection::vec(any::<bool>(), 400),
     ) {
         let fill = fill_ticks(&config);
-        let mut a = Autoscaler::new(config);
+        let mut a = autoscaler(config);
         let mut s = 0_u64;
         for step in &history {
             observe(&mut a, s, step.concurrency, step.ready);
@@ -145,17 +211,23 @@ proptest! {
             }
             s += 1;
         }
+        let mut ready = a.desired();
         let desired: Vec<u32> = readies
             .iter()
-            .map(|&ready| {
+            .map(|&lag| {
                 let d = observe(&mut a, s, load, ready).desired;
+                if !lag {
+                    ready = d;
+                }
                 s += 1;
                 d
             })
             .collect();
-        let settled = &desired[fill as usize..];
+        let settled = &desired[(fill as usize).min(desired.len())..];
         if load > 0.0 {
-            prop_assert!(changes(settled) <= 1, "flapping: {:?}", settled);
+            // Converges without turning around: rate limits may take a
+            // few steps, each in the same direction.
+            prop_assert!(!reverses(settled), "flapping: {:?}", settled);
         } else {
             // Winding down: panic ends, then scale-to-zero; never back up.
             prop_assert!(
@@ -174,6 +246,10 @@ proptest! {
         ],
         threshold in prop_oneof![Just(0.0), Just(-1.0), Just(f64::NAN), 0.5_f64..4.0],
         windows in (0_u64..=5, 0_u64..=5, 0_u64..=5),
+        rates in (
+            prop_oneof![Just(0.0), Just(f64::NAN), Just(0.5), 1.0_f64..1e6],
+            prop_oneof![Just(0.0), Just(f64::INFINITY), Just(0.5), 1.0_f64..1e6],
+        ),
         steps in prop::collection::vec(
             (prop_oneof![
                 Just(0.0), Just(-5.0), Just(f64::NAN), Just(f64::INFINITY), 0.0_f64..100.0
@@ -189,8 +265,13 @@ proptest! {
             panic_window: Duration::from_secs(windows.1),
             scale_to_zero_after: Duration::from_secs(windows.2),
             panic_threshold: threshold,
+            max_scale_up_rate: rates.0,
+            max_scale_down_rate: rates.1,
+            scale_down_delay: Duration::from_secs(windows.0),
+            predictive: true,
         };
         let mut a = Autoscaler::new(config);
+        a.observe_cold_start(Duration::from_secs(windows.1));
         for (s, &(concurrency, ready, wake)) in (0_u64..).zip(&steps) {
             let d = a.observe(Observation { now: Duration::from_secs(s), concurrency, ready });
             prop_assert!(d.desired <= max);

@@ -73,6 +73,12 @@ pub mod defaults {
     pub const WEIGHT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
     /// Large enough for a whole batch of rollouts.
     pub const POOL_MAX_PENDING: u32 = 100_000;
+    /// Knative's `max-scale-up-rate`: in practice unbounded, because too few
+    /// replicas cost latency at once.
+    pub const MAX_SCALE_UP_RATE: f64 = 1000.0;
+    /// Knative's `max-scale-down-rate`: at most half the replicas go per
+    /// tick, so one dip in a noisy signal cannot empty the app.
+    pub const MAX_SCALE_DOWN_RATE: f64 = 2.0;
     /// Knative's panic threshold: 200% of current capacity.
     pub const PANIC_THRESHOLD: f64 = 2.0;
     /// Enough to absorb a burst while an app wakes from zero.
@@ -268,6 +274,18 @@ pub struct AutoscaleSpec {
     pub panic_window: Duration,
     /// Panic when short-window demand reaches this multiple of capacity.
     pub panic_threshold: f64,
+    /// The share of `concurrency` each replica is meant to carry when
+    /// `target` is not set.
+    pub target_utilization: f64,
+    /// Per tick, grow to at most this multiple of the ready replicas.
+    pub max_scale_up_rate: f64,
+    /// Per tick, shrink to at least the ready replicas divided by this.
+    pub max_scale_down_rate: f64,
+    /// A lower count takes effect only after it has been wanted this long.
+    #[serde(with = "humantime_serde")]
+    pub scale_down_delay: Duration,
+    /// Scale for the demand one measured cold start ahead when it rises.
+    pub predictive: bool,
 }
 
 /// An app's hold queue.
@@ -463,6 +481,26 @@ impl Config {
             {
                 return Err((at("autoscale.target"), "must be a number above 0".into()));
             }
+            if !(a.target_utilization.is_finite()
+                && a.target_utilization > 0.0
+                && a.target_utilization <= 1.0)
+            {
+                return Err((
+                    at("autoscale.target_utilization"),
+                    "must be above 0 and at most 1.0 (0.7 means 70% of concurrency)".into(),
+                ));
+            }
+            for (key, rate) in [
+                ("max_scale_up_rate", a.max_scale_up_rate),
+                ("max_scale_down_rate", a.max_scale_down_rate),
+            ] {
+                if !(rate.is_finite() && rate >= 1.0) {
+                    return Err((
+                        at(&format!("autoscale.{key}")),
+                        "must be at least 1.0 (a multiple of the ready replicas)".into(),
+                    ));
+                }
+            }
             if !(a.panic_threshold.is_finite() && a.panic_threshold > 1.0) {
                 return Err((
                     at("autoscale.panic_threshold"),
@@ -626,7 +664,7 @@ impl AppSpec {
     pub fn target(&self) -> f64 {
         self.autoscale
             .target
-            .unwrap_or((f64::from(self.concurrency) * defaults::TARGET_UTILIZATION).max(1.0))
+            .unwrap_or((f64::from(self.concurrency) * self.autoscale.target_utilization).max(1.0))
     }
 }
 
@@ -677,6 +715,11 @@ impl Default for AutoscaleSpec {
             stable_window: defaults::STABLE_WINDOW,
             panic_window: defaults::PANIC_WINDOW,
             panic_threshold: defaults::PANIC_THRESHOLD,
+            target_utilization: defaults::TARGET_UTILIZATION,
+            max_scale_up_rate: defaults::MAX_SCALE_UP_RATE,
+            max_scale_down_rate: defaults::MAX_SCALE_DOWN_RATE,
+            scale_down_delay: Duration::ZERO,
+            predictive: false,
         }
     }
 }

@@ -342,7 +342,6 @@ fn simulate(
     colds: &[Duration],
     model: warmgate_autoscaler::sim::ServiceModel,
 ) -> i32 {
-    use warmgate_autoscaler::ScalingConfig;
     use warmgate_autoscaler::sim::{
         AlwaysPeak, Knative, Policy, RayServe, SimConfig, parse_azure_trace, peak_replicas,
         simulate, warmgate,
@@ -378,24 +377,22 @@ fn simulate(
     };
     let a = &spec.autoscale;
     let target = spec.target();
-    let scaling = ScalingConfig {
-        min: a.min,
-        max: a.max,
-        target,
-        stable_window: a.stable_window,
-        panic_window: a.panic_window,
-        scale_to_zero_after: a.scale_to_zero_after,
-        panic_threshold: a.panic_threshold,
-    };
+    let scaling = crate::dispatch::scaling_config(spec);
+    // The baselines get the same per-replica capacity and target; without
+    // an explicit target, Knative's own utilisation default (70%) applies.
+    let baseline_target = a.target.unwrap_or(
+        (f64::from(spec.concurrency) * warmgate_deploy::defaults::TARGET_UTILIZATION).max(1.0),
+    );
     let span = requests.last().map_or(0.0, |r| r.arrival.as_secs_f64());
     println!(
-        "trace: {} ({} requests over {:.0} s); app '{}': concurrency {}, target {:.1}, replicas {}..{}",
+        "trace: {} ({} requests over {:.0} s); app '{}': concurrency {}, target {:.1} (baselines {:.1}), replicas {}..{}",
         trace.display(),
         requests.len(),
         span,
         spec.name,
         spec.concurrency,
         target,
+        baseline_target,
         a.min,
         a.max
     );
@@ -403,7 +400,7 @@ fn simulate(
         "service time = {:?} + {:?}/prompt token + {:?}/generated token",
         model.base, model.per_context_token, model.per_generated_token
     );
-    let peak = peak_replicas(&requests, &model, target, a.max);
+    let peak = peak_replicas(&requests, &model, baseline_target, a.max);
     for cold in colds {
         let sim = SimConfig {
             cold_start: *cold,
@@ -414,8 +411,8 @@ fn simulate(
         };
         let mut policies: Vec<Box<dyn Policy>> = vec![
             Box::new(warmgate(scaling.clone())),
-            Box::new(Knative::new(target, a.min, a.max)),
-            Box::new(RayServe::new(target, a.min, a.max)),
+            Box::new(Knative::new(baseline_target, a.min, a.max)),
+            Box::new(RayServe::new(baseline_target, a.min, a.max)),
             Box::new(AlwaysPeak(peak)),
         ];
         let reports: Vec<_> = policies

@@ -95,21 +95,30 @@ struct Meter {
     active: bool,
 }
 
+/// The autoscaler's knobs for an app, from its config.
+pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
+    let a = &spec.autoscale;
+    ScalingConfig {
+        min: a.min,
+        max: a.max,
+        target: spec.target(),
+        stable_window: a.stable_window,
+        panic_window: a.panic_window,
+        scale_to_zero_after: a.scale_to_zero_after,
+        panic_threshold: a.panic_threshold,
+        max_scale_up_rate: a.max_scale_up_rate,
+        max_scale_down_rate: a.max_scale_down_rate,
+        scale_down_delay: a.scale_down_delay,
+        predictive: a.predictive,
+    }
+}
+
 // === impl App ===
 
 impl App {
     /// The data-plane state of an app at zero replicas.
     pub fn new(spec: AppSpec, revision: String) -> Self {
-        let a = &spec.autoscale;
-        let scaling = ScalingConfig {
-            min: a.min,
-            max: a.max,
-            target: spec.target(),
-            stable_window: a.stable_window,
-            panic_window: a.panic_window,
-            scale_to_zero_after: a.scale_to_zero_after,
-            panic_threshold: a.panic_threshold,
-        };
+        let scaling = scaling_config(&spec);
         let now = Instant::now();
         App {
             name: spec.name.clone(),
