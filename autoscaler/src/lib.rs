@@ -29,6 +29,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+pub mod pool;
 pub mod sim;
 
 // === defaults ===

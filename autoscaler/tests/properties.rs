@@ -286,3 +286,63 @@ proptest! {
         }
     }
 }
+
+mod pools {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use warmgate_autoscaler::pool::{PoolLoad, PoolScaling, pool_desired};
+
+    fn scaling() -> impl Strategy<Value = PoolScaling> {
+        (1_u32..=10, 0_u32..=10, 1_u32..=8, 0_u64..=600, 0_u32..=4).prop_map(
+            |(max, min, concurrency, ttl, buffer)| PoolScaling {
+                min: min.min(max),
+                max,
+                concurrency,
+                idle_ttl: Duration::from_secs(ttl),
+                buffer,
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        #[test]
+        fn the_pool_policy_keeps_its_promises(
+            cfg in scaling(),
+            pending in prop_oneof![Just(0_usize), 0_usize..200],
+            starting in 0_u32..4,
+            idle in prop::collection::vec(
+                prop_oneof![Just(0_u64), 0_u64..1200], 0..10),
+            busy_share in 0.0_f64..=1.0,
+        ) {
+            let idle: Vec<Duration> = idle.into_iter().map(Duration::from_secs).collect();
+            let busy = idle.iter().filter(|d| d.is_zero()).count() as u32;
+            // Busy replicas hold between 1 and `concurrency` tasks each.
+            let inflight = busy + ((f64::from(busy * (cfg.concurrency - 1))) * busy_share) as u32;
+            let load = PoolLoad { pending, inflight, starting, idle: &idle };
+            let d = pool_desired(&cfg, &load);
+            let total = idle.len() as u32 + starting;
+            let expired = idle.iter().filter(|x| **x >= cfg.idle_ttl).count() as u32;
+            let slots = |n: u32| u64::from(n) * u64::from(cfg.concurrency);
+            let work = pending as u64 + u64::from(inflight);
+
+            prop_assert!(d >= cfg.min && d <= cfg.max, "{} outside [{}, {}]", d, cfg.min, cfg.max);
+            // Never stops a replica that has not been idle for the TTL.
+            prop_assert!(d >= (total - expired).min(cfg.max));
+            // Never stops anything while tasks wait.
+            if pending > 0 {
+                prop_assert!(d >= total.min(cfg.max));
+            }
+            // Queued tasks beyond the free and coming slots get replicas
+            // for all the work, up to max.
+            if pending as u64 > slots(idle.len() as u32).saturating_sub(u64::from(inflight)) + slots(starting) {
+                prop_assert!(d == cfg.max || slots(d) >= work, "{} for {} tasks", d, work);
+            }
+            // The buffer: spare replicas beyond the work, up to max.
+            let need = work.div_ceil(u64::from(cfg.concurrency));
+            prop_assert!(u64::from(d) >= (need + u64::from(cfg.buffer)).min(u64::from(cfg.max)));
+        }
+    }
+}

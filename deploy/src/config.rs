@@ -207,6 +207,9 @@ pub struct PoolSpec {
     /// A replica idle this long is stopped (never below min).
     #[serde(with = "humantime_serde")]
     pub idle_ttl: Duration,
+    /// Spare replicas kept warm beyond what the tasks need, so a burst
+    /// finds capacity (Modal's `buffer_containers`).
+    pub buffer: u32,
     /// How long a replica may take to answer `/healthz` with 200.
     #[serde(with = "humantime_serde")]
     pub startup_timeout: Duration,
@@ -547,6 +550,15 @@ impl Config {
             if pool.concurrency == 0 {
                 return Err((at("concurrency"), "must be at least 1".into()));
             }
+            if pool.buffer > max {
+                return Err((
+                    at("buffer"),
+                    format!(
+                        "{} spare replicas cannot fit under max ({max})",
+                        pool.buffer
+                    ),
+                ));
+            }
             if pool.gpus as usize > self.backend.gpus.len() {
                 return Err((
                     at("gpus"),
@@ -682,6 +694,7 @@ impl Default for PoolSpec {
             concurrency: defaults::POOL_CONCURRENCY,
             gpus: 0,
             idle_ttl: defaults::IDLE_TTL,
+            buffer: 0,
             startup_timeout: defaults::STARTUP_TIMEOUT,
             retries: defaults::TASK_RETRIES,
             task_timeout: defaults::TASK_TIMEOUT,

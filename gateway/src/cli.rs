@@ -653,7 +653,7 @@ pub fn render_status(v: &Value) -> String {
                 out,
                 "{:<20} {:>9} {:>11} {:>9} {:>9}",
                 p["name"].as_str().unwrap_or("?"),
-                format!("{}/{}", p["ready"], p["desired"]),
+                format!("{}/{}", p["ready"], p["pool"]["desired"]),
                 format!(
                     "{}/{}",
                     p["inflight"],

@@ -217,6 +217,9 @@ impl App {
 
     /// A replica became ready: route to it and serve held requests.
     pub fn add_replica(&self, replica: Arc<ReplicaHandle>) {
+        if !replica.startup.is_zero() {
+            self.scaler.lock().observe_cold_start(replica.startup);
+        }
         let mut s = self.slots.lock();
         if s.replicas.iter().any(|r| Arc::ptr_eq(r, &replica)) {
             return;

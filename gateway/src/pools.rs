@@ -174,9 +174,6 @@ struct PoolState {
     queue: TaskQueue<Task>,
     replicas: Vec<Arc<ReplicaHandle>>,
     inflight: u32,
-    /// Last time the demand needed at least the desired count.
-    busy_at: Instant,
-    desired: u32,
     /// The newest weights version synced into the pool.
     latest_version: u64,
     /// Where workers fetch it (`None` until the first sync).
@@ -204,8 +201,6 @@ impl Pool {
                 .with_weights(spec.queue.tenant_weights.clone()),
                 replicas: Vec::new(),
                 inflight: 0,
-                busy_at: Instant::now(),
-                desired: spec.replicas[0],
                 latest_version: 0,
                 latest_url: None,
                 syncing_to: None,
@@ -340,7 +335,6 @@ impl Pool {
             "pending": st.queue.pending(),
             "inflight": st.inflight,
             "ready": st.replicas.len(),
-            "desired": st.desired,
             "min": self.spec.replicas[0],
             "max": self.spec.replicas[1],
             "concurrency": self.spec.concurrency,
@@ -373,23 +367,34 @@ impl Pool {
         }
     }
 
-    /// The replica count the pool wants now: enough slots for its tasks,
-    /// within `[min, max]`, and a count lowers only after `idle_ttl` below it.
-    pub fn desired(&self, now: Instant) -> u32 {
-        let mut st = self.state.lock();
-        let [min, max] = self.spec.replicas;
-        let demand = st.queue.pending() as u32 + st.inflight;
-        let need = demand
-            .div_ceil(self.spec.concurrency)
-            .clamp(min, max.max(1));
-        if need >= st.desired {
-            st.busy_at = now;
-            st.desired = need;
-        } else if now.saturating_duration_since(st.busy_at) >= self.spec.idle_ttl {
-            st.desired = need;
-            st.busy_at = now;
-        }
-        st.desired
+    /// The replica count the pool wants now, by the warm-pool policy:
+    /// enough slots for its queued tasks, `buffer` spare, and idle replicas
+    /// stopped after `idle_ttl`, never below `min`. `starting` counts the
+    /// replicas started and not ready yet.
+    pub fn desired(&self, starting: u32) -> u32 {
+        let st = self.state.lock();
+        let idle: Vec<Duration> = st
+            .replicas
+            .iter()
+            .filter(|r| r.is_routable())
+            .map(|r| r.idle_for())
+            .collect();
+        let cfg = warmgate_autoscaler::pool::PoolScaling {
+            min: self.spec.replicas[0],
+            max: self.spec.replicas[1],
+            concurrency: self.spec.concurrency,
+            idle_ttl: self.spec.idle_ttl,
+            buffer: self.spec.buffer,
+        };
+        warmgate_autoscaler::pool::pool_desired(
+            &cfg,
+            &warmgate_autoscaler::pool::PoolLoad {
+                pending: st.queue.pending(),
+                inflight: st.inflight,
+                starting,
+                idle: &idle,
+            },
+        )
     }
 
     /// Starts a weight sync to `version`, whose files workers fetch from

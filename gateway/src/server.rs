@@ -290,7 +290,7 @@ impl Gateway {
                 let instant = Instant::now();
                 for p in gw.pools.values() {
                     p.expire(instant);
-                    gw.pool.scale(&p.name, p.desired(instant));
+                    gw.pool.scale(&p.name, p.desired(gw.starting(&p.name)));
                 }
                 record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
             }
@@ -388,7 +388,7 @@ impl Gateway {
         ApiError,
     > {
         let out = pool.submit(submit)?;
-        let desired = pool.desired(Instant::now());
+        let desired = pool.desired(self.starting(&pool.name));
         if self.pool.desired(&pool.name).unwrap_or(0) < desired {
             self.pool.scale(&pool.name, desired);
         }
@@ -396,6 +396,13 @@ impl Gateway {
     }
 
     /// The app serving `revision`.
+    /// Replicas of a target started and not ready yet (or waiting for GPUs).
+    fn starting(&self, target: &str) -> u32 {
+        self.pool
+            .health(target)
+            .map_or(0, |h| (h.starting + h.pending) as u32)
+    }
+
     /// An app's name for any of its aliases; a pool's name as it is.
     fn target_name(&self, name: &str) -> String {
         self.routes

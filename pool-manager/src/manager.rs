@@ -886,14 +886,17 @@ impl ReplicaTask {
             }
         };
         let ready_at = Instant::now();
-        let handle = Arc::new(ReplicaHandle::new(
-            launch.replica.clone(),
-            self.spec.name.clone(),
-            self.spec.revision.clone(),
-            addr,
-            self.spec.concurrency,
-            ready_at,
-        ));
+        let handle = Arc::new(
+            ReplicaHandle::new(
+                launch.replica.clone(),
+                self.spec.name.clone(),
+                self.spec.revision.clone(),
+                addr,
+                self.spec.concurrency,
+                ready_at,
+            )
+            .with_startup(ready_at.saturating_duration_since(t0)),
+        );
         handle.weights_version.store(
             weights_version.unwrap_or(0),
             std::sync::atomic::Ordering::Relaxed,

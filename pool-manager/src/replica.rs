@@ -92,6 +92,9 @@ pub struct ReplicaHandle {
     pub concurrency: u32,
     /// When `/healthz` first answered 200.
     pub ready_at: Instant,
+    /// From asking the backend to start it until it was ready: the
+    /// measured cold start the autoscaler plans with.
+    pub startup: Duration,
     /// Weights version reported by `/healthz`, if any.
     pub weights_version: AtomicU64,
     inflight: AtomicU32,
@@ -120,6 +123,7 @@ impl ReplicaHandle {
                 .expect("a socket address is a valid authority"),
             concurrency,
             ready_at,
+            startup: Duration::ZERO,
             weights_version: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
             routable: AtomicBool::new(true),
@@ -127,6 +131,12 @@ impl ReplicaHandle {
             first_forward: AtomicBool::new(false),
             idle: Notify::new(),
         }
+    }
+
+    /// The same handle with its measured cold start.
+    pub fn with_startup(mut self, startup: Duration) -> Self {
+        self.startup = startup;
+        self
     }
 
     /// Requests in flight on this replica.

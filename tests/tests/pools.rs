@@ -249,3 +249,68 @@ async fn a_batch_streams_one_line_per_input_in_input_order() {
     };
     assert_eq!(status, 400, "{body}");
 }
+
+/// The pool's replicas as the pool manager reports them.
+async fn pool_replicas(gw: &Gateway) -> Vec<Value> {
+    let s = gw.json("/v1/status").await;
+    s["pools"][0]["pool"]["replicas"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_scales_the_pool_up_and_idle_replicas_go_one_by_one_down_to_the_buffer() {
+    let gw = Gateway::start(
+        r#"
+        [[pools]]
+        name = "rollouts"
+        command = ["{worker}"]
+        replicas = [0, 3]
+        concurrency = 2
+        idle_ttl = "1s"
+        buffer = 1
+        "#,
+    );
+    // The buffer keeps one replica warm with nothing to do.
+    eventually("the buffer replica is ready", || async {
+        let rs = pool_replicas(&gw).await;
+        (rs.len() == 1 && rs[0]["state"] == "ready").then_some(())
+    })
+    .await;
+
+    // Six tasks of 1.5 s on 2 slots per replica: the queue beyond the free
+    // slots starts replicas up to max.
+    let http = gw.http.clone();
+    let url = gw.at("/v1/pools/rollouts/tasks");
+    let burst: Vec<_> = (0..6)
+        .map(|_| {
+            let (http, url) = (http.clone(), url.clone());
+            tokio::spawn(async move {
+                http.post(url)
+                    .json(&json!({"input": {"sleep_ms": 1500}}))
+                    .send()
+                    .await
+                    .expect("send")
+                    .status()
+            })
+        })
+        .collect();
+    eventually("3 replicas for the burst", || async {
+        let rs = pool_replicas(&gw).await;
+        (rs.iter().filter(|r| r["state"] == "ready").count() == 3).then_some(())
+    })
+    .await;
+    for t in burst {
+        assert_eq!(t.await.expect("join"), 200);
+    }
+    // Idle past the TTL, the extra replicas stop; the buffer stays.
+    eventually("back to the buffer", || async {
+        let rs = pool_replicas(&gw).await;
+        (rs.len() == 1 && rs[0]["state"] == "ready").then_some(())
+    })
+    .await;
+    // And it stays there: the buffer replica is not stopped for idling.
+    let s = gw.json("/v1/status").await;
+    assert_eq!(s["pools"][0]["pool"]["desired"], 1, "{s}");
+}
