@@ -299,6 +299,12 @@ impl Autoscaler {
             // Panic only ever raises the count: replicas added for a burst
             // stay until the burst has been quiet for a whole stable window.
             self.desired.max(panic_desired).max(stable_desired)
+        } else if obs.ready == 0 && concurrency > 0.0 {
+            // Cold start with work waiting: nothing is ready to measure a
+            // burst against, so follow the short window, never lowering
+            // what is already starting; a queue that builds during the
+            // start then gets its replicas together, not one at a time.
+            self.desired.max(panic_desired).max(stable_desired)
         } else {
             stable_desired
         };

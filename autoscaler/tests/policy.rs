@@ -367,3 +367,27 @@ fn the_cold_start_estimate_is_a_moving_average() {
     let est = a.cold_start().expect("measured").as_secs_f64();
     assert!((est - 13.0).abs() < 1e-6, "{est}");
 }
+
+#[test]
+fn a_queue_building_during_a_cold_start_gets_its_replicas_together() {
+    let config = ScalingConfig {
+        min: 0,
+        max: 50,
+        target: 1.0,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(a.wake(secs(0)), 1);
+    // Nothing ready yet; the queue grows by 3 a second.
+    let counts: Vec<u32> = (0..10)
+        .map(|s| tick(&mut a, s, 3.0 * s as f64, 0).desired)
+        .collect();
+    // It follows the 6 s window (~the last 6 ticks' mean), not the 60 s
+    // one, and never lowers what is already starting.
+    assert!(counts.windows(2).all(|w| w[1] >= w[0]), "{counts:?}");
+    assert!(counts[9] >= 19, "{counts:?}");
+    // Once replicas are ready, the usual rules apply again: the stable
+    // average (15 here) rules, within the scale-down rate.
+    let d = tick(&mut a, 10, 30.0, 20);
+    assert_eq!(d.desired, 15, "{d:?}");
+}

@@ -85,6 +85,10 @@ pub enum Command {
         /// Service time: decode per generated token, in milliseconds.
         #[arg(long, default_value_t = 20)]
         decode_ms: u64,
+        /// Also draw replicas over time against demand, per policy, as SVG
+        /// (one file per cold start: PLOT-<cold start>.svg).
+        #[arg(long)]
+        plot: Option<PathBuf>,
     },
     /// Show apps, replicas and queues, like `squeue`.
     Status {
@@ -150,6 +154,7 @@ pub fn run(cli: Cli) -> i32 {
             base,
             prefill_us,
             decode_ms,
+            plot,
         } => {
             let model = warmgate_autoscaler::sim::ServiceModel {
                 base: base.into(),
@@ -157,7 +162,14 @@ pub fn run(cli: Cli) -> i32 {
                 per_generated_token: Duration::from_millis(decode_ms),
             };
             let colds: Vec<Duration> = cold_start.into_iter().map(Into::into).collect();
-            simulate(&trace, &config, app.as_deref(), &colds, model)
+            simulate(
+                &trace,
+                &config,
+                app.as_deref(),
+                &colds,
+                model,
+                plot.as_deref(),
+            )
         }
         Command::Weights {
             command:
@@ -341,6 +353,7 @@ fn simulate(
     app: Option<&str>,
     colds: &[Duration],
     model: warmgate_autoscaler::sim::ServiceModel,
+    plot: Option<&std::path::Path>,
 ) -> i32 {
     use warmgate_autoscaler::sim::{
         AlwaysPeak, Knative, Policy, RayServe, SimConfig, parse_azure_trace, peak_replicas,
@@ -409,8 +422,15 @@ fn simulate(
             max_pending: spec.queue.max_pending as usize,
             queue_timeout: spec.queue.timeout,
         };
+        // The config's policy, and the same with the predictive option
+        // flipped, so the option is always measured against the plain one.
+        let flipped = warmgate_autoscaler::ScalingConfig {
+            predictive: !scaling.predictive,
+            ..scaling.clone()
+        };
         let mut policies: Vec<Box<dyn Policy>> = vec![
             Box::new(warmgate(scaling.clone())),
+            Box::new(warmgate(flipped)),
             Box::new(Knative::new(baseline_target, a.min, a.max)),
             Box::new(RayServe::new(baseline_target, a.min, a.max)),
             Box::new(AlwaysPeak(peak)),
@@ -419,7 +439,7 @@ fn simulate(
             .iter_mut()
             .map(|p| simulate(&requests, &model, p.as_mut(), &sim))
             .collect();
-        let knative = reports[1].replica_seconds.max(1e-9);
+        let knative = reports[2].replica_seconds.max(1e-9);
         println!();
         println!("cold start {}:", humantime::format_duration(*cold));
         println!(
@@ -452,8 +472,27 @@ fn simulate(
                 r.timed_out
             );
         }
+        if let Some(base) = plot {
+            let file = plot_file(base, *cold);
+            match crate::simplot::replicas_svg(&file, &reports, target, *cold) {
+                Ok(()) => println!("plot: {}", file.display()),
+                Err(e) => {
+                    eprintln!("error: cannot write the plot {}: {e:#}", file.display());
+                    return 1;
+                }
+            }
+        }
     }
     0
+}
+
+/// `base` with `-<cold start>.svg` for one cold start.
+fn plot_file(base: &std::path::Path, cold: Duration) -> PathBuf {
+    let stem = base
+        .file_stem()
+        .map_or_else(|| "simulate".into(), |s| s.to_string_lossy().into_owned());
+    let name = format!("{stem}-{}.svg", humantime::format_duration(cold));
+    base.with_file_name(name)
 }
 
 // === client commands ===

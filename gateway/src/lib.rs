@@ -11,6 +11,7 @@ pub mod listener;
 pub mod pools;
 pub mod proxy;
 pub mod server;
+pub mod simplot;
 pub mod taskqueue;
 pub mod weights;
 

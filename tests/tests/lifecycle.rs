@@ -200,6 +200,8 @@ fn simulate_prints_the_policy_table_for_each_cold_start() {
         .arg("--config")
         .arg(root.join("examples/configs/llm-sim.toml"))
         .args(["--cold-start", "2s,60s"])
+        .arg("--plot")
+        .arg(dir.path().join("replicas.svg"))
         .output()
         .expect("run");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -209,9 +211,27 @@ fn simulate_prints_the_policy_table_for_each_cold_start() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("600 requests"), "{text}");
-    assert_eq!(text.matches("| warmgate ").count(), 2, "{text}");
+    assert_eq!(text.matches("| warmgate  ").count(), 2, "{text}");
+    assert_eq!(
+        text.matches("| warmgate (predictive)").count(),
+        2,
+        "the predictive option is measured against the plain policy: {text}"
+    );
     for name in ["Knative defaults", "Ray Serve defaults", "always at peak"] {
         assert!(text.contains(name), "{text}");
+    }
+    // One SVG per cold start, with every policy in its legend.
+    for cold in ["2s", "1m"] {
+        let svg = std::fs::read_to_string(dir.path().join(format!("replicas-{cold}.svg")))
+            .unwrap_or_else(|e| panic!("replicas-{cold}.svg: {e}\n{text}"));
+        assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+        for name in [
+            "warmgate (predictive)",
+            "Knative defaults",
+            "demand / target",
+        ] {
+            assert!(svg.contains(name), "{name} missing from the plot");
+        }
     }
 
     // A bad trace is a clear usage error.
