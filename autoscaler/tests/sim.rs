@@ -152,3 +152,59 @@ fn the_real_azure_trace_replays_under_all_policies() {
     assert_eq!(r.served + r.rejected + r.timed_out, trace.len() as u64);
     assert!(r.served > 19_000);
 }
+
+#[test]
+fn a_burst_is_absorbed_and_released() {
+    // 2/s for 10 minutes, with 60 s at 20/s from t = 300 s.
+    let mut trace = poisson(2.0, 300, 13, 0.0);
+    trace.extend(poisson(20.0, 60, 17, 300.0));
+    trace.extend(poisson(2.0, 300, 19, 360.0));
+    let model = ServiceModel::default();
+    let r = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(2));
+    let at = |t: f64| r.timeline.iter().find(|p| p.0 >= t).map_or(0, |p| p.2);
+    let before = at(290.0);
+    let during = at(340.0);
+    assert!(during >= 2 * before.max(1), "{before} -> {during}");
+    // Gone again within a stable window and a panic period of the end.
+    assert!(at(600.0) < during, "{during} -> {}", at(600.0));
+    assert_eq!(r.served, trace.len() as u64);
+}
+
+#[test]
+fn on_a_ramp_the_predictive_option_waits_less() {
+    // The rate climbs from 1/s to 20/s over 10 minutes, in 30 s steps.
+    let mut trace = Vec::new();
+    for step in 0..20u64 {
+        trace.extend(poisson(
+            1.0 + step as f64,
+            30,
+            100 + step,
+            step as f64 * 30.0,
+        ));
+    }
+    trace.sort_by_key(|r| r.arrival);
+    let model = ServiceModel::default();
+    let plain = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(60));
+    let predictive = simulate(
+        &trace,
+        &model,
+        &mut warmgate(ScalingConfig {
+            predictive: true,
+            ..scaling()
+        }),
+        &cfg(60),
+    );
+    eprintln!(
+        "ramp, 60 s cold start: plain {:.0} replica-s, waits {:?}; predictive {:.0} replica-s, waits {:?}",
+        plain.replica_seconds,
+        plain.queue_delay,
+        predictive.replica_seconds,
+        predictive.queue_delay
+    );
+    assert!(
+        predictive.queue_delay[1] < plain.queue_delay[1],
+        "p95 {:?} vs {:?}",
+        predictive.queue_delay,
+        plain.queue_delay
+    );
+}
