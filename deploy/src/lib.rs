@@ -8,6 +8,8 @@
 #![warn(missing_docs)]
 
 mod config;
+pub mod revision;
+pub mod store;
 
 pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, LimitsConfig,
