@@ -73,6 +73,13 @@ pub mod defaults {
     pub const WEIGHT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
     /// Large enough for a whole batch of rollouts.
     pub const POOL_MAX_PENDING: u32 = 100_000;
+    /// A canary bakes for a minute: long enough to see errors at modest
+    /// traffic, short enough to keep promotions quick.
+    pub const BAKE: Duration = Duration::from_secs(60);
+    /// 5% failed answers on the canary sends traffic back.
+    pub const MAX_ERROR_RATE: f64 = 0.05;
+    /// Twenty answers before judging: one early error is not 100%.
+    pub const MIN_REQUESTS: u64 = 20;
     /// Knative's `max-scale-up-rate`: in practice unbounded, because too few
     /// replicas cost latency at once.
     pub const MAX_SCALE_UP_RATE: f64 = 1000.0;
@@ -182,6 +189,35 @@ pub struct AppSpec {
     pub autoscale: AutoscaleSpec,
     /// The hold queue for requests that find no free slot.
     pub queue: QueueSpec,
+    /// How new checkpoints are promoted.
+    pub promotion: PromotionSpec,
+}
+
+/// How an app's new revisions take over.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PromotionSpec {
+    /// Percent of traffic a new revision gets first (unset: all at once).
+    pub canary: Option<u8>,
+    /// How long the canary runs before the rest of the traffic moves.
+    #[serde(with = "humantime_serde")]
+    pub bake: Duration,
+    /// During the canary, roll back when more than this share of the new
+    /// revision's answers fail (5xx or `replica_failed`).
+    pub max_error_rate: f64,
+    /// Answers needed before the error rate counts.
+    pub min_requests: u64,
+}
+
+impl Default for PromotionSpec {
+    fn default() -> Self {
+        PromotionSpec {
+            canary: None,
+            bake: defaults::BAKE,
+            max_error_rate: defaults::MAX_ERROR_RATE,
+            min_requests: defaults::MIN_REQUESTS,
+        }
+    }
 }
 
 /// A warm pool of workers that run tasks (`POST /invoke`).
@@ -522,6 +558,16 @@ impl Config {
             if app.queue.timeout.is_zero() {
                 return Err((at("queue.timeout"), "must be more than 0s".into()));
             }
+            let pr = &app.promotion;
+            if pr.canary.is_some_and(|c| c == 0 || c > 100) {
+                return Err((at("promotion.canary"), "must be 1 to 100 (percent)".into()));
+            }
+            if !(pr.max_error_rate.is_finite() && (0.0..=1.0).contains(&pr.max_error_rate)) {
+                return Err((
+                    at("promotion.max_error_rate"),
+                    "must be between 0 and 1 (0.05 means 5%)".into(),
+                ));
+            }
         }
         for (i, pool) in self.pools.iter().enumerate() {
             let at = |key: &str| format!("pools[{i}].{key}");
@@ -667,6 +713,7 @@ impl Default for AppSpec {
             startup_timeout: defaults::STARTUP_TIMEOUT,
             autoscale: AutoscaleSpec::default(),
             queue: QueueSpec::default(),
+            promotion: PromotionSpec::default(),
         }
     }
 }

@@ -306,6 +306,10 @@ pub struct History {
     pub revisions: Vec<Revision>,
     /// The last promotion (in progress, or how the last one ended).
     pub promotion: Option<Promotion>,
+    /// The app's config spec (JSON) the revisions were last made from: a
+    /// changed config makes a new revision.
+    #[serde(default)]
+    pub config: Option<String>,
 }
 
 impl History {
@@ -406,6 +410,7 @@ mod tests {
                 rev("m", 2, RevisionState::Pending, 0),
             ],
             promotion: None,
+            config: None,
         }
     }
 

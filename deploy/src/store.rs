@@ -55,6 +55,10 @@ CREATE TABLE IF NOT EXISTS promotions (
     app TEXT PRIMARY KEY,
     body TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS configs (
+    app TEXT PRIMARY KEY,
+    body TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS notes (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     app TEXT NOT NULL,
@@ -104,9 +108,18 @@ impl Store {
                 })
             })
             .transpose()?;
+        let config = self
+            .conn
+            .query_row(
+                "SELECT body FROM configs WHERE app = ?1",
+                params![app],
+                |row| row.get::<_, String>(0),
+            )
+            .optional()?;
         Ok(History {
             revisions,
             promotion,
+            config,
         })
     }
 
@@ -139,6 +152,13 @@ impl Store {
             None => {
                 tx.execute("DELETE FROM promotions WHERE app = ?1", params![app])?;
             }
+        }
+        if let Some(c) = &h.config {
+            tx.execute(
+                "INSERT INTO configs (app, body) VALUES (?1, ?2)
+                 ON CONFLICT (app) DO UPDATE SET body = excluded.body",
+                params![app, c],
+            )?;
         }
         if !note.is_empty() {
             tx.execute(
@@ -208,6 +228,7 @@ mod tests {
         let mut h = History {
             revisions: vec![rev(1, 100), rev(2, 0)],
             promotion: None,
+            config: Some("{}".into()),
         };
         {
             let mut s = Store::open(&path).expect("open");

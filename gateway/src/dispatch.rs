@@ -8,6 +8,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -38,6 +39,12 @@ pub struct App {
     duration: metrics::Histogram,
     /// `warmgate_request_queued_seconds`: time waiting for a slot.
     queued: metrics::Histogram,
+    /// Replicas the autoscaler may not go below (held during a promotion).
+    floor: AtomicU32,
+    /// Requests answered, and of those failed (the gateway's errors and the
+    /// worker's 5xx answers): the canary's health.
+    answered: AtomicU64,
+    failed: AtomicU64,
 }
 
 struct Slots {
@@ -150,6 +157,9 @@ impl App {
                 .collect(),
             duration: metrics::histogram!("warmgate_request_duration_seconds", "app" => spec.name.clone()),
             queued: metrics::histogram!("warmgate_request_queued_seconds", "app" => spec.name.clone()),
+            floor: AtomicU32::new(0),
+            answered: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
             spec,
         }
     }
@@ -280,7 +290,7 @@ impl App {
                 ready,
             })
             .desired;
-        apply(desired);
+        apply(desired.max(self.floor.load(Ordering::Relaxed)));
     }
 
     /// Demand arrived with no replica ready: applies the count to scale to
@@ -289,6 +299,28 @@ impl App {
         let mut scaler = self.scaler.lock();
         let desired = scaler.wake(now);
         apply(desired);
+    }
+
+    /// Keeps at least `n` replicas whatever the autoscaler says.
+    pub fn hold(&self, n: u32) {
+        self.floor.store(n, Ordering::Relaxed);
+    }
+
+    /// (requests answered, of which failed) since the revision started.
+    pub fn health(&self) -> (u64, u64) {
+        (
+            self.answered.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Counts an answer for the canary's health: `failed` for a gateway
+    /// error or a 5xx from the worker.
+    pub fn answered(&self, failed: bool) {
+        self.answered.fetch_add(1, Ordering::Relaxed);
+        if failed {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Counts a finished request: `None` for success, or its error kind.

@@ -26,6 +26,7 @@ use warmgate_pool::{
 use crate::dispatch::{Acquire, App};
 use crate::error::{ApiError, ErrorKind};
 use crate::proxy::{LimitedBody, Proxy};
+use crate::serving::Served;
 
 /// How often the autoscaler looks at demand. One second resolves the 6 s
 /// panic window into six samples, as Knative's 2 s tick does for its window,
@@ -42,35 +43,45 @@ const MAX_REQUEST_ID_LEN: usize = 128;
 
 /// The gateway's shared state.
 pub struct Gateway {
-    config: Arc<Config>,
+    pub(crate) config: Arc<Config>,
     /// Apps by name and by alias.
-    routes: HashMap<String, Arc<App>>,
+    pub(crate) routes: HashMap<String, Arc<Served>>,
     /// Apps in config order.
-    apps: Vec<Arc<App>>,
-    pool: PoolManager,
+    pub(crate) apps: Vec<Arc<Served>>,
+    /// Every app revision ever started, by id (for replica events).
+    pub(crate) revisions: Revisions,
+    pub(crate) pool: PoolManager,
     proxy: Proxy,
     started: Instant,
     draining: AtomicBool,
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-    weights: Arc<crate::weights::Weights>,
+    pub(crate) weights: Arc<crate::weights::Weights>,
     pools: HashMap<String, Arc<crate::pools::Pool>>,
     tasks: Arc<crate::pools::TaskStore>,
     /// Where workers reach the gateway.
-    reach: std::net::SocketAddr,
+    pub(crate) reach: std::net::SocketAddr,
     /// Relative checkpoint paths resolve against it (the config's folder).
-    base: std::path::PathBuf,
+    pub(crate) base: std::path::PathBuf,
+    /// The workers' working directory.
+    pub(crate) workdir: Option<std::path::PathBuf>,
+    /// Revision history, on disk.
+    pub(crate) store: parking_lot::Mutex<warmgate_deploy::store::Store>,
 }
+
+/// App revisions by id, shared with the replica sink.
+pub(crate) type Revisions = Arc<parking_lot::RwLock<HashMap<String, Arc<App>>>>;
 
 /// Tells apps and pools about replicas as the pool manager starts and
 /// stops them.
 struct Sink {
-    apps: HashMap<String, Arc<App>>,
+    revisions: Revisions,
     pools: HashMap<String, Arc<crate::pools::Pool>>,
 }
 
 impl ReplicaSink for Sink {
     fn replica_ready(&self, replica: Arc<ReplicaHandle>) {
-        if let Some(app) = self.apps.get(&replica.target) {
+        let app = self.revisions.read().get(&replica.target).cloned();
+        if let Some(app) = app {
             app.add_replica(replica);
         } else if let Some(pool) = self.pools.get(&replica.target) {
             pool.add_replica(replica);
@@ -78,7 +89,8 @@ impl ReplicaSink for Sink {
     }
 
     fn replica_removed(&self, replica: &Arc<ReplicaHandle>) {
-        if let Some(app) = self.apps.get(&replica.target) {
+        let app = self.revisions.read().get(&replica.target).cloned();
+        if let Some(app) = app {
             app.remove_replica(replica);
         } else if let Some(pool) = self.pools.get(&replica.target) {
             pool.remove_replica(replica);
@@ -89,10 +101,11 @@ impl ReplicaSink for Sink {
         if health.ready > 0 || health.starting > 0 {
             return;
         }
-        if let Some(app) = self.apps.get(target) {
+        let app = self.revisions.read().get(target).cloned();
+        if let Some(app) = app {
             app.fail_waiters(&ApiError::new(
                 ErrorKind::ReplicaFailed,
-                format!("app '{target}' failed to start: {error}"),
+                format!("app '{}' failed to start: {error}", app.name),
             ));
         } else if let Some(pool) = self.pools.get(target) {
             pool.fail_pending(&ApiError::new(
@@ -117,22 +130,14 @@ impl Gateway {
     ) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context as _;
         let workdir = config.state_dir.parent().map(|p| p.to_path_buf());
-        let apps: Vec<Arc<App>> = config
-            .apps
-            .iter()
-            .map(|spec| Arc::new(App::new(spec.clone(), format!("{}-00001", spec.name))))
-            .collect();
-        let by_name: HashMap<String, Arc<App>> =
-            apps.iter().map(|a| (a.name.clone(), a.clone())).collect();
-        let mut routes = by_name.clone();
-        for app in &apps {
-            for alias in &app.spec.aliases {
-                routes.insert(alias.clone(), app.clone());
-            }
-        }
         let base = workdir
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from("."));
+        std::fs::create_dir_all(&config.state_dir)
+            .with_context(|| format!("create {}", config.state_dir.display()))?;
+        let db = config.state_dir.join("state.db");
+        let store = warmgate_deploy::store::Store::open(&db)
+            .with_context(|| format!("open {}", db.display()))?;
         let w = &config.weights;
         let cache =
             warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
@@ -145,13 +150,6 @@ impl Gateway {
                 memory_limit: w.memory_limit_bytes,
             },
         ));
-        for app in &apps {
-            if let Some(uri) = &app.spec.checkpoint {
-                let src = warmgate_pool::weights::Source::open(uri, &base)
-                    .with_context(|| format!("app '{}': open its checkpoint", app.name))?;
-                weights.register(&app.name, &app.revision, src);
-            }
-        }
         // Workers on this machine reach the gateway on loopback when it
         // listens on every interface.
         let reach = if addr.ip().is_unspecified() {
@@ -159,6 +157,20 @@ impl Gateway {
         } else {
             addr
         };
+        let mut apps = Vec::new();
+        for spec in &config.apps {
+            let history = store
+                .load(&spec.name)
+                .with_context(|| format!("app '{}': read its revision history", spec.name))?;
+            apps.push(Arc::new(Served::new(spec.clone(), history)));
+        }
+        let mut routes: HashMap<String, Arc<Served>> = HashMap::new();
+        for app in &apps {
+            routes.insert(app.name.clone(), app.clone());
+            for alias in &app.spec.aliases {
+                routes.insert(alias.clone(), app.clone());
+            }
+        }
         let tasks = Arc::new(crate::pools::TaskStore::default());
         let pools: HashMap<String, Arc<crate::pools::Pool>> = config
             .pools
@@ -170,11 +182,12 @@ impl Gateway {
                 )
             })
             .collect();
+        let revisions: Revisions = Arc::default();
         let pool = PoolManager::new(
             backend,
             config.backend.gpus.clone(),
             Arc::new(Sink {
-                apps: by_name,
+                revisions: revisions.clone(),
                 pools: pools.clone(),
             }),
         );
@@ -194,6 +207,7 @@ impl Gateway {
             }
             pool.add_target(TargetSpec {
                 name: p.name.clone(),
+                app: p.name.clone(),
                 revision,
                 command: p.spec.command.clone(),
                 env,
@@ -214,32 +228,11 @@ impl Gateway {
             pool.scale(&p.name, p.spec.replicas[0]);
             tokio::spawn(p.clone().run());
         }
-        for app in &apps {
-            let mut env = app.spec.env.clone();
-            if app.spec.checkpoint.is_some() {
-                env.insert(
-                    "WARMGATE_WEIGHTS_URL".into(),
-                    format!("http://{reach}/v1/weights/{}/{}", app.name, app.revision),
-                );
-            }
-            pool.add_target(TargetSpec {
-                name: app.name.clone(),
-                revision: app.revision.clone(),
-                command: app.spec.command.clone(),
-                env,
-                checkpoint: app.spec.checkpoint.clone(),
-                workdir: workdir.clone(),
-                concurrency: app.spec.concurrency,
-                gpus: app.spec.gpus,
-                startup_timeout: app.spec.startup_timeout,
-                stop_grace: config.backend.stop_grace,
-            });
-            pool.scale(&app.name, app.spec.autoscale.min);
-        }
-        Ok(Arc::new(Gateway {
+        let gw = Arc::new(Gateway {
             config: Arc::new(config),
             routes,
             apps,
+            revisions,
             pool,
             proxy: Proxy::new(),
             started: Instant::now(),
@@ -250,7 +243,14 @@ impl Gateway {
             tasks,
             reach,
             base,
-        }))
+            workdir,
+            store: parking_lot::Mutex::new(store),
+        });
+        for app in &gw.apps {
+            gw.restore(app)
+                .with_context(|| format!("app '{}': restore its revisions", app.name))?;
+        }
+        Ok(gw)
     }
 
     /// The config it runs.
@@ -275,17 +275,23 @@ impl Gateway {
                     return;
                 }
                 let now = gw.now();
-                for app in &gw.apps {
-                    app.tick(now, |n| {
-                        gw.pool.scale(&app.name, n);
-                        metrics::gauge!("warmgate_replicas_desired", "app" => app.name.clone())
-                            .set(f64::from(n));
-                    });
-                    let (inflight, queued) = app.load();
-                    metrics::gauge!("warmgate_inflight", "app" => app.name.clone())
+                for served in &gw.apps {
+                    let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
+                    for app in served.live() {
+                        app.tick(now, |n| {
+                            gw.pool.scale(&app.revision, n);
+                            desired += n;
+                        });
+                        let (i, q) = app.load();
+                        inflight += i;
+                        queued += q;
+                    }
+                    let name = served.name.clone();
+                    metrics::gauge!("warmgate_replicas_desired", "app" => name.clone())
+                        .set(f64::from(desired));
+                    metrics::gauge!("warmgate_inflight", "app" => name.clone())
                         .set(f64::from(inflight));
-                    metrics::gauge!("warmgate_queued", "app" => app.name.clone())
-                        .set(queued as f64);
+                    metrics::gauge!("warmgate_queued", "app" => name).set(queued as f64);
                 }
                 let instant = Instant::now();
                 for p in gw.pools.values() {
@@ -308,6 +314,36 @@ impl Gateway {
         self.pool.shutdown().await;
     }
 
+    /// Serves one request of `served` on the revision the split (or a
+    /// pinning `X-Warmgate-Revision`) picks, and counts the answer for
+    /// that revision's health.
+    async fn serve(
+        self: &Arc<Self>,
+        served: &Served,
+        req: Request,
+        path_and_query: &str,
+    ) -> (Option<Arc<App>>, Result<Response, ApiError>) {
+        let pinned = req
+            .headers()
+            .get(X_REVISION)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let app = match served.pick(pinned.as_deref()) {
+            Ok(a) => a,
+            Err(e) => return (None, Err(e)),
+        };
+        let result = self.serve_app(&app, req, path_and_query).await;
+        let failed = match &result {
+            Ok(r) => r.status().is_server_error(),
+            Err(e) => matches!(
+                e.kind,
+                ErrorKind::ReplicaFailed | ErrorKind::Timeout | ErrorKind::NoCapacity
+            ),
+        };
+        app.answered(failed);
+        (Some(app), result)
+    }
+
     /// Serves one request with `app`: a slot now, or a wait in the hold
     /// queue, then the forward.
     async fn serve_app(
@@ -325,8 +361,8 @@ impl Gateway {
                 if cold {
                     let pool = &self.pool;
                     app.wake(self.now(), |n| {
-                        if pool.desired(&app.name).unwrap_or(0) < n {
-                            pool.scale(&app.name, n);
+                        if pool.desired(&app.revision).unwrap_or(0) < n {
+                            pool.scale(&app.revision, n);
                         }
                     });
                 }
@@ -353,7 +389,7 @@ impl Gateway {
     /// With no replica ready and the last starts failing, a new request is
     /// refused at once instead of waiting out the crash-loop backoff.
     fn refuse_if_failing(&self, app: &App) -> Result<(), ApiError> {
-        let Some(h) = self.pool.health(&app.name) else {
+        let Some(h) = self.pool.health(&app.revision) else {
             return Ok(());
         };
         if h.ready == 0
@@ -395,7 +431,6 @@ impl Gateway {
         Ok(out)
     }
 
-    /// The app serving `revision`.
     /// Replicas of a target started and not ready yet (or waiting for GPUs).
     fn starting(&self, target: &str) -> u32 {
         self.pool
@@ -410,24 +445,58 @@ impl Gateway {
             .map_or_else(|| name.to_string(), |a| a.name.clone())
     }
 
-    fn status_of(&self, app: &App, target: Option<&TargetStatus>) -> AppStatus {
-        let (inflight, queued) = app.load();
-        let ready = app.ready_replicas();
+    /// An app's status: the serving revision's figures at the top, every
+    /// live revision with its share below.
+    fn status_of(&self, served: &Served, targets: &[TargetStatus]) -> AppStatus {
+        let shares = served.shares();
+        let serving = served.serving();
+        let mut revisions = Vec::new();
+        let (mut inflight, mut queued) = (0u32, 0usize);
+        for app in served.live() {
+            let (i, q) = app.load();
+            inflight += i;
+            queued += q;
+            let t = targets.iter().find(|t| t.name == app.revision);
+            revisions.push(RevisionStatus {
+                id: app.revision.clone(),
+                traffic: shares
+                    .iter()
+                    .find(|(id, _)| *id == app.revision)
+                    .map_or(0, |(_, p)| *p),
+                ready: app.ready_replicas(),
+                desired: t.map_or(0, |t| t.desired),
+                inflight: i,
+                queued: q,
+            });
+        }
+        let spec = &served.spec;
+        let (revision, ready, target, handoff) = match &serving {
+            Some(a) => (
+                a.revision.clone(),
+                a.ready_replicas(),
+                targets.iter().find(|t| t.name == a.revision),
+                a.last_handoff(),
+            ),
+            None => (String::new(), 0, None, None),
+        };
+        let promotion = served.history.lock().promotion.clone();
         AppStatus {
-            name: app.name.clone(),
-            aliases: app.spec.aliases.clone(),
-            revision: app.revision.clone(),
+            name: served.name.clone(),
+            aliases: spec.aliases.clone(),
+            revision,
             desired: target.map_or(0, |t| t.desired),
             ready,
             inflight,
             queued,
-            capacity: ready as u32 * app.spec.concurrency,
-            concurrency: app.spec.concurrency,
-            max_pending: app.spec.queue.max_pending,
-            min: app.spec.autoscale.min,
-            max: app.spec.autoscale.max,
-            handoff_ms: app.last_handoff().map(|d| d.as_secs_f64() * 1e3),
+            capacity: ready as u32 * spec.concurrency,
+            concurrency: spec.concurrency,
+            max_pending: spec.queue.max_pending,
+            min: spec.autoscale.min,
+            max: spec.autoscale.max,
+            handoff_ms: handoff.map(|d| d.as_secs_f64() * 1e3),
             pool: target.cloned(),
+            revisions,
+            promotion: promotion.map(|p| json!(p)),
         }
     }
 
@@ -435,7 +504,7 @@ impl Gateway {
         let targets = self.pool.status();
         self.apps
             .iter()
-            .map(|a| self.status_of(a, targets.iter().find(|t| t.name == a.name)))
+            .map(|a| self.status_of(a, &targets))
             .collect()
     }
 }
@@ -459,11 +528,11 @@ fn record_replica_metrics(targets: &[TargetStatus], tick: Duration) {
             .iter()
             .enumerate()
         {
-            metrics::gauge!("warmgate_replicas", "app" => t.name.clone(), "state" => *state)
+            metrics::gauge!("warmgate_replicas", "app" => t.app.clone(), "state" => *state)
                 .set(f64::from(by_state[i]));
         }
         let live = by_state[1] + by_state[2] + by_state[3];
-        metrics::counter!("warmgate_replica_seconds_total", "app" => t.name.clone())
+        metrics::counter!("warmgate_replica_seconds_total", "app" => t.app.clone())
             .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
     }
 }
@@ -497,8 +566,29 @@ pub struct AppStatus {
     pub max: u32,
     /// The gateway's share of the last cold start, in milliseconds.
     pub handoff_ms: Option<f64>,
-    /// Replicas and their lifecycle.
+    /// Replicas and their lifecycle (the serving revision's).
     pub pool: Option<TargetStatus>,
+    /// Every live revision, with its share of the traffic.
+    pub revisions: Vec<RevisionStatus>,
+    /// The last promotion.
+    pub promotion: Option<serde_json::Value>,
+}
+
+/// One live revision in `/v1/status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RevisionStatus {
+    /// Revision id.
+    pub id: String,
+    /// Percent of the app's traffic.
+    pub traffic: u8,
+    /// Replicas taking traffic.
+    pub ready: usize,
+    /// Replicas asked for.
+    pub desired: u32,
+    /// Requests in flight.
+    pub inflight: u32,
+    /// Requests held.
+    pub queued: usize,
 }
 
 /// The HTTP routes, data plane and control plane.
@@ -518,6 +608,9 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/apps", get(list_apps))
         .route("/v1/apps/{app}", get(get_app))
+        .route("/v1/apps/{app}/promote", post(promote))
+        .route("/v1/apps/{app}/rollback", post(rollback))
+        .route("/v1/apps/{app}/revisions", get(revisions))
         .route(
             "/healthz",
             get(|| async { axum::Json(json!({"status": "ok"})) }),
@@ -539,15 +632,15 @@ async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         .map_or("/", |p| p.as_str())
         .to_string();
     match read_model(&gw, req).await {
-        Ok((app, req)) => {
-            let result = gw.serve_app(&app, req, &path).await;
-            finish(Some(&app), result)
+        Ok((served, req)) => {
+            let (app, result) = gw.serve(&served, req, &path).await;
+            finish(app.as_deref(), result)
         }
         Err(e) => finish(None, Err(e)),
     }
 }
 
-async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<App>, Request), ApiError> {
+async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<Served>, Request), ApiError> {
     let (parts, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
     let model = model_field(&bytes)?;
     let app = gw.routes.get(model.as_str()).cloned().ok_or_else(|| {
@@ -654,11 +747,11 @@ async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     };
     let limit = gw.config.limits.max_body_bytes;
     if let Err(e) = check_content_length(&req, limit) {
-        return finish(Some(&app), Err(e));
+        return finish(None, Err(e));
     }
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
-    let result = gw.serve_app(&app, req, &target).await;
-    finish(Some(&app), result)
+    let (app, result) = gw.serve(&app, req, &target).await;
+    finish(app.as_deref(), result)
 }
 
 fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {
@@ -732,13 +825,113 @@ async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Re
     match gw.routes.get(&name) {
         Some(app) => {
             let targets = gw.pool.status();
-            let t = targets.iter().find(|t| t.name == app.name);
-            axum::Json(gw.status_of(app, t)).into_response()
+            axum::Json(gw.status_of(app, &targets)).into_response()
         }
         None => {
             ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
         }
     }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PromoteBody {
+    checkpoint: String,
+    canary: Option<u8>,
+    bake: Option<serde_json::Value>,
+    #[serde(default)]
+    wait: bool,
+}
+
+fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
+    gw.routes
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))
+}
+
+/// `POST /v1/apps/{app}/promote`: a new revision from a checkpoint; 202
+/// with its id, or with `"wait": true` the promotion's outcome.
+async fn promote(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        let app = served(&gw, &name)?;
+        let (_, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
+        let body: PromoteBody = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?}} ({e})"
+                ),
+            )
+        })?;
+        if body.canary.is_some_and(|c| c == 0 || c > 100) {
+            return Err(ApiError::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
+        }
+        let bake = duration_value(body.bake.as_ref(), "bake")?;
+        let id = gw
+            .promote(
+                &app,
+                crate::promote::PromoteRequest {
+                    checkpoint: body.checkpoint,
+                    canary: body.canary,
+                    bake,
+                },
+            )
+            .await?;
+        if !body.wait {
+            return Ok((
+                StatusCode::ACCEPTED,
+                axum::Json(json!({"app": app.name, "revision": id})),
+            )
+                .into_response());
+        }
+        loop {
+            let p = app.history.lock().promotion.clone();
+            if let Some(p) = p.filter(|p| p.to == id && p.phase.is_terminal()) {
+                return Ok(axum::Json(json!({"app": app.name, "revision": id, "promotion": p}))
+                    .into_response());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/apps/{app}/rollback`.
+async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let result = served(&gw, &name).and_then(|app| {
+        let id = gw.rollback(&app)?;
+        Ok(axum::Json(json!({"app": app.name, "revision": id})).into_response())
+    });
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/apps/{app}/revisions`: the history, newest first, with notes.
+async fn revisions(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let result = served(&gw, &name).and_then(|app| {
+        let h = app.history.lock().clone();
+        let notes = gw.store.lock().notes(&app.name, 50).map_err(|e| {
+            ApiError::new(
+                ErrorKind::NoCapacity,
+                format!("cannot read the history: {e}"),
+            )
+        })?;
+        let mut revisions = h.revisions.clone();
+        revisions.reverse();
+        Ok(axum::Json(json!({
+            "app": app.name,
+            "revisions": revisions,
+            "promotion": h.promotion,
+            "notes": notes,
+        }))
+        .into_response())
+    });
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
 #[derive(serde::Deserialize)]

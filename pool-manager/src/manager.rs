@@ -46,8 +46,10 @@ pub trait ReplicaSink: Send + Sync + 'static {
 /// How to run the replicas of one app or pool.
 #[derive(Debug, Clone)]
 pub struct TargetSpec {
-    /// App or pool name.
+    /// Target name: a pool's name, or an app revision's id.
     pub name: String,
+    /// The app or pool it belongs to (`WARMGATE_TARGET` for its workers).
+    pub app: String,
     /// Revision its replicas serve.
     pub revision: String,
     /// Program and arguments.
@@ -103,8 +105,10 @@ pub struct ColdStart {
 /// One target in a status report.
 #[derive(Debug, Clone, Serialize)]
 pub struct TargetStatus {
-    /// App or pool name.
+    /// Target name: a pool's name, or an app revision's id.
     pub name: String,
+    /// The app or pool it belongs to.
+    pub app: String,
     /// Revision served.
     pub revision: String,
     /// Replica count asked for.
@@ -403,6 +407,7 @@ impl Shared {
             .collect();
         TargetStatus {
             name: self.spec.name.clone(),
+            app: self.spec.app.clone(),
             revision: self.spec.revision.clone(),
             desired: self.desired,
             replicas,
@@ -571,7 +576,7 @@ impl Actor {
         slot.stop = Some(stop_tx);
         let launch = Launch {
             replica: slot.id.clone(),
-            target: spec.name.clone(),
+            target: spec.app.clone(),
             revision: spec.revision.clone(),
             command: spec.command.clone(),
             env: spec.env.clone(),
@@ -657,9 +662,9 @@ impl Actor {
                     ready_ms = ready.as_millis() as u64,
                     "replica ready"
                 );
-                metrics::histogram!("warmgate_cold_start_seconds", "app" => name.clone(), "phase" => "spawn")
+                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "spawn")
                     .record(spawn.as_secs_f64());
-                metrics::histogram!("warmgate_cold_start_seconds", "app" => name.clone(), "phase" => "ready")
+                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "ready")
                     .record(ready.as_secs_f64());
                 shared.last_failure_at_start = false;
                 shared.backoff_until = None;

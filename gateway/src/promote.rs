@@ -1,0 +1,466 @@
+//! Revisions and promotions, carried out: the pure state machine of
+//! `warmgate_deploy::revision` decides, this module persists each step to
+//! SQLite and then acts on it (start replicas, move traffic, retire).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use warmgate_deploy::AppSpec;
+use warmgate_deploy::revision::{
+    Effect, Event, History, Phase, Plan, Promotion, Revision, RevisionState, revision_id,
+};
+use warmgate_deploy::store::unix_now;
+use warmgate_pool::TargetSpec;
+
+use crate::dispatch::App;
+use crate::error::{ApiError, ErrorKind};
+use crate::server::Gateway;
+use crate::serving::Served;
+
+/// How often a running promotion looks at its new revision.
+const STEP: Duration = Duration::from_millis(100);
+
+/// What `POST /v1/apps/{app}/promote` asks for.
+#[derive(Debug, Clone)]
+pub struct PromoteRequest {
+    /// The checkpoint URI of the new revision.
+    pub checkpoint: String,
+    /// Canary percent (overrides the app's `promotion.canary`).
+    pub canary: Option<u8>,
+    /// Bake time (overrides the app's `promotion.bake`).
+    pub bake: Option<Duration>,
+}
+
+impl Gateway {
+    /// Starts serving an app's history after a (re)start. On the first run
+    /// it makes revision 1 from the config, and a new revision whenever the
+    /// config changed since; both switch at once, since nothing runs yet.
+    /// Then it routes the split the app had and resumes a promotion that
+    /// was running.
+    pub(crate) fn restore(self: &Arc<Self>, app: &Arc<Served>) -> anyhow::Result<()> {
+        let config = serde_json::to_string(&app.spec)?;
+        let resume = {
+            let mut h = app.history.lock();
+            if h.revisions.is_empty() || h.config.as_deref() != Some(config.as_str()) {
+                let first = h.revisions.is_empty();
+                let from = h.serving().map(|r| r.id.clone());
+                // A promotion cut short by the config change ends here.
+                if let Some(p) = h.promotion.clone().filter(|p| !p.phase.is_terminal())
+                    && let Ok((p, fx)) = p.on(Event::Rollback("the config changed".into()))
+                {
+                    h.apply(&p, &fx);
+                }
+                let rev = new_revision(&h, &app.spec, app.spec.checkpoint.clone(), None);
+                let id = rev.id.clone();
+                h.revisions.push(rev);
+                h.config = Some(config);
+                let (p, fx) = Promotion::begin(
+                    &app.name,
+                    from.as_deref(),
+                    &id,
+                    Plan {
+                        canary: None,
+                        bake: Duration::ZERO,
+                        at_zero: true,
+                    },
+                );
+                h.apply(&p, &fx);
+                let note = if first {
+                    format!("created {id} from the config")
+                } else {
+                    format!(
+                        "the config changed: {id} replaces {}",
+                        from.unwrap_or_default()
+                    )
+                };
+                self.store.lock().save(&app.name, &h, &note)?;
+            }
+            let promoting = h.promotion.clone().filter(|p| !p.phase.is_terminal());
+            let live: Vec<Revision> = h
+                .revisions
+                .iter()
+                .filter(|r| r.traffic > 0 || promoting.as_ref().is_some_and(|p| p.to == r.id))
+                .cloned()
+                .collect();
+            for r in &live {
+                self.materialize(app, r)
+                    .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+            }
+            app.set_split(&h.split());
+            promoting
+        };
+        if let Some(p) = resume {
+            tracing::info!(app = %app.name, to = %p.to, phase = ?p.phase, "resuming a promotion cut short by a restart");
+            if p.phase == Phase::Warming {
+                self.act(app, &[Effect::Start(p.to.clone())]);
+            }
+            tokio::spawn(self.clone().drive(app.clone()));
+        }
+        Ok(())
+    }
+
+    /// The dispatcher of a revision, with its pool-manager target and its
+    /// weights, made routable by pinning. Reused when it exists already
+    /// (a rollback to a revision that served before).
+    pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
+        if let Some(a) = self.revisions.read().get(&rev.id).cloned() {
+            app.add_live(a.clone());
+            return Ok(a);
+        }
+        let mut spec: AppSpec =
+            serde_json::from_str(&rev.spec).unwrap_or_else(|_| app.spec.clone());
+        spec.checkpoint = rev.checkpoint.clone();
+        let mut env = spec.env.clone();
+        if let Some(uri) = &spec.checkpoint {
+            let src = warmgate_pool::weights::Source::open(uri, &self.base).map_err(|e| {
+                ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("checkpoint of {}: {e}", rev.id),
+                )
+            })?;
+            self.weights.register(&app.name, &rev.id, src);
+            env.insert(
+                "WARMGATE_WEIGHTS_URL".into(),
+                format!("http://{}/v1/weights/{}/{}", self.reach, app.name, rev.id),
+            );
+        }
+        self.pool.add_target(TargetSpec {
+            name: rev.id.clone(),
+            app: app.name.clone(),
+            revision: rev.id.clone(),
+            command: spec.command.clone(),
+            env,
+            checkpoint: spec.checkpoint.clone(),
+            workdir: self.workdir.clone(),
+            concurrency: spec.concurrency,
+            gpus: spec.gpus,
+            startup_timeout: spec.startup_timeout,
+            stop_grace: self.config.backend.stop_grace,
+        });
+        let min = spec.autoscale.min;
+        let a = Arc::new(App::new(spec, rev.id.clone()));
+        self.revisions.write().insert(rev.id.clone(), a.clone());
+        app.add_live(a.clone());
+        self.pool.scale(&rev.id, min);
+        Ok(a)
+    }
+
+    /// Promotes a new checkpoint: checks it, makes a revision, and starts
+    /// the promotion. Returns the revision id.
+    pub(crate) async fn promote(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        req: PromoteRequest,
+    ) -> Result<String, ApiError> {
+        self.refuse_if_promoting(app)?;
+        let source = warmgate_pool::weights::Source::open(&req.checkpoint, &self.base)
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}")))?;
+        // Listed under a scratch name first: the checkpoint must exist
+        // before a revision is made for it.
+        let probe = format!("promote-{}", fastrand::u64(..));
+        self.weights.register(&app.name, &probe, source);
+        let listing = self.weights.files(&app.name, &probe).await?;
+        if listing.items.is_empty() {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!("checkpoint {} has no files", req.checkpoint),
+            ));
+        }
+        let fingerprint = fingerprint(&listing.items);
+        let (from, id) = {
+            let mut h = app.history.lock();
+            if h.promoting() {
+                return Err(promoting_error(&app.name, &h));
+            }
+            let rev = new_revision(
+                &h,
+                &app.spec,
+                Some(req.checkpoint.clone()),
+                Some(fingerprint),
+            );
+            let id = rev.id.clone();
+            h.revisions.push(rev);
+            (h.serving().map(|r| r.id.clone()), id)
+        };
+        let rev = app
+            .history
+            .lock()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, "the new revision vanished"))?;
+        self.materialize(app, &rev)?;
+        let plan = Plan {
+            canary: req.canary.or(app.spec.promotion.canary),
+            bake: req.bake.unwrap_or(app.spec.promotion.bake),
+            at_zero: self.at_zero(from.as_deref()),
+        };
+        let note = format!(
+            "promote {id} from {} ({}{})",
+            req.checkpoint,
+            plan.canary
+                .map_or("all at once".to_string(), |c| format!("canary {c}%")),
+            if plan.at_zero { ", at zero" } else { "" }
+        );
+        let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
+        self.step(app, &p, fx, &note)?;
+        tokio::spawn(self.clone().drive(app.clone()));
+        Ok(id)
+    }
+
+    /// Rolls back: ends a running promotion in favour of the old revision,
+    /// or, with none running, promotes the previous good revision again
+    /// (its weights are in the cache, so it starts without a download).
+    /// Returns the revision that will serve.
+    pub(crate) fn rollback(self: &Arc<Self>, app: &Arc<Served>) -> Result<String, ApiError> {
+        {
+            let h = app.history.lock();
+            if let Some(p) = h.promotion.as_ref().filter(|p| !p.phase.is_terminal()) {
+                *app.rollback.lock() = Some("requested by an operator".into());
+                return p.from.clone().ok_or_else(|| {
+                    ApiError::new(
+                        ErrorKind::Conflict,
+                        format!("app '{}' has no earlier revision", app.name),
+                    )
+                });
+            }
+        }
+        let (from, prev) = {
+            let h = app.history.lock();
+            let prev = h.previous_good().cloned().ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::Conflict,
+                    format!("app '{}' has no earlier revision to roll back to", app.name),
+                )
+            })?;
+            (h.serving().map(|r| r.id.clone()), prev)
+        };
+        self.materialize(app, &prev)?;
+        let plan = Plan {
+            canary: None,
+            bake: Duration::ZERO,
+            at_zero: self.at_zero(from.as_deref()),
+        };
+        let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
+        self.step(app, &p, fx, &format!("roll back to {}", prev.id))?;
+        tokio::spawn(self.clone().drive(app.clone()));
+        Ok(prev.id)
+    }
+
+    fn refuse_if_promoting(&self, app: &Served) -> Result<(), ApiError> {
+        let h = app.history.lock();
+        if h.promoting() {
+            return Err(promoting_error(&app.name, &h));
+        }
+        Ok(())
+    }
+
+    /// Whether the serving revision has no replicas at all.
+    fn at_zero(&self, serving: Option<&str>) -> bool {
+        serving.is_none_or(|id| {
+            self.pool.desired(id).unwrap_or(0) == 0
+                && self
+                    .pool
+                    .health(id)
+                    .is_none_or(|h| h.ready == 0 && h.starting == 0)
+        })
+    }
+
+    /// Records a step (persisted before anything happens), then acts on it.
+    fn step(
+        &self,
+        app: &Served,
+        p: &Promotion,
+        fx: Vec<Effect>,
+        note: &str,
+    ) -> Result<(), ApiError> {
+        {
+            let mut h = app.history.lock();
+            h.apply(p, &fx);
+            self.store.lock().save(&app.name, &h, note).map_err(|e| {
+                ApiError::new(
+                    ErrorKind::NoCapacity,
+                    format!("cannot record the step: {e}"),
+                )
+            })?;
+        }
+        tracing::info!(app = %app.name, to = %p.to, phase = ?p.phase, "{note}");
+        self.act(app, &fx);
+        Ok(())
+    }
+
+    fn act(&self, app: &Served, fx: &[Effect]) {
+        for e in fx {
+            match e {
+                Effect::Start(id) => {
+                    // As many replicas as the serving revision has, so the
+                    // switch does not shrink capacity; at least one.
+                    let n = app
+                        .serving()
+                        .map_or(1, |s| s.ready_replicas().max(1) as u32);
+                    if let Some(a) = app.revision(id) {
+                        a.hold(n);
+                    }
+                    self.pool.scale(id, n);
+                }
+                Effect::Traffic(split) => app.set_split(split),
+                Effect::State(..) => {}
+                Effect::Retire(id) => {
+                    if let Some(a) = app.revision(id) {
+                        a.hold(0);
+                    }
+                    app.remove_live(id);
+                    self.pool.scale(id, 0);
+                }
+            }
+        }
+    }
+
+    /// Runs a promotion to its end: waits for the new revision's replicas,
+    /// bakes the canary while watching its error rate, honours an
+    /// operator's rollback.
+    async fn drive(self: Arc<Self>, app: Arc<Served>) {
+        let mut since = Instant::now();
+        let mut phase_seen: Option<Phase> = None;
+        let mut baseline = (0u64, 0u64);
+        loop {
+            let Some(p) = app.history.lock().promotion.clone() else {
+                return;
+            };
+            if p.phase.is_terminal() {
+                for a in app.live() {
+                    a.hold(0);
+                }
+                return;
+            }
+            let to = app.revision(&p.to);
+            if phase_seen.as_ref() != Some(&p.phase) {
+                since = Instant::now();
+                phase_seen = Some(p.phase.clone());
+                baseline = to.as_ref().map_or((0, 0), |a| a.health());
+            }
+            let event = if let Some(reason) = app.rollback.lock().take() {
+                Some(Event::Rollback(reason))
+            } else {
+                match p.phase {
+                    Phase::Warming => self.warming(&app, &p, since),
+                    Phase::Canary => canary(&app, &p, to.as_deref(), baseline, since),
+                    _ => None,
+                }
+            };
+            if let Some(event) = event {
+                let note = match &event {
+                    Event::Ready => format!("{} is ready", p.to),
+                    Event::StartFailed(r) => format!("{} failed to start: {r}", p.to),
+                    Event::BakeElapsed => format!("{} baked; it takes all traffic", p.to),
+                    Event::Unhealthy(r) => format!("{} rolled back: {r}", p.to),
+                    Event::Rollback(r) => format!("{} rolled back: {r}", p.to),
+                };
+                match p.on(event) {
+                    Ok((next, fx)) => {
+                        if let Err(e) = self.step(&app, &next, fx, &note) {
+                            tracing::error!(app = %app.name, error = %e.message, "promotion step not recorded");
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(app = %app.name, error = %e, "promotion event ignored")
+                    }
+                }
+                continue;
+            }
+            tokio::time::sleep(STEP).await;
+        }
+    }
+
+    /// During warming: ready, failed, or not yet.
+    fn warming(&self, app: &Served, p: &Promotion, since: Instant) -> Option<Event> {
+        let h = self.pool.health(&p.to)?;
+        if h.ready > 0 {
+            return Some(Event::Ready);
+        }
+        if h.failing_to_start && h.starting == 0 {
+            return Some(Event::StartFailed(
+                h.last_error.unwrap_or_else(|| "it exited".into()),
+            ));
+        }
+        let limit = app.spec.startup_timeout + Duration::from_secs(5);
+        (since.elapsed() > limit).then(|| {
+            Event::StartFailed(format!(
+                "not ready within {}",
+                humantime::format_duration(app.spec.startup_timeout)
+            ))
+        })
+    }
+}
+
+/// During the canary: too many errors, baked, or not yet.
+fn canary(
+    app: &Served,
+    p: &Promotion,
+    to: Option<&App>,
+    baseline: (u64, u64),
+    since: Instant,
+) -> Option<Event> {
+    if let Some(a) = to {
+        let (answered, failed) = a.health();
+        let answered = answered.saturating_sub(baseline.0);
+        let failed = failed.saturating_sub(baseline.1);
+        let rate = failed as f64 / answered.max(1) as f64;
+        let spec = &app.spec.promotion;
+        if answered >= spec.min_requests && rate > spec.max_error_rate {
+            return Some(Event::Unhealthy(format!(
+                "error rate {:.0}% over {answered} answers is above {:.0}%",
+                rate * 100.0,
+                spec.max_error_rate * 100.0
+            )));
+        }
+    }
+    (since.elapsed() >= p.plan.bake).then_some(Event::BakeElapsed)
+}
+
+fn promoting_error(app: &str, h: &History) -> ApiError {
+    let to = h.promotion.as_ref().map_or("?", |p| p.to.as_str());
+    ApiError::new(
+        ErrorKind::Conflict,
+        format!("app '{app}' is already promoting {to}; wait for it or roll back"),
+    )
+}
+
+/// A new revision of `spec` on `checkpoint`.
+fn new_revision(
+    h: &History,
+    spec: &AppSpec,
+    checkpoint: Option<String>,
+    checkpoint_version: Option<String>,
+) -> Revision {
+    let seq = h.next_seq();
+    let mut spec = spec.clone();
+    spec.checkpoint = checkpoint.clone();
+    Revision {
+        id: revision_id(&spec.name, seq),
+        app: spec.name.clone(),
+        seq,
+        checkpoint,
+        checkpoint_version,
+        spec: serde_json::to_string(&spec).unwrap_or_default(),
+        created_unix: unix_now(),
+        state: RevisionState::Pending,
+        traffic: 0,
+        served: false,
+    }
+}
+
+/// The checkpoint's identity at promotion time: each file's name, size and
+/// ETag (or version), hashed.
+fn fingerprint(items: &[warmgate_pool::weights::PullItem]) -> String {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    for i in items {
+        h.update(i.relative.to_string_lossy().as_bytes());
+        h.update(i.meta.size.to_le_bytes());
+        h.update(i.meta.e_tag.as_deref().unwrap_or("").as_bytes());
+        h.update(i.meta.version.as_deref().unwrap_or("").as_bytes());
+    }
+    let hex = format!("{:x}", h.finalize());
+    format!("sha256:{}", &hex[..16])
+}

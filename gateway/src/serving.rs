@@ -1,0 +1,157 @@
+//! An app as users see it: a name, its revisions, and the traffic split
+//! between them. Each revision is a [`dispatch::App`](crate::dispatch::App)
+//! with its own replicas, hold queue and autoscaler, as Knative gives each
+//! revision its own KPA.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use warmgate_deploy::AppSpec;
+use warmgate_deploy::revision::History;
+
+use crate::dispatch::App;
+use crate::error::{ApiError, ErrorKind};
+
+/// One app: its revisions and their traffic.
+pub struct Served {
+    /// The app's name.
+    pub name: String,
+    /// Its spec in the config (a revision may run another checkpoint).
+    pub spec: AppSpec,
+    routing: RwLock<Routing>,
+    /// Revisions and the last promotion, as persisted.
+    pub history: Mutex<History>,
+    /// Set by an operator's rollback while a promotion runs; the promotion
+    /// picks it up on its next step.
+    pub rollback: Mutex<Option<String>>,
+}
+
+#[derive(Default)]
+struct Routing {
+    /// Revisions taking traffic, with their cumulative share (0..=100).
+    split: Vec<(Arc<App>, u32)>,
+    /// Every revision with replicas or starting ones, by id.
+    live: HashMap<String, Arc<App>>,
+}
+
+impl Served {
+    /// An app with no revision yet.
+    pub fn new(spec: AppSpec, history: History) -> Self {
+        Served {
+            name: spec.name.clone(),
+            spec,
+            routing: RwLock::new(Routing::default()),
+            history: Mutex::new(history),
+            rollback: Mutex::new(None),
+        }
+    }
+
+    /// The revision for one request: the one named by
+    /// `X-Warmgate-Revision` when given (for evaluation traffic), else one
+    /// drawn by the traffic split.
+    pub fn pick(&self, pinned: Option<&str>) -> Result<Arc<App>, ApiError> {
+        let r = self.routing.read();
+        if let Some(id) = pinned {
+            return r.live.get(id).cloned().ok_or_else(|| {
+                let mut ids: Vec<&str> = r.live.keys().map(String::as_str).collect();
+                ids.sort_unstable();
+                ApiError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "app '{}' has no live revision '{id}' (live: {})",
+                        self.name,
+                        ids.join(", ")
+                    ),
+                )
+            });
+        }
+        match r.split.as_slice() {
+            [] => Err(ApiError::new(
+                ErrorKind::NoCapacity,
+                format!("app '{}' has no revision taking traffic", self.name),
+            )
+            .retry_after(1)),
+            [(only, _)] => Ok(only.clone()),
+            split => {
+                let draw = fastrand::u32(0..100);
+                Ok(split
+                    .iter()
+                    .find(|(_, upto)| draw < *upto)
+                    .unwrap_or(&split[split.len() - 1])
+                    .0
+                    .clone())
+            }
+        }
+    }
+
+    /// Makes `app` routable by pinning (it has, or will have, replicas).
+    pub fn add_live(&self, app: Arc<App>) {
+        self.routing.write().live.insert(app.revision.clone(), app);
+    }
+
+    /// Takes a revision out of routing altogether.
+    pub fn remove_live(&self, id: &str) {
+        let mut r = self.routing.write();
+        r.live.remove(id);
+        r.split.retain(|(a, _)| a.revision != id);
+    }
+
+    /// Routes traffic by `split` (revision id, percent); ids must be live.
+    pub fn set_split(&self, split: &[(String, u8)]) {
+        let mut r = self.routing.write();
+        let mut upto = 0u32;
+        let mut out = Vec::new();
+        for (id, pct) in split {
+            if *pct == 0 {
+                continue;
+            }
+            if let Some(app) = r.live.get(id) {
+                upto += u32::from(*pct);
+                out.push((app.clone(), upto));
+            }
+        }
+        r.split = out;
+    }
+
+    /// Every live revision.
+    pub fn live(&self) -> Vec<Arc<App>> {
+        let mut v: Vec<Arc<App>> = self.routing.read().live.values().cloned().collect();
+        v.sort_by(|a, b| a.revision.cmp(&b.revision));
+        v
+    }
+
+    /// A live revision by id.
+    pub fn revision(&self, id: &str) -> Option<Arc<App>> {
+        self.routing.read().live.get(id).cloned()
+    }
+
+    /// The revision with the largest share (the newer one on a tie).
+    pub fn serving(&self) -> Option<Arc<App>> {
+        let r = self.routing.read();
+        let mut prev = 0;
+        let mut best: Option<(u32, &Arc<App>)> = None;
+        for (app, upto) in &r.split {
+            let share = upto - prev;
+            prev = *upto;
+            if best.is_none_or(|(b, a)| share > b || (share == b && app.revision > a.revision)) {
+                best = Some((share, app));
+            }
+        }
+        best.map(|(_, a)| a.clone())
+    }
+
+    /// Each routed revision's share in percent.
+    pub fn shares(&self) -> Vec<(String, u8)> {
+        let r = self.routing.read();
+        let mut prev = 0;
+        r.split
+            .iter()
+            .map(|(app, upto)| {
+                let share = (upto - prev) as u8;
+                prev = *upto;
+                (app.revision.clone(), share)
+            })
+            .collect()
+    }
+}
