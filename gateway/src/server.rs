@@ -467,6 +467,7 @@ impl Gateway {
                 desired: t.map_or(0, |t| t.desired),
                 inflight: i,
                 queued: q,
+                replicas: t.map(|t| t.replicas.clone()).unwrap_or_default(),
             });
         }
         let spec = &served.spec;
@@ -589,6 +590,8 @@ pub struct RevisionStatus {
     pub inflight: u32,
     /// Requests held.
     pub queued: usize,
+    /// Its replicas.
+    pub replicas: Vec<warmgate_pool::ReplicaStatus>,
 }
 
 /// The HTTP routes, data plane and control plane.

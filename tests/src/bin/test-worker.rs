@@ -19,7 +19,8 @@
 //! in `TEST_WORKER_WEIGHTS_FAIL` (comma-separated ids) answers 500 to
 //! `POST /weights`; one in `TEST_WORKER_WEIGHTS_HANG` never answers.
 //! `TEST_WORKER_WEIGHTS_NO_HASH=1` skips the hashing (for benchmarks of the
-//! transport).
+//! transport). A checkpoint with a file named `BROKEN` makes the worker
+//! answer every other request with 500: a deliberately broken model.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -127,6 +128,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         pid: std::process::id(),
         close: close.clone(),
         weights_version: AtomicU64::new(loaded.version),
+        broken: std::sync::atomic::AtomicBool::new(loaded.broken),
         weights: tokio::sync::Mutex::new(loaded),
         http: reqwest::Client::new(),
     });
@@ -328,12 +330,16 @@ struct AppState {
     weights: tokio::sync::Mutex<Loaded>,
     /// The version loaded, readable while a swap holds the lock.
     weights_version: AtomicU64,
+    /// The loaded checkpoint is marked broken.
+    broken: std::sync::atomic::AtomicBool,
     http: reqwest::Client,
 }
 
 /// What a weights load read.
 #[derive(Debug, Clone, Default, Serialize)]
 struct Loaded {
+    /// The checkpoint has a `BROKEN` file.
+    broken: bool,
     version: u64,
     bytes: u64,
     files: u64,
@@ -386,6 +392,7 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
         }
     }
     Ok(Loaded {
+        broken: manifest.files.iter().any(|f| f.name == "BROKEN"),
         version,
         bytes,
         files: manifest.files.len() as u64,
@@ -438,6 +445,7 @@ async fn swap_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
             state
                 .weights_version
                 .store(loaded.version, Ordering::SeqCst);
+            state.broken.store(loaded.broken, Ordering::Relaxed);
             axum::Json(json!({"weights_version": loaded.version, "bytes": loaded.bytes}))
                 .into_response()
         }
@@ -676,6 +684,12 @@ async fn handle_request(State(state): State<Arc<AppState>>, request: Request) ->
     if controls.status.as_u16() >= 400 {
         let error = json!({ "error": "requested status" });
         return (controls.status, axum::Json(error)).into_response();
+    }
+    if state.broken.load(Ordering::Relaxed)
+        && state.counters.requests.load(Ordering::SeqCst) % 2 == 0
+    {
+        let error = json!({ "error": "this checkpoint is broken" });
+        return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(error)).into_response();
     }
 
     let json_body: Option<Value> = serde_json::from_slice(&body).ok();

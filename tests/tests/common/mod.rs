@@ -60,36 +60,7 @@ impl Gateway {
         let text = config.replace("{worker}", &test_worker());
         let path = dir.path().join("warmgate.toml");
         std::fs::write(&path, format!("state_dir = \"state\"\n{text}")).expect("write config");
-        let mut child = Command::new(bin("warmgate"))
-            .args(["serve", "--config"])
-            .arg(&path)
-            .args(["--listen", "127.0.0.1:0"])
-            .env("WARMGATE_LOG", "info,warmgate_pool=debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.path().join("gateway.log")).expect("log file"),
-            ))
-            .spawn()
-            .expect("start warmgate");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(line)) = lines.next() {
-                let _ = tx.send(line);
-            }
-            // Keep draining so the gateway never blocks on a full pipe.
-            for _ in lines {}
-        });
-        let line = rx.recv_timeout(WAIT).unwrap_or_else(|_| {
-            let log = std::fs::read_to_string(dir.path().join("gateway.log")).unwrap_or_default();
-            panic!("warmgate did not start listening:\n{log}")
-        });
-        let url = line
-            .strip_prefix("warmgate listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
-            .to_string();
+        let (child, url) = spawn(dir.path());
         Gateway {
             child: Some(child),
             url,
@@ -99,6 +70,24 @@ impl Gateway {
                 .build()
                 .expect("client"),
         }
+    }
+
+    /// `kill -9` of the gateway (its replicas too, as a crash of the
+    /// machine would), then a fresh `warmgate serve` on the same config
+    /// and state folder, on a new port.
+    pub fn kill9_and_restart(&mut self, replica_pids: &[i32]) {
+        let mut child = self.child.take().expect("running");
+        let _ = child.kill();
+        let _ = child.wait();
+        for pid in replica_pids {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let (child, url) = spawn(self.dir.path());
+        self.child = Some(child);
+        self.url = url;
     }
 
     /// `url + path`.
@@ -230,6 +219,45 @@ impl Drop for Gateway {
             }
         }
     }
+}
+
+/// Starts `warmgate serve` on `dir/warmgate.toml`; returns it and its URL.
+fn spawn(dir: &Path) -> (Child, String) {
+    let mut child = Command::new(bin("warmgate"))
+        .args(["serve", "--config"])
+        .arg(dir.join("warmgate.toml"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env("WARMGATE_LOG", "info,warmgate_pool=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("gateway.log"))
+                .expect("log file"),
+        ))
+        .spawn()
+        .expect("start warmgate");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        if let Some(Ok(line)) = lines.next() {
+            let _ = tx.send(line);
+        }
+        // Keep draining so the gateway never blocks on a full pipe.
+        for _ in lines {}
+    });
+    let line = rx.recv_timeout(WAIT).unwrap_or_else(|_| {
+        let log = std::fs::read_to_string(dir.join("gateway.log")).unwrap_or_default();
+        panic!("warmgate did not start listening:\n{log}")
+    });
+    let url = line
+        .strip_prefix("warmgate listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .to_string();
+    (child, url)
 }
 
 /// Polls `check` until it returns `Some`, at most `WAIT`; panics with

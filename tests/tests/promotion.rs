@@ -1,0 +1,358 @@
+//! Promotion end to end: new revisions from checkpoints under load, an
+//! automatic rollback of a broken canary, and a `kill -9` in the middle of
+//! a promotion.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::{Gateway, eventually, kind};
+use serde_json::{Value, json};
+
+/// A checkpoint folder; `broken` adds the file that makes the test worker
+/// fail every other request.
+fn checkpoint(root: &Path, name: &str, broken: bool) -> String {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join("model.bin"), name.repeat(1000)).expect("write");
+    if broken {
+        std::fs::write(dir.join("BROKEN"), "yes").expect("write");
+    }
+    format!("file://{}", dir.display())
+}
+
+fn config(extra: &str) -> String {
+    format!(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{{worker}}"]
+        concurrency = 16
+
+        [apps.autoscale]
+        min = 1
+        max = 2
+
+        [apps.promotion]
+        bake = "30s"
+        min_requests = 10
+        {extra}
+        "#
+    )
+}
+
+/// Steady traffic until stopped: counts answers, failures, and the
+/// revisions that answered.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    revisions: Arc<parking_lot_free::Seen>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+mod parking_lot_free {
+    //! The revisions that answered, in order of first sight.
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    pub struct Seen(Mutex<Vec<String>>);
+
+    impl Seen {
+        pub fn note(&self, rev: &str) {
+            let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            if v.last().map(String::as_str) != Some(rev) {
+                v.push(rev.to_string());
+            }
+        }
+
+        pub fn all(&self) -> Vec<String> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        }
+    }
+}
+
+impl Load {
+    /// `clients` loops, each sending requests back to back.
+    fn start(gw: &Gateway, clients: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let revisions = Arc::new(parking_lot_free::Seen::default());
+        let tasks = (0..clients)
+            .map(|_| {
+                let (stop, ok, failed, revisions) =
+                    (stop.clone(), ok.clone(), failed.clone(), revisions.clone());
+                let (http, url) = (gw.http.clone(), gw.at("/apps/m/work"));
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        match http.get(&url).send().await {
+                            Ok(r) if r.status().is_success() => {
+                                if let Some(rev) = r
+                                    .headers()
+                                    .get("x-warmgate-revision")
+                                    .and_then(|v| v.to_str().ok())
+                                {
+                                    revisions.note(rev);
+                                }
+                                let _ = r.bytes().await;
+                                ok.fetch_add(1, Ordering::Relaxed);
+                            }
+                            _ => {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            failed,
+            revisions,
+            tasks,
+        }
+    }
+
+    async fn stop(self) -> (u64, u64, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+            self.revisions.all(),
+        )
+    }
+}
+
+async fn post(gw: &Gateway, path: &str, body: Value) -> (u16, Value) {
+    let r = gw
+        .http
+        .post(gw.at(path))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn app(gw: &Gateway) -> Value {
+    gw.app_status("m").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promotion_under_load_loses_no_request() {
+    let root = tempfile::tempdir().expect("dir");
+    let v2 = checkpoint(root.path(), "v2", false);
+    let gw = Gateway::start(&config(""));
+    gw.wait_ready("m", 1).await;
+    assert_eq!(app(&gw).await["revision"], "m-00001");
+
+    let load = Load::start(&gw, 8);
+    eventually("traffic flows", || async {
+        (load.ok.load(Ordering::Relaxed) > 50).then_some(())
+    })
+    .await;
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": v2, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["revision"], "m-00002");
+    assert_eq!(body["promotion"]["phase"], "done", "{body}");
+    // Traffic keeps flowing on the new revision for a moment.
+    let before = load.ok.load(Ordering::Relaxed);
+    eventually("traffic on the new revision", || async {
+        (load.ok.load(Ordering::Relaxed) > before + 50).then_some(())
+    })
+    .await;
+    let (ok, failed, seen) = load.stop().await;
+    assert_eq!(failed, 0, "{ok} ok, {failed} failed");
+    assert_eq!(seen.last().map(String::as_str), Some("m-00002"), "{seen:?}");
+    assert!(seen.contains(&"m-00001".to_string()), "{seen:?}");
+
+    let s = app(&gw).await;
+    assert_eq!(s["revision"], "m-00002", "{s}");
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    let list = revs["revisions"].as_array().expect("revisions");
+    assert_eq!(list[0]["id"], "m-00002");
+    assert_eq!(list[0]["state"], "serving");
+    assert_eq!(list[0]["traffic"], 100);
+    assert!(
+        list[0]["checkpoint_version"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("sha256:")),
+        "{revs}"
+    );
+    assert_eq!(list[1]["id"], "m-00001");
+    assert_eq!(list[1]["state"], "retired");
+    // The old revision's replicas drain and stop.
+    eventually("the old revision has no replicas", || async {
+        let st = gw.json("/v1/status").await;
+        let live = st["apps"][0]["revisions"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        (live.len() == 1).then_some(())
+    })
+    .await;
+
+    // Pinned traffic for evaluation; a promotion while one runs, a bad
+    // checkpoint and an unknown app are refused clearly.
+    let r = gw
+        .http
+        .get(gw.at("/apps/m/x"))
+        .header("x-warmgate-revision", "m-00001")
+        .send()
+        .await
+        .expect("pinned");
+    assert_eq!(r.status(), 404, "a retired revision is not live");
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": "nope://x"})).await;
+    assert_eq!(status, 400, "{body}");
+    let missing = format!("file://{}", root.path().join("absent").display());
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": missing})).await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = post(&gw, "/v1/apps/nope/promote", json!({"checkpoint": v2})).await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(kind(&body), "not_found");
+
+    // Roll back by hand: the previous good revision serves again.
+    let (status, body) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["revision"], "m-00001");
+    eventually("m-00001 serves again", || async {
+        let s = app(&gw).await;
+        (s["revision"] == "m-00001" && s["promotion"]["phase"] == "done").then_some(())
+    })
+    .await;
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("get");
+    assert_eq!(r.headers()["x-warmgate-revision"], "m-00001");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_canary_is_rolled_back_automatically() {
+    let root = tempfile::tempdir().expect("dir");
+    let broken = checkpoint(root.path(), "broken", true);
+    let gw = Gateway::start(&config("canary = 20"));
+    gw.wait_ready("m", 1).await;
+    let load = Load::start(&gw, 8);
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": broken, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    assert!(
+        body["promotion"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("error rate")),
+        "{body}"
+    );
+    // Keep the load on the good revision for a while, as a user would.
+    let before = load.ok.load(Ordering::Relaxed);
+    eventually("traffic back on m-00001", || async {
+        (load.ok.load(Ordering::Relaxed) > before + 400).then_some(())
+    })
+    .await;
+    let (ok, failed, _) = load.stop().await;
+    let share = failed as f64 / (ok + failed) as f64;
+    assert!(share < 0.05, "{failed} of {} failed", ok + failed);
+
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    let new = &revs["revisions"][0];
+    assert_eq!(new["id"], "m-00002");
+    assert_eq!(new["state"], "failed", "{revs}");
+    assert_eq!(new["traffic"], 0);
+    assert_eq!(revs["revisions"][1]["traffic"], 100);
+    assert_eq!(app(&gw).await["revision"], "m-00001");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_mid_promotion_keeps_the_history_and_the_split() {
+    let root = tempfile::tempdir().expect("dir");
+    let v2 = checkpoint(root.path(), "v2", false);
+    let mut gw = Gateway::start(&config("canary = 50"));
+    gw.wait_ready("m", 1).await;
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;
+    assert_eq!(status, 202, "{body}");
+    let split = eventually("the canary runs", || async {
+        let s = app(&gw).await;
+        (s["promotion"]["phase"] == "canary").then_some(s["revisions"].clone())
+    })
+    .await;
+    let all_pids = replica_pids(&gw).await;
+    assert!(all_pids.len() >= 2, "both revisions run: {all_pids:?}");
+    let history_before = gw.json("/v1/apps/m/revisions").await;
+
+    gw.kill9_and_restart(&all_pids);
+
+    let history_after = gw.json("/v1/apps/m/revisions").await;
+    assert_eq!(
+        history_after["revisions"], history_before["revisions"],
+        "the history is intact"
+    );
+    assert_eq!(history_after["promotion"]["phase"], "canary");
+    let s = app(&gw).await;
+    let mut before: Vec<(String, u64)> = split
+        .as_array()
+        .expect("revisions")
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap_or("").to_string(),
+                r["traffic"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let mut after: Vec<(String, u64)> = s["revisions"]
+        .as_array()
+        .expect("revisions")
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap_or("").to_string(),
+                r["traffic"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    before.sort();
+    after.sort();
+    assert_eq!(after, before, "the same split after the restart");
+    // And it serves: both revisions answer.
+    eventually("both revisions answer after the restart", || async {
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..40 {
+            if let Ok(r) = gw.http.get(gw.at("/apps/m/x")).send().await
+                && let Some(v) = r.headers().get("x-warmgate-revision")
+            {
+                seen.insert(v.to_str().unwrap_or("").to_string());
+            }
+        }
+        (seen.len() == 2).then_some(())
+    })
+    .await;
+}
+
+/// Pids of every replica of every live revision.
+async fn replica_pids(gw: &Gateway) -> Vec<i32> {
+    let s = gw.json("/v1/status").await;
+    s["apps"][0]["revisions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|r| r["replicas"].as_array().cloned().unwrap_or_default())
+        .filter_map(|r| r["pid"].as_i64())
+        .map(|p| p as i32)
+        .collect()
+}
