@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
-use http_body_util::{BodyExt, Empty};
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
@@ -89,6 +89,41 @@ pub enum Command {
         /// (one file per cold start: PLOT-<cold start>.svg).
         #[arg(long)]
         plot: Option<PathBuf>,
+    },
+    /// Make a new revision from a checkpoint and shift traffic to it.
+    Promote {
+        /// The app.
+        app: String,
+        /// The checkpoint URI (s3://, gs://, az://, file://).
+        checkpoint: String,
+        /// Send this percent of traffic to it first, for the bake time.
+        #[arg(long)]
+        canary: Option<u8>,
+        /// How long the canary runs before the rest of the traffic moves.
+        #[arg(long)]
+        bake: Option<humantime::Duration>,
+        /// Wait until it serves 100% (exit 0) or is rolled back (exit 1).
+        #[arg(long)]
+        wait: bool,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+    },
+    /// Route traffic back to the previous good revision.
+    Rollback {
+        /// The app.
+        app: String,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+    },
+    /// List an app's revisions: checkpoint, created, state, traffic.
+    Revisions {
+        /// The app.
+        app: String,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
     },
     /// Show apps, replicas and queues, like `squeue`.
     Status {
@@ -171,6 +206,16 @@ pub fn run(cli: Cli) -> i32 {
                 plot.as_deref(),
             )
         }
+        Command::Promote {
+            app,
+            checkpoint,
+            canary,
+            bake,
+            wait,
+            gateway,
+        } => promote(&gateway, &app, &checkpoint, canary, bake, wait),
+        Command::Rollback { app, gateway } => rollback(&gateway, &app),
+        Command::Revisions { app, gateway } => revisions(&gateway, &app),
         Command::Weights {
             command:
                 WeightsCommand::Pull {
@@ -612,19 +657,43 @@ fn status(gateway: &str, watch: bool, interval: f64) -> i32 {
 }
 
 async fn get_json(gateway: &str, path: &str) -> anyhow::Result<Value> {
+    call(
+        gateway,
+        http::Method::GET,
+        path,
+        None,
+        Duration::from_secs(10),
+    )
+    .await
+}
+
+/// One call to the gateway's API; a non-2xx answer is an error with the
+/// gateway's message.
+async fn call(
+    gateway: &str,
+    method: http::Method,
+    path: &str,
+    body: Option<Value>,
+    timeout: Duration,
+) -> anyhow::Result<Value> {
     let url = format!("{}{path}", gateway.trim_end_matches('/'));
-    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let mut req = http::Request::get(&url)
-        .body(Empty::new())
+    let client: Client<_, http_body_util::Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let bytes = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(&url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(http_body_util::Full::new(bytes))
         .with_context(|| format!("bad gateway URL {url:?}"))?;
     if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
         let v = http::HeaderValue::from_str(&format!("Bearer {token}"))
             .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
         req.headers_mut().insert(http::header::AUTHORIZATION, v);
     }
-    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+    let resp = tokio::time::timeout(timeout, client.request(req))
         .await
-        .with_context(|| format!("{url} did not answer within 10s"))?
+        .with_context(|| format!("{url} did not answer within {}", humantime::format_duration(timeout)))?
         .with_context(|| {
             format!("cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY)")
         })?;
@@ -641,6 +710,174 @@ async fn get_json(gateway: &str, path: &str) -> anyhow::Result<Value> {
         anyhow::bail!("{url} answered {status}: {msg}");
     }
     Ok(v)
+}
+
+/// Runs one API call on a small runtime; prints errors; returns the exit
+/// code and the answer.
+fn api(
+    gateway: &str,
+    method: http::Method,
+    path: &str,
+    body: Option<Value>,
+    timeout: Duration,
+) -> Result<Value, i32> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("error: {e}");
+            1
+        })?;
+    rt.block_on(call(gateway, method, path, body, timeout))
+        .map_err(|e| {
+            eprintln!("error: {e:#}");
+            EXIT_UNAVAILABLE
+        })
+}
+
+/// `warmgate promote`.
+fn promote(
+    gateway: &str,
+    app: &str,
+    checkpoint: &str,
+    canary: Option<u8>,
+    bake: Option<humantime::Duration>,
+    wait: bool,
+) -> i32 {
+    let mut body = serde_json::json!({"checkpoint": checkpoint, "wait": wait});
+    if let Some(c) = canary {
+        body["canary"] = c.into();
+    }
+    if let Some(b) = bake {
+        body["bake"] = b.to_string().into();
+    }
+    let timeout = if wait {
+        Duration::from_secs(24 * 3600)
+    } else {
+        Duration::from_secs(600)
+    };
+    let v = match api(
+        gateway,
+        http::Method::POST,
+        &format!("/v1/apps/{app}/promote"),
+        Some(body),
+        timeout,
+    ) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
+    let rev = v["revision"].as_str().unwrap_or("?");
+    if !wait {
+        println!("{app}: promoting {rev} (follow it with `warmgate revisions {app}`)");
+        return 0;
+    }
+    let p = &v["promotion"];
+    match p["phase"].as_str() {
+        Some("done") => {
+            println!("{app}: {rev} serves 100%");
+            0
+        }
+        Some(phase) => {
+            eprintln!(
+                "{app}: {rev} did not take over ({phase}): {}",
+                p["reason"].as_str().unwrap_or("no reason given")
+            );
+            1
+        }
+        None => {
+            eprintln!("{app}: unexpected answer {v}");
+            1
+        }
+    }
+}
+
+/// `warmgate rollback`.
+fn rollback(gateway: &str, app: &str) -> i32 {
+    match api(
+        gateway,
+        http::Method::POST,
+        &format!("/v1/apps/{app}/rollback"),
+        None,
+        Duration::from_secs(30),
+    ) {
+        Ok(v) => {
+            println!(
+                "{app}: rolling back to {}",
+                v["revision"].as_str().unwrap_or("?")
+            );
+            0
+        }
+        Err(code) => code,
+    }
+}
+
+/// `warmgate revisions`: the history as a table, then the recent notes.
+fn revisions(gateway: &str, app: &str) -> i32 {
+    match api(
+        gateway,
+        http::Method::GET,
+        &format!("/v1/apps/{app}/revisions"),
+        None,
+        Duration::from_secs(10),
+    ) {
+        Ok(v) => {
+            print!("{}", render_revisions(&v));
+            0
+        }
+        Err(code) => code,
+    }
+}
+
+/// The `revisions` table.
+pub fn render_revisions(v: &Value) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<16} {:<9} {:>7} {:<20} {:<22} CHECKPOINT",
+        "REVISION", "STATE", "TRAFFIC", "CREATED", "VERSION"
+    );
+    for r in v["revisions"].as_array().cloned().unwrap_or_default() {
+        let created = r["created_unix"]
+            .as_f64()
+            .map(|t| {
+                humantime::format_rfc3339_seconds(
+                    std::time::UNIX_EPOCH + Duration::from_secs_f64(t.max(0.0)),
+                )
+                .to_string()
+            })
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{:<16} {:<9} {:>6}% {:<20} {:<22} {}",
+            r["id"].as_str().unwrap_or("?"),
+            r["state"].as_str().unwrap_or("?"),
+            r["traffic"],
+            created,
+            r["checkpoint_version"].as_str().unwrap_or("-"),
+            r["checkpoint"].as_str().unwrap_or("-"),
+        );
+        if let Some(reason) = r["reason"].as_str() {
+            let _ = writeln!(out, "  ! {reason}");
+        }
+    }
+    let notes = v["notes"].as_array().cloned().unwrap_or_default();
+    if !notes.is_empty() {
+        out.push_str("\nhistory:\n");
+        for n in notes.iter().rev().take(10).rev() {
+            let at = n["at_unix"]
+                .as_f64()
+                .map(|t| {
+                    humantime::format_rfc3339_seconds(
+                        std::time::UNIX_EPOCH + Duration::from_secs_f64(t.max(0.0)),
+                    )
+                    .to_string()
+                })
+                .unwrap_or_default();
+            let _ = writeln!(out, "  {at}  {}", n["what"].as_str().unwrap_or(""));
+        }
+    }
+    out
 }
 
 /// The `status` table: one line per app, then its replicas.

@@ -143,6 +143,22 @@ async fn post(gw: &Gateway, path: &str, body: Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
+/// Runs `warmgate ARGS --gateway URL`; returns its output, asserting success.
+fn cli(gw: &Gateway, args: &[&str]) -> String {
+    let out = std::process::Command::new(common::bin("warmgate"))
+        .args(args)
+        .args(["--gateway", &gw.url])
+        .output()
+        .expect("run warmgate");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "warmgate {args:?} failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 async fn app(gw: &Gateway) -> Value {
     gw.app_status("m").await
 }
@@ -225,10 +241,15 @@ async fn a_promotion_under_load_loses_no_request() {
     assert_eq!(status, 404, "{body}");
     assert_eq!(kind(&body), "not_found");
 
+    // `warmgate revisions` shows the history.
+    let out = cli(&gw, &["revisions", "m"]);
+    assert!(out.contains("m-00002") && out.contains("serving"), "{out}");
+    assert!(out.contains("m-00001") && out.contains("retired"), "{out}");
+    assert!(out.contains("promote m-00002"), "{out}");
+
     // Roll back by hand: the previous good revision serves again.
-    let (status, body) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(body["revision"], "m-00001");
+    let out = cli(&gw, &["rollback", "m"]);
+    assert!(out.contains("rolling back to m-00001"), "{out}");
     eventually("m-00001 serves again", || async {
         let s = app(&gw).await;
         (s["revision"] == "m-00001" && s["promotion"]["phase"] == "done").then_some(())
