@@ -78,6 +78,12 @@ pub mod defaults {
     pub const BAKE: Duration = Duration::from_secs(60);
     /// 5% failed answers on the canary sends traffic back.
     pub const MAX_ERROR_RATE: f64 = 0.05;
+    /// The marker PyTorch Lightning-style checkpointers and our examples
+    /// write last.
+    pub const MARKER: &str = "_COMPLETE";
+    /// Listing a prefix every 10 s costs nothing and catches an epoch's
+    /// checkpoint long before anyone looks.
+    pub const WATCH_INTERVAL: Duration = Duration::from_secs(10);
     /// Twenty answers before judging: one early error is not 100%.
     pub const MIN_REQUESTS: u64 = 20;
     /// Knative's `max-scale-up-rate`: in practice unbounded, because too few
@@ -207,6 +213,14 @@ pub struct PromotionSpec {
     pub max_error_rate: f64,
     /// Answers needed before the error rate counts.
     pub min_requests: u64,
+    /// A prefix where training writes checkpoints, one folder each: the
+    /// newest folder holding `marker` is promoted.
+    pub watch: Option<String>,
+    /// The file training writes last, when a checkpoint is whole.
+    pub marker: String,
+    /// How often `watch` is listed.
+    #[serde(with = "humantime_serde")]
+    pub watch_interval: Duration,
 }
 
 impl Default for PromotionSpec {
@@ -216,6 +230,9 @@ impl Default for PromotionSpec {
             bake: defaults::BAKE,
             max_error_rate: defaults::MAX_ERROR_RATE,
             min_requests: defaults::MIN_REQUESTS,
+            watch: None,
+            marker: defaults::MARKER.into(),
+            watch_interval: defaults::WATCH_INTERVAL,
         }
     }
 }
@@ -559,6 +576,18 @@ impl Config {
                 return Err((at("queue.timeout"), "must be more than 0s".into()));
             }
             let pr = &app.promotion;
+            if pr.marker.is_empty() || pr.marker.contains('/') {
+                return Err((
+                    at("promotion.marker"),
+                    "must be a file name (e.g. \"_COMPLETE\")".into(),
+                ));
+            }
+            if pr.watch_interval.is_zero() {
+                return Err((
+                    at("promotion.watch_interval"),
+                    "must be more than 0s".into(),
+                ));
+            }
             if pr.canary.is_some_and(|c| c == 0 || c > 100) {
                 return Err((at("promotion.canary"), "must be 1 to 100 (percent)".into()));
             }
@@ -650,6 +679,9 @@ impl Config {
             resolve_command(&mut app.command, base);
             if let Some(c) = &mut app.checkpoint {
                 resolve_checkpoint(c, base);
+            }
+            if let Some(w) = &mut app.promotion.watch {
+                resolve_checkpoint(w, base);
             }
         }
     }

@@ -249,6 +249,9 @@ impl Gateway {
         for app in &gw.apps {
             gw.restore(app)
                 .with_context(|| format!("app '{}': restore its revisions", app.name))?;
+            if app.spec.promotion.watch.is_some() {
+                tokio::spawn(gw.clone().watch(app.clone()));
+            }
         }
         Ok(gw)
     }
@@ -498,6 +501,12 @@ impl Gateway {
             pool: target.cloned(),
             revisions,
             promotion: promotion.map(|p| json!(p)),
+            watch_scans: served
+                .spec
+                .promotion
+                .watch
+                .as_ref()
+                .map(|_| served.watch_scans.load(Ordering::Relaxed)),
         }
     }
 
@@ -573,6 +582,8 @@ pub struct AppStatus {
     pub revisions: Vec<RevisionStatus>,
     /// The last promotion.
     pub promotion: Option<serde_json::Value>,
+    /// Times the checkpoint watcher has looked (when it is on).
+    pub watch_scans: Option<u64>,
 }
 
 /// One live revision in `/v1/status`.

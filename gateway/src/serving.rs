@@ -25,6 +25,8 @@ pub struct Served {
     /// Set by an operator's rollback while a promotion runs; the promotion
     /// picks it up on its next step.
     pub rollback: Mutex<Option<String>>,
+    /// Times the checkpoint watcher has listed its prefix.
+    pub watch_scans: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -44,6 +46,7 @@ impl Served {
             routing: RwLock::new(Routing::default()),
             history: Mutex::new(history),
             rollback: Mutex::new(None),
+            watch_scans: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

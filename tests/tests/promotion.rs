@@ -377,3 +377,57 @@ async fn replica_pids(gw: &Gateway) -> Vec<i32> {
         .map(|p| p as i32)
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watcher_promotes_complete_checkpoints_only() {
+    let root = tempfile::tempdir().expect("dir");
+    let watch = root.path().join("ckpts");
+    std::fs::create_dir_all(&watch).expect("mkdir");
+    let gw = Gateway::start(&config(&format!(
+        "watch = \"file://{}\"\nwatch_interval = \"100ms\"",
+        watch.display()
+    )));
+    gw.wait_ready("m", 1).await;
+    let scans = || async { app(&gw).await["watch_scans"].as_u64().unwrap_or(0) };
+
+    // A checkpoint still being written: files, no marker.
+    checkpoint(&watch, "epoch-1", false);
+    let seen = scans().await;
+    eventually("the watcher looked three more times", || async {
+        (scans().await >= seen + 3).then_some(())
+    })
+    .await;
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    assert_eq!(
+        revs["revisions"].as_array().map(Vec::len),
+        Some(1),
+        "a half-written checkpoint is never promoted: {revs}"
+    );
+
+    // The marker makes it whole: promoted, and served.
+    std::fs::write(watch.join("epoch-1/_COMPLETE"), "").expect("marker");
+    eventually("epoch-1 serves", || async {
+        let s = app(&gw).await;
+        (s["revision"] == "m-00002" && s["promotion"]["phase"] == "done").then_some(())
+    })
+    .await;
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    assert!(
+        revs["revisions"][0]["checkpoint"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("/epoch-1")),
+        "{revs}"
+    );
+    // The same checkpoint is not promoted twice.
+    let seen = scans().await;
+    eventually("the watcher looked again", || async {
+        (scans().await >= seen + 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        gw.json("/v1/apps/m/revisions").await["revisions"]
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+}
