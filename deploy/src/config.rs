@@ -213,6 +213,10 @@ pub struct PromotionSpec {
     pub max_error_rate: f64,
     /// Answers needed before the error rate counts.
     pub min_requests: u64,
+    /// During the canary, roll back when the new revision's p99 latency
+    /// (to the response head) passes this (unset: latency is not judged).
+    #[serde(with = "humantime_serde")]
+    pub max_p99: Option<Duration>,
     /// A prefix where training writes checkpoints, one folder each: the
     /// newest folder holding `marker` is promoted.
     pub watch: Option<String>,
@@ -230,6 +234,7 @@ impl Default for PromotionSpec {
             bake: defaults::BAKE,
             max_error_rate: defaults::MAX_ERROR_RATE,
             min_requests: defaults::MIN_REQUESTS,
+            max_p99: None,
             watch: None,
             marker: defaults::MARKER.into(),
             watch_interval: defaults::WATCH_INTERVAL,

@@ -45,7 +45,13 @@ pub struct App {
     /// worker's 5xx answers): the canary's health.
     answered: AtomicU64,
     failed: AtomicU64,
+    /// The latest answers' latencies (to the response head), for the
+    /// canary's p99: (answer number, seconds).
+    latencies: Mutex<VecDeque<(u64, f64)>>,
 }
+
+/// Latencies kept per revision for the canary's p99.
+const LATENCY_WINDOW: usize = 2048;
 
 struct Slots {
     replicas: Vec<Arc<ReplicaHandle>>,
@@ -160,6 +166,7 @@ impl App {
             floor: AtomicU32::new(0),
             answered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            latencies: Mutex::new(VecDeque::new()),
             spec,
         }
     }
@@ -315,12 +322,34 @@ impl App {
     }
 
     /// Counts an answer for the canary's health: `failed` for a gateway
-    /// error or a 5xx from the worker.
-    pub fn answered(&self, failed: bool) {
-        self.answered.fetch_add(1, Ordering::Relaxed);
+    /// error or a 5xx from the worker, and how long it took.
+    pub fn answered(&self, failed: bool, took: Duration) {
+        let n = self.answered.fetch_add(1, Ordering::Relaxed) + 1;
         if failed {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
+        let mut l = self.latencies.lock();
+        if l.len() >= LATENCY_WINDOW {
+            l.pop_front();
+        }
+        l.push_back((n, took.as_secs_f64()));
+    }
+
+    /// The p99 latency of the answers after answer number `since`, if any.
+    pub fn p99_since(&self, since: u64) -> Option<Duration> {
+        let mut v: Vec<f64> = self
+            .latencies
+            .lock()
+            .iter()
+            .filter(|(n, _)| *n > since)
+            .map(|(_, s)| *s)
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let i = ((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1;
+        Some(Duration::from_secs_f64(v[i]))
     }
 
     /// Counts a finished request: `None` for success, or its error kind.

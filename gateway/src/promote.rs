@@ -483,6 +483,17 @@ fn canary(
                 spec.max_error_rate * 100.0
             )));
         }
+        if let Some(limit) = spec.max_p99
+            && answered >= spec.min_requests
+            && let Some(p99) = a.p99_since(baseline.0)
+            && p99 > limit
+        {
+            return Some(Event::Unhealthy(format!(
+                "p99 latency {:.0} ms over {answered} answers is above {:.0} ms",
+                p99.as_secs_f64() * 1e3,
+                limit.as_secs_f64() * 1e3
+            )));
+        }
     }
     (since.elapsed() >= p.plan.bake).then_some(Event::BakeElapsed)
 }

@@ -335,6 +335,7 @@ impl Gateway {
             Ok(a) => a,
             Err(e) => return (None, Err(e)),
         };
+        let t0 = Instant::now();
         let result = self.serve_app(&app, req, path_and_query).await;
         let failed = match &result {
             Ok(r) => r.status().is_server_error(),
@@ -343,7 +344,7 @@ impl Gateway {
                 ErrorKind::ReplicaFailed | ErrorKind::Timeout | ErrorKind::NoCapacity
             ),
         };
-        app.answered(failed);
+        app.answered(failed, t0.elapsed());
         (Some(app), result)
     }
 

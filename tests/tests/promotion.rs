@@ -15,11 +15,16 @@ use serde_json::{Value, json};
 /// A checkpoint folder; `broken` adds the file that makes the test worker
 /// fail every other request.
 fn checkpoint(root: &Path, name: &str, broken: bool) -> String {
+    checkpoint_with(root, name, if broken { &["BROKEN"] } else { &[] })
+}
+
+/// A checkpoint folder with these marker files too.
+fn checkpoint_with(root: &Path, name: &str, markers: &[&str]) -> String {
     let dir = root.join(name);
     std::fs::create_dir_all(&dir).expect("mkdir");
     std::fs::write(dir.join("model.bin"), name.repeat(1000)).expect("write");
-    if broken {
-        std::fs::write(dir.join("BROKEN"), "yes").expect("write");
+    for m in markers {
+        std::fs::write(dir.join(m), "yes").expect("write");
     }
     format!("file://{}", dir.display())
 }
@@ -430,4 +435,30 @@ async fn the_watcher_promotes_complete_checkpoints_only() {
             .map(Vec::len),
         Some(2)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_canary_is_rolled_back_on_its_p99() {
+    let root = tempfile::tempdir().expect("dir");
+    let slow = checkpoint_with(root.path(), "slow", &["SLOW"]);
+    let gw = Gateway::start(&config("canary = 50\nmax_p99 = \"100ms\""));
+    gw.wait_ready("m", 1).await;
+    let load = Load::start(&gw, 8);
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": slow, "wait": true}),
+    )
+    .await;
+    let (_, failed, _) = load.stop().await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    assert!(
+        body["promotion"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("p99")),
+        "{body}"
+    );
+    assert_eq!(failed, 0, "slow is not failed");
+    assert_eq!(app(&gw).await["revision"], "m-00001");
 }

@@ -20,7 +20,8 @@
 //! `POST /weights`; one in `TEST_WORKER_WEIGHTS_HANG` never answers.
 //! `TEST_WORKER_WEIGHTS_NO_HASH=1` skips the hashing (for benchmarks of the
 //! transport). A checkpoint with a file named `BROKEN` makes the worker
-//! answer every other request with 500: a deliberately broken model.
+//! answer every other request with 500: a deliberately broken model. One
+//! with a file named `SLOW` adds 200 ms to every request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -56,6 +57,8 @@ const CRASH_MID_DELAY: Duration = Duration::from_millis(50);
 const DEFAULT_SSE_INTERVAL: Duration = Duration::from_millis(100);
 /// Number of events streamed when an OpenAI request sets `"stream": true`.
 const OPENAI_STREAM_EVENTS: u32 = 5;
+/// Latency a checkpoint marked `SLOW` adds.
+const SLOW_CHECKPOINT: Duration = Duration::from_millis(200);
 /// Dimension of the fake embeddings.
 const EMBEDDING_DIM: u64 = 8;
 
@@ -129,6 +132,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         close: close.clone(),
         weights_version: AtomicU64::new(loaded.version),
         broken: std::sync::atomic::AtomicBool::new(loaded.broken),
+        slow: std::sync::atomic::AtomicBool::new(loaded.slow),
         weights: tokio::sync::Mutex::new(loaded),
         http: reqwest::Client::new(),
     });
@@ -332,6 +336,8 @@ struct AppState {
     weights_version: AtomicU64,
     /// The loaded checkpoint is marked broken.
     broken: std::sync::atomic::AtomicBool,
+    /// The loaded checkpoint is marked slow.
+    slow: std::sync::atomic::AtomicBool,
     http: reqwest::Client,
 }
 
@@ -340,6 +346,8 @@ struct AppState {
 struct Loaded {
     /// The checkpoint has a `BROKEN` file.
     broken: bool,
+    /// The checkpoint has a `SLOW` file.
+    slow: bool,
     version: u64,
     bytes: u64,
     files: u64,
@@ -393,6 +401,7 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
     }
     Ok(Loaded {
         broken: manifest.files.iter().any(|f| f.name == "BROKEN"),
+        slow: manifest.files.iter().any(|f| f.name == "SLOW"),
         version,
         bytes,
         files: manifest.files.len() as u64,
@@ -446,6 +455,7 @@ async fn swap_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
                 .weights_version
                 .store(loaded.version, Ordering::SeqCst);
             state.broken.store(loaded.broken, Ordering::Relaxed);
+            state.slow.store(loaded.slow, Ordering::Relaxed);
             axum::Json(json!({"weights_version": loaded.version, "bytes": loaded.bytes}))
                 .into_response()
         }
@@ -684,6 +694,9 @@ async fn handle_request(State(state): State<Arc<AppState>>, request: Request) ->
     if controls.status.as_u16() >= 400 {
         let error = json!({ "error": "requested status" });
         return (controls.status, axum::Json(error)).into_response();
+    }
+    if state.slow.load(Ordering::Relaxed) {
+        tokio::time::sleep(SLOW_CHECKPOINT).await;
     }
     if state.broken.load(Ordering::Relaxed)
         && state.counters.requests.load(Ordering::SeqCst) % 2 == 0
