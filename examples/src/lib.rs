@@ -6,6 +6,7 @@
 //!   it through the gateway.
 
 pub mod cartpole;
+pub mod charlm;
 
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
