@@ -248,3 +248,54 @@ async fn replicas_starting_together_share_one_download() {
         "each file came from the store exactly once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_minilm_checkpoint_is_promoted_and_serves() {
+    let Some(ckpt) = minilm() else { return };
+    let gw = Gateway::start(&format!(
+        r#"
+        [[apps]]
+        name = "minilm"
+        command = ["{}"]
+        checkpoint = "file://{}"
+        concurrency = 4
+        [apps.autoscale]
+        min = 1
+        "#,
+        bin("embedder").display(),
+        ckpt.display()
+    ));
+    gw.wait_ready("minilm", 1).await;
+    // A "new" checkpoint: the same files in another folder, so its
+    // weights stream through the cache again.
+    let next = gw.dir.path().join("minilm-v2");
+    std::fs::create_dir_all(&next).expect("mkdir");
+    for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+        std::fs::copy(ckpt.join(f), next.join(f)).expect("copy");
+    }
+    let t0 = std::time::Instant::now();
+    let r = gw
+        .http
+        .post(gw.at("/v1/apps/minilm/promote"))
+        .json(&json!({"checkpoint": format!("file://{}", next.display()), "wait": true}))
+        .send()
+        .await
+        .expect("promote");
+    let took = t0.elapsed();
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(body["promotion"]["phase"], "done", "{body}");
+    eprintln!("MiniLM: promote -> serving 100% in {took:?} (debug build)");
+    let r = gw
+        .http
+        .post(gw.at("/v1/embeddings"))
+        .json(&json!({"model": "minilm", "input": "hello"}))
+        .send()
+        .await
+        .expect("embed");
+    assert_eq!(r.headers()["x-warmgate-revision"], "minilm-00002");
+    let v: Value = r.json().await.expect("json");
+    assert_eq!(
+        v["data"][0]["embedding"].as_array().map(Vec::len),
+        Some(384)
+    );
+}
