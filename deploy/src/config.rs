@@ -84,6 +84,8 @@ pub mod defaults {
     /// Listing a prefix every 10 s costs nothing and catches an epoch's
     /// checkpoint long before anyone looks.
     pub const WATCH_INTERVAL: Duration = Duration::from_secs(10);
+    /// An evaluation of a few minutes fits; longer ones belong in training.
+    pub const GATE_TIMEOUT: Duration = Duration::from_secs(600);
     /// Twenty answers before judging: one early error is not 100%.
     pub const MIN_REQUESTS: u64 = 20;
     /// Knative's `max-scale-up-rate`: in practice unbounded, because too few
@@ -217,6 +219,17 @@ pub struct PromotionSpec {
     /// (to the response head) passes this (unset: latency is not judged).
     #[serde(with = "humantime_serde")]
     pub max_p99: Option<Duration>,
+    /// An evaluation run before traffic shifts: this command gets the new
+    /// revision's pinned endpoint in `WARMGATE_EVAL_URL` and
+    /// `WARMGATE_EVAL_REVISION` (send `X-Warmgate-Revision`), and passes
+    /// by exiting 0.
+    pub gate_command: Vec<String>,
+    /// The same as an HTTP hook: it gets a `POST` with the endpoint, and
+    /// passes by answering 2xx.
+    pub gate_url: Option<String>,
+    /// How long the gate may take before it counts as failed.
+    #[serde(with = "humantime_serde")]
+    pub gate_timeout: Duration,
     /// A prefix where training writes checkpoints, one folder each: the
     /// newest folder holding `marker` is promoted.
     pub watch: Option<String>,
@@ -235,6 +248,9 @@ impl Default for PromotionSpec {
             max_error_rate: defaults::MAX_ERROR_RATE,
             min_requests: defaults::MIN_REQUESTS,
             max_p99: None,
+            gate_command: Vec::new(),
+            gate_url: None,
+            gate_timeout: defaults::GATE_TIMEOUT,
             watch: None,
             marker: defaults::MARKER.into(),
             watch_interval: defaults::WATCH_INTERVAL,
@@ -688,6 +704,7 @@ impl Config {
             if let Some(w) = &mut app.promotion.watch {
                 resolve_checkpoint(w, base);
             }
+            resolve_command(&mut app.promotion.gate_command, base);
         }
     }
 

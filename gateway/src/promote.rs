@@ -342,7 +342,10 @@ impl Gateway {
                 Some(Event::Rollback(reason))
             } else {
                 match p.phase {
-                    Phase::Warming => self.warming(&app, &p, since),
+                    Phase::Warming => match self.warming(&app, &p, since) {
+                        Some(Event::Ready) => Some(self.gate(&app, &p.to).await),
+                        other => other,
+                    },
                     Phase::Canary => canary(&app, &p, to.as_deref(), baseline, since),
                     _ => None,
                 }
@@ -352,6 +355,9 @@ impl Gateway {
                     Event::Ready => format!("{} is ready", p.to),
                     Event::StartFailed(r) => format!("{} failed to start: {r}", p.to),
                     Event::BakeElapsed => format!("{} baked; it takes all traffic", p.to),
+                    Event::Unhealthy(r) if p.phase == Phase::Warming => {
+                        format!("{} not promoted: {r}", p.to)
+                    }
                     Event::Unhealthy(r) => format!("{} rolled back: {r}", p.to),
                     Event::Rollback(r) => format!("{} rolled back: {r}", p.to),
                 };
@@ -418,6 +424,72 @@ impl Gateway {
             app.watch_scans
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tokio::time::sleep(every).await;
+        }
+    }
+
+    /// The evaluation gate, when the app has one: `Ready` when it passes,
+    /// `Unhealthy` with its output when it fails or runs out of time.
+    async fn gate(&self, app: &Served, rev: &str) -> Event {
+        let spec = &app.spec.promotion;
+        if spec.gate_command.is_empty() && spec.gate_url.is_none() {
+            return Event::Ready;
+        }
+        let endpoint = format!("http://{}/apps/{}", self.reach, app.name);
+        let run = async {
+            if let Some((program, args)) = spec.gate_command.split_first() {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args)
+                    .env("WARMGATE_EVAL_URL", &endpoint)
+                    .env(
+                        "WARMGATE_EVAL_OPENAI_BASE",
+                        format!("http://{}/v1", self.reach),
+                    )
+                    .env("WARMGATE_EVAL_REVISION", rev)
+                    .env("WARMGATE_EVAL_APP", &app.name)
+                    .stdin(std::process::Stdio::null())
+                    .kill_on_drop(true);
+                if let Some(dir) = &self.workdir {
+                    cmd.current_dir(dir);
+                }
+                let out = cmd
+                    .output()
+                    .await
+                    .map_err(|e| format!("cannot run {program}: {e}"))?;
+                if !out.status.success() {
+                    let text = String::from_utf8_lossy(&out.stderr);
+                    let tail: String = text
+                        .chars()
+                        .rev()
+                        .take(300)
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .rev()
+                        .collect();
+                    return Err(format!("{program} {}: {}", out.status, tail.trim()));
+                }
+            }
+            if let Some(url) = &spec.gate_url {
+                let body = serde_json::json!({
+                    "app": app.name,
+                    "revision": rev,
+                    "endpoint": endpoint,
+                    "openai_base": format!("http://{}/v1", self.reach),
+                    "headers": {"X-Warmgate-Revision": rev},
+                });
+                let status = crate::proxy::post_json(url, &body).await?;
+                if !(200..300).contains(&status) {
+                    return Err(format!("{url} answered {status}"));
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(spec.gate_timeout, run).await {
+            Ok(Ok(())) => Event::Ready,
+            Ok(Err(why)) => Event::Unhealthy(format!("the evaluation gate failed: {why}")),
+            Err(_) => Event::Unhealthy(format!(
+                "the evaluation gate did not finish within {}",
+                humantime::format_duration(spec.gate_timeout)
+            )),
         }
     }
 

@@ -254,3 +254,18 @@ impl HttpBody for LimitedBody {
         self.inner.size_hint()
     }
 }
+
+/// `POST url` with a JSON body (for hooks); returns the status code.
+pub async fn post_json(url: &str, body: &serde_json::Value) -> Result<u16, String> {
+    let client: Client<HttpConnector, http_body_util::Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let req = Request::post(url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| format!("bad hook URL {url}: {e}"))?;
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    Ok(resp.status().as_u16())
+}

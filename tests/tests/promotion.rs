@@ -462,3 +462,63 @@ async fn a_slow_canary_is_rolled_back_on_its_p99() {
     assert_eq!(failed, 0, "slow is not failed");
     assert_eq!(app(&gw).await["revision"], "m-00001");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_evaluation_gate_decides_before_traffic_moves() {
+    let root = tempfile::tempdir().expect("dir");
+    let good = checkpoint(root.path(), "good", false);
+    let broken = checkpoint(root.path(), "broken", true);
+    // The gate asks the new revision, pinned, four times: a broken model
+    // fails one of them.
+    let gate = r#"gate_command = ["sh", "-c", "for i in 1 2 3 4; do curl -sf -H \"x-warmgate-revision: $WARMGATE_EVAL_REVISION\" \"$WARMGATE_EVAL_URL/probe\" > /dev/null || { echo \"probe $i failed\" >&2; exit 1; }; done"]"#;
+    let gw = Gateway::start(&config(gate));
+    gw.wait_ready("m", 1).await;
+
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": broken, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    let reason = body["promotion"]["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("evaluation gate") && reason.contains("failed"),
+        "{body}"
+    );
+    assert_eq!(app(&gw).await["revision"], "m-00001");
+
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": good, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["promotion"]["phase"], "done", "{body}");
+    assert_eq!(app(&gw).await["revision"], "m-00003");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_gate_hook_keeps_the_old_revision() {
+    let root = tempfile::tempdir().expect("dir");
+    let good = checkpoint(root.path(), "good", false);
+    let gw = Gateway::start(&config(r#"gate_url = "http://127.0.0.1:9/hook""#));
+    gw.wait_ready("m", 1).await;
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": good, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    assert!(
+        body["promotion"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("127.0.0.1:9")),
+        "{body}"
+    );
+    assert_eq!(app(&gw).await["revision"], "m-00001");
+}
