@@ -298,4 +298,26 @@ async fn a_new_minilm_checkpoint_is_promoted_and_serves() {
         v["data"][0]["embedding"].as_array().map(Vec::len),
         Some(384)
     );
+
+    // Rolling back to the first revision reads its weights from the cache:
+    // nothing more comes from the store.
+    let from_store = gw.metric("warmgate_weights_store_bytes_total").await;
+    let r = gw
+        .http
+        .post(gw.at("/v1/apps/minilm/rollback"))
+        .send()
+        .await
+        .expect("rollback");
+    assert_eq!(r.status(), 200);
+    eventually("minilm-00001 serves again", || async {
+        let s = gw.app_status("minilm").await;
+        (s["revision"] == "minilm-00001" && s["promotion"]["phase"] == "done" && s["ready"] == 1)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        gw.metric("warmgate_weights_store_bytes_total").await,
+        from_store,
+        "the rollback started from the cache"
+    );
 }

@@ -177,6 +177,7 @@ async fn a_promotion_under_load_loses_no_request() {
     assert_eq!(app(&gw).await["revision"], "m-00001");
 
     let load = Load::start(&gw, 8);
+    let started = std::time::Instant::now();
     eventually("traffic flows", || async {
         (load.ok.load(Ordering::Relaxed) > 50).then_some(())
     })
@@ -196,7 +197,12 @@ async fn a_promotion_under_load_loses_no_request() {
         (load.ok.load(Ordering::Relaxed) > before + 50).then_some(())
     })
     .await;
+    let took = started.elapsed().as_secs_f64();
     let (ok, failed, seen) = load.stop().await;
+    eprintln!(
+        "promotion under load: {ok} answers in {took:.1}s ({:.0}/s), {failed} failed",
+        ok as f64 / took
+    );
     assert_eq!(failed, 0, "{ok} ok, {failed} failed");
     assert_eq!(seen.last().map(String::as_str), Some("m-00002"), "{seen:?}");
     assert!(seen.contains(&"m-00001".to_string()), "{seen:?}");
