@@ -626,6 +626,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/apps/{app}/promote", post(promote))
         .route("/v1/apps/{app}/rollback", post(rollback))
         .route("/v1/apps/{app}/revisions", get(revisions))
+        .route("/ui", get(dashboard))
+        .route("/ui/", get(dashboard))
         .route(
             "/healthz",
             get(|| async { axum::Json(json!({"status": "ok"})) }),
@@ -1331,6 +1333,19 @@ async fn weights_file(
             .into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// The live dashboard: one static page, embedded in the binary, that reads
+/// `/v1/status` like the CLI does.
+async fn dashboard() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        include_str!("../ui/index.html"),
+    )
+        .into_response()
 }
 
 async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {

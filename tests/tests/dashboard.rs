@@ -1,0 +1,122 @@
+//! The live dashboard in a real headless Chromium: it loads from the
+//! gateway, reads `/v1/status`, and shows the apps, pools and replicas.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{Gateway, eventually};
+
+/// Debian's `chromium`, or another Chromium on the PATH.
+fn chromium() -> Option<String> {
+    ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|c| {
+            Command::new(c)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .map(str::to_string)
+}
+
+fn headless(browser: &str, args: &[&str]) -> std::process::Output {
+    let profile = tempfile::tempdir().expect("profile dir");
+    Command::new(browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--virtual-time-budget=4000",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(args)
+        .output()
+        .expect("run chromium")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
+    let Some(browser) = chromium() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "Chromium is required under CI (.ci/run installs it)"
+        );
+        eprintln!("SKIPPED: apt-get install chromium");
+        return;
+    };
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "chat"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 2
+        max = 3
+
+        [[pools]]
+        name = "rollouts"
+        command = ["{worker}"]
+        replicas = [1, 1]
+        "#,
+    );
+    gw.wait_ready("chat", 2).await;
+    eventually("the pool is ready", || async {
+        let s = gw.json("/v1/status").await;
+        (s["pools"][0]["ready"] == 1).then_some(())
+    })
+    .await;
+
+    // The page as the browser built it, once its script has read the API.
+    let url = gw.at("/ui");
+    let dom = eventually("the dashboard shows its data", || {
+        let (browser, url) = (browser.clone(), url.clone());
+        async move {
+            let out =
+                tokio::task::spawn_blocking(move || headless(&browser, &["--dump-dom", &url]))
+                    .await
+                    .expect("join");
+            let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+            dom.contains("data-loaded=\"true\"").then_some(dom)
+        }
+    })
+    .await;
+    assert!(dom.contains("data-app=\"chat\""), "{dom}");
+    assert!(dom.contains("data-pool=\"rollouts\""), "{dom}");
+    assert!(dom.contains(">2/2<"), "ready/desired of the app: {dom}");
+    assert_eq!(
+        dom.matches("data-replica=\"chat-00001-").count(),
+        2,
+        "both app replicas are listed"
+    );
+    assert!(dom.contains("data-replica=\"rollouts-1\""), "{dom}");
+    assert!(dom.contains("data-revision=\"chat-00001\""), "{dom}");
+    assert!(dom.contains("100%"), "the revision's traffic: {dom}");
+    assert!(dom.contains("<canvas"), "the demand chart");
+
+    // A screenshot for people to look at.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let shot = dir.join("dashboard.png");
+    let _ = std::fs::remove_file(&shot);
+    let out = headless(
+        &browser,
+        &[
+            "--window-size=1280,900",
+            &format!("--screenshot={}", shot.display()),
+            &url,
+        ],
+    );
+    let png = std::fs::read(&shot).unwrap_or_else(|e| {
+        panic!(
+            "no screenshot at {}: {e}\n{}",
+            shot.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    eprintln!("screenshot: {}", shot.display());
+}
