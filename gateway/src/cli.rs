@@ -52,6 +52,10 @@ pub enum Command {
         /// single-threaded runtime is used, which is faster on one core.
         #[arg(long, env = "WARMGATE_THREADS")]
         threads: Option<usize>,
+        /// `text` for people, `json` (one object per line) for log
+        /// pipelines.
+        #[arg(long, env = "WARMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
     },
     /// Work with checkpoints in object storage.
     Weights {
@@ -175,7 +179,8 @@ pub fn run(cli: Cli) -> i32 {
             listen,
             check,
             threads,
-        } => serve(config, listen, check, threads),
+            log_format,
+        } => serve(config, listen, check, threads, log_format),
         Command::Status {
             watch,
             interval,
@@ -254,7 +259,22 @@ fn runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
     }
 }
 
-fn serve(path: PathBuf, listen: Option<SocketAddr>, check: bool, threads: Option<usize>) -> i32 {
+/// How `serve` writes its log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+fn serve(
+    path: PathBuf,
+    listen: Option<SocketAddr>,
+    check: bool,
+    threads: Option<usize>,
+    log_format: LogFormat,
+) -> i32 {
     let mut config = match Config::load(&path) {
         Ok(c) => c,
         Err(e) => {
@@ -274,7 +294,7 @@ fn serve(path: PathBuf, listen: Option<SocketAddr>, check: bool, threads: Option
         );
         return 0;
     }
-    init_tracing();
+    init_tracing(log_format);
     let rt = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
@@ -291,14 +311,22 @@ fn serve(path: PathBuf, listen: Option<SocketAddr>, check: bool, threads: Option
     }
 }
 
-fn init_tracing() {
+fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("WARMGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .flatten_event(true)
+            .try_init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init(),
+    };
 }
 
 async fn serve_async(config: Config) -> anyhow::Result<()> {

@@ -128,6 +128,7 @@ struct Task {
     priority: i32,
     /// Dispatched only to replicas with at least this weights version.
     min_version: u64,
+    traceparent: String,
     input: Bytes,
     deadline: Instant,
     retries_left: u32,
@@ -151,6 +152,8 @@ pub struct Submit {
     pub retries: Option<u32>,
     /// Only replicas with at least this weights version may run it.
     pub min_weights_version: Option<u64>,
+    /// The W3C `traceparent` passed on to the worker.
+    pub traceparent: Option<String>,
 }
 
 /// Replaces a replica through the pool manager: `(replica, reason)`.
@@ -234,6 +237,10 @@ impl Pool {
             tenant: tenant.clone(),
             priority: s.priority,
             min_version: s.min_weights_version.unwrap_or(0),
+            traceparent: s
+                .traceparent
+                .filter(|t| crate::trace::is_valid(t))
+                .unwrap_or_else(crate::trace::new_traceparent),
             input: s.input,
             deadline: Instant::now() + s.timeout.unwrap_or(self.spec.task_timeout),
             retries_left: s.retries.unwrap_or(self.spec.retries),
@@ -764,6 +771,7 @@ impl Pool {
             .header(http::header::CONTENT_TYPE, "application/json")
             .header("x-warmgate-task-id", task.id.as_str())
             .header("x-warmgate-attempt", task.attempts)
+            .header(crate::trace::TRACEPARENT, task.traceparent.as_str())
             .body(Full::new(task.input.clone()))
             .map_err(|e| Failure::User(format!("bad request: {e}")))?;
         let resp = self
@@ -882,6 +890,7 @@ mod tests {
             timeout: None,
             retries: None,
             min_weights_version: min,
+            traceparent: None,
         })
         .expect("accepted");
     }
@@ -935,6 +944,7 @@ mod tests {
                 timeout: None,
                 retries: None,
                 min_weights_version: Some(4),
+                traceparent: None,
             })
             .expect_err("refused");
         assert_eq!(e.kind, ErrorKind::Conflict);

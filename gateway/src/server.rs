@@ -323,9 +323,20 @@ impl Gateway {
     async fn serve(
         self: &Arc<Self>,
         served: &Served,
-        req: Request,
+        mut req: Request,
         path_and_query: &str,
     ) -> (Option<Arc<App>>, Result<Response, ApiError>) {
+        use tracing::Instrument as _;
+        let traceparent = crate::trace::ensure_traceparent(req.headers_mut());
+        let span = tracing::info_span!(
+            "request",
+            app = %served.name,
+            trace_id = %crate::trace::trace_id(&traceparent),
+            revision = tracing::field::Empty,
+            replica = tracing::field::Empty,
+            queued_ms = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
         let pinned = req
             .headers()
             .get(X_REVISION)
@@ -335,8 +346,25 @@ impl Gateway {
             Ok(a) => a,
             Err(e) => return (None, Err(e)),
         };
+        span.record("revision", app.revision.as_str());
         let t0 = Instant::now();
-        let result = self.serve_app(&app, req, path_and_query).await;
+        let result = self
+            .serve_app(&app, req, path_and_query)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(r) => {
+                let h = r.headers();
+                let text = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+                span.record("replica", text(X_REPLICA));
+                span.record("queued_ms", text(X_QUEUED_MS));
+                span.record("status", r.status().as_u16());
+            }
+            Err(e) => {
+                span.record("status", e.kind.as_str());
+            }
+        }
+        tracing::debug!(parent: &span, took_ms = t0.elapsed().as_secs_f64() * 1e3, "request done");
         let failed = match &result {
             Ok(r) => r.status().is_server_error(),
             Err(e) => matches!(
@@ -998,6 +1026,7 @@ async fn submit_task(
                 timeout,
                 retries: body.retries,
                 min_weights_version: body.min_weights_version,
+                traceparent: traceparent(&headers),
             },
         )?;
         if q.is_async {
@@ -1017,6 +1046,14 @@ async fn submit_task(
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The client's `traceparent`, if it sent one.
+fn traceparent(headers: &http::HeaderMap) -> Option<String> {
+    headers
+        .get(crate::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }
 
 /// Priority (body, else `X-Warmgate-Priority`), tenant and timeout of a
@@ -1077,11 +1114,14 @@ async fn submit_batch(
         let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
         let retries = body.retries;
         let min_version = body.min_weights_version;
+        let traceparent = traceparent(&headers);
         let lines = futures_util::stream::iter(body.inputs.into_iter().enumerate())
             .map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
+                let traceparent = traceparent.clone();
                 async move {
                     let submit = BatchTask {
+                        traceparent,
                         priority,
                         tenant,
                         timeout,
@@ -1117,6 +1157,7 @@ async fn submit_batch(
 
 /// The options every task of a batch shares.
 struct BatchTask {
+    traceparent: Option<String>,
     priority: i32,
     tenant: String,
     timeout: Option<Duration>,
@@ -1143,6 +1184,7 @@ async fn batch_one(
             timeout: o.timeout,
             retries: o.retries,
             min_weights_version: o.min_weights_version,
+            traceparent: o.traceparent,
         },
     )?;
     rx.await

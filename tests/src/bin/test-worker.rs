@@ -657,6 +657,7 @@ async fn invoke(State(state): State<Arc<AppState>>, headers: HeaderMap, body: By
         "replica": state.config.replica(),
         "attempt": attempt,
         "weights_version": state.weights_version.load(Ordering::SeqCst),
+        "traceparent": headers.get("traceparent").and_then(|v| v.to_str().ok()),
     }))
     .into_response()
 }

@@ -56,11 +56,16 @@ impl Gateway {
     /// gateway on a free port. `{worker}` in the text becomes the
     /// test-worker path.
     pub fn start(config: &str) -> Gateway {
+        Gateway::start_with(config, &[], &[])
+    }
+
+    /// [`Gateway::start`] with extra `serve` arguments and environment.
+    pub fn start_with(config: &str, args: &[&str], env: &[(&str, &str)]) -> Gateway {
         let dir = tempfile::tempdir().expect("temp dir");
         let text = config.replace("{worker}", &test_worker());
         let path = dir.path().join("warmgate.toml");
         std::fs::write(&path, format!("state_dir = \"state\"\n{text}")).expect("write config");
-        let (child, url) = spawn(dir.path());
+        let (child, url) = spawn(dir.path(), args, env);
         Gateway {
             child: Some(child),
             url,
@@ -85,7 +90,7 @@ impl Gateway {
                 nix::sys::signal::Signal::SIGKILL,
             );
         }
-        let (child, url) = spawn(self.dir.path());
+        let (child, url) = spawn(self.dir.path(), &[], &[]);
         self.child = Some(child);
         self.url = url;
     }
@@ -222,12 +227,14 @@ impl Drop for Gateway {
 }
 
 /// Starts `warmgate serve` on `dir/warmgate.toml`; returns it and its URL.
-fn spawn(dir: &Path) -> (Child, String) {
+fn spawn(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Child, String) {
     let mut child = Command::new(bin("warmgate"))
         .args(["serve", "--config"])
         .arg(dir.join("warmgate.toml"))
         .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .env("WARMGATE_LOG", "info,warmgate_pool=debug")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(

@@ -1,0 +1,87 @@
+//! W3C Trace Context: a `traceparent` from the client is passed on to the
+//! worker; a request without a valid one gets a new one, so the gateway's
+//! log line and the worker's can be joined on the trace id.
+
+use http::{HeaderMap, HeaderValue};
+
+/// The header.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// Whether `v` is a valid version-00 `traceparent`:
+/// `00-<32 hex trace id, not all zero>-<16 hex parent id, not all zero>-<2 hex flags>`.
+pub fn is_valid(v: &str) -> bool {
+    let parts: Vec<&str> = v.split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    parts.len() == 4
+        && parts[0] == "00"
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2)
+}
+
+/// A new sampled `traceparent`.
+pub fn new_traceparent() -> String {
+    let trace = (fastrand::u128(..) | 1).to_be_bytes();
+    let span = (fastrand::u64(..) | 1).to_be_bytes();
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    format!("00-{}-{}-01", hex(&trace), hex(&span))
+}
+
+/// The request's `traceparent`, set to a new one when it is missing or
+/// invalid.
+pub fn ensure_traceparent(headers: &mut HeaderMap) -> String {
+    if let Some(v) = headers.get(TRACEPARENT).and_then(|v| v.to_str().ok())
+        && is_valid(v)
+    {
+        return v.to_string();
+    }
+    let v = new_traceparent();
+    if let Ok(h) = HeaderValue::from_str(&v) {
+        headers.insert(TRACEPARENT, h);
+    }
+    v
+}
+
+/// The trace id of a valid `traceparent`.
+pub fn trace_id(traceparent: &str) -> &str {
+    traceparent.get(3..35).unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn valid_and_invalid_traceparents() {
+        let v = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(is_valid(v));
+        assert_eq!(trace_id(v), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert!(!is_valid(
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01"
+        ));
+        assert!(!is_valid(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"
+        ));
+        assert!(!is_valid(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        ));
+        assert!(!is_valid(
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"
+        ));
+        assert!(!is_valid("garbage"));
+        for _ in 0..100 {
+            assert!(is_valid(&new_traceparent()));
+        }
+        let mut h = HeaderMap::new();
+        let made = ensure_traceparent(&mut h);
+        assert_eq!(h[TRACEPARENT], made.as_str());
+        h.insert(TRACEPARENT, HeaderValue::from_static(v));
+        assert_eq!(ensure_traceparent(&mut h), v, "a valid one is kept");
+    }
+}
