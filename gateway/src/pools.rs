@@ -130,6 +130,10 @@ struct Task {
     min_version: u64,
     traceparent: String,
     input: Bytes,
+    /// When it was accepted.
+    accepted: Instant,
+    /// When its first attempt was dispatched.
+    dispatched: Option<Instant>,
     deadline: Instant,
     retries_left: u32,
     system_failures: u32,
@@ -242,6 +246,8 @@ impl Pool {
                 .filter(|t| crate::trace::is_valid(t))
                 .unwrap_or_else(crate::trace::new_traceparent),
             input: s.input,
+            accepted: Instant::now(),
+            dispatched: None,
             deadline: Instant::now() + s.timeout.unwrap_or(self.spec.task_timeout),
             retries_left: s.retries.unwrap_or(self.spec.retries),
             system_failures: 0,
@@ -687,6 +693,12 @@ impl Pool {
 
     async fn attempt(self: Arc<Self>, mut task: Task, replica: Arc<ReplicaHandle>) {
         task.attempts += 1;
+        if task.dispatched.is_none() {
+            let now = Instant::now();
+            task.dispatched = Some(now);
+            metrics::histogram!("warmgate_task_queued_seconds", "pool" => self.name.clone())
+                .record(now.saturating_duration_since(task.accepted).as_secs_f64());
+        }
         let id = task.id.clone();
         self.store.update(&id, |r| {
             r.state = TaskState::Running;
@@ -804,8 +816,13 @@ impl Pool {
         replica: Option<&ReplicaHandle>,
     ) {
         let weights_version = replica.map(|r| r.weights_version.load(Ordering::Relaxed));
-        let outcome_label = if result.is_ok() { "ok" } else { "failed" };
+        let outcome_label = match &result {
+            Ok(_) => "ok",
+            Err(e) => e.kind.as_str(),
+        };
         metrics::counter!("warmgate_tasks_total", "pool" => self.name.clone(), "outcome" => outcome_label).increment(1);
+        metrics::histogram!("warmgate_task_duration_seconds", "pool" => self.name.clone())
+            .record(task.accepted.elapsed().as_secs_f64());
         let record = self.store.update(&task.id, |r| {
             r.attempts = task.attempts;
             r.weights_version = weights_version;

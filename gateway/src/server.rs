@@ -299,7 +299,15 @@ impl Gateway {
                 let instant = Instant::now();
                 for p in gw.pools.values() {
                     p.expire(instant);
-                    gw.pool.scale(&p.name, p.desired(gw.starting(&p.name)));
+                    let desired = p.desired(gw.starting(&p.name));
+                    gw.pool.scale(&p.name, desired);
+                    let (pending, inflight, _) = p.load();
+                    metrics::gauge!("warmgate_tasks_pending", "pool" => p.name.clone())
+                        .set(pending as f64);
+                    metrics::gauge!("warmgate_tasks_inflight", "pool" => p.name.clone())
+                        .set(f64::from(inflight));
+                    metrics::gauge!("warmgate_replicas_desired", "app" => p.name.clone())
+                        .set(f64::from(desired));
                 }
                 record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
             }

@@ -145,7 +145,7 @@ async fn pool_counters_follow_tasks_retries_and_weight_syncs() {
     };
     eventually("the counters", || async {
         let ok = m(r#"warmgate_tasks_total{pool="rollouts",outcome="ok"}"#).await;
-        let failed = m(r#"warmgate_tasks_total{pool="rollouts",outcome="failed"}"#).await;
+        let failed = m(r#"warmgate_tasks_total{pool="rollouts",outcome="replica_failed"}"#).await;
         (ok == 3.0 && failed == 1.0).then_some(())
     })
     .await;

@@ -177,6 +177,12 @@ async fn bad_tasks_and_full_queues_are_refused_clearly() {
     // The quota counts pending and running tasks of one tenant.
     assert_eq!(submit("a").await.status(), 202);
     assert_eq!(submit("a").await.status(), 202);
+    // (Once one runs, the backlog has room: the quota is what refuses.)
+    eventually("one task running, one queued", || async {
+        let s = gw.json("/v1/status").await;
+        (s["pools"][0]["inflight"] == 1 && s["pools"][0]["pending"] == 1).then_some(())
+    })
+    .await;
     let r = submit("a").await;
     assert_eq!(r.status(), 429);
     assert!(r.headers().contains_key("retry-after"));
