@@ -664,12 +664,10 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/apps/{app}/revisions", get(revisions))
         .route("/ui", get(dashboard))
         .route("/ui/", get(dashboard))
-        .route(
-            "/healthz",
-            get(|| async { axum::Json(json!({"status": "ok"})) }),
-        )
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id))
@@ -678,6 +676,10 @@ pub fn router(gw: Arc<Gateway>) -> Router {
 
 // === handlers ===
 
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
+    description = "OpenAI-compatible: routed by the body's `model` to an app (or an alias), streamed when the worker streams. `/v1/completions` and `/v1/embeddings` work the same way.",
+    request_body(content = Object, description = "An OpenAI request with a `model` field"),
+    responses((status = 200, description = "The worker's answer, passed through"), (status = 404, description = "Unknown model", body = ErrorBody), (status = 429, description = "Queue full", body = ErrorBody), (status = 503, description = "Starting or no capacity", body = ErrorBody)))]
 async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     let path = req
         .uri()
@@ -783,6 +785,10 @@ pub fn model_field(body: &[u8]) -> Result<String, ApiError> {
     }
 }
 
+#[utoipa::path(get, path = "/apps/{app}/{path}", tag = "inference",
+    description = "Any method and path, forwarded to one of the app's replicas. `X-Warmgate-Revision` pins a revision.",
+    params(("app" = String, Path, description = "App name or alias"), ("path" = String, Path, description = "The worker's path")),
+    responses((status = 200, description = "The worker's answer, passed through"), (status = 404, description = "Unknown app", body = ErrorBody)))]
 async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
     let path = req.uri().path();
     let rest = path.strip_prefix("/apps/").unwrap_or("");
@@ -845,6 +851,8 @@ fn too_large(limit: u64) -> ApiError {
     )
 }
 
+#[utoipa::path(get, path = "/v1/models", tag = "inference",
+    responses((status = 200, description = "The apps and their aliases, as OpenAI models", body = Object)))]
 async fn models(State(gw): State<Arc<Gateway>>) -> Response {
     let mut data = Vec::new();
     for app in &gw.apps {
@@ -855,6 +863,8 @@ async fn models(State(gw): State<Arc<Gateway>>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
+#[utoipa::path(get, path = "/v1/status", tag = "control",
+    responses((status = 200, description = "Apps (with revisions and replicas) and pools", body = Object)))]
 async fn status(State(gw): State<Arc<Gateway>>) -> Response {
     let targets = gw.pool.status();
     let mut pools: Vec<serde_json::Value> = gw
@@ -870,10 +880,15 @@ async fn status(State(gw): State<Arc<Gateway>>) -> Response {
     axum::Json(json!({"apps": gw.status(), "pools": pools})).into_response()
 }
 
+#[utoipa::path(get, path = "/v1/apps", tag = "control",
+    responses((status = 200, description = "Every app's status", body = Object)))]
 async fn list_apps(State(gw): State<Arc<Gateway>>) -> Response {
     axum::Json(json!({"apps": gw.status()})).into_response()
 }
 
+#[utoipa::path(get, path = "/v1/apps/{app}", tag = "control",
+    params(("app" = String, Path, description = "App name or alias")),
+    responses((status = 200, description = "The app's status", body = Object), (status = 404, description = "Unknown app", body = ErrorBody)))]
 async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
     match gw.routes.get(&name) {
         Some(app) => {
@@ -886,7 +901,7 @@ async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Re
     }
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct PromoteBody {
     checkpoint: String,
@@ -905,6 +920,10 @@ fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
 
 /// `POST /v1/apps/{app}/promote`: a new revision from a checkpoint; 202
 /// with its id, or with `"wait": true` the promotion's outcome.
+#[utoipa::path(post, path = "/v1/apps/{app}/promote", tag = "promotion",
+    params(("app" = String, Path, description = "App name")),
+    request_body = PromoteBody,
+    responses((status = 202, description = "Promotion started: `{app, revision}`", body = Object), (status = 200, description = "With `wait`: `{app, revision, promotion}` once it ended", body = Object), (status = 400, description = "Bad checkpoint URI or body", body = ErrorBody), (status = 404, description = "Unknown app or missing checkpoint", body = ErrorBody), (status = 409, description = "A promotion is running", body = ErrorBody)))]
 async fn promote(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
@@ -956,6 +975,9 @@ async fn promote(
 }
 
 /// `POST /v1/apps/{app}/rollback`.
+#[utoipa::path(post, path = "/v1/apps/{app}/rollback", tag = "promotion",
+    params(("app" = String, Path, description = "App name")),
+    responses((status = 200, description = "`{app, revision}`: the revision that will serve", body = Object), (status = 409, description = "No earlier revision", body = ErrorBody)))]
 async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
     let result = served(&gw, &name).and_then(|app| {
         let id = gw.rollback(&app)?;
@@ -965,6 +987,9 @@ async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> R
 }
 
 /// `GET /v1/apps/{app}/revisions`: the history, newest first, with notes.
+#[utoipa::path(get, path = "/v1/apps/{app}/revisions", tag = "promotion",
+    params(("app" = String, Path, description = "App name")),
+    responses((status = 200, description = "`{app, revisions, promotion, notes}`", body = Object), (status = 404, description = "Unknown app", body = ErrorBody)))]
 async fn revisions(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
     let result = served(&gw, &name).and_then(|app| {
         let h = app.history.lock().clone();
@@ -987,7 +1012,7 @@ async fn revisions(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> 
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct TaskBody {
     input: serde_json::Value,
@@ -1005,6 +1030,10 @@ struct TaskQuery {
 
 /// `POST /v1/pools/{pool}/tasks`: queue a task; wait for its output, or
 /// answer 202 with its id when `?async=true`.
+#[utoipa::path(post, path = "/v1/pools/{pool}/tasks", tag = "pools",
+    params(("pool" = String, Path, description = "Pool name"), ("async" = Option<bool>, Query, description = "Answer 202 with the id at once")),
+    request_body = TaskBody,
+    responses((status = 200, description = "`{id, output, replica, weights_version, attempts}`", body = Object), (status = 202, description = "`{id}`", body = Object), (status = 409, description = "min_weights_version not synced", body = ErrorBody), (status = 429, description = "Queue full or tenant quota", body = ErrorBody), (status = 502, description = "Failed in the worker", body = ErrorBody), (status = 504, description = "Timed out", body = ErrorBody)))]
 async fn submit_task(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
@@ -1090,7 +1119,7 @@ fn task_options(
     Ok((priority, tenant, parsed))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct BatchBody {
     inputs: Vec<serde_json::Value>,
@@ -1104,6 +1133,10 @@ struct BatchBody {
 /// order, streamed as results complete. At most a window of tasks is
 /// submitted ahead of the line being written, so a batch of 10,000 never
 /// holds 10,000 results while it waits for the first.
+#[utoipa::path(post, path = "/v1/pools/{pool}/tasks/batch", tag = "pools",
+    params(("pool" = String, Path, description = "Pool name")),
+    request_body = BatchBody,
+    responses((status = 200, description = "NDJSON, one line per input, in input order", content_type = "application/x-ndjson")))]
 async fn submit_batch(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
@@ -1199,7 +1232,7 @@ async fn batch_one(
         .map_err(|_| ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct SyncBody {
     checkpoint: String,
@@ -1212,6 +1245,10 @@ struct SyncBody {
 /// replicas in place, a few at a time, within a deadline; answer with
 /// per-replica results once every replica has the new weights or was
 /// replaced by one that starts with them.
+#[utoipa::path(post, path = "/v1/pools/{pool}/weights", tag = "pools",
+    params(("pool" = String, Path, description = "Pool name")),
+    request_body = SyncBody,
+    responses((status = 200, description = "`{pool, version, checkpoint, seconds, synced, replaced, replicas}`", body = Object), (status = 409, description = "Older version, or a sync is running", body = ErrorBody)))]
 async fn sync_weights(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
@@ -1327,6 +1364,9 @@ fn max_unavailable(v: Option<&serde_json::Value>, ready: usize) -> Result<usize,
 }
 
 /// `GET /v1/tasks/{id}`.
+#[utoipa::path(get, path = "/v1/tasks/{id}", tag = "pools",
+    params(("id" = String, Path, description = "Task id")),
+    responses((status = 200, description = "The task's state and output", body = Object), (status = 404, description = "Unknown or evicted task", body = ErrorBody)))]
 async fn get_task(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Response {
     match gw.tasks.get(&id) {
         Some(r) => axum::Json(r).into_response(),
@@ -1337,6 +1377,9 @@ async fn get_task(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Res
 }
 
 /// The files of a revision's checkpoint.
+#[utoipa::path(get, path = "/v1/weights/{target}/{revision}", tag = "weights",
+    params(("target" = String, Path, description = "App or pool"), ("revision" = String, Path, description = "Revision id, or v<N> for a pool")),
+    responses((status = 200, description = "`{target, revision, checkpoint, files}`", body = Object), (status = 404, description = "No such checkpoint", body = ErrorBody)))]
 async fn weights_manifest(
     State(gw): State<Arc<Gateway>>,
     Path((target, revision)): Path<(String, String)>,
@@ -1364,6 +1407,9 @@ async fn weights_manifest(
 }
 
 /// One file of a revision's checkpoint, streamed.
+#[utoipa::path(get, path = "/v1/weights/{target}/{revision}/{file}", tag = "weights",
+    params(("target" = String, Path, description = "App or pool"), ("revision" = String, Path, description = "Revision id"), ("file" = String, Path, description = "File in the checkpoint")),
+    responses((status = 200, description = "The file, streamed from the cache", content_type = "application/octet-stream"), (status = 404, description = "No such file", body = ErrorBody)))]
 async fn weights_file(
     State(gw): State<Arc<Gateway>>,
     Path((target, revision, file)): Path<(String, String, String)>,
@@ -1387,6 +1433,8 @@ async fn weights_file(
 
 /// The live dashboard: one static page, embedded in the binary, that reads
 /// `/v1/status` like the CLI does.
+#[utoipa::path(get, path = "/ui", tag = "control",
+    responses((status = 200, description = "The live dashboard", content_type = "text/html")))]
 async fn dashboard() -> Response {
     (
         [
@@ -1398,6 +1446,14 @@ async fn dashboard() -> Response {
         .into_response()
 }
 
+#[utoipa::path(get, path = "/healthz", tag = "control",
+    responses((status = 200, description = "The process is up", body = Object)))]
+async fn healthz() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "control",
+    responses((status = 200, description = "Taking traffic"), (status = 503, description = "Shutting down", body = ErrorBody)))]
 async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
     if gw.draining.load(Ordering::Acquire) {
         ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down")
@@ -1408,6 +1464,8 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "control",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
 async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
     match &gw.metrics {
         Some(h) => (
@@ -1417,6 +1475,60 @@ async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
             .into_response(),
         None => (StatusCode::OK, "").into_response(),
     }
+}
+
+/// The error format every endpoint uses.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct ErrorBody {
+    /// `{"kind": "queue_full", "message": "…"}`
+    error: ErrorDetail,
+}
+
+/// One error.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct ErrorDetail {
+    /// `bad_request`, `unauthorized`, `not_found`, `method_not_allowed`,
+    /// `conflict`, `too_large`, `queue_full`, `replica_failed`,
+    /// `no_capacity`, `starting` or `timeout`.
+    kind: String,
+    /// What went wrong, for people.
+    message: String,
+}
+
+/// The HTTP API, generated from the handlers above.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(title = "warmgate", description = "The warmgate gateway's HTTP API."),
+    paths(
+        openai,
+        passthrough,
+        models,
+        status,
+        list_apps,
+        get_app,
+        promote,
+        rollback,
+        revisions,
+        submit_task,
+        submit_batch,
+        sync_weights,
+        get_task,
+        weights_manifest,
+        weights_file,
+        dashboard,
+        healthz,
+        readyz,
+        metrics_text
+    ),
+    components(schemas(ErrorBody, ErrorDetail, PromoteBody, TaskBody, BatchBody, SyncBody))
+)]
+pub struct ApiDoc;
+
+async fn openapi() -> Response {
+    use utoipa::OpenApi as _;
+    axum::Json(ApiDoc::openapi()).into_response()
 }
 
 async fn not_found(req: Request) -> Response {

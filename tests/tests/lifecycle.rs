@@ -246,3 +246,96 @@ fn simulate_prints_the_policy_table_for_each_cold_start() {
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad timestamp"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_matches_the_routes() {
+    let gw = common::Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        [[pools]]
+        name = "p"
+        command = ["{worker}"]
+        replicas = [0, 1]
+        "#,
+    );
+    let doc = gw.json("/openapi.json").await;
+    assert!(
+        doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")),
+        "{doc}"
+    );
+    let paths = doc["paths"].as_object().expect("paths");
+    // Every route the gateway serves is documented (the two other OpenAI
+    // routes are described with /v1/chat/completions).
+    for route in [
+        "/v1/chat/completions",
+        "/apps/{app}/{path}",
+        "/v1/models",
+        "/v1/status",
+        "/v1/apps",
+        "/v1/apps/{app}",
+        "/v1/apps/{app}/promote",
+        "/v1/apps/{app}/rollback",
+        "/v1/apps/{app}/revisions",
+        "/v1/pools/{pool}/tasks",
+        "/v1/pools/{pool}/tasks/batch",
+        "/v1/pools/{pool}/weights",
+        "/v1/tasks/{id}",
+        "/v1/weights/{target}/{revision}",
+        "/v1/weights/{target}/{revision}/{file}",
+        "/ui",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ] {
+        assert!(paths.contains_key(route), "{route} is not documented");
+    }
+    // And every documented operation exists: the gateway answers it with a
+    // handler, never with its "no route" or "method not allowed" errors.
+    for (path, ops) in paths {
+        for method in ops.as_object().expect("operations").keys() {
+            let url = gw.at(&path
+                .replace("{app}", "m")
+                .replace("{pool}", "p")
+                .replace("{path}", "x")
+                .replace("{id}", "nope")
+                .replace("{target}", "m")
+                .replace("{revision}", "m-00001")
+                .replace("{file}", "f"));
+            let m = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).expect("method");
+            let r = gw
+                .http
+                .request(m, &url)
+                .header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+                .expect("send");
+            let status = r.status();
+            let text = r.text().await.unwrap_or_default();
+            assert!(
+                !text.contains("no route for") && status != 405,
+                "{method} {path} is documented but not served: {status} {text}"
+            );
+        }
+    }
+    // Request bodies come from the handlers' own types.
+    let schemas = doc["components"]["schemas"].as_object().expect("schemas");
+    for s in [
+        "TaskBody",
+        "BatchBody",
+        "SyncBody",
+        "PromoteBody",
+        "ErrorBody",
+    ] {
+        assert!(schemas.contains_key(s), "{s} missing");
+    }
+    assert!(
+        schemas["TaskBody"]["properties"]
+            .as_object()
+            .is_some_and(|p| p.contains_key("min_weights_version")),
+        "{}",
+        schemas["TaskBody"]
+    );
+}
