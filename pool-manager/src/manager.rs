@@ -98,6 +98,9 @@ pub struct ColdStart {
     pub spawn_seconds: f64,
     /// Seconds from the process running until `/healthz` answered 200.
     pub ready_seconds: f64,
+    /// Of those, the seconds the worker says it spent loading weights
+    /// (`weights_seconds` in its `/healthz`), when it says.
+    pub weights_seconds: Option<f64>,
     /// Unix time it became ready.
     pub at_unix: f64,
 }
@@ -183,6 +186,8 @@ enum Event {
         handle: Arc<ReplicaHandle>,
         spawn: Duration,
         ready: Duration,
+        /// The worker's own report of its weight load, when it gives one.
+        weights: Option<Duration>,
     },
     StartFailed {
         seq: u64,
@@ -644,6 +649,7 @@ impl Actor {
                 handle,
                 spawn,
                 ready,
+                weights,
             } => {
                 let Some(slot) = shared.replicas.get_mut(&seq) else {
                     return;
@@ -660,8 +666,13 @@ impl Actor {
                     replica = %handle.id,
                     spawn_ms = spawn.as_millis() as u64,
                     ready_ms = ready.as_millis() as u64,
+                    weights_ms = weights.map(|w| w.as_millis() as u64),
                     "replica ready"
                 );
+                if let Some(w) = weights {
+                    metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "weights")
+                        .record(w.as_secs_f64());
+                }
                 metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "spawn")
                     .record(spawn.as_secs_f64());
                 metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "ready")
@@ -672,6 +683,7 @@ impl Actor {
                     replica: handle.id.clone(),
                     spawn_seconds: spawn.as_secs_f64(),
                     ready_seconds: ready.as_secs_f64(),
+                    weights_seconds: weights.map(|w| w.as_secs_f64()),
                     at_unix: SystemTime::now()
                         .duration_since(UNIX_EPOCH)
                         .map(|d| d.as_secs_f64())
@@ -860,7 +872,7 @@ impl ReplicaTask {
         // Readiness: probe fast, back off to a small cap.
         let deadline = tokio::time::Instant::from_std(t0 + self.spec.startup_timeout);
         let mut attempt = 0u32;
-        let weights_version = loop {
+        let (weights_version, weights_ms) = loop {
             let probe = async {
                 tokio::time::sleep(readiness_delay(attempt)).await;
                 self.inner.prober.probe(addr).await
@@ -885,7 +897,7 @@ impl ReplicaTask {
                     return;
                 }
                 r = probe => match r {
-                    ProbeResult::Healthy { weights_version } => break weights_version,
+                    ProbeResult::Healthy { weights_version, weights_ms } => break (weights_version, weights_ms),
                     ProbeResult::Unhealthy(_) => attempt = attempt.saturating_add(1),
                 }
             }
@@ -911,6 +923,7 @@ impl ReplicaTask {
             handle: handle.clone(),
             spawn,
             ready: ready_at - t_spawned,
+            weights: weights_ms.map(Duration::from_millis),
         })
         .await;
 
@@ -935,7 +948,7 @@ impl ReplicaTask {
                 }
                 r = probe, if !reported => {
                     let healthy = match &r {
-                        ProbeResult::Healthy { weights_version } => {
+                        ProbeResult::Healthy { weights_version, .. } => {
                             if let Some(v) = weights_version {
                                 handle.weights_version.fetch_max(*v, std::sync::atomic::Ordering::Relaxed);
                             }

@@ -33,6 +33,9 @@ pub enum ProbeResult {
     Healthy {
         /// `weights_version` from the JSON body.
         weights_version: Option<u64>,
+        /// `weights_seconds` from the JSON body (how long the worker took
+        /// to load its weights), in milliseconds.
+        weights_ms: Option<u64>,
     },
     /// Any other answer, a refused connect or a timeout.
     Unhealthy(String),
@@ -85,10 +88,13 @@ impl Prober {
             if status != http::StatusCode::OK {
                 return Err(format!("GET /healthz answered {status}"));
             }
-            Ok(parse_weights_version(&body))
+            Ok(parse_health(&body))
         };
         match tokio::time::timeout(PROBE_TIMEOUT, fut).await {
-            Ok(Ok(weights_version)) => ProbeResult::Healthy { weights_version },
+            Ok(Ok((weights_version, weights_ms))) => ProbeResult::Healthy {
+                weights_version,
+                weights_ms,
+            },
             Ok(Err(e)) => ProbeResult::Unhealthy(e),
             Err(_) => ProbeResult::Unhealthy(format!("GET /healthz took over {PROBE_TIMEOUT:?}")),
         }
@@ -134,12 +140,28 @@ impl HealthRule {
     }
 }
 
-fn parse_weights_version(body: &[u8]) -> Option<u64> {
+/// `weights_version` and `weights_seconds` (as milliseconds) from a
+/// `/healthz` body, when it is JSON that has them.
+fn parse_health(body: &[u8]) -> (Option<u64>, Option<u64>) {
     #[derive(serde::Deserialize)]
     struct Health {
         weights_version: Option<u64>,
+        weights_seconds: Option<f64>,
     }
-    serde_json_lite(body).and_then(|h: Health| h.weights_version)
+    match serde_json_lite::<Health>(body) {
+        Some(h) => (
+            h.weights_version,
+            h.weights_seconds
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .map(|s| (s * 1e3).round() as u64),
+        ),
+        None => (None, None),
+    }
+}
+
+#[cfg(test)]
+fn parse_weights_version(body: &[u8]) -> Option<u64> {
+    parse_health(body).0
 }
 
 /// Parses JSON if the body is JSON; a worker may answer `ok` in plain text.
@@ -191,6 +213,11 @@ mod tests {
         assert_eq!(parse_weights_version(br#"{"weights_version": 7}"#), Some(7));
         assert_eq!(parse_weights_version(b"ok"), None);
         assert_eq!(parse_weights_version(br#"{"status":"ok"}"#), None);
+        assert_eq!(
+            parse_health(br#"{"weights_version": 2, "weights_seconds": 1.2345}"#),
+            (Some(2), Some(1235))
+        );
+        assert_eq!(parse_health(br#"{"weights_seconds": -1}"#), (None, None));
     }
 
     #[tokio::test]

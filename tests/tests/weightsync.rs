@@ -111,6 +111,17 @@ async fn weights_roll_out_in_place_one_replica_at_a_time() {
         assert_eq!(r["weights_version"], 0);
     }
     let pids: Vec<Value> = before.iter().map(|r| r["pid"].clone()).collect();
+    // The workers reported their weight loads: a cold-start phase of its own.
+    assert_eq!(
+        gw.metric(r#"warmgate_cold_start_seconds_count{app="rollouts",phase="weights"}"#)
+            .await,
+        3.0
+    );
+    let s = gw.json("/v1/status").await;
+    assert!(
+        s["pools"][0]["pool"]["last_cold_start"]["weights_seconds"].is_number(),
+        "{s}"
+    );
 
     let (status, body) = sync(
         &gw,

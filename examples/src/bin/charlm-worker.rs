@@ -38,6 +38,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(port: u16) -> anyhow::Result<()> {
+    let t0 = std::time::Instant::now();
     let model = match std::env::var("WARMGATE_WEIGHTS_URL") {
         Ok(url) => {
             let bytes = warmgate_examples::Fetcher::default()
@@ -47,13 +48,19 @@ async fn run(port: u16) -> anyhow::Result<()> {
         }
         Err(_) => CharLm::init(0)?,
     };
+    let weights_seconds = t0.elapsed().as_secs_f64();
     let worker = Arc::new(Worker {
         model,
         name: std::env::var("WARMGATE_TARGET").unwrap_or_else(|_| "charlm".into()),
         revision: std::env::var("WARMGATE_REVISION").unwrap_or_default(),
     });
     let app = Router::new()
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/healthz",
+            get(move || async move {
+                Json(json!({"status": "ok", "weights_seconds": weights_seconds}))
+            }),
+        )
         .route("/v1/completions", post(completions))
         .with_state(worker);
     let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))

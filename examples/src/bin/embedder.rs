@@ -73,7 +73,12 @@ async fn run(port: u16) -> anyhow::Result<()> {
     );
     let state = Arc::new(model);
     let app = Router::new()
-        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/healthz",
+            get(move || async move {
+                Json(json!({"status": "ok", "weights_seconds": streamed.as_secs_f64()}))
+            }),
+        )
         .route("/v1/embeddings", post(embeddings))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))

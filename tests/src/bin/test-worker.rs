@@ -111,6 +111,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     eprintln!("test-worker listening on {addr}");
 
     let mut loaded = Loaded::default();
+    let mut weights_seconds = None;
     if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
         let version = std::env::var("WARMGATE_WEIGHTS_VERSION")
             .ok()
@@ -123,6 +124,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
             "test-worker: loaded weights version {version} ({} bytes)",
             loaded.bytes
         );
+        weights_seconds = Some(loaded.finished_ms.saturating_sub(loaded.started_ms) as f64 / 1e3);
     }
     let close = Arc::new(tokio::sync::Notify::new());
     let state = Arc::new(AppState {
@@ -130,6 +132,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         counters: Arc::default(),
         pid: std::process::id(),
         close: close.clone(),
+        weights_seconds,
         weights_version: AtomicU64::new(loaded.version),
         broken: std::sync::atomic::AtomicBool::new(loaded.broken),
         slow: std::sync::atomic::AtomicBool::new(loaded.slow),
@@ -334,6 +337,8 @@ struct AppState {
     weights: tokio::sync::Mutex<Loaded>,
     /// The version loaded, readable while a swap holds the lock.
     weights_version: AtomicU64,
+    /// How long loading the weights took at start, for `/healthz`.
+    weights_seconds: Option<f64>,
     /// The loaded checkpoint is marked broken.
     broken: std::sync::atomic::AtomicBool,
     /// The loaded checkpoint is marked slow.
@@ -510,6 +515,8 @@ impl Drop for InFlightGuard {
 struct Health<'a> {
     status: &'static str,
     weights_version: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weights_seconds: Option<f64>,
     replica: Option<&'a str>,
 }
 
@@ -523,6 +530,7 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     let health = Health {
         status: label,
         weights_version: state.weights_version.load(Ordering::SeqCst),
+        weights_seconds: state.weights_seconds,
         replica: state.config.replica(),
     };
     (status, axum::Json(health)).into_response()
