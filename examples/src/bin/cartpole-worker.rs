@@ -49,6 +49,8 @@ struct Worker {
     http: Fetcher,
     /// Held while a load runs, so two swaps never interleave.
     loading: tokio::sync::Mutex<()>,
+    /// How long the weights took to load at start, for `/healthz`.
+    weights_seconds: std::sync::OnceLock<f64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -65,16 +67,19 @@ async fn run(port: u16) -> anyhow::Result<()> {
         current: Current::default(),
         http: Fetcher::default(),
         loading: tokio::sync::Mutex::new(()),
+        weights_seconds: std::sync::OnceLock::new(),
     });
     if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
         let version = std::env::var("WARMGATE_WEIGHTS_VERSION")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let t0 = std::time::Instant::now();
         let policy = load(&worker.http, &url)
             .await
             .with_context(|| format!("load the policy from {url}"))?;
         worker.current.set(policy, version);
+        let _ = worker.weights_seconds.set(t0.elapsed().as_secs_f64());
         eprintln!("cartpole-worker: loaded weights version {version}");
     }
     let app = Router::new()
@@ -122,7 +127,11 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 async fn healthz(State(w): State<Arc<Worker>>) -> Json<Value> {
-    Json(json!({"status": "ok", "weights_version": w.current.get().1}))
+    Json(json!({
+        "status": "ok",
+        "weights_version": w.current.get().1,
+        "weights_seconds": w.weights_seconds.get(),
+    }))
 }
 
 async fn invoke(State(w): State<Arc<Worker>>, body: Bytes) -> Response {
