@@ -259,14 +259,7 @@ fn runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
     }
 }
 
-/// How `serve` writes its log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+pub use crate::telemetry::LogFormat;
 
 fn serve(
     path: PathBuf,
@@ -294,7 +287,7 @@ fn serve(
         );
         return 0;
     }
-    init_tracing(log_format);
+    let _telemetry = crate::telemetry::init(log_format);
     let rt = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
@@ -309,24 +302,6 @@ fn serve(
             1
         }
     }
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("WARMGATE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Json => builder
-            .json()
-            .with_current_span(true)
-            .flatten_event(true)
-            .try_init(),
-        LogFormat::Text => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .try_init(),
-    };
 }
 
 async fn serve_async(config: Config) -> anyhow::Result<()> {

@@ -15,6 +15,7 @@ pub mod server;
 pub mod serving;
 pub mod simplot;
 pub mod taskqueue;
+pub mod telemetry;
 pub mod trace;
 pub mod weights;
 

@@ -345,6 +345,7 @@ impl Gateway {
             queued_ms = tracing::field::Empty,
             status = tracing::field::Empty,
         );
+        crate::telemetry::set_parent(&span, req.headers());
         let pinned = req
             .headers()
             .get(X_REVISION)
