@@ -56,6 +56,10 @@ pub enum Command {
         /// pipelines.
         #[arg(long, env = "WARMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
+        /// Listen beyond loopback without `WARMGATE_ADMIN_TOKEN`: anyone who
+        /// can reach the port may then promote, roll back and sync weights.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Work with checkpoints in object storage.
     Weights {
@@ -180,7 +184,8 @@ pub fn run(cli: Cli) -> i32 {
             check,
             threads,
             log_format,
-        } => serve(config, listen, check, threads, log_format),
+            insecure,
+        } => serve(config, listen, check, threads, log_format, insecure),
         Command::Status {
             watch,
             interval,
@@ -267,6 +272,7 @@ fn serve(
     check: bool,
     threads: Option<usize>,
     log_format: LogFormat,
+    insecure: bool,
 ) -> i32 {
     let mut config = match Config::load(&path) {
         Ok(c) => c,
@@ -286,6 +292,14 @@ fn serve(
             if config.apps.len() == 1 { "" } else { "s" }
         );
         return 0;
+    }
+    if !config.listen.ip().is_loopback() && crate::server::admin_token().is_none() && !insecure {
+        eprintln!(
+            "error: refusing to listen on {} without WARMGATE_ADMIN_TOKEN: anyone who can reach it \
+             could change deployments. Set a token, listen on loopback, or pass --insecure.",
+            config.listen
+        );
+        return EXIT_USAGE;
     }
     let _telemetry = crate::telemetry::init(log_format);
     let rt = match runtime(threads) {

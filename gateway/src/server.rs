@@ -66,6 +66,15 @@ pub struct Gateway {
     pub(crate) workdir: Option<std::path::PathBuf>,
     /// Revision history, on disk.
     pub(crate) store: parking_lot::Mutex<warmgate_deploy::store::Store>,
+    /// `WARMGATE_ADMIN_TOKEN`: the control plane's bearer token.
+    admin_token: Option<String>,
+}
+
+/// The admin token from the environment, when set and not empty.
+pub fn admin_token() -> Option<String> {
+    std::env::var("WARMGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
 }
 
 /// App revisions by id, shared with the replica sink.
@@ -245,6 +254,7 @@ impl Gateway {
             base,
             workdir,
             store: parking_lot::Mutex::new(store),
+            admin_token: admin_token(),
         });
         for app in &gw.apps {
             gw.restore(app)
@@ -645,6 +655,17 @@ pub struct RevisionStatus {
 
 /// The HTTP routes, data plane and control plane.
 pub fn router(gw: Arc<Gateway>) -> Router {
+    // The control plane: with `WARMGATE_ADMIN_TOKEN` set, only callers that
+    // present it may read status or change deployments.
+    let control = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/apps", get(list_apps))
+        .route("/v1/apps/{app}", get(get_app))
+        .route("/v1/apps/{app}/promote", post(promote))
+        .route("/v1/apps/{app}/rollback", post(rollback))
+        .route("/v1/apps/{app}/revisions", get(revisions))
+        .route("/v1/pools/{pool}/weights", post(sync_weights))
+        .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
     Router::new()
         .route("/v1/chat/completions", post(openai))
         .route("/v1/completions", post(openai))
@@ -655,24 +676,43 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/weights/{target}/{revision}/{*file}", get(weights_file))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
-        .route("/v1/pools/{pool}/weights", post(sync_weights))
         .route("/v1/tasks/{id}", get(get_task))
-        .route("/v1/status", get(status))
-        .route("/v1/apps", get(list_apps))
-        .route("/v1/apps/{app}", get(get_app))
-        .route("/v1/apps/{app}/promote", post(promote))
-        .route("/v1/apps/{app}/rollback", post(rollback))
-        .route("/v1/apps/{app}/revisions", get(revisions))
         .route("/ui", get(dashboard))
         .route("/ui/", get(dashboard))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
+        .merge(control)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id))
         .with_state(gw)
+}
+
+/// Lets a control-plane request through when no admin token is configured,
+/// or when it carries `Authorization: Bearer <token>`; the comparison takes
+/// the same time wherever the tokens differ.
+async fn require_admin(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> Response {
+    let Some(token) = &gw.admin_token else {
+        return next.run(req).await;
+    };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    use subtle::ConstantTimeEq as _;
+    if bool::from(presented.as_bytes().ct_eq(token.as_bytes())) {
+        next.run(req).await
+    } else {
+        ApiError::new(
+            ErrorKind::Unauthorized,
+            "this endpoint needs Authorization: Bearer <the gateway's WARMGATE_ADMIN_TOKEN>",
+        )
+        .into_response()
+    }
 }
 
 // === handlers ===

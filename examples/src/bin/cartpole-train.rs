@@ -83,8 +83,16 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn train(args: Args) -> anyhow::Result<()> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+        let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+            .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
+        v.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, v);
+    }
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
+        .default_headers(headers)
         .build()?;
     let gw = args.gateway.trim_end_matches('/').to_string();
     let (store, prefix, store_uri) = open_store(&args.store)?;

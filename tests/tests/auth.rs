@@ -1,0 +1,189 @@
+//! The admin token: the control plane needs it, the data plane does not,
+//! it never leaks, and a gateway will not listen beyond loopback without
+//! one unless told to.
+
+mod common;
+
+use std::process::{Command, Stdio};
+
+use common::{Gateway, bin, kind};
+use serde_json::Value;
+
+const TOKEN: &str = "s3cret-admin-token-9f2c";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_needs_the_admin_token() {
+    let gw = Gateway::start_with(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        [[pools]]
+        name = "p"
+        command = ["{worker}"]
+        replicas = [0, 1]
+        "#,
+        &[],
+        &[("WARMGATE_ADMIN_TOKEN", TOKEN)],
+    );
+    let get = |path: &'static str, auth: Option<&'static str>| {
+        let (http, url) = (gw.http.clone(), gw.at(path));
+        async move {
+            let mut r = http.get(url);
+            if let Some(a) = auth {
+                r = r.header("authorization", a);
+            }
+            let r = r.send().await.expect("send");
+            (
+                r.status().as_u16(),
+                r.json::<Value>().await.unwrap_or(Value::Null),
+            )
+        }
+    };
+    for path in [
+        "/v1/status",
+        "/v1/apps",
+        "/v1/apps/m",
+        "/v1/apps/m/revisions",
+    ] {
+        let (status, body) = get(path, None).await;
+        assert_eq!(status, 401, "{path}: {body}");
+        assert_eq!(kind(&body), "unauthorized");
+        let (status, _) = get(path, Some("Bearer wrong")).await;
+        assert_eq!(status, 401, "{path}");
+        let (status, _) = get(path, Some("Bearer s3cret-admin-token-9f2")).await;
+        assert_eq!(status, 401, "{path}: a prefix is not the token");
+    }
+    let auth = format!("Bearer {TOKEN}");
+    let r = gw
+        .http
+        .get(gw.at("/v1/status"))
+        .header("authorization", &auth)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    for (path, body) in [
+        ("/v1/apps/m/rollback", "{}"),
+        ("/v1/apps/m/promote", r#"{"checkpoint": "file:///x"}"#),
+        (
+            "/v1/pools/p/weights",
+            r#"{"checkpoint": "file:///x", "version": 1}"#,
+        ),
+    ] {
+        let r = gw
+            .http
+            .post(gw.at(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(
+            r.status(),
+            401,
+            "{path} changes deployments: it needs the token"
+        );
+    }
+
+    // The data plane does not need it.
+    let r = gw
+        .http
+        .get(gw.at("/apps/m/hello"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let r = gw.http.get(gw.at("/healthz")).send().await.expect("send");
+    assert_eq!(r.status(), 200);
+
+    // The CLI sends it from the environment.
+    let out = Command::new(bin("warmgate"))
+        .args(["status", "--gateway", &gw.url])
+        .env("WARMGATE_ADMIN_TOKEN", TOKEN)
+        .output()
+        .expect("status");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(bin("warmgate"))
+        .args(["status", "--gateway", &gw.url])
+        .env_remove("WARMGATE_ADMIN_TOKEN")
+        .output()
+        .expect("status");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
+
+    // The token appears nowhere it could leak from.
+    let status = gw
+        .http
+        .get(gw.at("/v1/status"))
+        .header("authorization", &auth)
+        .send()
+        .await
+        .expect("send")
+        .text()
+        .await
+        .expect("text");
+    let metrics = gw
+        .http
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .expect("m")
+        .text()
+        .await
+        .expect("t");
+    for (what, text) in [("status", status), ("metrics", metrics), ("log", gw.log())] {
+        assert!(!text.contains(TOKEN), "the token leaked into the {what}");
+    }
+}
+
+#[test]
+fn serve_refuses_a_public_address_without_a_token() {
+    let dir = tempfile::tempdir().expect("dir");
+    let config = dir.path().join("warmgate.toml");
+    std::fs::write(&config, "state_dir = \"state\"\n").expect("write");
+    let out = Command::new(bin("warmgate"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .args(["--listen", "0.0.0.0:0"])
+        .env_remove("WARMGATE_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("serve");
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("WARMGATE_ADMIN_TOKEN") && err.contains("--insecure"),
+        "{err}"
+    );
+
+    // With --insecure it starts (and is stopped here).
+    let mut child = Command::new(bin("warmgate"))
+        .args(["serve", "--insecure", "--config"])
+        .arg(&config)
+        .args(["--listen", "0.0.0.0:0"])
+        .env_remove("WARMGATE_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("serve");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+        &mut line,
+    )
+    .expect("read");
+    assert!(line.starts_with("warmgate listening on"), "{line}");
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+}
