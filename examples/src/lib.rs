@@ -64,6 +64,33 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// Runs a worker as the contract asks: it reads `$PORT`, builds its router
+/// with `setup` (which may load weights first: the port is bound only after,
+/// so a `/healthz` answer means ready), serves on `127.0.0.1:$PORT`, and
+/// finishes its requests in flight on SIGTERM.
+pub fn run_worker<F, Fut>(setup: F) -> anyhow::Result<()>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<axum::Router>>,
+{
+    let port = port()?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(async move {
+            let app = setup().await?;
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listen on port {port}"))?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown_signal())
+                .await?;
+            Ok(())
+        })
+}
+
 /// `$PORT`, as the worker contract sets it.
 pub fn port() -> anyhow::Result<u16> {
     std::env::var("PORT")

@@ -164,6 +164,19 @@ fn cli(gw: &Gateway, args: &[&str]) -> String {
     text
 }
 
+/// Promotes `checkpoint` with `"wait": true`; returns the answer once the
+/// promotion has ended.
+async fn promote_and_wait(gw: &Gateway, checkpoint: &str) -> Value {
+    let (status, body) = post(
+        gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": checkpoint, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
 async fn app(gw: &Gateway) -> Value {
     gw.app_status("m").await
 }
@@ -182,13 +195,7 @@ async fn a_promotion_under_load_loses_no_request() {
         (load.ok.load(Ordering::Relaxed) > 50).then_some(())
     })
     .await;
-    let (status, body) = post(
-        &gw,
-        "/v1/apps/m/promote",
-        json!({"checkpoint": v2, "wait": true}),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
+    let body = promote_and_wait(&gw, &v2).await;
     assert_eq!(body["revision"], "m-00002");
     assert_eq!(body["promotion"]["phase"], "done", "{body}");
     // Traffic keeps flowing on the new revision for a moment.
@@ -277,13 +284,7 @@ async fn a_broken_canary_is_rolled_back_automatically() {
     let gw = Gateway::start(&config("canary = 20"));
     gw.wait_ready("m", 1).await;
     let load = Load::start(&gw, 8);
-    let (status, body) = post(
-        &gw,
-        "/v1/apps/m/promote",
-        json!({"checkpoint": broken, "wait": true}),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
+    let body = promote_and_wait(&gw, &broken).await;
     assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
     assert!(
         body["promotion"]["reason"]
@@ -480,13 +481,7 @@ async fn the_evaluation_gate_decides_before_traffic_moves() {
     let gw = Gateway::start(&config(gate));
     gw.wait_ready("m", 1).await;
 
-    let (status, body) = post(
-        &gw,
-        "/v1/apps/m/promote",
-        json!({"checkpoint": broken, "wait": true}),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
+    let body = promote_and_wait(&gw, &broken).await;
     assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
     let reason = body["promotion"]["reason"].as_str().unwrap_or("");
     assert!(
@@ -495,13 +490,7 @@ async fn the_evaluation_gate_decides_before_traffic_moves() {
     );
     assert_eq!(app(&gw).await["revision"], "m-00001");
 
-    let (status, body) = post(
-        &gw,
-        "/v1/apps/m/promote",
-        json!({"checkpoint": good, "wait": true}),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
+    let body = promote_and_wait(&gw, &good).await;
     assert_eq!(body["promotion"]["phase"], "done", "{body}");
     assert_eq!(app(&gw).await["revision"], "m-00003");
 }
@@ -512,13 +501,7 @@ async fn an_unreachable_gate_hook_keeps_the_old_revision() {
     let good = checkpoint(root.path(), "good", false);
     let gw = Gateway::start(&config(r#"gate_url = "http://127.0.0.1:9/hook""#));
     gw.wait_ready("m", 1).await;
-    let (status, body) = post(
-        &gw,
-        "/v1/apps/m/promote",
-        json!({"checkpoint": good, "wait": true}),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
+    let body = promote_and_wait(&gw, &good).await;
     assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
     assert!(
         body["promotion"]["reason"]

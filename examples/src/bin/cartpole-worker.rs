@@ -12,7 +12,6 @@
 //! With no weights (`$WARMGATE_WEIGHTS_URL` unset) it acts uniformly at
 //! random, as version 0.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
 use anyhow::Context as _;
@@ -54,15 +53,11 @@ struct Worker {
 }
 
 fn main() -> anyhow::Result<()> {
-    let port = warmgate_examples::port()?;
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?
-        .block_on(run(port))
+    warmgate_examples::run_worker(setup)
 }
 
-async fn run(port: u16) -> anyhow::Result<()> {
+/// Loads the weights (when there are any) and builds the routes.
+async fn setup() -> anyhow::Result<Router> {
     let worker = Arc::new(Worker {
         current: Current::default(),
         http: Fetcher::default(),
@@ -82,18 +77,11 @@ async fn run(port: u16) -> anyhow::Result<()> {
         let _ = worker.weights_seconds.set(t0.elapsed().as_secs_f64());
         eprintln!("cartpole-worker: loaded weights version {version}");
     }
-    let app = Router::new()
+    Ok(Router::new()
         .route("/healthz", get(healthz))
         .route("/invoke", post(invoke))
         .route("/weights", post(weights))
-        .with_state(worker);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))
-        .await
-        .with_context(|| format!("listen on port {port}"))?;
-    axum::serve(listener, app)
-        .with_graceful_shutdown(warmgate_examples::shutdown_signal())
-        .await?;
-    Ok(())
+        .with_state(worker))
 }
 
 /// Reads the policy from a weights URL: its manifest names the files, and

@@ -4,7 +4,6 @@
 //! start; with no weights it serves an untrained model.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -29,15 +28,11 @@ struct Worker {
 }
 
 fn main() -> anyhow::Result<()> {
-    let port = warmgate_examples::port()?;
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?
-        .block_on(run(port))
+    warmgate_examples::run_worker(setup)
 }
 
-async fn run(port: u16) -> anyhow::Result<()> {
+/// Loads the weights (when there are any) and builds the routes.
+async fn setup() -> anyhow::Result<Router> {
     let t0 = std::time::Instant::now();
     let model = match std::env::var("WARMGATE_WEIGHTS_URL") {
         Ok(url) => {
@@ -54,7 +49,7 @@ async fn run(port: u16) -> anyhow::Result<()> {
         name: std::env::var("WARMGATE_TARGET").unwrap_or_else(|_| "charlm".into()),
         revision: std::env::var("WARMGATE_REVISION").unwrap_or_default(),
     });
-    let app = Router::new()
+    Ok(Router::new()
         .route(
             "/healthz",
             get(move || async move {
@@ -62,14 +57,7 @@ async fn run(port: u16) -> anyhow::Result<()> {
             }),
         )
         .route("/v1/completions", post(completions))
-        .with_state(worker);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))
-        .await
-        .with_context(|| format!("listen on port {port}"))?;
-    axum::serve(listener, app)
-        .with_graceful_shutdown(warmgate_examples::shutdown_signal())
-        .await?;
-    Ok(())
+        .with_state(worker))
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {

@@ -10,7 +10,6 @@
 //! sentence-transformers does: mean over the attention mask, then L2
 //! normalisation.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -42,15 +41,11 @@ struct Model {
 }
 
 fn main() -> anyhow::Result<()> {
-    let port = warmgate_examples::port()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(run(port))
+    warmgate_examples::run_worker(setup)
 }
 
-async fn run(port: u16) -> anyhow::Result<()> {
+/// Streams the checkpoint, builds the model, and the routes.
+async fn setup() -> anyhow::Result<Router> {
     let url = std::env::var("WARMGATE_WEIGHTS_URL").context(
         "WARMGATE_WEIGHTS_URL is not set: run the embedder under `warmgate serve` with a \
          `checkpoint` for its app",
@@ -72,7 +67,7 @@ async fn run(port: u16) -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let state = Arc::new(model);
-    let app = Router::new()
+    Ok(Router::new()
         .route(
             "/healthz",
             get(move || async move {
@@ -80,14 +75,7 @@ async fn run(port: u16) -> anyhow::Result<()> {
             }),
         )
         .route("/v1/embeddings", post(embeddings))
-        .with_state(state);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))
-        .await
-        .with_context(|| format!("listen on port {port}"))?;
-    axum::serve(listener, app)
-        .with_graceful_shutdown(warmgate_examples::shutdown_signal())
-        .await?;
-    Ok(())
+        .with_state(state))
 }
 
 fn build(config: &[u8], tokenizer: &[u8], weights: Bytes) -> anyhow::Result<Model> {
