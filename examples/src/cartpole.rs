@@ -224,7 +224,7 @@ pub fn rollout(policy: Option<&Policy>, seed: u64, n: usize) -> anyhow::Result<V
 /// advantage, optimised with Adam: the policy-gradient learner of the
 /// example trainer.
 pub struct Learner {
-    vars: Vec<candle_core::Var>,
+    vars: crate::train::Vars,
     opt: candle_nn::AdamW,
     /// Discount of future rewards.
     pub gamma: f32,
@@ -233,32 +233,13 @@ pub struct Learner {
 impl Learner {
     /// A learner that starts from `policy`.
     pub fn new(policy: &Policy, lr: f64, gamma: f32) -> anyhow::Result<Self> {
-        use candle_nn::Optimizer as _;
-        let vars = policy
-            .tensors()
-            .into_iter()
-            .map(|(_, t)| candle_core::Var::from_tensor(&t))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let opt = candle_nn::AdamW::new(
-            vars.clone(),
-            candle_nn::ParamsAdamW {
-                lr,
-                weight_decay: 0.0,
-                ..Default::default()
-            },
-        )?;
+        let (vars, opt) = crate::train::adam(policy.tensors(), lr)?;
         Ok(Learner { vars, opt, gamma })
     }
 
     /// The policy as it stands.
     pub fn policy(&self) -> anyhow::Result<Policy> {
-        Policy::from_tensors(|name| {
-            let i = TENSOR_NAMES
-                .iter()
-                .position(|n| *n == name)
-                .expect("a known name");
-            Ok(self.vars[i].as_tensor().detach())
-        })
+        Policy::from_tensors(|name| self.vars.get(name, false))
     }
 
     /// One gradient step on a batch of episodes sampled from the current
@@ -289,13 +270,7 @@ impl Learner {
         let obs = Tensor::from_vec(obs, (n, OBS), &dev)?;
         let actions = Tensor::from_vec(actions, (n, 1), &dev)?;
         let adv = Tensor::from_vec(adv, n, &dev)?;
-        let policy = Policy::from_tensors(|name| {
-            let i = TENSOR_NAMES
-                .iter()
-                .position(|n| *n == name)
-                .expect("a known name");
-            Ok(self.vars[i].as_tensor().clone())
-        })?;
+        let policy = Policy::from_tensors(|name| self.vars.get(name, true))?;
         let logp = policy.log_probs(&obs)?.gather(&actions, 1)?.squeeze(1)?;
         let loss = (logp * adv)?.mean_all()?.neg()?;
         self.opt.backward_step(&loss)?;

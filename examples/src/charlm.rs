@@ -250,7 +250,7 @@ fn sample(logits: &[f32], temperature: f32, rng: &mut fastrand::Rng) -> u32 {
 /// Training: minibatches of (context, next character) from a text, and
 /// Adam steps on the cross-entropy.
 pub struct Trainer {
-    vars: Vec<candle_core::Var>,
+    vars: crate::train::Vars,
     opt: candle_nn::AdamW,
     data: Vec<u32>,
     rng: fastrand::Rng,
@@ -259,20 +259,7 @@ pub struct Trainer {
 impl Trainer {
     /// A trainer of `model` on `text`.
     pub fn new(model: &CharLm, text: &str, lr: f64, seed: u64) -> anyhow::Result<Self> {
-        use candle_nn::Optimizer as _;
-        let vars = model
-            .tensors()
-            .into_iter()
-            .map(|(_, t)| candle_core::Var::from_tensor(&t))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let opt = candle_nn::AdamW::new(
-            vars.clone(),
-            candle_nn::ParamsAdamW {
-                lr,
-                weight_decay: 0.0,
-                ..Default::default()
-            },
-        )?;
+        let (vars, opt) = crate::train::adam(model.tensors(), lr)?;
         let mut data = vec![0u32; CONTEXT];
         data.extend(text.chars().map(encode));
         anyhow::ensure!(data.len() > CONTEXT + 1, "the text is too short");
@@ -286,26 +273,14 @@ impl Trainer {
 
     /// The model as it stands.
     pub fn model(&self) -> candle_core::Result<CharLm> {
-        CharLm::from_tensors(|n| {
-            let i = TENSOR_NAMES
-                .iter()
-                .position(|x| *x == n)
-                .expect("a known name");
-            Ok(self.vars[i].as_tensor().detach())
-        })
+        CharLm::from_tensors(|n| self.vars.get(n, false))
     }
 
     /// One step on `batch` random positions; returns the loss.
     pub fn step(&mut self, batch: usize) -> anyhow::Result<f32> {
         use candle_nn::Optimizer as _;
         let (ctx, next) = self.batch(batch)?;
-        let model = CharLm::from_tensors(|n| {
-            let i = TENSOR_NAMES
-                .iter()
-                .position(|x| *x == n)
-                .expect("a known name");
-            Ok(self.vars[i].as_tensor().clone())
-        })?;
+        let model = CharLm::from_tensors(|n| self.vars.get(n, true))?;
         let loss = candle_nn::loss::cross_entropy(&model.logits(&ctx)?, &next)?;
         self.opt.backward_step(&loss)?;
         Ok(loss.to_scalar::<f32>()?)

@@ -8,6 +8,55 @@
 pub mod cartpole;
 pub mod charlm;
 
+pub mod train {
+    //! What the example trainers share: Adam over named tensors.
+
+    use candle_core::{Tensor, Var};
+    use candle_nn::Optimizer as _;
+
+    /// Trainable copies of `tensors` (in their order), and Adam without
+    /// weight decay over them.
+    pub fn adam(
+        tensors: Vec<(&'static str, Tensor)>,
+        lr: f64,
+    ) -> candle_core::Result<(Vars, candle_nn::AdamW)> {
+        let names: Vec<&'static str> = tensors.iter().map(|(n, _)| *n).collect();
+        let vars = tensors
+            .into_iter()
+            .map(|(_, t)| Var::from_tensor(&t))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let opt = candle_nn::AdamW::new(
+            vars.clone(),
+            candle_nn::ParamsAdamW {
+                lr,
+                weight_decay: 0.0,
+                ..Default::default()
+            },
+        )?;
+        Ok((Vars { names, vars }, opt))
+    }
+
+    /// Trainable tensors by name.
+    pub struct Vars {
+        names: Vec<&'static str>,
+        vars: Vec<Var>,
+    }
+
+    impl Vars {
+        /// The tensor `name`: `tracked` for a forward pass that gradients
+        /// flow through, detached for inference.
+        pub fn get(&self, name: &str, tracked: bool) -> candle_core::Result<Tensor> {
+            let i = self
+                .names
+                .iter()
+                .position(|n| *n == name)
+                .ok_or_else(|| candle_core::Error::Msg(format!("no tensor {name}")))?;
+            let t = self.vars[i].as_tensor();
+            Ok(if tracked { t.clone() } else { t.detach() })
+        }
+    }
+}
+
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};

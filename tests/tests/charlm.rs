@@ -227,16 +227,7 @@ async fn checkpoints_from_training_are_promoted_while_traffic_flows() {
     );
 
     // The official client streams it.
-    let has_openai = std::process::Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_openai {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "the openai package is required under CI"
-        );
-        eprintln!("SKIPPED (the openai client part): pip install openai");
+    if !common::has_openai() {
         return;
     }
     let script = r#"

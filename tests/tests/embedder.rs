@@ -181,16 +181,7 @@ async fn a_second_cold_start_reads_the_weights_from_the_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_client_gets_real_vectors() {
     let Some(ckpt) = minilm() else { return };
-    let has_openai = std::process::Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_openai {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "the openai package is required under CI"
-        );
-        eprintln!("SKIPPED: pip install openai");
+    if !common::has_openai() {
         return;
     }
     let gw = Gateway::start(&config(&ckpt));

@@ -21,15 +21,7 @@ fn pool(extra: &str) -> String {
 }
 
 async fn task(gw: &Gateway, body: Value) -> (u16, Value) {
-    let r = gw
-        .http
-        .post(gw.at("/v1/pools/rollouts/tasks"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    let status = r.status().as_u16();
-    (status, r.json().await.expect("json"))
+    gw.post("/v1/pools/rollouts/tasks", &body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

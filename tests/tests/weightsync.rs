@@ -40,25 +40,11 @@ fn config(initial: &str, replicas: u32, extra: &str) -> String {
 }
 
 async fn sync(gw: &Gateway, body: Value) -> (u16, Value) {
-    let r = gw
-        .http
-        .post(gw.at("/v1/pools/rollouts/weights"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    (r.status().as_u16(), r.json().await.expect("json"))
+    gw.post("/v1/pools/rollouts/weights", &body).await
 }
 
 async fn task(gw: &Gateway, body: Value) -> (u16, Value) {
-    let r = gw
-        .http
-        .post(gw.at("/v1/pools/rollouts/tasks"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    (r.status().as_u16(), r.json().await.expect("json"))
+    gw.post("/v1/pools/rollouts/tasks", &body).await
 }
 
 /// The pool's replicas as the pool manager reports them.

@@ -100,6 +100,18 @@ impl Gateway {
         format!("{}{path}", self.url)
     }
 
+    /// POST a JSON body; the status and the JSON answer (`null` if none).
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.at(path))
+            .json(body)
+            .send()
+            .await
+            .expect("send");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
     /// GET a JSON document.
     pub async fn json(&self, path: &str) -> Value {
         self.http
@@ -224,6 +236,23 @@ impl Drop for Gateway {
             }
         }
     }
+}
+
+/// Whether the official `openai` Python client is installed; under CI it
+/// must be (`.ci/run` installs it), elsewhere the caller skips.
+pub fn has_openai() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the openai package is required under CI"
+        );
+        eprintln!("SKIPPED: pip install openai");
+    }
+    ok
 }
 
 /// Starts `warmgate serve` on `dir/warmgate.toml`; returns it and its URL.
