@@ -845,6 +845,12 @@ fn revisions(gateway: &str, app: &str) -> i32 {
     }
 }
 
+/// Unix seconds as an RFC 3339 time, to the second.
+fn rfc3339(t: f64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs_f64(t.max(0.0)))
+        .to_string()
+}
+
 /// The `revisions` table.
 pub fn render_revisions(v: &Value) -> String {
     use std::fmt::Write as _;
@@ -855,15 +861,7 @@ pub fn render_revisions(v: &Value) -> String {
         "REVISION", "STATE", "TRAFFIC", "CREATED", "VERSION"
     );
     for r in v["revisions"].as_array().cloned().unwrap_or_default() {
-        let created = r["created_unix"]
-            .as_f64()
-            .map(|t| {
-                humantime::format_rfc3339_seconds(
-                    std::time::UNIX_EPOCH + Duration::from_secs_f64(t.max(0.0)),
-                )
-                .to_string()
-            })
-            .unwrap_or_default();
+        let created = r["created_unix"].as_f64().map(rfc3339).unwrap_or_default();
         let _ = writeln!(
             out,
             "{:<16} {:<9} {:>6}% {:<20} {:<22} {}",
@@ -882,15 +880,7 @@ pub fn render_revisions(v: &Value) -> String {
     if !notes.is_empty() {
         out.push_str("\nhistory:\n");
         for n in notes.iter().rev().take(10).rev() {
-            let at = n["at_unix"]
-                .as_f64()
-                .map(|t| {
-                    humantime::format_rfc3339_seconds(
-                        std::time::UNIX_EPOCH + Duration::from_secs_f64(t.max(0.0)),
-                    )
-                    .to_string()
-                })
-                .unwrap_or_default();
+            let at = n["at_unix"].as_f64().map(rfc3339).unwrap_or_default();
             let _ = writeln!(out, "  {at}  {}", n["what"].as_str().unwrap_or(""));
         }
     }

@@ -380,6 +380,13 @@ impl Pool {
         }
     }
 
+    /// Whether more tasks wait than the ready replicas have free slots.
+    pub fn queued_beyond_free_slots(&self) -> bool {
+        let st = self.state.lock();
+        let slots = st.replicas.len() as u64 * u64::from(self.spec.concurrency);
+        st.queue.pending() as u64 > slots.saturating_sub(u64::from(st.inflight))
+    }
+
     /// The replica count the pool wants now, by the warm-pool policy:
     /// enough slots for its queued tasks, `buffer` spare, and idle replicas
     /// stopped after `idle_ttl`, never below `min`. `starting` counts the

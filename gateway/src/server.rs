@@ -475,6 +475,12 @@ impl Gateway {
         ApiError,
     > {
         let out = pool.submit(submit)?;
+        // Only a queue beyond the free slots can ask for more replicas at
+        // once; everything else waits for the autoscaler's tick, which keeps
+        // this path cheap.
+        if !pool.queued_beyond_free_slots() {
+            return Ok(out);
+        }
         let desired = pool.desired(self.starting(&pool.name));
         if self.pool.desired(&pool.name).unwrap_or(0) < desired {
             self.pool.scale(&pool.name, desired);

@@ -337,30 +337,8 @@ async fn a_kill_9_mid_promotion_keeps_the_history_and_the_split() {
     );
     assert_eq!(history_after["promotion"]["phase"], "canary");
     let s = app(&gw).await;
-    let mut before: Vec<(String, u64)> = split
-        .as_array()
-        .expect("revisions")
-        .iter()
-        .map(|r| {
-            (
-                r["id"].as_str().unwrap_or("").to_string(),
-                r["traffic"].as_u64().unwrap_or(0),
-            )
-        })
-        .collect();
-    let mut after: Vec<(String, u64)> = s["revisions"]
-        .as_array()
-        .expect("revisions")
-        .iter()
-        .map(|r| {
-            (
-                r["id"].as_str().unwrap_or("").to_string(),
-                r["traffic"].as_u64().unwrap_or(0),
-            )
-        })
-        .collect();
-    before.sort();
-    after.sort();
+    let before = shares(&split);
+    let after = shares(&s["revisions"]);
     assert_eq!(after, before, "the same split after the restart");
     // And it serves: both revisions answer.
     eventually("both revisions answer after the restart", || async {
@@ -375,6 +353,23 @@ async fn a_kill_9_mid_promotion_keeps_the_history_and_the_split() {
         (seen.len() == 2).then_some(())
     })
     .await;
+}
+
+/// (revision, traffic) of a status's `revisions`, sorted.
+fn shares(revisions: &Value) -> Vec<(String, u64)> {
+    let mut v: Vec<(String, u64)> = revisions
+        .as_array()
+        .expect("revisions")
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap_or("").to_string(),
+                r["traffic"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    v.sort();
+    v
 }
 
 /// Pids of every replica of every live revision.
