@@ -100,6 +100,18 @@ pub mod defaults {
     pub const MAX_PENDING: u32 = 1000;
     /// Long enough to cover a cold start that loads weights.
     pub const QUEUE_TIMEOUT: Duration = Duration::from_secs(120);
+    /// Far above what one gateway serves at once, far below the file
+    /// descriptors a default `ulimit -n` of 65536 allows.
+    pub const MAX_CONNECTIONS: u32 = 10_000;
+    /// nginx's `client_header_timeout` is 60 s; half of it is ample for any
+    /// real client and frees a slowloris socket sooner.
+    pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+    /// nginx's `send_timeout` and `client_body_timeout`: a minute without a
+    /// byte moving on a request body or a response.
+    pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+    /// A queue wait of `apps.queue.timeout` (120 s) plus a slow first token;
+    /// a streamed answer may then run on, bounded by `idle_timeout`.
+    pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 }
 
 /// The whole config file.
@@ -121,6 +133,30 @@ pub struct Config {
     pub apps: Vec<AppSpec>,
     /// Warm pools for tasks (RL rollouts).
     pub pools: Vec<PoolSpec>,
+    /// Data-plane API keys, one tenant each; none: the data plane is open.
+    pub tenants: Vec<TenantSpec>,
+}
+
+/// A tenant of the data plane: who holds an API key, and its quotas.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantSpec {
+    /// The tenant's name (a DNS label), used for fairness, status and
+    /// metrics in place of `X-Warmgate-Tenant`.
+    pub name: String,
+    /// SHA-256 of the API key, as 64 hex digits (`printf %s KEY | sha256sum`),
+    /// so the config holds no secret.
+    pub api_key_sha256: Option<String>,
+    /// Or the environment variable that holds the key.
+    pub api_key_env: Option<String>,
+    /// Requests and task submissions in flight at once (429 past it).
+    pub max_inflight: Option<u32>,
+    /// Tasks accepted and not finished, over every pool (429 past it).
+    pub max_pending: Option<u32>,
+    /// Requests per second, sustained (429 with `Retry-After` past it).
+    pub rps: Option<f64>,
+    /// Requests allowed in a burst above `rps`; default: one second's worth.
+    pub burst: Option<u32>,
 }
 
 /// Which backend runs replicas, and its resources.
@@ -153,6 +189,22 @@ pub enum BackendKind {
 pub struct LimitsConfig {
     /// Largest request body accepted, in bytes (413 past it).
     pub max_body_bytes: u64,
+    /// Client connections open at once; past it a new connection gets
+    /// `503 no_capacity` and is closed.
+    pub max_connections: u32,
+    /// Time a client has to send a request's headers, counted from the
+    /// connection opening or the previous response ending (so it also
+    /// closes idle keep-alive connections).
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// A request body or a response that moves no byte for this long ends
+    /// the connection.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// Deadline of an inference request, from arrival to the response's
+    /// headers (504 past it). Tasks keep their own `timeout`.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
 }
 
 /// How checkpoints are streamed from object storage and cached.
@@ -390,6 +442,7 @@ impl Default for Config {
             weights: WeightsConfig::default(),
             apps: Vec::new(),
             pools: Vec::new(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -466,6 +519,19 @@ impl Config {
         if self.limits.max_body_bytes == 0 {
             return Err(("limits.max_body_bytes".into(), "must be at least 1".into()));
         }
+        if self.limits.max_connections == 0 {
+            return Err(("limits.max_connections".into(), "must be at least 1".into()));
+        }
+        for (key, d) in [
+            ("header_read_timeout", self.limits.header_read_timeout),
+            ("idle_timeout", self.limits.idle_timeout),
+            ("request_timeout", self.limits.request_timeout),
+        ] {
+            if d.is_zero() {
+                return Err((format!("limits.{key}"), "must be longer than 0s".into()));
+            }
+        }
+        self.validate_tenants()?;
         let mut names: HashSet<&str> = HashSet::new();
         for (i, app) in self.apps.iter().enumerate() {
             let at = |key: &str| format!("apps[{i}].{key}");
@@ -708,6 +774,54 @@ impl Config {
         }
     }
 
+    fn validate_tenants(&self) -> std::result::Result<(), (String, String)> {
+        let mut names = HashSet::new();
+        let mut keys = HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            let at = |key: &str| format!("tenants[{i}].{key}");
+            check_dns_label(&t.name).map_err(|m| (at("name"), m))?;
+            if !names.insert(t.name.as_str()) {
+                return Err((at("name"), format!("tenant {:?} is listed twice", t.name)));
+            }
+            match (&t.api_key_sha256, &t.api_key_env) {
+                (Some(h), None) => {
+                    check_sha256_hex(h).map_err(|m| (at("api_key_sha256"), m))?;
+                    if !keys.insert(h.to_ascii_lowercase()) {
+                        return Err((
+                            at("api_key_sha256"),
+                            "another tenant has the same key".into(),
+                        ));
+                    }
+                }
+                (None, Some(v)) if !v.is_empty() => {}
+                (None, Some(_)) => {
+                    return Err((at("api_key_env"), "names no variable".into()));
+                }
+                _ => {
+                    return Err((
+                        at("api_key_sha256"),
+                        "give exactly one of api_key_sha256 and api_key_env".into(),
+                    ));
+                }
+            }
+            if let Some(r) = t.rps
+                && !(r.is_finite() && r > 0.0)
+            {
+                return Err((at("rps"), "must be a number above 0".into()));
+            }
+            for (key, v) in [
+                ("max_inflight", t.max_inflight),
+                ("max_pending", t.max_pending),
+                ("burst", t.burst),
+            ] {
+                if v == Some(0) {
+                    return Err((at(key), "must be at least 1".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The app with this name or alias.
     pub fn app(&self, name: &str) -> Option<&AppSpec> {
         self.apps
@@ -734,6 +848,10 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         LimitsConfig {
             max_body_bytes: defaults::MAX_BODY_BYTES,
+            max_connections: defaults::MAX_CONNECTIONS,
+            header_read_timeout: defaults::HEADER_READ_TIMEOUT,
+            idle_timeout: defaults::IDLE_TIMEOUT,
+            request_timeout: defaults::REQUEST_TIMEOUT,
         }
     }
 }
@@ -864,6 +982,15 @@ fn resolve_checkpoint(c: &mut String, base: &Path) {
     {
         let abs = base.join(rest.trim_start_matches("./"));
         *c = format!("file://{}", abs.display());
+    }
+}
+
+/// Why `text` is not a SHA-256 digest in hex, if it is not.
+fn check_sha256_hex(text: &str) -> std::result::Result<(), String> {
+    if text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(())
+    } else {
+        Err("must be 64 hex digits, the SHA-256 of the key (printf %s KEY | sha256sum)".into())
     }
 }
 

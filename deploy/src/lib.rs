@@ -13,7 +13,7 @@ pub mod store;
 
 pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, LimitsConfig,
-    PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, WeightsConfig, defaults,
+    PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, TenantSpec, WeightsConfig, defaults,
 };
 
 use std::path::PathBuf;

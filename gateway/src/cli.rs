@@ -328,11 +328,12 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
     let addr = listener.local_addr().context("read the listen address")?;
     let metrics = install_metrics();
     let grace = config.backend.stop_grace;
+    let conn_limits = crate::listener::ConnLimits::from(&config.limits);
     let gw = Gateway::new(config, Arc::new(LocalBackend::new(logs)), metrics, addr)?;
     let autoscaler = gw.spawn_autoscaler();
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let server = crate::listener::serve(listener, router(gw.clone()), async move {
+    let server = crate::listener::serve(listener, router(gw.clone()), conn_limits, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     });
     let mut server = tokio::spawn(server);

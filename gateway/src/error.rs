@@ -25,6 +25,8 @@ pub enum ErrorKind {
     TooLarge,
     /// 429: the hold queue is full.
     QueueFull,
+    /// 429: the tenant is over one of its quotas (in flight, pending, rate).
+    QuotaExceeded,
     /// 502: the replica failed (refused, crashed, or failed to start).
     ReplicaFailed,
     /// 503: no capacity can be had now.
@@ -37,7 +39,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, for pre-registering metrics.
-    pub const ALL: [ErrorKind; 11] = [
+    pub const ALL: [ErrorKind; 12] = [
         ErrorKind::BadRequest,
         ErrorKind::Unauthorized,
         ErrorKind::NotFound,
@@ -45,6 +47,7 @@ impl ErrorKind {
         ErrorKind::Conflict,
         ErrorKind::TooLarge,
         ErrorKind::QueueFull,
+        ErrorKind::QuotaExceeded,
         ErrorKind::ReplicaFailed,
         ErrorKind::NoCapacity,
         ErrorKind::Starting,
@@ -60,7 +63,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorKind::QueueFull => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::QueueFull | ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::ReplicaFailed => StatusCode::BAD_GATEWAY,
             ErrorKind::NoCapacity | ErrorKind::Starting => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
@@ -77,6 +80,7 @@ impl ErrorKind {
             ErrorKind::Conflict => "conflict",
             ErrorKind::TooLarge => "too_large",
             ErrorKind::QueueFull => "queue_full",
+            ErrorKind::QuotaExceeded => "quota_exceeded",
             ErrorKind::ReplicaFailed => "replica_failed",
             ErrorKind::NoCapacity => "no_capacity",
             ErrorKind::Starting => "starting",

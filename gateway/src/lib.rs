@@ -16,6 +16,7 @@ pub mod serving;
 pub mod simplot;
 pub mod taskqueue;
 pub mod telemetry;
+pub mod tenants;
 pub mod trace;
 pub mod weights;
 

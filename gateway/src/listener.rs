@@ -1,10 +1,12 @@
-//! The HTTP/1 accept loop: one task per connection, header-read timeouts,
-//! and a graceful drain on shutdown.
+//! The HTTP/1 accept loop: one task per connection, a bound on open
+//! connections, header-read and idle timeouts, and a graceful drain on
+//! shutdown.
 //!
 //! axum's own `serve` would do, but it sniffs every connection for HTTP/2
 //! and hides hyper's knobs; serving HTTP/1 directly is measurably cheaper
-//! per request and lets us bound how long a client may take to send headers.
+//! per request and lets us bound how long a client may hold a socket.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -12,20 +14,50 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_io_timeout::TimeoutStream;
 use tower::ServiceExt as _;
+use warmgate_deploy::LimitsConfig;
 
-/// A client must send its request headers within this time: long enough for
-/// a slow network, short enough that idle half-open sockets do not pile up.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause after a failed accept (e.g. out of file descriptors), so the loop
 /// does not spin while the condition lasts.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// Time allowed to tell a connection over the limit why it is refused.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The bounds on client connections.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    /// Connections open at once.
+    pub max_connections: u32,
+    /// See `limits.header_read_timeout`.
+    pub header_read_timeout: Duration,
+    /// See `limits.idle_timeout`.
+    pub idle_timeout: Duration,
+}
+
+impl From<&LimitsConfig> for ConnLimits {
+    fn from(l: &LimitsConfig) -> Self {
+        ConnLimits {
+            max_connections: l.max_connections,
+            header_read_timeout: l.header_read_timeout,
+            idle_timeout: l.idle_timeout,
+        }
+    }
+}
 
 /// Serves `router` on `listener` until `shutdown` resolves, then stops
 /// accepting and waits for the open connections to finish their requests.
-pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<Output = ()>) {
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnLimits,
+    shutdown: impl Future<Output = ()>,
+) {
     let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -40,21 +72,60 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            metrics::counter!("warmgate_connections_refused_total").increment(1);
+            tokio::spawn(refuse(stream, limits.max_connections));
+            continue;
+        };
         let router = router.clone();
         let service = hyper::service::service_fn(move |req: http::Request<Incoming>| {
             router.clone().oneshot(req)
         });
+        // A response the client stops reading ends the connection after
+        // `idle_timeout`; hyper's header-read timeout covers slow headers
+        // and idle keep-alive connections. Reads are not timed here: a
+        // request held in the queue legitimately reads nothing for long.
+        let mut io = TimeoutStream::new(stream);
+        io.set_write_timeout(Some(limits.idle_timeout));
         let conn = http1::Builder::new()
             .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT)
-            .serve_connection(TokioIo::new(stream), service);
+            .header_read_timeout(limits.header_read_timeout)
+            .serve_connection(TokioIo::new(Box::pin(io)), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
+            drop(permit);
         });
     }
     drop(listener);
     graceful.shutdown().await;
+}
+
+/// Answers a connection over `limits.max_connections` with a `503` in the
+/// JSON error format, then closes it, so the client learns why at once
+/// rather than timing out in the kernel's backlog.
+async fn refuse(mut stream: TcpStream, max: u32) {
+    let body = format!(
+        "{{\"error\":{{\"kind\":\"no_capacity\",\"message\":\"the gateway has {max} connections \
+         open, its limit (limits.max_connections); retry shortly\"}}}}"
+    );
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    // Then read until the client closes (a lingering close, as nginx does):
+    // closing with its request unread would reset the connection, and the
+    // client would see the reset instead of the answer.
+    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 1024];
+        while stream.read(&mut sink).await? > 0 {}
+        std::io::Result::Ok(())
+    })
+    .await;
 }

@@ -77,6 +77,10 @@ pub struct TaskRecord {
     pub replica: Option<String>,
     /// Its weights version.
     pub weights_version: Option<u64>,
+    /// The tenant whose API key submitted it, when keys are configured:
+    /// only that tenant may read it back.
+    #[serde(skip)]
+    pub owner: Option<String>,
 }
 
 /// A finished task, as the synchronous API answers it.
@@ -139,10 +143,12 @@ struct Task {
     system_failures: u32,
     attempts: u32,
     waiter: Option<oneshot::Sender<Outcome>>,
+    /// Dropped with the task, freeing the tenant's pending slot.
+    _hold: Option<crate::tenants::PendingPermit>,
 }
 
 /// What a submitter asks for.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Submit {
     /// The task's JSON input, sent as the body of `POST /invoke`.
     pub input: Bytes,
@@ -158,6 +164,8 @@ pub struct Submit {
     pub min_weights_version: Option<u64>,
     /// The W3C `traceparent` passed on to the worker.
     pub traceparent: Option<String>,
+    /// The submitting tenant's pending-task slot, freed when the task ends.
+    pub hold: Option<crate::tenants::PendingPermit>,
 }
 
 /// Replaces a replica through the pool manager: `(replica, reason)`.
@@ -236,6 +244,7 @@ impl Pool {
             Fairness::Tenant => s.tenant.clone(),
             Fairness::None => DEFAULT_TENANT.to_string(),
         };
+        let owner = s.hold.as_ref().map(|h| h.tenant().to_string());
         let task = Task {
             id: id.clone(),
             tenant: tenant.clone(),
@@ -253,6 +262,7 @@ impl Pool {
             system_failures: 0,
             attempts: 0,
             waiter: Some(tx),
+            _hold: s.hold,
         };
         {
             let mut st = self.state.lock();
@@ -295,6 +305,7 @@ impl Pool {
             attempts: 0,
             replica: None,
             weights_version: None,
+            owner,
         });
         self.wake.notify_one();
         Ok((id, rx))
@@ -915,6 +926,7 @@ mod tests {
             retries: None,
             min_weights_version: min,
             traceparent: None,
+            hold: None,
         })
         .expect("accepted");
     }
@@ -969,6 +981,7 @@ mod tests {
                 retries: None,
                 min_weights_version: Some(4),
                 traceparent: None,
+                hold: None,
             })
             .expect_err("refused");
         assert_eq!(e.kind, ErrorKind::Conflict);

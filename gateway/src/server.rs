@@ -27,6 +27,7 @@ use crate::dispatch::{Acquire, App};
 use crate::error::{ApiError, ErrorKind};
 use crate::proxy::{LimitedBody, Proxy};
 use crate::serving::Served;
+use crate::tenants::Tenant;
 
 /// How often the autoscaler looks at demand. One second resolves the 6 s
 /// panic window into six samples, as Knative's 2 s tick does for its window,
@@ -38,6 +39,7 @@ const X_REPLICA: &str = "x-warmgate-replica";
 const X_REVISION: &str = "x-warmgate-revision";
 const X_QUEUED_MS: &str = "x-warmgate-queued-ms";
 const X_COLD_START: &str = "x-warmgate-cold-start";
+const X_TENANT: &str = "x-warmgate-tenant";
 /// Client-supplied request ids longer than this are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
 
@@ -68,6 +70,8 @@ pub struct Gateway {
     pub(crate) store: parking_lot::Mutex<warmgate_deploy::store::Store>,
     /// `WARMGATE_ADMIN_TOKEN`: the control plane's bearer token.
     admin_token: Option<String>,
+    /// Data-plane API keys and quotas (`None`: the data plane is open).
+    tenants: Option<crate::tenants::Tenants>,
 }
 
 /// The admin token from the environment, when set and not empty.
@@ -144,6 +148,9 @@ impl Gateway {
             .unwrap_or_else(|| std::path::PathBuf::from("."));
         std::fs::create_dir_all(&config.state_dir)
             .with_context(|| format!("create {}", config.state_dir.display()))?;
+        let tenants =
+            crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
+                .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?;
         let db = config.state_dir.join("state.db");
         let store = warmgate_deploy::store::Store::open(&db)
             .with_context(|| format!("open {}", db.display()))?;
@@ -255,6 +262,7 @@ impl Gateway {
             workdir,
             store: parking_lot::Mutex::new(store),
             admin_token: admin_token(),
+            tenants,
         });
         for app in &gw.apps {
             gw.restore(app)
@@ -672,17 +680,22 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/apps/{app}/revisions", get(revisions))
         .route("/v1/pools/{pool}/weights", post(sync_weights))
         .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
-    Router::new()
+    // The data plane: with `[[tenants]]` configured, only callers with an
+    // API key get through, each within its tenant's quotas.
+    let data = Router::new()
         .route("/v1/chat/completions", post(openai))
         .route("/v1/completions", post(openai))
         .route("/v1/embeddings", post(openai))
         .route("/v1/models", get(models))
         .route("/apps/{*rest}", any(passthrough))
-        .route("/v1/weights/{target}/{revision}", get(weights_manifest))
-        .route("/v1/weights/{target}/{revision}/{*file}", get(weights_file))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
         .route("/v1/tasks/{id}", get(get_task))
+        .route_layer(middleware::from_fn_with_state(gw.clone(), require_tenant));
+    Router::new()
+        .route("/v1/weights/{target}/{revision}", get(weights_manifest))
+        .route("/v1/weights/{target}/{revision}/{*file}", get(weights_file))
+        .merge(data)
         .route("/ui", get(dashboard))
         .route("/ui/", get(dashboard))
         .route("/healthz", get(healthz))
@@ -721,6 +734,37 @@ async fn require_admin(State(gw): State<Arc<Gateway>>, req: Request, next: Next)
     }
 }
 
+/// With `[[tenants]]` configured: identifies the caller's tenant by its API
+/// key (401 without a known one), admits the request within the tenant's
+/// rate and in-flight quotas (429 `quota_exceeded` past them), and sets
+/// `X-Warmgate-Tenant` to the tenant's name, so fairness cannot be gamed by
+/// the header. The key is not passed on to workers. The in-flight slot is
+/// held until the response body ends, so a streamed answer counts.
+async fn require_tenant(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next) -> Response {
+    let Some(tenants) = &gw.tenants else {
+        return next.run(req).await;
+    };
+    let Some(tenant) = tenants.identify(req.headers()) else {
+        return ApiError::new(
+            ErrorKind::Unauthorized,
+            "this endpoint needs Authorization: Bearer <an API key of a [[tenants]] entry>",
+        )
+        .into_response();
+    };
+    let guard = match tenant.admit() {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    let headers = req.headers_mut();
+    headers.remove(header::AUTHORIZATION);
+    if let Ok(v) = HeaderValue::from_str(&tenant.name) {
+        headers.insert(X_TENANT, v);
+    }
+    req.extensions_mut().insert(tenant);
+    let resp = next.run(req).await;
+    resp.map(|body| Body::new(crate::tenants::HeldBody::new(body, guard)))
+}
+
 // === handlers ===
 
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
@@ -733,17 +777,41 @@ async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_string();
-    match read_model(&gw, req).await {
-        Ok((served, req)) => {
-            let (app, result) = gw.serve(&served, req, &path).await;
-            finish(app.as_deref(), result)
+    within_deadline(&gw, async {
+        match read_model(&gw, req).await {
+            Ok((served, req)) => {
+                let (app, result) = gw.serve(&served, req, &path).await;
+                finish(app.as_deref(), result)
+            }
+            Err(e) => finish(None, Err(e)),
         }
-        Err(e) => finish(None, Err(e)),
+    })
+    .await
+}
+
+/// Runs an inference request under `limits.request_timeout`, from its
+/// arrival to its response's headers: past it the client gets `504 timeout`
+/// and the request gives up its place in the queue or its replica slot.
+async fn within_deadline(gw: &Gateway, work: impl Future<Output = Response>) -> Response {
+    let limit = gw.config.limits.request_timeout;
+    match tokio::time::timeout(limit, work).await {
+        Ok(resp) => resp,
+        Err(_) => {
+            metrics::counter!("warmgate_request_deadline_exceeded_total").increment(1);
+            ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no response within {} (limits.request_timeout)",
+                    humantime::format_duration(limit)
+                ),
+            )
+            .into_response()
+        }
     }
 }
 
 async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<Served>, Request), ApiError> {
-    let (parts, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
+    let (parts, bytes) = read_body(req, &gw.config.limits).await?;
     let model = model_field(&bytes)?;
     let app = gw.routes.get(model.as_str()).cloned().ok_or_else(|| {
         let mut names: Vec<&str> = gw.routes.keys().map(String::as_str).collect();
@@ -764,12 +832,26 @@ async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<Served>, Request)
 }
 
 /// The whole request body, within `limit` bytes (413 past it).
-async fn read_body(req: Request, limit: u64) -> Result<(http::request::Parts, Bytes), ApiError> {
+/// A body that trickles in is cut off at `limits.request_timeout`.
+async fn read_body(
+    req: Request,
+    limits: &warmgate_deploy::LimitsConfig,
+) -> Result<(http::request::Parts, Bytes), ApiError> {
+    let limit = limits.max_body_bytes;
     check_content_length(&req, limit)?;
     let (parts, body) = req.into_parts();
-    let bytes = Limited::new(body, limit as usize)
-        .collect()
-        .await
+    let collected = tokio::time::timeout(
+        limits.request_timeout,
+        Limited::new(body, limit as usize).collect(),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            ErrorKind::Timeout,
+            "the request body did not arrive within limits.request_timeout",
+        )
+    })?;
+    let bytes = collected
         .map_err(|e| {
             if e.is::<http_body_util::LengthLimitError>() {
                 too_large(limit)
@@ -793,7 +875,7 @@ async fn pool_request<B: serde::de::DeserializeOwned>(
         gw.pools.get(name).cloned().ok_or_else(|| {
             ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
         })?;
-    let (parts, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
+    let (parts, bytes) = read_body(req, &gw.config.limits).await?;
     let body = serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::new(
             ErrorKind::BadRequest,
@@ -856,8 +938,11 @@ async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         return finish(None, Err(e));
     }
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
-    let (app, result) = gw.serve(&app, req, &target).await;
-    finish(app.as_deref(), result)
+    within_deadline(&gw, async {
+        let (app, result) = gw.serve(&app, req, &target).await;
+        finish(app.as_deref(), result)
+    })
+    .await
 }
 
 fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {
@@ -924,7 +1009,8 @@ async fn status(State(gw): State<Arc<Gateway>>) -> Response {
         })
         .collect();
     pools.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
-    axum::Json(json!({"apps": gw.status(), "pools": pools})).into_response()
+    let tenants = gw.tenants.as_ref().map(|t| t.status()).unwrap_or_default();
+    axum::Json(json!({"apps": gw.status(), "pools": pools, "tenants": tenants})).into_response()
 }
 
 #[utoipa::path(get, path = "/v1/apps", tag = "control",
@@ -978,7 +1064,7 @@ async fn promote(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         let app = served(&gw, &name)?;
-        let (_, bytes) = read_body(req, gw.config.limits.max_body_bytes).await?;
+        let (_, bytes) = read_body(req, &gw.config.limits).await?;
         let body: PromoteBody = serde_json::from_slice(&bytes).map_err(|e| {
             ApiError::new(
                 ErrorKind::BadRequest,
@@ -1088,6 +1174,7 @@ async fn submit_task(
     req: Request,
 ) -> Response {
     let result: Result<Response, ApiError> = async {
+        let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
         let (pool, headers, body): (_, _, TaskBody) = pool_request(
             &gw,
             &name,
@@ -1111,6 +1198,7 @@ async fn submit_task(
                 retries: body.retries,
                 min_weights_version: body.min_weights_version,
                 traceparent: traceparent(&headers),
+                hold: tenant_key.map(|t| t.pending_permit()).transpose()?,
             },
         )?;
         if q.is_async {
@@ -1190,6 +1278,7 @@ async fn submit_batch(
     req: Request,
 ) -> Response {
     let result = async {
+        let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
         let (pool, headers, body): (_, _, BatchBody) = pool_request(
             &gw,
             &name,
@@ -1207,8 +1296,10 @@ async fn submit_batch(
             .map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
                 let traceparent = traceparent.clone();
+                let tenant_key = tenant_key.clone();
                 async move {
                     let submit = BatchTask {
+                        tenant_key,
                         traceparent,
                         priority,
                         tenant,
@@ -1245,6 +1336,7 @@ async fn submit_batch(
 
 /// The options every task of a batch shares.
 struct BatchTask {
+    tenant_key: Option<Arc<Tenant>>,
     traceparent: Option<String>,
     priority: i32,
     tenant: String,
@@ -1273,6 +1365,7 @@ async fn batch_one(
             retries: o.retries,
             min_weights_version: o.min_weights_version,
             traceparent: o.traceparent,
+            hold: o.tenant_key.map(|t| t.pending_permit()).transpose()?,
         },
     )?;
     rx.await
@@ -1414,8 +1507,22 @@ fn max_unavailable(v: Option<&serde_json::Value>, ready: usize) -> Result<usize,
 #[utoipa::path(get, path = "/v1/tasks/{id}", tag = "pools",
     params(("id" = String, Path, description = "Task id")),
     responses((status = 200, description = "The task's state and output", body = Object), (status = 404, description = "Unknown or evicted task", body = ErrorBody)))]
-async fn get_task(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Response {
-    match gw.tasks.get(&id) {
+async fn get_task(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let caller = req
+        .extensions()
+        .get::<Arc<Tenant>>()
+        .map(|t| t.name.as_str());
+    // With API keys, a tenant sees only its own tasks; another's reads as
+    // unknown, so ids cannot be probed.
+    match gw
+        .tasks
+        .get(&id)
+        .filter(|r| caller.is_none() || r.owner.as_deref() == caller)
+    {
         Some(r) => axum::Json(r).into_response(),
         None => {
             ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()

@@ -1,0 +1,398 @@
+//! Tenants and limits: data-plane API keys with quotas, the connection
+//! bound, header-read and request deadlines. Each test talks to the real
+//! binary over real sockets, the way a misbehaving client would.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gateway, WAIT, eventually, kind};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const KEY_A: &str = "wg-key-alpha-7d1e0c";
+const KEY_B: &str = "wg-key-bravo-42aa91";
+
+fn sha256_hex(s: &str) -> String {
+    Sha256::digest(s.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn tenants_gateway() -> Gateway {
+    let config = format!(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{{worker}}"]
+        concurrency = 8
+        [apps.autoscale]
+        min = 1
+        max = 1
+        [[pools]]
+        name = "p"
+        command = ["{{worker}}"]
+        replicas = [1, 1]
+        [[tenants]]
+        name = "alpha"
+        api_key_sha256 = "{}"
+        max_inflight = 2
+        max_pending = 1
+        [[tenants]]
+        name = "bravo"
+        api_key_env = "TEST_KEY_BRAVO"
+        rps = 0.1
+        "#,
+        sha256_hex(KEY_A)
+    );
+    Gateway::start_with(&config, &[], &[("TEST_KEY_BRAVO", KEY_B)])
+}
+
+async fn send(
+    gw: &Gateway,
+    method: reqwest::Method,
+    path: &str,
+    key: Option<&str>,
+    body: Option<Value>,
+) -> (u16, reqwest::header::HeaderMap, Value) {
+    let mut r = gw
+        .http
+        .request(method, gw.at(path))
+        .timeout(WAIT)
+        .header("x-warmgate-tenant", "someone-else");
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    if let Some(b) = body {
+        r = r.json(&b);
+    }
+    let r = r.send().await.expect("send");
+    let (status, headers) = (r.status().as_u16(), r.headers().clone());
+    (status, headers, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_name_the_tenant_and_its_quotas_hold() {
+    let gw = tenants_gateway();
+    gw.wait_ready("m", 1).await;
+    let get = reqwest::Method::GET;
+
+    // No key, or a wrong one: 401 on every data-plane route.
+    for (path, key) in [
+        ("/apps/m/x", None),
+        ("/apps/m/x", Some("wrong")),
+        ("/v1/models", None),
+        ("/v1/tasks/p-0-0", None),
+    ] {
+        let (status, _, body) = send(&gw, get.clone(), path, key, None).await;
+        assert_eq!(status, 401, "{path} with {key:?}: {body}");
+        assert_eq!(kind(&body), "unauthorized");
+    }
+    let (status, _, body) = send(
+        &gw,
+        reqwest::Method::POST,
+        "/v1/embeddings",
+        None,
+        Some(json!({"model": "m", "input": "x"})),
+    )
+    .await;
+    assert_eq!(status, 401, "{body}");
+
+    // A key names its tenant: the worker sees the tenant's name, whatever
+    // the client claims, and never sees the key.
+    let (status, _, echo) = send(&gw, get.clone(), "/apps/m/x", Some(KEY_A), None).await;
+    assert_eq!(status, 200, "{echo}");
+    assert_eq!(echo["headers"]["x-warmgate-tenant"], "alpha");
+    assert!(echo["headers"].get("authorization").is_none(), "{echo}");
+
+    // max_inflight = 2: a third request at once is refused, and a slot is
+    // given back when a response ends.
+    let slow = |n: u32| {
+        let (http, url) = (
+            gw.http.clone(),
+            gw.at(&format!("/apps/m/slow{n}?latency_ms=3000")),
+        );
+        tokio::spawn(async move { http.get(url).bearer_auth(KEY_A).send().await })
+    };
+    let (s1, s2) = (slow(1), slow(2));
+    eventually("alpha has 2 requests in flight", || async {
+        let t = tenant(&gw, "alpha").await;
+        (t["inflight"] == 2).then_some(())
+    })
+    .await;
+    let (status, headers, body) = send(&gw, get.clone(), "/apps/m/x", Some(KEY_A), None).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(kind(&body), "quota_exceeded");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("max_inflight")
+    );
+    assert!(headers.contains_key("retry-after"));
+    // Another tenant is not affected by alpha's quota.
+    let (status, _, body) = send(&gw, get.clone(), "/apps/m/x", Some(KEY_B), None).await;
+    assert_eq!(status, 200, "{body}");
+    for h in [s1, s2] {
+        assert_eq!(h.await.expect("join").expect("send").status(), 200);
+    }
+    let (status, _, _) = send(&gw, get.clone(), "/apps/m/x", Some(KEY_A), None).await;
+    assert_eq!(status, 200, "the slots came back");
+
+    // rps = 0.1 with a burst of 1: bravo's next request within ten seconds
+    // is refused, with the wait in Retry-After.
+    let (status, headers, body) = send(&gw, get.clone(), "/apps/m/x", Some(KEY_B), None).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(kind(&body), "quota_exceeded");
+    let retry: u64 = headers["retry-after"]
+        .to_str()
+        .unwrap_or("")
+        .parse()
+        .expect("seconds");
+    assert!((1..=10).contains(&retry), "retry-after {retry}");
+
+    // max_pending = 1: a second task while the first runs is refused; the
+    // slot frees when the first finishes.
+    let post = reqwest::Method::POST;
+    let (status, _, first) = send(
+        &gw,
+        post.clone(),
+        "/v1/pools/p/tasks?async=true",
+        Some(KEY_A),
+        Some(json!({"input": {"sleep_ms": 1000}})),
+    )
+    .await;
+    assert_eq!(status, 202, "{first}");
+    let id = first["id"].as_str().expect("id").to_string();
+    let (status, _, body) = send(
+        &gw,
+        post.clone(),
+        "/v1/pools/p/tasks?async=true",
+        Some(KEY_A),
+        Some(json!({"input": {}})),
+    )
+    .await;
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("max_pending")
+    );
+    // Only the owner can read a task back.
+    let (status, _, _) = send(
+        &gw,
+        get.clone(),
+        &format!("/v1/tasks/{id}"),
+        Some(KEY_B),
+        None,
+    )
+    .await;
+    assert!(
+        status == 404 || status == 429,
+        "bravo must not see alpha's task: {status}"
+    );
+    eventually("alpha's task finishes", || async {
+        let (_, _, t) = send(
+            &gw,
+            reqwest::Method::GET,
+            &format!("/v1/tasks/{id}"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
+        (t["state"] == "succeeded").then_some(())
+    })
+    .await;
+    eventually("alpha's pending slot is free", || async {
+        (tenant(&gw, "alpha").await["pending"] == 0).then_some(())
+    })
+    .await;
+    let (status, _, body) = send(
+        &gw,
+        post,
+        "/v1/pools/p/tasks",
+        Some(KEY_A),
+        Some(json!({"input": {"n": 1}})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+
+    // Keys never show up: not in status, metrics or the log.
+    let status_text = gw.json("/v1/status").await.to_string();
+    let metrics = gw
+        .http
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let t = tenant(&gw, "alpha").await;
+    assert!(t["rejected"].as_u64().unwrap_or(0) >= 2, "{t}");
+    for secret in [KEY_A, KEY_B, &sha256_hex(KEY_B)] {
+        assert!(!status_text.contains(secret), "status leaks a key");
+        assert!(!metrics.contains(secret), "metrics leak a key");
+        assert!(!gw.log().contains(secret), "the log leaks a key");
+    }
+    assert!(
+        metrics.contains("warmgate_tenant_rejected_total{tenant=\"alpha\"}"),
+        "per-tenant refusals are counted"
+    );
+}
+
+async fn tenant(gw: &Gateway, name: &str) -> Value {
+    let s = gw.json("/v1/status").await;
+    s["tenants"]
+        .as_array()
+        .and_then(|ts| ts.iter().find(|t| t["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("tenant {name} not in status: {s}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_variable_that_is_not_set_stops_the_gateway_with_its_name() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("w.toml");
+    std::fs::write(
+        &path,
+        "[[tenants]]\nname = \"a\"\napi_key_env = \"WARMGATE_TEST_UNSET_KEY\"\n",
+    )
+    .expect("write");
+    let out = std::process::Command::new(common::bin("warmgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .args(["--listen", "127.0.0.1:0"])
+        .env_remove("WARMGATE_TEST_UNSET_KEY")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("tenants[0].api_key_env") && err.contains("WARMGATE_TEST_UNSET_KEY"),
+        "{err}"
+    );
+}
+
+fn limits_gateway() -> Gateway {
+    Gateway::start(
+        r#"
+        [limits]
+        max_connections = 4
+        header_read_timeout = "1s"
+        request_timeout = "2s"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    )
+}
+
+/// The gateway's `host:port`.
+fn addr(gw: &Gateway) -> String {
+    gw.url.trim_start_matches("http://").to_string()
+}
+
+/// Reads until the server closes the connection (bounded by `WAIT`).
+async fn read_to_close(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(WAIT, s.read_to_end(&mut out))
+        .await
+        .expect("the server closes the connection");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_cannot_hold_sockets_and_connections_are_bounded() {
+    let gw = limits_gateway();
+    gw.wait_ready("m", 1).await;
+
+    // Slowloris: half a request's headers, then nothing. The gateway hangs
+    // up after header_read_timeout.
+    let mut slow = TcpStream::connect(addr(&gw)).await.expect("connect");
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .await
+        .expect("write");
+    let got = read_to_close(&mut slow).await;
+    assert!(
+        !got.contains("200 OK"),
+        "no answer to half a request: {got}"
+    );
+
+    // An idle keep-alive connection is closed too.
+    let mut idle = TcpStream::connect(addr(&gw)).await.expect("connect");
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let got = read_to_close(&mut idle).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+
+    // A body that trickles in is cut off at request_timeout.
+    let mut trickle = TcpStream::connect(addr(&gw)).await.expect("connect");
+    trickle
+        .write_all(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 100\r\n\r\n{\"model\":",
+        )
+        .await
+        .expect("write");
+    let got = read_to_close(&mut trickle).await;
+    assert!(got.starts_with("HTTP/1.1 504"), "{got}");
+    assert!(got.contains("limits.request_timeout"), "{got}");
+
+    // A worker slower than request_timeout: 504 timeout.
+    let r = gw
+        .http
+        .get(gw.at("/apps/m/x?latency_ms=10000"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 504);
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(kind(&body), "timeout");
+
+    // max_connections = 4: with four open, a fifth is told why and closed.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+        // A request in flight keeps each connection busy.
+        s.write_all(b"GET /apps/m/x?latency_ms=1500 HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        held.push(s);
+    }
+    let refused = eventually("a fifth connection is refused", || async {
+        let mut s = TcpStream::connect(addr(&gw)).await.ok()?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .ok()?;
+        let got = read_to_close(&mut s).await;
+        got.starts_with("HTTP/1.1 503").then_some(got)
+    })
+    .await;
+    assert!(refused.contains("\"kind\":\"no_capacity\""), "{refused}");
+    assert!(refused.contains("limits.max_connections"), "{refused}");
+    assert!(
+        refused.to_ascii_lowercase().contains("retry-after: 1"),
+        "{refused}"
+    );
+    drop(held);
+    // Once they close, new connections are served again.
+    eventually("connections are served again", || async {
+        let r = gw
+            .http
+            .get(gw.at("/healthz"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+}
