@@ -329,7 +329,16 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
     let metrics = install_metrics();
     let grace = config.backend.stop_grace;
     let conn_limits = crate::listener::ConnLimits::from(&config.limits);
-    let gw = Gateway::new(config, Arc::new(LocalBackend::new(logs)), metrics, addr)?;
+    let backend = LocalBackend::new(logs).with_run_dir(config.state_dir.join("run"));
+    // A previous run killed with `kill -9` left its replicas running: stop
+    // them before anything starts, so GPUs and ports are free again.
+    let orphans = backend.reap_orphans();
+    if !orphans.is_empty() {
+        let names: Vec<&str> = orphans.iter().map(|o| o.replica.as_str()).collect();
+        tracing::warn!(count = orphans.len(), replicas = ?names, "stopped replicas a previous run left running");
+    }
+    metrics::counter!("warmgate_orphans_stopped_total").increment(orphans.len() as u64);
+    let gw = Gateway::new(config, Arc::new(backend), metrics, addr)?;
     let autoscaler = gw.spawn_autoscaler();
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);

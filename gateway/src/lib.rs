@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod dispatch;
 pub mod error;
+pub mod journal;
 pub mod listener;
 pub mod pools;
 pub mod promote;

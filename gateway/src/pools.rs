@@ -81,6 +81,9 @@ pub struct TaskRecord {
     /// only that tenant may read it back.
     #[serde(skip)]
     pub owner: Option<String>,
+    /// Submitted with `?async=true`: its end goes to the journal.
+    #[serde(skip)]
+    pub durable: bool,
 }
 
 /// A finished task, as the synchronous API answers it.
@@ -90,6 +93,7 @@ pub type Outcome = Result<TaskRecord, ApiError>;
 #[derive(Default)]
 pub struct TaskStore {
     inner: Mutex<StoreInner>,
+    journal: OnceLock<Arc<crate::journal::Journal>>,
 }
 
 #[derive(Default)]
@@ -104,6 +108,16 @@ impl TaskStore {
         self.inner.lock().records.get(id).cloned()
     }
 
+    /// Where async tasks are journaled (set once, at start).
+    pub fn set_journal(&self, j: Arc<crate::journal::Journal>) {
+        let _ = self.journal.set(j);
+    }
+
+    /// The journal, if any.
+    pub fn journal(&self) -> Option<&Arc<crate::journal::Journal>> {
+        self.journal.get()
+    }
+
     fn insert(&self, r: TaskRecord) {
         self.inner.lock().records.insert(r.id.clone(), r);
     }
@@ -113,13 +127,21 @@ impl TaskStore {
         let r = s.records.get_mut(id)?;
         f(r);
         let out = r.clone();
-        if matches!(out.state, TaskState::Succeeded | TaskState::Failed) {
+        let ended = matches!(out.state, TaskState::Succeeded | TaskState::Failed);
+        if ended {
             s.finished.push_back(id.to_string());
             while s.finished.len() > MAX_FINISHED {
                 if let Some(old) = s.finished.pop_front() {
                     s.records.remove(&old);
                 }
             }
+        }
+        drop(s);
+        if ended
+            && out.durable
+            && let Some(j) = self.journal.get()
+        {
+            j.end(&out);
         }
         Some(out)
     }
@@ -166,6 +188,8 @@ pub struct Submit {
     pub traceparent: Option<String>,
     /// The submitting tenant's pending-task slot, freed when the task ends.
     pub hold: Option<crate::tenants::PendingPermit>,
+    /// Journal the task's end (an async submission).
+    pub durable: bool,
 }
 
 /// Replaces a replica through the pool manager: `(replica, reason)`.
@@ -306,6 +330,7 @@ impl Pool {
             replica: None,
             weights_version: None,
             owner,
+            durable: s.durable,
         });
         self.wake.notify_one();
         Ok((id, rx))
@@ -927,6 +952,7 @@ mod tests {
             min_weights_version: min,
             traceparent: None,
             hold: None,
+            durable: false,
         })
         .expect("accepted");
     }
@@ -982,6 +1008,7 @@ mod tests {
                 min_weights_version: Some(4),
                 traceparent: None,
                 hold: None,
+                durable: false,
             })
             .expect_err("refused");
         assert_eq!(e.kind, ErrorKind::Conflict);

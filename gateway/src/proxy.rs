@@ -55,14 +55,19 @@ impl Proxy {
         mut req: Request<Body>,
         path_and_query: &str,
         slot: SlotGuard,
-    ) -> Result<Response<Body>, ApiError> {
+    ) -> Result<Response<Body>, Forward> {
         let replica = slot.replica().clone();
         let uri = Uri::builder()
             .scheme(http::uri::Scheme::HTTP)
             .authority(replica.authority.clone())
             .path_and_query(path_and_query)
             .build()
-            .map_err(|_| ApiError::new(ErrorKind::BadRequest, "the request path is not valid"))?;
+            .map_err(|_| {
+                Forward::Failed(ApiError::new(
+                    ErrorKind::BadRequest,
+                    "the request path is not valid",
+                ))
+            })?;
         *req.uri_mut() = uri;
         *req.version_mut() = http::Version::HTTP_11;
         strip_hop_by_hop(req.headers_mut());
@@ -70,7 +75,14 @@ impl Proxy {
         slot.note_forward();
         let resp = match self.client.request(req).await {
             Ok(r) => r,
-            Err(e) => return Err(upstream_error(&e, &replica.id, &replica.target)),
+            Err(e) => {
+                let err = upstream_error(&e, &replica.id, &replica.target);
+                return Err(if e.is_connect() {
+                    Forward::Refused(err)
+                } else {
+                    Forward::Failed(err)
+                });
+            }
         };
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -79,6 +91,25 @@ impl Proxy {
             slot: Some(slot),
         });
         Ok(Response::from_parts(parts, body))
+    }
+}
+
+/// Why a forward failed.
+#[derive(Debug)]
+pub enum Forward {
+    /// The replica could not be connected to: nothing was sent, so the
+    /// request may go to another replica.
+    Refused(ApiError),
+    /// The request failed after it was (or may have been) sent.
+    Failed(ApiError),
+}
+
+impl Forward {
+    /// The error the client sees if no retry is made.
+    pub fn into_error(self) -> ApiError {
+        match self {
+            Forward::Refused(e) | Forward::Failed(e) => e,
+        }
     }
 }
 

@@ -40,6 +40,13 @@ const X_REVISION: &str = "x-warmgate-revision";
 const X_QUEUED_MS: &str = "x-warmgate-queued-ms";
 const X_COLD_START: &str = "x-warmgate-cold-start";
 const X_TENANT: &str = "x-warmgate-tenant";
+/// Request bodies up to this size are kept so that a request refused by a
+/// dying replica can go to another; larger ones stream through once.
+const MAX_REPLAY_BYTES: u64 = 64 * 1024;
+/// Tries of a request whose replicas refuse the connection.
+const MAX_CONNECT_ATTEMPTS: u32 = 3;
+/// Pause before the next try, times the tries so far.
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
 /// Client-supplied request ids longer than this are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
 
@@ -188,6 +195,16 @@ impl Gateway {
             }
         }
         let tasks = Arc::new(crate::pools::TaskStore::default());
+        let (journal, recovered) = crate::journal::Journal::open(&db)
+            .with_context(|| format!("open the task journal in {}", db.display()))?;
+        if recovered.failed > 0 {
+            tracing::warn!(
+                tasks = recovered.failed,
+                "async tasks accepted before the last stop had not finished; they are marked failed (gateway_restarted)"
+            );
+        }
+        metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
+        tasks.set_journal(Arc::new(journal));
         let pools: HashMap<String, Arc<crate::pools::Pool>> = config
             .pools
             .iter()
@@ -411,10 +428,61 @@ impl Gateway {
         req: Request,
         path_and_query: &str,
     ) -> Result<Response, ApiError> {
-        if app.ready_replicas() == 0 {
-            self.refuse_if_failing(app)?;
+        // A replica that refuses the connection (killed a moment ago, not
+        // yet seen to exit) was sent nothing, so the request may try
+        // another one, if its body can be sent again.
+        let (parts, body) = req.into_parts();
+        let small = http_body::Body::size_hint(&body)
+            .exact()
+            .is_some_and(|n| n <= MAX_REPLAY_BYTES);
+        if !small {
+            let req = Request::from_parts(parts, body);
+            return self.serve_once(app, req, path_and_query).await;
         }
-        let (slot, queued, cold) = match app.acquire()? {
+        let bytes = body
+            .collect()
+            .await
+            .map_err(|e| body_error(&e, self.config.limits.max_body_bytes))?
+            .to_bytes();
+        let mut attempt = 1;
+        loop {
+            let req = Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+            match self.serve_once_or_refused(app, req, path_and_query).await {
+                Err(crate::proxy::Forward::Refused(e)) if attempt < MAX_CONNECT_ATTEMPTS => {
+                    metrics::counter!("warmgate_connect_retries_total").increment(1);
+                    tracing::debug!(attempt, error = %e.message, "retrying on another replica");
+                    // The pool manager sees a dead process within
+                    // milliseconds; give it that long to drop the replica.
+                    tokio::time::sleep(CONNECT_RETRY_PAUSE * attempt).await;
+                    attempt += 1;
+                }
+                other => return other.map_err(crate::proxy::Forward::into_error),
+            }
+        }
+    }
+
+    async fn serve_once(
+        self: &Arc<Self>,
+        app: &Arc<App>,
+        req: Request,
+        path_and_query: &str,
+    ) -> Result<Response, ApiError> {
+        self.serve_once_or_refused(app, req, path_and_query)
+            .await
+            .map_err(crate::proxy::Forward::into_error)
+    }
+
+    async fn serve_once_or_refused(
+        self: &Arc<Self>,
+        app: &Arc<App>,
+        req: Request,
+        path_and_query: &str,
+    ) -> Result<Response, crate::proxy::Forward> {
+        use crate::proxy::Forward::Failed;
+        if app.ready_replicas() == 0 {
+            self.refuse_if_failing(app).map_err(Failed)?;
+        }
+        let (slot, queued, cold) = match app.acquire().map_err(Failed)? {
             Acquire::Ready(slot) => (slot, Duration::ZERO, false),
             Acquire::Held { pending, cold } => {
                 if cold {
@@ -425,7 +493,7 @@ impl Gateway {
                         }
                     });
                 }
-                let (slot, waited) = pending.wait(app.spec.queue.timeout).await?;
+                let (slot, waited) = pending.wait(app.spec.queue.timeout).await.map_err(Failed)?;
                 (slot, waited, cold)
             }
         };
@@ -831,6 +899,18 @@ async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<Served>, Request)
     Ok((app, Request::from_parts(parts, Body::from(bytes))))
 }
 
+/// The error for a request body that could not be read.
+fn body_error(e: &axum::Error, limit: u64) -> ApiError {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<crate::proxy::BodyTooLarge>() || err.is::<http_body_util::LengthLimitError>() {
+            return too_large(limit);
+        }
+        cur = err.source();
+    }
+    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+}
+
 /// The whole request body, within `limit` bytes (413 past it).
 /// A body that trickles in is cut off at `limits.request_timeout`.
 async fn read_body(
@@ -1175,6 +1255,7 @@ async fn submit_task(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
+        let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
         let (pool, headers, body): (_, _, TaskBody) = pool_request(
             &gw,
             &name,
@@ -1199,9 +1280,33 @@ async fn submit_task(
                 min_weights_version: body.min_weights_version,
                 traceparent: traceparent(&headers),
                 hold: tenant_key.map(|t| t.pending_permit()).transpose()?,
+                durable: q.is_async,
             },
         )?;
         if q.is_async {
+            // On disk before the 202: a crash after it cannot lose the task
+            // silently (it reads back as failed after the restart).
+            if let Some(j) = gw.tasks.journal() {
+                let record = crate::pools::TaskRecord {
+                    id: id.clone(),
+                    pool: pool.name.clone(),
+                    state: crate::pools::TaskState::Pending,
+                    output: None,
+                    error: None,
+                    attempts: 0,
+                    replica: None,
+                    weights_version: None,
+                    owner: tenant_owner,
+                    durable: true,
+                };
+                j.accept(&record).await.map_err(|e| {
+                    ApiError::new(
+                        ErrorKind::NoCapacity,
+                        format!("could not record the task: {e}"),
+                    )
+                    .retry_after(1)
+                })?;
+            }
             return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
         }
         let record = rx.await.map_err(|_| {
@@ -1366,6 +1471,7 @@ async fn batch_one(
             min_weights_version: o.min_weights_version,
             traceparent: o.traceparent,
             hold: o.tenant_key.map(|t| t.pending_permit()).transpose()?,
+            durable: false,
         },
     )?;
     rx.await
@@ -1518,16 +1624,18 @@ async fn get_task(
         .map(|t| t.name.as_str());
     // With API keys, a tenant sees only its own tasks; another's reads as
     // unknown, so ids cannot be probed.
-    match gw
-        .tasks
-        .get(&id)
-        .filter(|r| caller.is_none() || r.owner.as_deref() == caller)
-    {
-        Some(r) => axum::Json(r).into_response(),
-        None => {
-            ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
+    let mine = |owner: Option<&str>| caller.is_none() || owner == caller;
+    if let Some(r) = gw.tasks.get(&id) {
+        if mine(r.owner.as_deref()) {
+            return axum::Json(r).into_response();
         }
+    } else if let Some((v, owner)) = gw.tasks.journal().and_then(|j| j.get(&id))
+        && mine(owner.as_deref())
+    {
+        // Ended before this gateway started, or evicted from memory.
+        return axum::Json(v).into_response();
     }
+    ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
 }
 
 /// The files of a revision's checkpoint.

@@ -65,6 +65,18 @@ pub trait Backend: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct LocalBackend {
     log_dir: PathBuf,
+    /// One `<replica>.pid` file per live replica, so that a gateway killed
+    /// with `kill -9` finds its orphans when it starts again.
+    run_dir: Option<PathBuf>,
+}
+
+/// A replica process left behind by a previous run, and stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Orphan {
+    /// Its replica id.
+    pub replica: String,
+    /// Its process (group) id.
+    pub pid: i32,
 }
 
 impl LocalBackend {
@@ -72,6 +84,81 @@ impl LocalBackend {
     pub fn new(log_dir: impl Into<PathBuf>) -> Self {
         LocalBackend {
             log_dir: log_dir.into(),
+            run_dir: None,
+        }
+    }
+
+    /// Keeps a record of each live replica under `dir` (see
+    /// [`LocalBackend::reap_orphans`]).
+    pub fn with_run_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.run_dir = Some(dir.into());
+        self
+    }
+
+    /// Stops the replicas a previous run of the gateway left running (it
+    /// was killed before it could stop them): each recorded process group
+    /// whose leader is still the process that was recorded gets SIGKILL.
+    /// A pid since reused by an unrelated process is left alone. Their
+    /// state (warm weights, tasks in flight) cannot be trusted, so they
+    /// are cleaned up rather than adopted; the autoscaler starts fresh
+    /// ones as needed.
+    pub fn reap_orphans(&self) -> Vec<Orphan> {
+        let Some(dir) = &self.run_dir else {
+            return Vec::new();
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        let mut reaped = Vec::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(replica) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".pid"))
+                .map(str::to_string)
+            else {
+                continue;
+            };
+            let record = std::fs::read_to_string(&path).unwrap_or_default();
+            let _ = std::fs::remove_file(&path);
+            let mut fields = record.split_whitespace();
+            let (Some(pid), Some(started)) = (
+                fields.next().and_then(|p| p.parse::<i32>().ok()),
+                fields.next().and_then(|t| t.parse::<u64>().ok()),
+            ) else {
+                continue;
+            };
+            if pid <= 1 {
+                continue;
+            }
+            // The leader is gone, or is another process now: if the leader
+            // died, Linux keeps its pid out of reuse while the group
+            // lives, so a live group with this id is still ours.
+            match start_time(pid) {
+                Some(t) if t != started => continue,
+                _ => {}
+            }
+            if killpg(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+                tracing::warn!(%replica, pid, "stopped a replica left running by a previous run");
+                reaped.push(Orphan { replica, pid });
+            }
+        }
+        reaped
+    }
+
+    fn record(&self, replica: &str, pid: u32) -> Option<PathBuf> {
+        let dir = self.run_dir.as_ref()?;
+        let started = start_time(pid as i32).unwrap_or(0);
+        let path = dir.join(format!("{replica}.pid"));
+        let written = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&path, format!("{pid} {started}\n")));
+        match written {
+            Ok(()) => Some(path),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "could not record a replica's pid");
+                None
+            }
         }
     }
 
@@ -128,9 +215,11 @@ impl Backend for LocalBackend {
             reason: e.to_string(),
         })?;
         let pid = child.id();
+        let record = pid.and_then(|p| self.record(&launch.replica, p));
         Ok(Box::new(LocalProcess {
             child,
             pid,
+            record,
             addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
             log: log_path,
         }))
@@ -149,6 +238,8 @@ pub fn gpu_list(gpus: &[u32]) -> String {
 struct LocalProcess {
     child: tokio::process::Child,
     pid: Option<u32>,
+    /// Its `<replica>.pid` record, removed when the process is dropped.
+    record: Option<PathBuf>,
     addr: SocketAddr,
     log: PathBuf,
 }
@@ -196,6 +287,24 @@ impl LocalProcess {
             tracing::warn!(pid, ?sig, error = %e, "could not signal replica");
         }
     }
+}
+
+impl Drop for LocalProcess {
+    fn drop(&mut self) {
+        if let Some(path) = &self.record {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A process's start time, in clock ticks since boot (`/proc/PID/stat`
+/// field 22), to tell it from a later process with the same pid.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses; the
+    // fields after its closing parenthesis start at field 3.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
 }
 
 fn describe_exit(status: ExitStatus) -> String {
@@ -282,6 +391,83 @@ mod tests {
             .expect("exits after SIGTERM");
         assert_eq!(how, "was killed by SIGTERM");
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Whether `pid` has exited (gone, or a zombie waiting to be reaped).
+    fn exited(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat[stat.rfind(')').unwrap_or(0) + 1..]
+                .split_whitespace()
+                .next()
+                .is_some_and(|state| state == "Z" || state == "X"),
+        }
+    }
+
+    #[tokio::test]
+    async fn orphans_of_a_crashed_run_are_found_and_stopped_with_their_children() {
+        let dir = tempfile::tempdir().expect("dir");
+        let run = dir.path().join("run");
+        let child_pid = dir.path().join("bg.pid");
+        let backend = LocalBackend::new(dir.path()).with_run_dir(&run);
+        let script = format!("sleep 600 & echo $! > {}; wait", child_pid.display());
+        let p = backend
+            .spawn(&launch(&["sh", "-c", &script]))
+            .await
+            .expect("spawn");
+        let leader = p.pid().expect("pid") as i32;
+        assert!(run.join("t-1.pid").exists(), "the replica is recorded");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let bg: i32 = loop {
+            if let Some(pid) = std::fs::read_to_string(&child_pid)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+            {
+                break pid;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the worker's child started"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        // A crash: the gateway never stops or drops its process.
+        std::mem::forget(p);
+
+        let next_run = LocalBackend::new(dir.path()).with_run_dir(&run);
+        let reaped = next_run.reap_orphans();
+        assert_eq!(
+            reaped,
+            vec![Orphan {
+                replica: "t-1".into(),
+                pid: leader
+            }]
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !(exited(leader) && exited(bg)) {
+            assert!(std::time::Instant::now() < deadline, "the group was killed");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!run.join("t-1.pid").exists(), "the record is gone");
+        assert!(
+            next_run.reap_orphans().is_empty(),
+            "nothing is reaped twice"
+        );
+    }
+
+    #[test]
+    fn a_record_whose_pid_is_now_another_process_is_left_alone() {
+        let dir = tempfile::tempdir().expect("dir");
+        let run = dir.path().join("run");
+        std::fs::create_dir_all(&run).expect("mkdir");
+        // This test process, with a start time that is not its own.
+        let me = std::process::id();
+        let real = start_time(me as i32).expect("own start time");
+        std::fs::write(run.join("x-1.pid"), format!("{me} {}\n", real + 1)).expect("write");
+        let reaped = LocalBackend::new(dir.path())
+            .with_run_dir(&run)
+            .reap_orphans();
+        assert!(reaped.is_empty(), "a reused pid is not ours: {reaped:?}");
     }
 
     #[tokio::test]

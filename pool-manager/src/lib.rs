@@ -20,7 +20,7 @@ pub mod probe;
 pub mod replica;
 pub mod weights;
 
-pub use backend::{Backend, Launch, LocalBackend, Process};
+pub use backend::{Backend, Launch, LocalBackend, Orphan, Process};
 pub use gpu::GpuInventory;
 pub use manager::{PoolManager, ReplicaSink, TargetHealth, TargetSpec, TargetStatus};
 pub use replica::{ReplicaHandle, ReplicaState, ReplicaStatus};

@@ -1,0 +1,305 @@
+//! The async-task journal: every task accepted with `?async=true` is on
+//! disk before its `202` goes out, and its end is written when it ends. A
+//! gateway that crashes therefore forgets nothing it promised: on restart,
+//! tasks that had not ended are marked failed with `gateway_restarted`, and
+//! `GET /v1/tasks/{id}` reads ended tasks back from the journal.
+//!
+//! One writer thread owns the write connection and commits whatever is
+//! waiting in one transaction (group commit), so a burst of submissions
+//! costs one fsync-free WAL append per batch, not per task. The channel to
+//! it is bounded.
+
+use std::path::Path;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use rusqlite::{Connection, OptionalExtension, params};
+use serde_json::Value;
+use tokio::sync::oneshot;
+
+use crate::pools::{TaskRecord, TaskState};
+
+/// Ended tasks kept in the journal; older rows are pruned.
+const KEEP: i64 = 100_000;
+/// Operations waiting for the writer.
+const CAPACITY: usize = 65_536;
+/// Operations committed in one transaction at most.
+const BATCH: usize = 1024;
+/// An output larger than this is not kept across restarts (the record says
+/// so); the in-memory record still has it.
+const MAX_KEPT_OUTPUT: usize = 1024 * 1024;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    state TEXT NOT NULL,
+    at REAL NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tasks_by_time ON tasks (at);
+";
+
+enum Op {
+    Accept {
+        record: TaskRecord,
+        ack: oneshot::Sender<Result<(), String>>,
+    },
+    End(TaskRecord),
+}
+
+/// The journal: a writer thread and a read connection.
+pub struct Journal {
+    tx: SyncSender<Op>,
+    read: Mutex<Connection>,
+}
+
+/// What opening the journal found of the previous run.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Tasks accepted before a crash and now marked failed.
+    pub failed: u64,
+}
+
+impl Journal {
+    /// Opens the journal in the SQLite file at `path`, marks every task
+    /// the previous run left unfinished as failed, and starts the writer.
+    pub fn open(path: &Path) -> rusqlite::Result<(Journal, Recovered)> {
+        let write = connect(path)?;
+        write.execute_batch(SCHEMA)?;
+        let failed = fail_unfinished(&write)?;
+        prune(&write)?;
+        let read = connect(path)?;
+        let (tx, rx) = sync_channel(CAPACITY);
+        std::thread::Builder::new()
+            .name("task-journal".into())
+            .spawn(move || writer(write, rx))
+            .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+        Ok((
+            Journal {
+                tx,
+                read: Mutex::new(read),
+            },
+            Recovered { failed },
+        ))
+    }
+
+    /// Writes an accepted task; resolves once it is committed.
+    pub async fn accept(&self, record: &TaskRecord) -> Result<(), String> {
+        let (ack, done) = oneshot::channel();
+        self.tx
+            .try_send(Op::Accept {
+                record: record.clone(),
+                ack,
+            })
+            .map_err(|e| match e {
+                TrySendError::Full(_) => "the task journal is falling behind".to_string(),
+                TrySendError::Disconnected(_) => "the task journal has stopped".to_string(),
+            })?;
+        done.await
+            .map_err(|_| "the task journal has stopped".to_string())?
+    }
+
+    /// Records a task's end (never waits).
+    pub fn end(&self, record: &TaskRecord) {
+        if let Err(e) = self.tx.try_send(Op::End(record.clone())) {
+            metrics::counter!("warmgate_task_journal_dropped_total").increment(1);
+            tracing::warn!(task = %record.id, error = %e, "could not journal a task's end");
+        }
+    }
+
+    /// A journaled task, as `GET /v1/tasks/{id}` shows it, and its owner.
+    pub fn get(&self, id: &str) -> Option<(Value, Option<String>)> {
+        let conn = self.read.lock();
+        let row: Option<(String, Option<String>)> = conn
+            .query_row(
+                "SELECT body, owner FROM tasks WHERE id = ?1",
+                params![id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .ok()
+            .flatten();
+        let (body, owner) = row?;
+        serde_json::from_str(&body).ok().map(|v| (v, owner))
+    }
+}
+
+fn connect(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    Ok(conn)
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn state_name(s: TaskState) -> &'static str {
+    match s {
+        TaskState::Pending => "pending",
+        TaskState::Running => "running",
+        TaskState::Succeeded => "succeeded",
+        TaskState::Failed => "failed",
+    }
+}
+
+/// The record as it is kept: the output dropped when too large.
+fn body_of(record: &TaskRecord) -> String {
+    let mut v = serde_json::to_value(record).unwrap_or(Value::Null);
+    let big = record
+        .output
+        .as_ref()
+        .is_some_and(|o| o.to_string().len() > MAX_KEPT_OUTPUT);
+    if big {
+        v["output"] = Value::Null;
+        v["output_dropped"] = Value::String(format!(
+            "the output was larger than {MAX_KEPT_OUTPUT} bytes and was not kept across a restart"
+        ));
+    }
+    v.to_string()
+}
+
+/// Marks the tasks a crashed run left pending or running as failed.
+fn fail_unfinished(conn: &Connection) -> rusqlite::Result<u64> {
+    let mut stmt =
+        conn.prepare("SELECT id, body FROM tasks WHERE state IN ('pending', 'running')")?;
+    let rows: Vec<(String, String)> = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let tx = conn.unchecked_transaction()?;
+    for (id, body) in &rows {
+        let mut v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+        v["state"] = Value::String("failed".into());
+        v["error"] = serde_json::json!({
+            "kind": "gateway_restarted",
+            "message": "the gateway stopped before this task finished; submit it again",
+        });
+        tx.execute(
+            "UPDATE tasks SET state = 'failed', at = ?2, body = ?3 WHERE id = ?1",
+            params![id, now(), v.to_string()],
+        )?;
+    }
+    tx.commit()?;
+    Ok(rows.len() as u64)
+}
+
+fn prune(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute(
+        "DELETE FROM tasks WHERE id IN (SELECT id FROM tasks ORDER BY at DESC LIMIT -1 OFFSET ?1)",
+        params![KEEP],
+    )?;
+    Ok(())
+}
+
+fn writer(mut conn: Connection, rx: Receiver<Op>) {
+    let mut since_prune = 0usize;
+    while let Ok(first) = rx.recv() {
+        let mut ops = vec![first];
+        while ops.len() < BATCH {
+            match rx.try_recv() {
+                Ok(op) => ops.push(op),
+                Err(_) => break,
+            }
+        }
+        since_prune += ops.len();
+        let result = commit(&mut conn, &ops);
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "the task journal could not commit");
+        }
+        for op in ops {
+            if let Op::Accept { ack, .. } = op {
+                let _ = ack.send(result.clone().map_err(|e| e.to_string()));
+            }
+        }
+        if since_prune >= KEEP as usize / 10 {
+            since_prune = 0;
+            if let Err(e) = prune(&conn) {
+                tracing::warn!(error = %e, "could not prune the task journal");
+            }
+        }
+    }
+}
+
+fn commit(conn: &mut Connection, ops: &[Op]) -> Result<(), String> {
+    let tx = conn.transaction().map_err(|e| e.to_string())?;
+    for op in ops {
+        // An end may overtake its accept (a task can end before the
+        // submitter's write is queued): the accept then leaves it alone.
+        let (sql, record) = match op {
+            Op::Accept { record, .. } => (
+                "INSERT OR IGNORE INTO tasks (id, owner, state, at, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                record,
+            ),
+            Op::End(record) => (
+                "INSERT OR REPLACE INTO tasks (id, owner, state, at, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                record,
+            ),
+        };
+        tx.execute(
+            sql,
+            params![
+                record.id,
+                record.owner,
+                state_name(record.state),
+                now(),
+                body_of(record)
+            ],
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    tx.commit().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, state: TaskState) -> TaskRecord {
+        TaskRecord {
+            id: id.into(),
+            pool: "p".into(),
+            state,
+            output: (state == TaskState::Succeeded).then(|| serde_json::json!({"x": 1})),
+            error: None,
+            attempts: 1,
+            replica: None,
+            weights_version: None,
+            owner: Some("alpha".into()),
+            durable: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn unfinished_tasks_fail_on_reopen_and_ended_ones_read_back() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        {
+            let (j, rec) = Journal::open(&path).expect("open");
+            assert_eq!(rec.failed, 0);
+            j.accept(&record("a", TaskState::Pending))
+                .await
+                .expect("accept a");
+            // b ends before its accept is written: the accept must not undo it.
+            j.end(&record("b", TaskState::Succeeded));
+            j.accept(&record("b", TaskState::Pending))
+                .await
+                .expect("accept b");
+            let (b, owner) = j.get("b").expect("b");
+            assert_eq!(b["state"], "succeeded");
+            assert_eq!(owner.as_deref(), Some("alpha"));
+        }
+        let (j, rec) = Journal::open(&path).expect("reopen");
+        assert_eq!(rec.failed, 1, "a was never finished");
+        let (a, _) = j.get("a").expect("a");
+        assert_eq!(a["state"], "failed");
+        assert_eq!(a["error"]["kind"], "gateway_restarted");
+        assert_eq!(j.get("b").expect("b").0["output"]["x"], 1);
+        assert!(j.get("c").is_none());
+    }
+}
