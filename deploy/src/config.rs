@@ -168,7 +168,7 @@ pub struct BackendConfig {
     /// Local GPU ids handed out through `CUDA_VISIBLE_DEVICES`.
     pub gpus: Vec<u32>,
     /// Time between SIGTERM and SIGKILL when a replica is stopped.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub stop_grace: Duration,
 }
 
@@ -195,15 +195,15 @@ pub struct LimitsConfig {
     /// Time a client has to send a request's headers, counted from the
     /// connection opening or the previous response ending (so it also
     /// closes idle keep-alive connections).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub header_read_timeout: Duration,
     /// A request body or a response that moves no byte for this long ends
     /// the connection.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub idle_timeout: Duration,
     /// Deadline of an inference request, from arrival to the response's
     /// headers (504 past it). Tasks keep their own `timeout`.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub request_timeout: Duration,
 }
 
@@ -243,7 +243,7 @@ pub struct AppSpec {
     /// GPUs per replica.
     pub gpus: u32,
     /// How long a replica may take to answer `/healthz` with 200.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub startup_timeout: Duration,
     /// Scaling policy.
     pub autoscale: AutoscaleSpec,
@@ -260,7 +260,7 @@ pub struct PromotionSpec {
     /// Percent of traffic a new revision gets first (unset: all at once).
     pub canary: Option<u8>,
     /// How long the canary runs before the rest of the traffic moves.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub bake: Duration,
     /// During the canary, roll back when more than this share of the new
     /// revision's answers fail (5xx or `replica_failed`).
@@ -269,7 +269,7 @@ pub struct PromotionSpec {
     pub min_requests: u64,
     /// During the canary, roll back when the new revision's p99 latency
     /// (to the response head) passes this (unset: latency is not judged).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded::option")]
     pub max_p99: Option<Duration>,
     /// An evaluation run before traffic shifts: this command gets the new
     /// revision's pinned endpoint in `WARMGATE_EVAL_URL` and
@@ -280,7 +280,7 @@ pub struct PromotionSpec {
     /// passes by answering 2xx.
     pub gate_url: Option<String>,
     /// How long the gate may take before it counts as failed.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub gate_timeout: Duration,
     /// A prefix where training writes checkpoints, one folder each: the
     /// newest folder holding `marker` is promoted.
@@ -288,7 +288,7 @@ pub struct PromotionSpec {
     /// The file training writes last, when a checkpoint is whole.
     pub marker: String,
     /// How often `watch` is listed.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub watch_interval: Duration,
 }
 
@@ -331,18 +331,18 @@ pub struct PoolSpec {
     /// GPUs per replica.
     pub gpus: u32,
     /// A replica idle this long is stopped (never below min).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub idle_ttl: Duration,
     /// Spare replicas kept warm beyond what the tasks need, so a burst
     /// finds capacity (Modal's `buffer_containers`).
     pub buffer: u32,
     /// How long a replica may take to answer `/healthz` with 200.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub startup_timeout: Duration,
     /// Retries of a task that fails in user code (a task may override it).
     pub retries: u32,
     /// How long a task may take, queueing included (a task may override it).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub task_timeout: Duration,
     /// The task queue.
     pub queue: PoolQueueSpec,
@@ -351,7 +351,7 @@ pub struct PoolSpec {
     pub max_staleness: Option<u64>,
     /// How long an in-place weight sync may take across the pool before the
     /// replicas still loading are replaced (a request may override it).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub weight_sync_timeout: Duration,
 }
 
@@ -393,13 +393,13 @@ pub struct AutoscaleSpec {
     /// `concurrency`.
     pub target: Option<f64>,
     /// Time without traffic before the last replica is stopped.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub scale_to_zero_after: Duration,
     /// Window over which demand is averaged for normal scaling.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub stable_window: Duration,
     /// Short window that detects bursts.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub panic_window: Duration,
     /// Panic when short-window demand reaches this multiple of capacity.
     pub panic_threshold: f64,
@@ -411,7 +411,7 @@ pub struct AutoscaleSpec {
     /// Per tick, shrink to at least the ready replicas divided by this.
     pub max_scale_down_rate: f64,
     /// A lower count takes effect only after it has been wanted this long.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub scale_down_delay: Duration,
     /// Scale for the demand one measured cold start ahead when it rises.
     pub predictive: bool,
@@ -424,7 +424,7 @@ pub struct QueueSpec {
     /// Requests held while no slot is free; past it, 429.
     pub max_pending: u32,
     /// How long a held request may wait; past it, 504.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "bounded")]
     pub timeout: Duration,
 }
 
@@ -991,6 +991,51 @@ fn check_sha256_hex(text: &str) -> std::result::Result<(), String> {
         Ok(())
     } else {
         Err("must be 64 hex digits, the SHA-256 of the key (printf %s KEY | sha256sum)".into())
+    }
+}
+
+/// Durations in the config, as humantime strings (`"30s"`, `"5m"`), at
+/// most [`bounded::MAX`]: a larger one is a typo, and would overflow the
+/// clock arithmetic of deadlines.
+mod bounded {
+    use std::time::Duration;
+
+    use serde::{Deserializer, Serializer};
+
+    /// Ten years.
+    pub const MAX: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+    fn check<E: serde::de::Error>(d: Duration) -> Result<Duration, E> {
+        if d > MAX {
+            Err(E::custom(format!(
+                "{}s is too long (at most 10 years)",
+                d.as_secs()
+            )))
+        } else {
+            Ok(d)
+        }
+    }
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        humantime_serde::serialize(d, s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v: Duration = humantime_serde::deserialize(d)?;
+        check(v)
+    }
+
+    pub mod option {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+            humantime_serde::serialize(d, s)
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            let v: Option<Duration> = humantime_serde::deserialize(d)?;
+            v.map(check).transpose()
+        }
     }
 }
 

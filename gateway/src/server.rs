@@ -47,6 +47,9 @@ const MAX_REPLAY_BYTES: u64 = 64 * 1024;
 const MAX_CONNECT_ATTEMPTS: u32 = 3;
 /// Pause before the next try, times the tries so far.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
+/// The longest timeout a client may ask for: past it, deadline arithmetic
+/// could overflow, and no task or sync should wait a month.
+const MAX_CLIENT_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
 /// Client-supplied request ids longer than this are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
 
@@ -956,13 +959,18 @@ async fn pool_request<B: serde::de::DeserializeOwned>(
             ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
         })?;
     let (parts, bytes) = read_body(req, &gw.config.limits).await?;
-    let body = serde_json::from_slice(&bytes).map_err(|e| {
+    let body = parse_json(&bytes, shape)?;
+    Ok((pool, parts.headers, body))
+}
+
+/// A JSON body as `B`; `shape` tells the client what was expected.
+fn parse_json<B: serde::de::DeserializeOwned>(bytes: &[u8], shape: &str) -> Result<B, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| {
         ApiError::new(
             ErrorKind::BadRequest,
             format!("the body must be {shape} ({e})"),
         )
-    })?;
-    Ok((pool, parts.headers, body))
+    })
 }
 
 /// The JSON `model` field, without parsing the rest of the body into values.
@@ -971,12 +979,18 @@ pub fn model_field(body: &[u8]) -> Result<String, ApiError> {
     struct Model {
         model: Option<serde_json::Value>,
     }
-    let parsed: Model = serde_json::from_slice(body).map_err(|e| {
+    let not_object = |why: String| {
         ApiError::new(
             ErrorKind::BadRequest,
-            format!("the request body must be a JSON object with a \"model\" field ({e})"),
+            format!("the request body must be a JSON object with a \"model\" field ({why})"),
         )
-    })?;
+    };
+    // serde reads a struct from an array too (`["m"]`); only an object is
+    // an OpenAI request.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(not_object("it is not an object".into()));
+    }
+    let parsed: Model = serde_json::from_slice(body).map_err(|e| not_object(e.to_string()))?;
     match parsed.model {
         Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s),
         Some(serde_json::Value::String(_)) => Err(ApiError::new(
@@ -1571,17 +1585,23 @@ fn duration_value(v: Option<&serde_json::Value>, key: &str) -> Result<Option<Dur
     let parsed = match v {
         serde_json::Value::Number(n) => n
             .as_f64()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64),
+            .filter(|s| *s > 0.0)
+            .and_then(|s| Duration::try_from_secs_f64(s).ok()),
         serde_json::Value::String(s) => humantime::parse_duration(s).ok().filter(|d| !d.is_zero()),
         _ => None,
     };
-    parsed.map(Some).ok_or_else(|| {
-        ApiError::new(
-            ErrorKind::BadRequest,
-            format!("{key} must be seconds (a number above 0) or a duration like \"30s\""),
-        )
-    })
+    parsed
+        .filter(|d| *d <= MAX_CLIENT_DURATION)
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "{key} must be seconds (a number above 0) or a duration like \"30s\", \
+                     at most 30 days"
+                ),
+            )
+        })
 }
 
 /// Replicas a sync may take out of dispatch at once: a count, or a
@@ -1847,6 +1867,152 @@ mod tests {
             let err = model_field(body).expect_err("error");
             assert_eq!(err.kind, ErrorKind::BadRequest);
             assert!(err.message.contains("model"), "{}", err.message);
+        }
+    }
+
+    use proptest::prelude::any;
+    use proptest::prelude::*;
+
+    /// Arbitrary JSON values, nested a few levels.
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            any::<u64>().prop_map(serde_json::Value::from),
+            any::<f64>()
+                .prop_filter("JSON has no NaN or infinity", |f| f.is_finite())
+                .prop_map(serde_json::Value::from),
+            prop_oneof![
+                ".{0,12}",
+                Just("30s".to_string()),
+                Just("-1s".to_string()),
+                Just("99999999999y".to_string()),
+                Just("50%".to_string()),
+                Just("1e308%".to_string()),
+                Just("NaN%".to_string()),
+            ]
+            .prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                proptest::collection::btree_map(
+                    prop_oneof![
+                        Just("input".to_string()),
+                        Just("inputs".to_string()),
+                        Just("model".to_string()),
+                        Just("priority".to_string()),
+                        Just("timeout".to_string()),
+                        Just("retries".to_string()),
+                        Just("min_weights_version".to_string()),
+                        Just("checkpoint".to_string()),
+                        Just("version".to_string()),
+                        Just("max_unavailable".to_string()),
+                        ".{0,6}",
+                    ],
+                    inner,
+                    0..5
+                )
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn header_map(pairs: &[(&'static str, Vec<u8>)]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (name, value) in pairs {
+            if let Ok(v) = HeaderValue::from_bytes(value) {
+                h.insert(*name, v);
+            }
+        }
+        h
+    }
+
+    /// Every way a task or sync body can be read, as the handlers read it.
+    fn read_task_like(bytes: &[u8]) {
+        if let Ok(b) = parse_json::<TaskBody>(bytes, "a task") {
+            let h = http::HeaderMap::new();
+            if let Ok((_, _, Some(t))) = task_options(&h, b.priority, b.timeout.as_ref()) {
+                assert!(!t.is_zero() && t <= MAX_CLIENT_DURATION);
+                // The deadline arithmetic the pool does must not overflow.
+                let _ = std::time::Instant::now() + t;
+            }
+        }
+        if let Ok(b) = parse_json::<BatchBody>(bytes, "a batch") {
+            let _ = duration_value(b.timeout.as_ref(), "timeout");
+        }
+        if let Ok(b) = parse_json::<SyncBody>(bytes, "a sync") {
+            let _ = duration_value(b.timeout.as_ref(), "timeout");
+            if let Ok(n) = max_unavailable(b.max_unavailable.as_ref(), 7) {
+                assert!(n >= 1);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// The `model` field extraction never panics on any bytes, and
+        /// what it accepts is a non-empty name.
+        #[test]
+        fn model_field_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok(m) = model_field(&bytes) {
+                prop_assert!(!m.is_empty());
+            }
+        }
+
+        /// Nor on JSON of any shape, with `model` anywhere.
+        #[test]
+        fn model_field_on_any_json(v in json_value()) {
+            let bytes = serde_json::to_vec(&v).expect("serialises");
+            let got = model_field(&bytes);
+            match v.get("model") {
+                Some(serde_json::Value::String(s)) if !s.is_empty() => {
+                    prop_assert_eq!(got.expect("a name"), s.clone());
+                }
+                _ => prop_assert_eq!(got.expect_err("no name").kind, ErrorKind::BadRequest),
+            }
+        }
+
+        /// Task, batch and sync bodies: arbitrary bytes and arbitrary JSON
+        /// either parse into options within bounds or are refused.
+        #[test]
+        fn task_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), v in json_value()) {
+            read_task_like(&bytes);
+            read_task_like(&serde_json::to_vec(&v).expect("serialises"));
+        }
+
+        /// Routing headers with arbitrary bytes: priority, tenant,
+        /// traceparent and a pinned revision.
+        #[test]
+        fn routing_headers_never_panic(
+            priority in proptest::collection::vec(any::<u8>(), 0..24),
+            tenant in proptest::collection::vec(any::<u8>(), 0..24),
+            trace in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..64),
+                "00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}".prop_map(String::into_bytes),
+            ],
+            pinned in ".{0,24}",
+        ) {
+            let mut h = header_map(&[
+                ("x-warmgate-priority", priority),
+                ("x-warmgate-tenant", tenant),
+                (crate::trace::TRACEPARENT, trace),
+            ]);
+            if let Ok((_, tenant, _)) = task_options(&h, None, None) {
+                prop_assert!(!tenant.is_empty());
+            }
+            let tp = crate::trace::ensure_traceparent(&mut h);
+            prop_assert!(crate::trace::is_valid(&tp));
+            prop_assert_eq!(crate::trace::trace_id(&tp).len(), 32);
+            let served = Served::new(
+                warmgate_deploy::AppSpec { name: "m".into(), ..Default::default() },
+                warmgate_deploy::revision::History::default(),
+            );
+            let err = served.pick(Some(&pinned)).err().expect("no live revision");
+            prop_assert_eq!(err.kind, ErrorKind::NotFound);
+            prop_assert_eq!(served.pick(None).err().expect("no split").kind, ErrorKind::NoCapacity);
         }
     }
 }
