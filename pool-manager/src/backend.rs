@@ -297,6 +297,19 @@ impl Drop for LocalProcess {
     }
 }
 
+/// Whether process `pid` has exited: it is gone, or a zombie waiting to be
+/// reaped (which `kill(pid, 0)` would still find). Linux only.
+pub fn exited(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rfind(')')
+            .map(|i| &stat[i + 1..])
+            .and_then(|rest| rest.split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+    }
+}
+
 /// A process's start time, in clock ticks since boot (`/proc/PID/stat`
 /// field 22), to tell it from a later process with the same pid.
 fn start_time(pid: i32) -> Option<u64> {
@@ -391,17 +404,6 @@ mod tests {
             .expect("exits after SIGTERM");
         assert_eq!(how, "was killed by SIGTERM");
         let _ = std::fs::remove_dir_all(dir);
-    }
-
-    /// Whether `pid` has exited (gone, or a zombie waiting to be reaped).
-    fn exited(pid: i32) -> bool {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Err(_) => true,
-            Ok(stat) => stat[stat.rfind(')').unwrap_or(0) + 1..]
-                .split_whitespace()
-                .next()
-                .is_some_and(|state| state == "Z" || state == "X"),
-        }
     }
 
     #[tokio::test]

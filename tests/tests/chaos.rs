@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use common::{Gateway, eventually, kind};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
+use warmgate_pool::backend::exited;
 
 /// A client gives up on a request after this long: longer than any
 /// deadline the gateway applies in these tests, so a give-up is a hang.
@@ -401,17 +402,6 @@ async fn overload_at_ten_times_capacity_is_refused_with_retry_after_and_recovers
     for _ in 0..10 {
         assert_eq!(call(inference(&gw)).await.0, Outcome::Ok);
         assert_eq!(call(task(&gw)).await.0, Outcome::Ok);
-    }
-}
-
-/// Whether `pid` has exited (gone, or a zombie).
-fn exited(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat[stat.rfind(')').unwrap_or(0) + 1..]
-            .split_whitespace()
-            .next()
-            .is_some_and(|s| s == "Z" || s == "X"),
     }
 }
 
