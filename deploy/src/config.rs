@@ -170,6 +170,66 @@ pub struct BackendConfig {
     /// Time between SIGTERM and SIGKILL when a replica is stopped.
     #[serde(with = "bounded")]
     pub stop_grace: Duration,
+    /// Settings of the kubernetes backend.
+    pub kubernetes: KubeBackendConfig,
+}
+
+/// Settings of the kubernetes backend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KubeBackendConfig {
+    /// Namespace of the replica pods (default: the operator's own, from
+    /// the service account, else `default`).
+    pub namespace: Option<String>,
+    /// Node labels that select spot (interruptible) capacity. Karpenter's
+    /// label by default; GKE uses `cloud.google.com/gke-spot = "true"`.
+    pub spot_node_selector: BTreeMap<String, String>,
+    /// Tolerations that let a pod onto spot nodes (GKE taints them with
+    /// `cloud.google.com/gke-spot`).
+    pub spot_tolerations: Vec<Toleration>,
+    /// `imagePullPolicy` of the replica pods (default: Kubernetes' own).
+    pub image_pull_policy: Option<String>,
+    /// `host:port` where pods reach the gateway (its Service), for the
+    /// workers' `WARMGATE_WEIGHTS_URL`. The Helm chart sets it.
+    pub advertise: Option<String>,
+}
+
+/// Where and how one replica pod runs (kubernetes backend).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct PodSpec {
+    /// GPU model, as the NVIDIA GPU feature discovery labels nodes
+    /// (`nvidia.com/gpu.product`, e.g. `NVIDIA-A100-SXM4-80GB`).
+    pub gpu_type: Option<String>,
+    /// CPU request and limit (`"4"`, `"500m"`).
+    pub cpu: Option<String>,
+    /// Memory request and limit (`"16Gi"`).
+    pub memory: Option<String>,
+    /// More node labels the pod must match.
+    pub node_selector: BTreeMap<String, String>,
+    /// Taints the pod tolerates.
+    pub tolerations: Vec<Toleration>,
+    /// Run on spot capacity (`backend.kubernetes.spot_node_selector`).
+    pub interruptible: bool,
+    /// The port the worker listens on inside the pod (`PORT`); 8080 when 0.
+    pub port: u16,
+    /// The pod's service account (for object-store credentials through
+    /// workload identity).
+    pub service_account: Option<String>,
+}
+
+/// A Kubernetes toleration.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct Toleration {
+    /// Taint key (empty with `Exists`: every taint).
+    pub key: Option<String>,
+    /// `Equal` (default) or `Exists`.
+    pub operator: Option<String>,
+    /// Taint value, for `Equal`.
+    pub value: Option<String>,
+    /// `NoSchedule`, `PreferNoSchedule` or `NoExecute` (empty: all).
+    pub effect: Option<String>,
 }
 
 /// The kind of backend.
@@ -223,7 +283,32 @@ pub struct WeightsConfig {
 }
 
 /// One serving app.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+// kube's `printcolumn(...)` repeats `type_ = ...`, which clippy takes for a
+// duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(
+    Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema, kube::CustomResource,
+)]
+#[kube(
+    group = "warmgate.dev",
+    version = "v1alpha1",
+    kind = "ServingApp",
+    namespaced,
+    status = "crate::crd::ServingAppStatus",
+    shortname = "wgapp",
+    category = "warmgate",
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.replicas.ready"
+    ),
+    printcolumn(
+        name = "Desired",
+        type_ = "integer",
+        json_path = ".status.replicas.desired"
+    ),
+    printcolumn(name = "Revision", type_ = "string", json_path = ".status.revision")
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct AppSpec {
     /// The app's name: a DNS label, also its OpenAI `model` name.
@@ -244,6 +329,7 @@ pub struct AppSpec {
     pub gpus: u32,
     /// How long a replica may take to answer `/healthz` with 200.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub startup_timeout: Duration,
     /// Scaling policy.
     pub autoscale: AutoscaleSpec,
@@ -251,16 +337,19 @@ pub struct AppSpec {
     pub queue: QueueSpec,
     /// How new checkpoints are promoted.
     pub promotion: PromotionSpec,
+    /// Pod settings (kubernetes backend).
+    pub kubernetes: PodSpec,
 }
 
 /// How an app's new revisions take over.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct PromotionSpec {
     /// Percent of traffic a new revision gets first (unset: all at once).
     pub canary: Option<u8>,
     /// How long the canary runs before the rest of the traffic moves.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub bake: Duration,
     /// During the canary, roll back when more than this share of the new
     /// revision's answers fail (5xx or `replica_failed`).
@@ -270,6 +359,7 @@ pub struct PromotionSpec {
     /// During the canary, roll back when the new revision's p99 latency
     /// (to the response head) passes this (unset: latency is not judged).
     #[serde(with = "bounded::option")]
+    #[schemars(with = "Option<String>")]
     pub max_p99: Option<Duration>,
     /// An evaluation run before traffic shifts: this command gets the new
     /// revision's pinned endpoint in `WARMGATE_EVAL_URL` and
@@ -281,6 +371,7 @@ pub struct PromotionSpec {
     pub gate_url: Option<String>,
     /// How long the gate may take before it counts as failed.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub gate_timeout: Duration,
     /// A prefix where training writes checkpoints, one folder each: the
     /// newest folder holding `marker` is promoted.
@@ -289,6 +380,7 @@ pub struct PromotionSpec {
     pub marker: String,
     /// How often `watch` is listed.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub watch_interval: Duration,
 }
 
@@ -311,7 +403,36 @@ impl Default for PromotionSpec {
 }
 
 /// A warm pool of workers that run tasks (`POST /invoke`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+// kube's `printcolumn(...)` repeats `type_ = ...`, which clippy takes for a
+// duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(
+    Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema, kube::CustomResource,
+)]
+#[kube(
+    group = "warmgate.dev",
+    version = "v1alpha1",
+    kind = "WarmPool",
+    namespaced,
+    status = "crate::crd::WarmPoolStatus",
+    shortname = "wgpool",
+    category = "warmgate",
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.replicas.ready"
+    ),
+    printcolumn(
+        name = "Desired",
+        type_ = "integer",
+        json_path = ".status.replicas.desired"
+    ),
+    printcolumn(
+        name = "Weights",
+        type_ = "integer",
+        json_path = ".status.weightsVersion"
+    )
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct PoolSpec {
     /// The pool's name: a DNS label.
@@ -332,17 +453,20 @@ pub struct PoolSpec {
     pub gpus: u32,
     /// A replica idle this long is stopped (never below min).
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub idle_ttl: Duration,
     /// Spare replicas kept warm beyond what the tasks need, so a burst
     /// finds capacity (Modal's `buffer_containers`).
     pub buffer: u32,
     /// How long a replica may take to answer `/healthz` with 200.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub startup_timeout: Duration,
     /// Retries of a task that fails in user code (a task may override it).
     pub retries: u32,
     /// How long a task may take, queueing included (a task may override it).
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub task_timeout: Duration,
     /// The task queue.
     pub queue: PoolQueueSpec,
@@ -352,11 +476,14 @@ pub struct PoolSpec {
     /// How long an in-place weight sync may take across the pool before the
     /// replicas still loading are replaced (a request may override it).
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub weight_sync_timeout: Duration,
+    /// Pod settings (kubernetes backend).
+    pub kubernetes: PodSpec,
 }
 
 /// How a pool's tasks wait.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct PoolQueueSpec {
     /// Tasks waiting, all tenants together; past it, 429.
@@ -371,7 +498,9 @@ pub struct PoolQueueSpec {
 }
 
 /// Queue discipline across tenants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Fairness {
     /// Round-robin across tenants.
@@ -382,7 +511,7 @@ pub enum Fairness {
 }
 
 /// An app's scaling policy.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AutoscaleSpec {
     /// Fewest replicas (0 allows scale to zero).
@@ -394,12 +523,15 @@ pub struct AutoscaleSpec {
     pub target: Option<f64>,
     /// Time without traffic before the last replica is stopped.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub scale_to_zero_after: Duration,
     /// Window over which demand is averaged for normal scaling.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub stable_window: Duration,
     /// Short window that detects bursts.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub panic_window: Duration,
     /// Panic when short-window demand reaches this multiple of capacity.
     pub panic_threshold: f64,
@@ -412,19 +544,21 @@ pub struct AutoscaleSpec {
     pub max_scale_down_rate: f64,
     /// A lower count takes effect only after it has been wanted this long.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub scale_down_delay: Duration,
     /// Scale for the demand one measured cold start ahead when it rises.
     pub predictive: bool,
 }
 
 /// An app's hold queue.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct QueueSpec {
     /// Requests held while no slot is free; past it, 429.
     pub max_pending: u32,
     /// How long a held request may wait; past it, 504.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub timeout: Duration,
 }
 
@@ -492,12 +626,6 @@ impl Config {
 
     /// Checks values that parse but make no sense. Returns the key and why.
     pub fn validate(&self) -> std::result::Result<(), (String, String)> {
-        if self.backend.kind == BackendKind::Kubernetes {
-            return Err((
-                "backend.kind".into(),
-                "the kubernetes backend is not available in this version; use \"local\"".into(),
-            ));
-        }
         let mut seen_gpus = HashSet::new();
         for (i, gpu) in self.backend.gpus.iter().enumerate() {
             if !seen_gpus.insert(gpu) {
@@ -568,8 +696,16 @@ impl Config {
                 BackendKind::Local if app.command[0].is_empty() => {
                     return Err((at("command[0]"), "the program must not be empty".into()));
                 }
+                BackendKind::Kubernetes if app.image.as_deref().is_none_or(str::is_empty) => {
+                    return Err((
+                        at("image"),
+                        "is required for the kubernetes backend (e.g. image = \"registry/worker:1.0\")"
+                            .into(),
+                    ));
+                }
                 _ => {}
             }
+            check_pod(&app.kubernetes).map_err(|(k, m)| (at(&k), m))?;
             for key in app.env.keys() {
                 if key.is_empty() || key.contains('=') || key.contains('\0') {
                     return Err((at("env"), format!("{key:?} is not a valid variable name")));
@@ -596,7 +732,9 @@ impl Config {
             if app.concurrency == 0 {
                 return Err((at("concurrency"), "must be at least 1".into()));
             }
-            if app.gpus as usize > self.backend.gpus.len() {
+            if self.backend.kind == BackendKind::Local
+                && app.gpus as usize > self.backend.gpus.len()
+            {
                 return Err((
                     at("gpus"),
                     format!(
@@ -699,6 +837,12 @@ impl Config {
             {
                 return Err((at("command"), "is required for the local backend".into()));
             }
+            if self.backend.kind == BackendKind::Kubernetes
+                && pool.image.as_deref().is_none_or(str::is_empty)
+            {
+                return Err((at("image"), "is required for the kubernetes backend".into()));
+            }
+            check_pod(&pool.kubernetes).map_err(|(k, m)| (at(&k), m))?;
             let [min, max] = pool.replicas;
             if max == 0 {
                 return Err((
@@ -721,7 +865,9 @@ impl Config {
                     ),
                 ));
             }
-            if pool.gpus as usize > self.backend.gpus.len() {
+            if self.backend.kind == BackendKind::Local
+                && pool.gpus as usize > self.backend.gpus.len()
+            {
                 return Err((
                     at("gpus"),
                     format!(
@@ -838,6 +984,24 @@ impl Default for BackendConfig {
             kind: BackendKind::Local,
             gpus: Vec::new(),
             stop_grace: defaults::STOP_GRACE,
+            kubernetes: KubeBackendConfig::default(),
+        }
+    }
+}
+
+// === impl KubeBackendConfig ===
+
+impl Default for KubeBackendConfig {
+    fn default() -> Self {
+        KubeBackendConfig {
+            namespace: None,
+            spot_node_selector: BTreeMap::from([(
+                "karpenter.sh/capacity-type".to_string(),
+                "spot".to_string(),
+            )]),
+            spot_tolerations: Vec::new(),
+            image_pull_policy: None,
+            advertise: None,
         }
     }
 }
@@ -886,6 +1050,7 @@ impl Default for AppSpec {
             autoscale: AutoscaleSpec::default(),
             queue: QueueSpec::default(),
             promotion: PromotionSpec::default(),
+            kubernetes: PodSpec::default(),
         }
     }
 }
@@ -920,6 +1085,7 @@ impl Default for PoolSpec {
             queue: PoolQueueSpec::default(),
             max_staleness: None,
             weight_sync_timeout: defaults::WEIGHT_SYNC_TIMEOUT,
+            kubernetes: PodSpec::default(),
         }
     }
 }
@@ -983,6 +1149,32 @@ fn resolve_checkpoint(c: &mut String, base: &Path) {
         let abs = base.join(rest.trim_start_matches("./"));
         *c = format!("file://{}", abs.display());
     }
+}
+
+/// Checks the pod settings that Kubernetes would refuse only at creation.
+fn check_pod(p: &PodSpec) -> std::result::Result<(), (String, String)> {
+    for (key, v) in [("cpu", &p.cpu), ("memory", &p.memory)] {
+        if let Some(q) = v
+            && (q.is_empty() || !q.starts_with(|c: char| c.is_ascii_digit() || c == '.'))
+        {
+            return Err((
+                format!("kubernetes.{key}"),
+                format!("{q:?} is not a quantity (e.g. \"4\", \"500m\", \"16Gi\")"),
+            ));
+        }
+    }
+    for (i, t) in p.tolerations.iter().enumerate() {
+        if let Some(op) = &t.operator
+            && op != "Equal"
+            && op != "Exists"
+        {
+            return Err((
+                format!("kubernetes.tolerations[{i}].operator"),
+                "must be \"Equal\" or \"Exists\"".into(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Why `text` is not a SHA-256 digest in hex, if it is not.
@@ -1148,7 +1340,10 @@ mod tests {
                 "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[[apps]]\nname = \"b\"\ncommand = [\"x\"]\naliases = [\"a\"]",
                 "apps[1].aliases[0]",
             ),
-            ("[backend]\nkind = \"kubernetes\"", "backend.kind"),
+            (
+                "[backend]\nkind = \"kubernetes\"\n[[apps]]\nname = \"a\"",
+                "apps[0].image",
+            ),
             ("[backend]\ngpus = [0, 0]", "backend.gpus[1]"),
         ];
         for (text, key) in cases {

@@ -8,12 +8,14 @@
 #![warn(missing_docs)]
 
 mod config;
+pub mod crd;
 pub mod revision;
 pub mod store;
 
 pub use config::{
-    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, LimitsConfig,
-    PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, TenantSpec, WeightsConfig, defaults,
+    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, KubeBackendConfig,
+    LimitsConfig, PodSpec, PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, TenantSpec,
+    Toleration, WeightsConfig, defaults,
 };
 
 use std::path::PathBuf;

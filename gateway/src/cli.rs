@@ -61,6 +61,9 @@ pub enum Command {
         #[arg(long)]
         insecure: bool,
     },
+    /// Print the Kubernetes CustomResourceDefinitions (`ServingApp`,
+    /// `WarmPool`) as YAML, for `kubectl apply -f -`.
+    Crds,
     /// Work with checkpoints in object storage.
     Weights {
         /// What to do.
@@ -226,6 +229,16 @@ pub fn run(cli: Cli) -> i32 {
         } => promote(&gateway, &app, &checkpoint, canary, bake, wait),
         Command::Rollback { app, gateway } => rollback(&gateway, &app),
         Command::Revisions { app, gateway } => revisions(&gateway, &app),
+        Command::Crds => match warmgate_deploy::crd::crds_yaml() {
+            Ok(yaml) => {
+                print!("{yaml}");
+                0
+            }
+            Err(e) => {
+                eprintln!("warmgate crds: {e}");
+                1
+            }
+        },
         Command::Weights {
             command:
                 WeightsCommand::Pull {

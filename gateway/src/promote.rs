@@ -136,6 +136,9 @@ impl Gateway {
             gpus: spec.gpus,
             startup_timeout: spec.startup_timeout,
             stop_grace: self.config.backend.stop_grace,
+            image: spec.image.clone(),
+            pod: spec.kubernetes.clone(),
+            pool: false,
         });
         let min = spec.autoscale.min;
         let a = Arc::new(App::new(spec, rev.id.clone()));

@@ -71,7 +71,7 @@ pub struct Gateway {
     pools: HashMap<String, Arc<crate::pools::Pool>>,
     tasks: Arc<crate::pools::TaskStore>,
     /// Where workers reach the gateway.
-    pub(crate) reach: std::net::SocketAddr,
+    pub(crate) reach: String,
     /// Relative checkpoint paths resolve against it (the config's folder).
     pub(crate) base: std::path::PathBuf,
     /// The workers' working directory.
@@ -176,12 +176,15 @@ impl Gateway {
                 memory_limit: w.memory_limit_bytes,
             },
         ));
-        // Workers on this machine reach the gateway on loopback when it
-        // listens on every interface.
-        let reach = if addr.ip().is_unspecified() {
-            std::net::SocketAddr::from(([127, 0, 0, 1], addr.port()))
-        } else {
-            addr
+        // Pods reach the gateway at its advertised address (its Service);
+        // workers on this machine on loopback when it listens on every
+        // interface.
+        let reach = match &config.backend.kubernetes.advertise {
+            Some(a) if config.backend.kind == warmgate_deploy::BackendKind::Kubernetes => a.clone(),
+            _ if addr.ip().is_unspecified() => {
+                std::net::SocketAddr::from(([127, 0, 0, 1], addr.port())).to_string()
+            }
+            _ => addr.to_string(),
         };
         let mut apps = Vec::new();
         for spec in &config.apps {
@@ -253,6 +256,9 @@ impl Gateway {
                 gpus: p.spec.gpus,
                 startup_timeout: p.spec.startup_timeout,
                 stop_grace: config.backend.stop_grace,
+                image: p.spec.image.clone(),
+                pod: p.spec.kubernetes.clone(),
+                pool: true,
             });
             let manager = pool.clone();
             let name = p.name.clone();

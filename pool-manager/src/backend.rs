@@ -31,6 +31,14 @@ pub struct Launch {
     pub workdir: Option<PathBuf>,
     /// Checkpoint URI, `WARMGATE_CHECKPOINT`.
     pub checkpoint: Option<String>,
+    /// Container image (kubernetes backend).
+    pub image: Option<String>,
+    /// Pod placement and resources (kubernetes backend).
+    pub pod: warmgate_deploy::PodSpec,
+    /// GPUs per replica (`nvidia.com/gpu` on kubernetes).
+    pub gpu_count: u32,
+    /// A pool's replica, not an app's.
+    pub pool: bool,
 }
 
 /// A running replica process.
@@ -55,6 +63,12 @@ pub trait Process: Send {
 pub trait Backend: Send + Sync + 'static {
     /// Starts one replica. It is not ready yet: the caller probes it.
     async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>>;
+
+    /// Why a replica being started is waiting for capacity (an
+    /// unschedulable pod), if it is.
+    fn pending_reason(&self, _replica: &str) -> Option<String> {
+        None
+    }
 }
 
 /// Runs replicas as child processes on this machine.
@@ -360,6 +374,10 @@ mod tests {
             gpus: vec![2, 3],
             workdir: None,
             checkpoint: None,
+            image: None,
+            pod: warmgate_deploy::PodSpec::default(),
+            gpu_count: 2,
+            pool: false,
         }
     }
 

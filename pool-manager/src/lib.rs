@@ -15,6 +15,7 @@
 
 pub mod backend;
 pub mod gpu;
+pub mod kubernetes;
 mod manager;
 pub mod probe;
 pub mod replica;

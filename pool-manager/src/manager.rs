@@ -68,6 +68,12 @@ pub struct TargetSpec {
     pub startup_timeout: Duration,
     /// Time between SIGTERM and SIGKILL (also the drain budget).
     pub stop_grace: Duration,
+    /// Container image (kubernetes backend).
+    pub image: Option<String>,
+    /// Pod placement and resources (kubernetes backend).
+    pub pod: warmgate_deploy::PodSpec,
+    /// A pool, not an app revision.
+    pub pool: bool,
 }
 
 /// A target's replicas in brief: what the gateway needs to decide whether a
@@ -588,6 +594,10 @@ impl Actor {
             gpus,
             workdir: spec.workdir.clone(),
             checkpoint: spec.checkpoint.clone(),
+            image: spec.image.clone(),
+            pod: spec.pod.clone(),
+            gpu_count: spec.gpus,
+            pool: spec.pool,
         };
         let ctx = ReplicaTask {
             seq,

@@ -1,0 +1,564 @@
+//! The `kubernetes` backend: each replica is a Pod. warmgate brings no
+//! scheduler of its own: it creates pods, Kubernetes places them, and a
+//! kube-runtime watcher on the pods it owns reports what became of them
+//! (an IP, readiness, eviction, preemption, node loss, an unschedulable
+//! pod and the scheduler's reason). Nothing polls the API server.
+//!
+//! The gateway reaches replicas at their pod IPs directly (no Service in
+//! between), and probes `/healthz` itself as for local replicas, so the
+//! same readiness and liveness rules hold on both backends. The pod also
+//! carries a Kubernetes readiness probe on `/healthz`, so `kubectl get
+//! pods` agrees with `warmgate status`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt as _;
+use k8s_openapi::api::core::v1::{
+    Container, ContainerPort, EnvVar, HTTPGetAction, Pod, PodSpec as KubePodSpec, Probe,
+    ResourceRequirements, Toleration as KubeToleration,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::runtime::watcher;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use warmgate_deploy::{KubeBackendConfig, Toleration};
+
+use crate::backend::{Backend, Launch, Process};
+use crate::{Error, Result};
+
+/// Label on every pod warmgate creates.
+pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// Label naming the warmgate instance (the operator's release), so that
+/// two installs in one namespace never touch each other's pods.
+pub const INSTANCE: &str = "warmgate.dev/instance";
+/// Labels naming what a pod serves.
+pub const APP: &str = "warmgate.dev/app";
+/// See [`APP`].
+pub const POOL: &str = "warmgate.dev/pool";
+/// See [`APP`].
+pub const REVISION: &str = "warmgate.dev/revision";
+/// See [`APP`].
+pub const REPLICA: &str = "warmgate.dev/replica";
+/// The NVIDIA device plugin's resource.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// The label NVIDIA's GPU feature discovery puts on nodes.
+pub const GPU_PRODUCT: &str = "nvidia.com/gpu.product";
+/// Where the worker listens in its pod unless the spec says otherwise.
+pub const DEFAULT_PORT: u16 = 8080;
+
+/// How the backend names and places pods.
+#[derive(Debug, Clone)]
+pub struct KubeSettings {
+    /// Namespace of the pods.
+    pub namespace: String,
+    /// The `warmgate.dev/instance` label value.
+    pub instance: String,
+    /// Spot selectors and tolerations, pull policy.
+    pub config: KubeBackendConfig,
+    /// `terminationGracePeriodSeconds`.
+    pub stop_grace: Duration,
+}
+
+/// What the watcher has seen of one pod.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PodView {
+    /// The pod IP, once assigned.
+    pub ip: Option<IpAddr>,
+    /// Its `Ready` condition.
+    pub ready: bool,
+    /// Why the scheduler cannot place it, while it cannot.
+    pub unschedulable: Option<String>,
+    /// How it ended, once it has (deleted, evicted, preempted, failed).
+    pub ended: Option<String>,
+}
+
+/// Replicas as pods.
+pub struct KubeBackend {
+    api: Api<Pod>,
+    settings: KubeSettings,
+    shared: Arc<Shared>,
+    _watch: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// Live views by pod name.
+    pods: Mutex<HashMap<String, watch::Sender<PodView>>>,
+    /// Owner references by app or pool name (set by the operator).
+    owners: Mutex<HashMap<String, OwnerReference>>,
+}
+
+impl KubeBackend {
+    /// A backend that creates pods through `client` and watches them.
+    /// Must be called within a tokio runtime.
+    pub fn new(client: kube::Client, settings: KubeSettings) -> Self {
+        let api: Api<Pod> = Api::namespaced(client, &settings.namespace);
+        let shared = Arc::new(Shared::default());
+        let selector = format!("{MANAGED_BY}=warmgate,{INSTANCE}={}", settings.instance);
+        let stream = watcher(api.clone(), watcher::Config::default().labels(&selector));
+        let _watch = tokio::spawn(watch_pods(stream, shared.clone()));
+        KubeBackend {
+            api,
+            settings,
+            shared,
+            _watch,
+        }
+    }
+
+    /// Pods of `target` (an app or pool name) are owned by this object, so
+    /// that deleting the custom resource deletes them.
+    pub fn set_owner(&self, target: &str, owner: OwnerReference) {
+        self.shared.owners.lock().insert(target.to_string(), owner);
+    }
+
+    /// What the watcher knows of a pod.
+    pub fn view(&self, pod: &str) -> Option<PodView> {
+        self.shared
+            .pods
+            .lock()
+            .get(pod)
+            .map(|tx| tx.borrow().clone())
+    }
+}
+
+#[async_trait]
+impl Backend for KubeBackend {
+    async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>> {
+        let owner = self.shared.owners.lock().get(&launch.target).cloned();
+        let pod = pod_for(launch, &self.settings, owner).map_err(|reason| Error::SpawnFailed {
+            program: launch.image.clone().unwrap_or_default(),
+            reason,
+        })?;
+        let name = launch.replica.clone();
+        // Register before creating, so no watch event can be missed.
+        let (tx, mut rx) = watch::channel(PodView::default());
+        self.shared.pods.lock().insert(name.clone(), tx);
+        let created = self.api.create(&PostParams::default(), &pod).await;
+        if let Err(e) = created {
+            self.shared.pods.lock().remove(&name);
+            return Err(Error::SpawnFailed {
+                program: launch.image.clone().unwrap_or_default(),
+                reason: format!("the API server refused pod {name}: {e}"),
+            });
+        }
+        let port = port_of(launch);
+        // The pod has no address until it is scheduled and started; while
+        // it cannot be scheduled it waits here (the caller may stop it),
+        // with the scheduler's reason in its view.
+        let ip = loop {
+            {
+                let v = rx.borrow_and_update();
+                if let Some(ip) = v.ip {
+                    break ip;
+                }
+                if let Some(how) = &v.ended {
+                    let how = how.clone();
+                    drop(v);
+                    self.shared.pods.lock().remove(&name);
+                    delete(self.api.clone(), name.clone(), 0);
+                    return Err(Error::SpawnFailed {
+                        program: launch.image.clone().unwrap_or_default(),
+                        reason: format!("pod {name} {how} before it started"),
+                    });
+                }
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::SpawnFailed {
+                    program: launch.image.clone().unwrap_or_default(),
+                    reason: "the pod watch stopped".into(),
+                });
+            }
+        };
+        Ok(Box::new(KubeProcess {
+            name,
+            namespace: self.settings.namespace.clone(),
+            addr: SocketAddr::new(ip, port),
+            api: self.api.clone(),
+            rx,
+            grace: self.settings.stop_grace,
+            shared: self.shared.clone(),
+        }))
+    }
+
+    fn pending_reason(&self, replica: &str) -> Option<String> {
+        self.view(replica).and_then(|v| v.unschedulable)
+    }
+}
+
+/// Feeds watch events to the pods' views.
+async fn watch_pods(
+    stream: impl futures_util::Stream<Item = std::result::Result<watcher::Event<Pod>, watcher::Error>>,
+    shared: Arc<Shared>,
+) {
+    let mut stream = std::pin::pin!(stream);
+    while let Some(ev) = stream.next().await {
+        let (pod, deleted) = match ev {
+            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => (p, false),
+            Ok(watcher::Event::Delete(p)) => (p, true),
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "the pod watch failed; it restarts with backoff");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let Some(name) = pod.metadata.name.clone() else {
+            continue;
+        };
+        let view = if deleted {
+            PodView {
+                ended: Some(ended_of(&pod).unwrap_or_else(|| "was deleted".to_string())),
+                ..view_of(&pod)
+            }
+        } else {
+            view_of(&pod)
+        };
+        if let Some(reason) = &view.ended
+            && is_disruption(reason)
+        {
+            metrics::counter!("warmgate_replica_disruptions_total", "cause" => disruption_cause(reason))
+                .increment(1);
+        }
+        if let Some(tx) = shared.pods.lock().get(&name) {
+            tx.send_if_modified(|v| {
+                if *v == view {
+                    false
+                } else {
+                    *v = view;
+                    true
+                }
+            });
+        }
+    }
+}
+
+/// A replica pod.
+struct KubeProcess {
+    name: String,
+    namespace: String,
+    addr: SocketAddr,
+    api: Api<Pod>,
+    rx: watch::Receiver<PodView>,
+    grace: Duration,
+    shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl Process for KubeProcess {
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn pid(&self) -> Option<u32> {
+        None
+    }
+
+    fn log(&self) -> String {
+        format!("kubectl logs -n {} pod/{}", self.namespace, self.name)
+    }
+
+    async fn wait(&mut self) -> String {
+        loop {
+            if let Some(how) = self.rx.borrow_and_update().ended.clone() {
+                return how;
+            }
+            if self.rx.changed().await.is_err() {
+                return "was lost with the pod watch".to_string();
+            }
+        }
+    }
+
+    fn terminate(&self) {
+        delete(
+            self.api.clone(),
+            self.name.clone(),
+            self.grace.as_secs().try_into().unwrap_or(u32::MAX),
+        );
+    }
+
+    fn kill(&self) {
+        delete(self.api.clone(), self.name.clone(), 0);
+    }
+}
+
+impl Drop for KubeProcess {
+    fn drop(&mut self) {
+        self.shared.pods.lock().remove(&self.name);
+        // A pod that ended by itself (evicted, failed) stays as an object
+        // until deleted; a replica that is gone must not leave it behind.
+        if self.rx.borrow().ended.as_deref() != Some("was deleted") {
+            delete(self.api.clone(), self.name.clone(), 0);
+        }
+    }
+}
+
+/// Deletes a pod in the background (Process' stop calls are not async).
+fn delete(api: Api<Pod>, name: String, grace_seconds: u32) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    handle.spawn(async move {
+        let dp = DeleteParams {
+            grace_period_seconds: Some(grace_seconds),
+            ..DeleteParams::default()
+        };
+        match api.delete(&name, &dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => tracing::warn!(pod = %name, error = %e, "could not delete a replica pod"),
+        }
+    });
+}
+
+fn port_of(launch: &Launch) -> u16 {
+    match launch.pod.port {
+        0 => DEFAULT_PORT,
+        p => p,
+    }
+}
+
+/// The pod for one replica: image and command, the worker contract's
+/// environment, GPUs as `nvidia.com/gpu` with the GPU model as a node
+/// selector, spot placement for interruptible replicas, tolerations, a
+/// readiness probe on `/healthz`, labels, and the owner reference.
+pub fn pod_for(
+    launch: &Launch,
+    settings: &KubeSettings,
+    owner: Option<OwnerReference>,
+) -> std::result::Result<Pod, String> {
+    let image = launch
+        .image
+        .clone()
+        .filter(|i| !i.is_empty())
+        .ok_or("the kubernetes backend needs an `image`")?;
+    let spec = &launch.pod;
+    let port = port_of(launch);
+    let mut labels = BTreeMap::from([
+        (MANAGED_BY.to_string(), "warmgate".to_string()),
+        (INSTANCE.to_string(), settings.instance.clone()),
+        (REVISION.to_string(), launch.revision.clone()),
+        (REPLICA.to_string(), launch.replica.clone()),
+    ]);
+    labels.insert(
+        if launch.pool { POOL } else { APP }.to_string(),
+        launch.target.clone(),
+    );
+    let mut env: Vec<EnvVar> = launch.env.iter().map(|(k, v)| env_var(k, v)).collect();
+    env.push(env_var("PORT", &port.to_string()));
+    env.push(env_var("WARMGATE_REPLICA", &launch.replica));
+    env.push(env_var("WARMGATE_TARGET", &launch.target));
+    env.push(env_var("WARMGATE_REVISION", &launch.revision));
+    if let Some(c) = &launch.checkpoint {
+        env.push(env_var("WARMGATE_CHECKPOINT", c));
+    }
+    let mut limits = BTreeMap::new();
+    if launch.gpu_count > 0 {
+        limits.insert(
+            GPU_RESOURCE.to_string(),
+            Quantity(launch.gpu_count.to_string()),
+        );
+    }
+    if let Some(cpu) = &spec.cpu {
+        limits.insert("cpu".to_string(), Quantity(cpu.clone()));
+    }
+    if let Some(mem) = &spec.memory {
+        limits.insert("memory".to_string(), Quantity(mem.clone()));
+    }
+    // Requests equal limits: a replica's latency must not depend on its
+    // neighbours (the Guaranteed QoS class).
+    let resources = (!limits.is_empty()).then(|| ResourceRequirements {
+        requests: Some(limits.clone()),
+        limits: Some(limits),
+        ..ResourceRequirements::default()
+    });
+    let mut node_selector = spec.node_selector.clone();
+    if let Some(t) = &spec.gpu_type {
+        node_selector.insert(GPU_PRODUCT.to_string(), t.clone());
+    }
+    let mut tolerations: Vec<KubeToleration> = spec.tolerations.iter().map(toleration).collect();
+    if spec.interruptible {
+        node_selector.extend(settings.config.spot_node_selector.clone());
+        tolerations.extend(settings.config.spot_tolerations.iter().map(toleration));
+    }
+    if launch.gpu_count > 0 {
+        // GPU node pools are commonly tainted so that only GPU pods land.
+        tolerations.push(KubeToleration {
+            key: Some(GPU_RESOURCE.to_string()),
+            operator: Some("Exists".to_string()),
+            effect: Some("NoSchedule".to_string()),
+            ..KubeToleration::default()
+        });
+    }
+    let container = Container {
+        name: "worker".to_string(),
+        image: Some(image),
+        image_pull_policy: settings.config.image_pull_policy.clone(),
+        command: (!launch.command.is_empty()).then(|| launch.command.clone()),
+        env: Some(env),
+        ports: Some(vec![ContainerPort {
+            container_port: i32::from(port),
+            name: Some("http".to_string()),
+            ..ContainerPort::default()
+        }]),
+        resources,
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/healthz".to_string()),
+                port: IntOrString::Int(i32::from(port)),
+                ..HTTPGetAction::default()
+            }),
+            period_seconds: Some(2),
+            failure_threshold: Some(3),
+            ..Probe::default()
+        }),
+        ..Container::default()
+    };
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(launch.replica.clone()),
+            namespace: Some(settings.namespace.clone()),
+            labels: Some(labels),
+            owner_references: owner.map(|o| vec![o]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(KubePodSpec {
+            containers: vec![container],
+            // The pool manager replaces a failed replica; a kubelet restart
+            // in place would hide the failure from it.
+            restart_policy: Some("Never".to_string()),
+            termination_grace_period_seconds: Some(
+                settings.stop_grace.as_secs().try_into().unwrap_or(i64::MAX),
+            ),
+            node_selector: (!node_selector.is_empty()).then_some(node_selector),
+            tolerations: (!tolerations.is_empty()).then_some(tolerations),
+            service_account_name: spec.service_account.clone(),
+            ..KubePodSpec::default()
+        }),
+        status: None,
+    })
+}
+
+fn env_var(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: Some(value.to_string()),
+        ..EnvVar::default()
+    }
+}
+
+fn toleration(t: &Toleration) -> KubeToleration {
+    KubeToleration {
+        key: t.key.clone(),
+        operator: t.operator.clone(),
+        value: t.value.clone(),
+        effect: t.effect.clone(),
+        ..KubeToleration::default()
+    }
+}
+
+/// What a watch event says of a pod.
+pub fn view_of(pod: &Pod) -> PodView {
+    let status = pod.status.as_ref();
+    let conditions = status.and_then(|s| s.conditions.as_deref()).unwrap_or(&[]);
+    let cond = |t: &str| conditions.iter().find(|c| c.type_ == t);
+    let ready = cond("Ready").is_some_and(|c| c.status == "True");
+    let unschedulable = cond("PodScheduled")
+        .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+        .map(|c| {
+            c.message
+                .clone()
+                .unwrap_or_else(|| "the scheduler found no node".to_string())
+        });
+    let ip = status
+        .and_then(|s| s.pod_ip.as_deref())
+        .and_then(|ip| ip.parse().ok());
+    PodView {
+        ip,
+        ready,
+        unschedulable,
+        ended: ended_of(pod),
+    }
+}
+
+/// How a pod ended, if it has: eviction, preemption and node loss are
+/// named as such (they are the cluster's doing, not the worker's).
+pub fn ended_of(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let conditions = status.conditions.as_deref().unwrap_or(&[]);
+    if let Some(c) = conditions
+        .iter()
+        .find(|c| c.type_ == "DisruptionTarget" && c.status == "True")
+    {
+        let what = match c.reason.as_deref() {
+            Some("PreemptionByScheduler") => "was preempted by the scheduler",
+            Some("DeletionByTaintManager") => "lost its node (taint eviction)",
+            Some("EvictionByEvictionAPI") => "was evicted (eviction API)",
+            Some("TerminationByKubelet") => "was evicted by the kubelet",
+            _ => "was disrupted",
+        };
+        return Some(match &c.message {
+            Some(m) if !m.is_empty() => format!("{what}: {m}"),
+            _ => what.to_string(),
+        });
+    }
+    match status.reason.as_deref() {
+        Some("Evicted") => {
+            return Some(format!(
+                "was evicted: {}",
+                status.message.as_deref().unwrap_or("by the kubelet")
+            ));
+        }
+        Some("NodeLost") => return Some("lost its node".to_string()),
+        Some("Preempting") => return Some("was preempted".to_string()),
+        _ => {}
+    }
+    match status.phase.as_deref() {
+        Some("Failed") | Some("Succeeded") => {
+            let term = status
+                .container_statuses
+                .as_deref()
+                .unwrap_or(&[])
+                .iter()
+                .find_map(|c| c.state.as_ref()?.terminated.clone());
+            Some(match term {
+                Some(t) => match t.reason.as_deref() {
+                    Some(r) if r != "Completed" && r != "Error" => {
+                        format!("exited with status {} ({r})", t.exit_code)
+                    }
+                    _ => format!("exited with status {}", t.exit_code),
+                },
+                None if status.phase.as_deref() == Some("Succeeded") => {
+                    "exited with status 0".to_string()
+                }
+                None => "failed".to_string(),
+            })
+        }
+        _ => None,
+    }
+}
+
+fn is_disruption(how: &str) -> bool {
+    how.starts_with("was evicted")
+        || how.starts_with("was preempted")
+        || how.starts_with("lost its node")
+        || how.starts_with("was disrupted")
+}
+
+fn disruption_cause(how: &str) -> &'static str {
+    if how.starts_with("was preempted") {
+        "preemption"
+    } else if how.starts_with("lost its node") {
+        "node_lost"
+    } else if how.starts_with("was evicted") {
+        "eviction"
+    } else {
+        "other"
+    }
+}

@@ -1,0 +1,458 @@
+//! The kubernetes backend against a mock API server (`tower_test`): a
+//! scenario verifier answers each call the backend makes and checks it,
+//! so every request is pinned down: the created pod field by field, the
+//! pod watch, the deletion on scale-down, and eviction.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use k8s_openapi::api::core::v1::Pod;
+use kube::client::Body;
+use serde_json::{Value, json};
+use tower_test::mock;
+use warmgate_deploy::{KubeBackendConfig, PodSpec, Toleration};
+use warmgate_pool::kubernetes::{KubeBackend, KubeSettings, pod_for};
+use warmgate_pool::{Backend, Launch};
+
+type Handle = mock::Handle<Request<Body>, Response<Full<Bytes>>>;
+
+const NS: &str = "ml";
+const SELECTOR: &str = "app.kubernetes.io/managed-by=warmgate,warmgate.dev/instance=wg";
+
+fn settings() -> KubeSettings {
+    KubeSettings {
+        namespace: NS.into(),
+        instance: "wg".into(),
+        config: KubeBackendConfig {
+            spot_tolerations: vec![Toleration {
+                key: Some("cloud.google.com/gke-spot".into()),
+                operator: Some("Exists".into()),
+                effect: Some("NoSchedule".into()),
+                value: None,
+            }],
+            ..KubeBackendConfig::default()
+        },
+        stop_grace: Duration::from_secs(30),
+    }
+}
+
+fn launch(replica: &str) -> Launch {
+    Launch {
+        replica: replica.into(),
+        target: "llm".into(),
+        revision: "llm-00002".into(),
+        command: vec![],
+        env: BTreeMap::from([("HF_HOME".to_string(), "/cache".to_string())]),
+        gpus: vec![],
+        workdir: None,
+        checkpoint: Some("s3://ckpt/llm/step-900".into()),
+        image: Some("registry.example/llm-worker:1.4".into()),
+        pod: PodSpec {
+            gpu_type: Some("NVIDIA-H100-80GB-HBM3".into()),
+            cpu: Some("8".into()),
+            memory: Some("64Gi".into()),
+            interruptible: true,
+            ..PodSpec::default()
+        },
+        gpu_count: 2,
+        pool: false,
+    }
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(v.to_string())))
+        .expect("response")
+}
+
+async fn body_json(req: Request<Body>) -> Value {
+    let bytes = req.into_body().collect_bytes().await.expect("body");
+    serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+}
+
+/// The next call, which must be `method` on a path starting with `path`.
+async fn expect(
+    handle: &mut Handle,
+    method: Method,
+    path: &str,
+) -> (Request<Body>, mock::SendResponse<Response<Full<Bytes>>>) {
+    let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .unwrap_or_else(|_| panic!("no {method} {path} within 10s"))
+        .expect("the client is alive");
+    assert_eq!(req.method(), method, "{}", req.uri());
+    assert!(
+        req.uri().path().starts_with(path),
+        "expected {method} {path}, got {} {}",
+        req.method(),
+        req.uri()
+    );
+    (req, send)
+}
+
+/// The backend's first calls, in whichever order they come: the watcher
+/// lists (no pods) and watches; the backend creates `replica`'s pod, which
+/// must be exactly the pod `pod_for` builds. Returns the created pod and
+/// the open watch, to be answered when the scenario needs an event.
+async fn create_and_watch(
+    handle: &mut Handle,
+    replica: &str,
+) -> (Value, mock::SendResponse<Response<Full<Bytes>>>) {
+    // The watcher lists, then watches; the backend creates the pod. The
+    // two run concurrently, so take the calls in either order.
+    let mut created: Option<Value> = None;
+    let mut watch = None;
+    let mut listed = false;
+    while created.is_none() || watch.is_none() {
+        let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .expect("a call")
+            .expect("alive");
+        let q = req.uri().query().unwrap_or("").to_string();
+        match (req.method().clone(), q.contains("watch=true")) {
+            (Method::POST, _) => {
+                assert_eq!(req.uri().path(), format!("/api/v1/namespaces/{NS}/pods"));
+                let body = body_json(req).await;
+                // The pod sent is the one pod_for builds, field by field.
+                let want = serde_json::to_value(
+                    pod_for(&launch(replica), &settings(), None).expect("pod"),
+                )
+                .expect("json");
+                assert_eq!(body, want);
+                let mut echo = body.clone();
+                echo["metadata"]["uid"] = json!("u-1");
+                echo["metadata"]["resourceVersion"] = json!("11");
+                send.send_response(json_response(StatusCode::CREATED, &echo));
+                created = Some(echo);
+            }
+            (Method::GET, false) => {
+                assert!(
+                    q.contains(&format!("labelSelector={}", urlencode(SELECTOR))),
+                    "{q}"
+                );
+                send.send_response(json_response(
+                    StatusCode::OK,
+                    &json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": []}),
+                ));
+                listed = true;
+            }
+            (Method::GET, true) => {
+                assert!(listed, "the watch follows the list");
+                assert!(q.contains("resourceVersion=10"), "{q}");
+                watch = Some(send);
+            }
+            (m, _) => panic!("unexpected {m} {}", req.uri()),
+        }
+    }
+    (created.expect("created"), watch.expect("watch"))
+}
+
+fn urlencode(s: &str) -> String {
+    s.replace('/', "%2F")
+        .replace('=', "%3D")
+        .replace(',', "%2C")
+}
+
+/// A watch answer carrying these events, one JSON object a line.
+fn watch_events(events: &[(&str, Value)]) -> Response<Full<Bytes>> {
+    let mut text = String::new();
+    for (kind, obj) in events {
+        text.push_str(&json!({"type": kind, "object": obj}).to_string());
+        text.push('\n');
+    }
+    Response::builder()
+        .status(StatusCode::OK)
+        .body(Full::new(Bytes::from(text)))
+        .expect("response")
+}
+
+/// `pod` with a status patched in, and a resource version.
+fn with_status(pod: &Value, rv: u32, status: Value) -> Value {
+    let mut p = pod.clone();
+    p["metadata"]["resourceVersion"] = json!(rv.to_string());
+    p["status"] = status;
+    p
+}
+
+#[test]
+fn the_pod_carries_the_worker_contract_gpus_placement_and_labels() {
+    let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+        api_version: "warmgate.dev/v1alpha1".into(),
+        kind: "ServingApp".into(),
+        name: "llm".into(),
+        uid: "6f1c".into(),
+        controller: Some(true),
+        ..Default::default()
+    };
+    let pod = pod_for(&launch("llm-00002-1"), &settings(), Some(owner)).expect("pod");
+    let v = serde_json::to_value(&pod).expect("json");
+    let m = &v["metadata"];
+    assert_eq!(m["name"], "llm-00002-1");
+    assert_eq!(m["namespace"], NS);
+    assert_eq!(m["labels"]["app.kubernetes.io/managed-by"], "warmgate");
+    assert_eq!(m["labels"]["warmgate.dev/instance"], "wg");
+    assert_eq!(m["labels"]["warmgate.dev/app"], "llm");
+    assert_eq!(m["labels"]["warmgate.dev/revision"], "llm-00002");
+    assert_eq!(m["labels"]["warmgate.dev/replica"], "llm-00002-1");
+    assert!(m["labels"].get("warmgate.dev/pool").is_none());
+    assert_eq!(m["ownerReferences"][0]["kind"], "ServingApp");
+    assert_eq!(m["ownerReferences"][0]["uid"], "6f1c");
+    let spec = &v["spec"];
+    assert_eq!(spec["restartPolicy"], "Never");
+    assert_eq!(spec["terminationGracePeriodSeconds"], 30);
+    assert_eq!(
+        spec["nodeSelector"]["nvidia.com/gpu.product"],
+        "NVIDIA-H100-80GB-HBM3"
+    );
+    assert_eq!(
+        spec["nodeSelector"]["karpenter.sh/capacity-type"], "spot",
+        "interruptible"
+    );
+    let tolerations = spec["tolerations"].as_array().expect("tolerations");
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t["key"] == "cloud.google.com/gke-spot")
+    );
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t["key"] == "nvidia.com/gpu" && t["operator"] == "Exists")
+    );
+    let c = &spec["containers"][0];
+    assert_eq!(c["image"], "registry.example/llm-worker:1.4");
+    assert!(c.get("command").is_none(), "the image's entrypoint runs");
+    for (r, q) in [("nvidia.com/gpu", "2"), ("cpu", "8"), ("memory", "64Gi")] {
+        assert_eq!(c["resources"]["limits"][r], q, "{r} limit");
+        assert_eq!(c["resources"]["requests"][r], q, "{r} request");
+    }
+    assert_eq!(c["ports"][0]["containerPort"], 8080);
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["readinessProbe"]["httpGet"]["port"], 8080);
+    let env: BTreeMap<String, String> = c["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap_or("").to_string(),
+                e["value"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(env["PORT"], "8080");
+    assert_eq!(env["WARMGATE_REPLICA"], "llm-00002-1");
+    assert_eq!(env["WARMGATE_TARGET"], "llm");
+    assert_eq!(env["WARMGATE_REVISION"], "llm-00002");
+    assert_eq!(env["WARMGATE_CHECKPOINT"], "s3://ckpt/llm/step-900");
+    assert_eq!(env["HF_HOME"], "/cache");
+    assert!(
+        !env.contains_key("CUDA_VISIBLE_DEVICES"),
+        "the device plugin sets it"
+    );
+    // It deserialises as a Pod, as the API server would read it.
+    let _: Pod = serde_json::from_value(v).expect("a valid Pod");
+
+    // A pool's pod, without GPUs or spot: no GPU toleration or selector.
+    let mut l = launch("rollouts-1");
+    l.pool = true;
+    l.target = "rollouts".into();
+    l.gpu_count = 0;
+    l.pod = PodSpec::default();
+    let v = serde_json::to_value(pod_for(&l, &settings(), None).expect("pod")).expect("json");
+    assert_eq!(v["metadata"]["labels"]["warmgate.dev/pool"], "rollouts");
+    assert!(v["spec"].get("nodeSelector").is_none());
+    assert!(v["spec"].get("tolerations").is_none());
+    assert!(v["spec"]["containers"][0].get("resources").is_none());
+    // No image: a clear error, no pod.
+    l.image = None;
+    assert!(
+        pod_for(&l, &settings(), None)
+            .unwrap_err()
+            .contains("image")
+    );
+}
+
+#[tokio::test]
+async fn a_pod_is_created_becomes_routable_on_a_watch_event_and_is_deleted_on_scale_down() {
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+    let client = kube::Client::new(service, NS);
+    let backend = KubeBackend::new(client, settings());
+    let spawn = tokio::spawn(async move {
+        let p = backend.spawn(&launch("llm-00002-1")).await;
+        (backend, p)
+    });
+
+    let (pod, watch) = create_and_watch(&mut handle, "llm-00002-1").await;
+    // Scheduled and running with an IP: the replica becomes reachable.
+    let running = with_status(
+        &pod,
+        12,
+        json!({
+            "phase": "Running", "podIP": "10.4.2.17",
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]
+        }),
+    );
+    watch.send_response(watch_events(&[("MODIFIED", running)]));
+    let (backend, proc) = tokio::time::timeout(Duration::from_secs(10), spawn)
+        .await
+        .expect("spawn returns once the pod has an IP")
+        .expect("join");
+    let mut proc = proc.expect("spawned");
+    assert_eq!(proc.addr().to_string(), "10.4.2.17:8080");
+    assert_eq!(proc.log(), format!("kubectl logs -n {NS} pod/llm-00002-1"));
+    assert!(backend.view("llm-00002-1").expect("view").ready);
+
+    // Scale-down: after draining, the pod is deleted with the grace period.
+    let (_, send) = list_or_watch(&mut handle).await;
+    proc.terminate();
+    let (req, del) = expect(
+        &mut handle,
+        Method::DELETE,
+        &format!("/api/v1/namespaces/{NS}/pods/llm-00002-1"),
+    )
+    .await;
+    let body = body_json(req).await;
+    assert_eq!(body["gracePeriodSeconds"], 30, "{body}");
+    del.send_response(json_response(StatusCode::OK, &pod));
+    // The watch reports it gone: the replica's exit.
+    send.send_response(watch_events(&[(
+        "DELETED",
+        with_status(&pod, 13, json!({"phase": "Running", "podIP": "10.4.2.17"})),
+    )]));
+    let how = tokio::time::timeout(Duration::from_secs(10), proc.wait())
+        .await
+        .expect("exit seen");
+    assert_eq!(how, "was deleted");
+    drop(proc);
+}
+
+/// The watcher's next call after a watch answer ends: a new WATCH.
+async fn list_or_watch(
+    handle: &mut Handle,
+) -> (Request<Body>, mock::SendResponse<Response<Full<Bytes>>>) {
+    let (req, send) = expect(
+        handle,
+        Method::GET,
+        &format!("/api/v1/namespaces/{NS}/pods"),
+    )
+    .await;
+    let q = req.uri().query().unwrap_or("").to_string();
+    assert!(q.contains("watch=true"), "the watch resumes: {q}");
+    (req, send)
+}
+
+#[tokio::test]
+async fn unschedulable_pods_report_the_scheduler_and_evictions_end_the_replica() {
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+    let client = kube::Client::new(service, NS);
+    let backend = std::sync::Arc::new(KubeBackend::new(client, settings()));
+    let b = backend.clone();
+    let spawn = tokio::spawn(async move { b.spawn(&launch("llm-00002-2")).await });
+    let (pod, watch) = create_and_watch(&mut handle, "llm-00002-2").await;
+
+    // No GPU free: the pod stays pending, with the scheduler's reason.
+    let reason = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.";
+    watch.send_response(watch_events(&[(
+        "MODIFIED",
+        with_status(&pod, 12, json!({"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": reason}
+        ]})),
+    )]));
+    let (_, watch) = list_or_watch(&mut handle).await;
+    assert_eq!(
+        backend.pending_reason("llm-00002-2").as_deref(),
+        Some(reason)
+    );
+    assert!(
+        !spawn.is_finished(),
+        "an unschedulable pod does not fail the replica"
+    );
+
+    // A node frees up: it runs. Then the kubelet evicts it.
+    watch.send_response(watch_events(&[(
+        "MODIFIED",
+        with_status(
+            &pod,
+            13,
+            json!({"phase": "Running", "podIP": "10.4.3.9", "conditions": [
+                {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}
+            ]}),
+        ),
+    )]));
+    let mut proc = tokio::time::timeout(Duration::from_secs(10), spawn)
+        .await
+        .expect("spawned")
+        .expect("join")
+        .expect("ok");
+    assert_eq!(backend.pending_reason("llm-00002-2"), None);
+    let (_, watch) = list_or_watch(&mut handle).await;
+    watch.send_response(watch_events(&[(
+        "MODIFIED",
+        with_status(
+            &pod,
+            14,
+            json!({"phase": "Failed", "reason": "Evicted",
+            "message": "The node was low on resource: memory."}),
+        ),
+    )]));
+    let how = tokio::time::timeout(Duration::from_secs(10), proc.wait())
+        .await
+        .expect("exit seen");
+    assert_eq!(how, "was evicted: The node was low on resource: memory.");
+    // The ended pod object is cleaned up at once (no grace: it is dead).
+    drop(proc);
+    let (req, del) = loop {
+        let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .expect("a call")
+            .expect("alive");
+        if req.method() == Method::DELETE {
+            break (req, send);
+        }
+        // A resumed watch: leave it open.
+        assert!(
+            req.uri().query().unwrap_or("").contains("watch=true"),
+            "{}",
+            req.uri()
+        );
+        std::mem::forget(send);
+    };
+    assert_eq!(
+        req.uri().path(),
+        format!("/api/v1/namespaces/{NS}/pods/llm-00002-2")
+    );
+    assert_eq!(body_json(req).await["gracePeriodSeconds"], 0);
+    del.send_response(json_response(StatusCode::OK, &pod));
+}
+
+#[test]
+fn preemption_and_node_loss_are_named_as_disruptions() {
+    let pod = |status: Value| -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "x"}, "status": status})).expect("pod")
+    };
+    let ended = |status| warmgate_pool::kubernetes::ended_of(&pod(status));
+    assert_eq!(
+        ended(json!({"phase": "Running", "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler", "message": "Preempted by a higher priority pod"}]})).as_deref(),
+        Some("was preempted by the scheduler: Preempted by a higher priority pod")
+    );
+    assert_eq!(
+        ended(json!({"phase": "Running", "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}]})).as_deref(),
+        Some("lost its node (taint eviction)")
+    );
+    assert_eq!(
+        ended(json!({"phase": "Unknown", "reason": "NodeLost"})).as_deref(),
+        Some("lost its node")
+    );
+    assert_eq!(
+        ended(json!({"phase": "Failed", "containerStatuses": [{"name": "worker", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]})).as_deref(),
+        Some("exited with status 137 (OOMKilled)")
+    );
+    assert_eq!(ended(json!({"phase": "Running"})), None);
+}
