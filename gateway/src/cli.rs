@@ -64,6 +64,23 @@ pub enum Command {
     /// Print the Kubernetes CustomResourceDefinitions (`ServingApp`,
     /// `WarmPool`) as YAML, for `kubectl apply -f -`.
     Crds,
+    /// Run in a cluster: serve the ServingApp and WarmPool resources of a
+    /// namespace as replica pods (one leader at a time, by Lease).
+    Operator {
+        /// Settings only (limits, tenants, `[backend.kubernetes]`); apps
+        /// and pools come from the resources.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Namespace to serve (default: the pod's own).
+        #[arg(long, env = "WARMGATE_NAMESPACE")]
+        namespace: Option<String>,
+        /// Listen address.
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        listen: SocketAddr,
+        /// `text` or `json` logs.
+        #[arg(long, env = "WARMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+        log_format: LogFormat,
+    },
     /// Work with checkpoints in object storage.
     Weights {
         /// What to do.
@@ -229,6 +246,33 @@ pub fn run(cli: Cli) -> i32 {
         } => promote(&gateway, &app, &checkpoint, canary, bake, wait),
         Command::Rollback { app, gateway } => rollback(&gateway, &app),
         Command::Revisions { app, gateway } => revisions(&gateway, &app),
+        Command::Operator {
+            config,
+            namespace,
+            listen,
+            log_format,
+        } => {
+            let _telemetry = crate::telemetry::init(log_format);
+            let rt = match runtime(None) {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: could not start the runtime: {e}");
+                    return 1;
+                }
+            };
+            let args = crate::operator::OperatorArgs {
+                config,
+                namespace,
+                listen,
+            };
+            match rt.block_on(crate::operator::run(args)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    1
+                }
+            }
+        }
         Command::Crds => match warmgate_deploy::crd::crds_yaml() {
             Ok(yaml) => {
                 print!("{yaml}");
@@ -332,27 +376,82 @@ fn serve(
 }
 
 async fn serve_async(config: Config) -> anyhow::Result<()> {
-    let logs = config.state_dir.join("logs");
-    std::fs::create_dir_all(&logs)
-        .with_context(|| format!("create the state folder {}", logs.display()))?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
+    let backend = backend_for(&config).await?;
+    serve_with(config, backend, listener, |_| std::future::pending()).await
+}
+
+/// The backend the config names: local processes (after stopping any a
+/// crashed run left), or pods through the kubeconfig or in-cluster
+/// credentials.
+async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::Backend>> {
+    match config.backend.kind {
+        warmgate_deploy::BackendKind::Local => {
+            let logs = config.state_dir.join("logs");
+            std::fs::create_dir_all(&logs)
+                .with_context(|| format!("create the state folder {}", logs.display()))?;
+            let backend = LocalBackend::new(logs).with_run_dir(config.state_dir.join("run"));
+            // A previous run killed with `kill -9` left its replicas
+            // running: stop them before anything starts, so GPUs and ports
+            // are free again.
+            let orphans = backend.reap_orphans();
+            if !orphans.is_empty() {
+                let names: Vec<&str> = orphans.iter().map(|o| o.replica.as_str()).collect();
+                tracing::warn!(count = orphans.len(), replicas = ?names, "stopped replicas a previous run left running");
+            }
+            ORPHANS.store(orphans.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            Ok(Arc::new(backend))
+        }
+        warmgate_deploy::BackendKind::Kubernetes => {
+            let client = kube::Client::try_default()
+                .await
+                .context("connect to the Kubernetes API (KUBECONFIG or in-cluster config)")?;
+            let namespace = config
+                .backend
+                .kubernetes
+                .namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_string());
+            Ok(Arc::new(warmgate_pool::kubernetes::KubeBackend::new(
+                client,
+                warmgate_pool::kubernetes::KubeSettings {
+                    namespace,
+                    instance: std::env::var("WARMGATE_INSTANCE")
+                        .unwrap_or_else(|_| "warmgate".into()),
+                    config: config.backend.kubernetes.clone(),
+                    stop_grace: config.backend.stop_grace,
+                },
+            )))
+        }
+    }
+}
+
+/// Orphans stopped at start, counted once metrics are installed.
+static ORPHANS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Runs the gateway on `listener` with `backend` until SIGTERM, or until
+/// `side` (given the gateway) returns a reason to stop; then drains.
+pub(crate) async fn serve_with<F, Fut>(
+    config: Config,
+    backend: Arc<dyn warmgate_pool::Backend>,
+    listener: tokio::net::TcpListener,
+    side: F,
+) -> anyhow::Result<()>
+where
+    F: FnOnce(Arc<Gateway>) -> Fut,
+    Fut: Future<Output = String> + Send + 'static,
+{
     let addr = listener.local_addr().context("read the listen address")?;
     let metrics = install_metrics();
+    metrics::counter!("warmgate_orphans_stopped_total")
+        .increment(ORPHANS.load(std::sync::atomic::Ordering::Relaxed));
     let grace = config.backend.stop_grace;
     let conn_limits = crate::listener::ConnLimits::from(&config.limits);
-    let backend = LocalBackend::new(logs).with_run_dir(config.state_dir.join("run"));
-    // A previous run killed with `kill -9` left its replicas running: stop
-    // them before anything starts, so GPUs and ports are free again.
-    let orphans = backend.reap_orphans();
-    if !orphans.is_empty() {
-        let names: Vec<&str> = orphans.iter().map(|o| o.replica.as_str()).collect();
-        tracing::warn!(count = orphans.len(), replicas = ?names, "stopped replicas a previous run left running");
-    }
-    metrics::counter!("warmgate_orphans_stopped_total").increment(orphans.len() as u64);
-    let gw = Gateway::new(config, Arc::new(backend), metrics, addr)?;
+    let gw = Gateway::new(config, backend, metrics, addr)?;
     let autoscaler = gw.spawn_autoscaler();
+    let mut side = tokio::spawn(side(gw.clone()));
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let server = crate::listener::serve(listener, router(gw.clone()), conn_limits, async move {
@@ -370,7 +469,11 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
             return r.context("the server task failed");
         }
         _ = shutdown_signal() => {}
+        reason = &mut side => {
+            tracing::warn!(reason = %reason.unwrap_or_else(|e| e.to_string()), "stopping the gateway");
+        }
     }
+    side.abort();
     tracing::info!(grace = ?grace, "shutting down: finishing requests in flight");
     gw.start_draining();
     autoscaler.abort();
@@ -415,7 +518,7 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     }
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = match signal(SignalKind::terminate()) {
         Ok(s) => s,

@@ -9,6 +9,7 @@ pub mod dispatch;
 pub mod error;
 pub mod journal;
 pub mod listener;
+pub mod operator;
 pub mod pools;
 pub mod promote;
 pub mod proxy;

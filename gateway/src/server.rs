@@ -1098,19 +1098,47 @@ async fn models(State(gw): State<Arc<Gateway>>) -> Response {
 #[utoipa::path(get, path = "/v1/status", tag = "control",
     responses((status = 200, description = "Apps (with revisions and replicas) and pools", body = Object)))]
 async fn status(State(gw): State<Arc<Gateway>>) -> Response {
-    let targets = gw.pool.status();
-    let mut pools: Vec<serde_json::Value> = gw
-        .pools
-        .values()
-        .map(|p| {
-            let mut v = p.status();
-            v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
-            v
-        })
-        .collect();
-    pools.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
-    let tenants = gw.tenants.as_ref().map(|t| t.status()).unwrap_or_default();
-    axum::Json(json!({"apps": gw.status(), "pools": pools, "tenants": tenants})).into_response()
+    axum::Json(gw.status_json()).into_response()
+}
+
+impl Gateway {
+    /// The `/v1/status` document: apps, pools and tenants.
+    pub fn status_json(&self) -> serde_json::Value {
+        let gw = self;
+        let targets = gw.pool.status();
+        let mut pools: Vec<serde_json::Value> = gw
+            .pools
+            .values()
+            .map(|p| {
+                let mut v = p.status();
+                v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
+                v
+            })
+            .collect();
+        pools.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+        let tenants = gw.tenants.as_ref().map(|t| t.status()).unwrap_or_default();
+        json!({"apps": gw.status(), "pools": pools, "tenants": tenants})
+    }
+
+    /// Promotes `checkpoint` on app `name` with the app's own promotion
+    /// settings (what `warmgate promote` does without flags). Returns the
+    /// new revision's id.
+    pub async fn promote_checkpoint(
+        self: &Arc<Self>,
+        name: &str,
+        checkpoint: &str,
+    ) -> Result<String, ApiError> {
+        let app = served(self, name)?;
+        self.promote(
+            &app,
+            crate::promote::PromoteRequest {
+                checkpoint: checkpoint.to_string(),
+                canary: None,
+                bake: None,
+            },
+        )
+        .await
+    }
 }
 
 #[utoipa::path(get, path = "/v1/apps", tag = "control",

@@ -344,6 +344,23 @@ impl PoolManager {
         let mut out: Vec<TargetStatus> =
             targets.values().map(|t| t.shared.lock().status()).collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
+        // A replica the backend cannot place yet (an unschedulable pod)
+        // shows as pending, with the backend's reason.
+        for t in &mut out {
+            let mut pending = 0;
+            for r in &mut t.replicas {
+                if r.state == ReplicaState::Starting
+                    && let Some(reason) = self.inner.backend.pending_reason(&r.id)
+                {
+                    r.state = ReplicaState::Pending { reason };
+                    pending += 1;
+                }
+            }
+            t.health.starting = t.health.starting.saturating_sub(pending);
+            t.health.pending += pending;
+            metrics::gauge!("warmgate_replicas_unschedulable", "target" => t.name.clone())
+                .set(pending as f64);
+        }
         out
     }
 
