@@ -88,7 +88,7 @@ pub struct WarmPoolStatus {
 }
 
 /// Both CustomResourceDefinitions, as the YAML `warmgate crds` prints and
-/// `deploy/kubernetes/crds.yaml` holds.
+/// `deploy/kubernetes/chart/warmgate/crds/crds.yaml` holds.
 pub fn crds_yaml() -> Result<String, String> {
     let mut out = String::new();
     for crd in [ServingApp::crd(), WarmPool::crd()] {

@@ -16,18 +16,19 @@ fn repo(path: &str) -> String {
 #[test]
 fn the_committed_crds_are_the_generated_ones() {
     let generated = crds_yaml().expect("the CRDs serialise");
-    let committed = repo("deploy/kubernetes/crds.yaml");
+    let committed = repo("deploy/kubernetes/chart/warmgate/crds/crds.yaml");
     assert!(
         generated == committed,
-        "deploy/kubernetes/crds.yaml is out of date: run \
-         `cargo run -p warmgate-gateway -- crds > deploy/kubernetes/crds.yaml`"
+        "deploy/kubernetes/chart/warmgate/crds/crds.yaml is out of date: run \
+         `cargo run -p warmgate-gateway -- crds > deploy/kubernetes/chart/warmgate/crds/crds.yaml`"
     );
 }
 
 #[test]
 fn the_crds_read_as_kubernetes_crds_with_a_status_subresource() {
     let crds: Vec<CustomResourceDefinition> =
-        serde_saphyr::from_multiple(&repo("deploy/kubernetes/crds.yaml")).expect("CRDs");
+        serde_saphyr::from_multiple(&repo("deploy/kubernetes/chart/warmgate/crds/crds.yaml"))
+            .expect("CRDs");
     let kinds: Vec<&str> = crds.iter().map(|c| c.spec.names.kind.as_str()).collect();
     assert_eq!(kinds, ["ServingApp", "WarmPool"]);
     for crd in &crds {
