@@ -586,6 +586,53 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_new_leader_deletes_the_pods_of_its_instance_only() {
+        let (service, mut handle) =
+            tower_test::mock::pair::<Request<kube::client::Body>, Response<Full<Bytes>>>();
+        let client = kube::Client::new(service, "ml");
+        let verifier = tokio::spawn(async move {
+            let (req, send) = handle.next_request().await.expect("a list");
+            assert_eq!(req.method(), http::Method::GET);
+            assert_eq!(req.uri().path(), "/api/v1/namespaces/ml/pods");
+            let q = req.uri().query().unwrap_or("").to_string();
+            assert!(
+                q.contains("labelSelector=app.kubernetes.io%2Fmanaged-by%3Dwarmgate%2Cwarmgate.dev%2Finstance%3Dwg"),
+                "only this instance's pods: {q}"
+            );
+            let pod = |n: &str| json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": n, "namespace": "ml"}});
+            let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "5"},
+                "items": [pod("m-00001-1"), pod("rollouts-2")]});
+            send.send_response(
+                Response::builder()
+                    .body(Full::new(Bytes::from(list.to_string())))
+                    .expect("response"),
+            );
+            let mut deleted = Vec::new();
+            for _ in 0..2 {
+                let (req, send) = handle.next_request().await.expect("a delete");
+                assert_eq!(req.method(), http::Method::DELETE);
+                let name = req
+                    .uri()
+                    .path()
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+                send.send_response(
+                    Response::builder()
+                        .body(Full::new(Bytes::from(pod(&name).to_string())))
+                        .expect("response"),
+                );
+                deleted.push(name);
+            }
+            deleted
+        });
+        clean_previous_pods(&client, "ml", "wg").await;
+        let deleted = verifier.await.expect("verifier");
+        assert_eq!(deleted, ["m-00001-1", "rollouts-2"]);
+    }
+
+    #[tokio::test]
     async fn status_is_written_through_the_status_subresource_as_a_merge_patch() {
         let (service, mut handle) =
             tower_test::mock::pair::<Request<kube::client::Body>, Response<Full<Bytes>>>();
