@@ -843,6 +843,25 @@ impl Config {
                 return Err((at("image"), "is required for the kubernetes backend".into()));
             }
             check_pod(&pool.kubernetes).map_err(|(k, m)| (at(&k), m))?;
+            if pool.kubernetes.interruptible {
+                // Its on-demand replicas run as `<name>-ondemand`.
+                let od = format!("{}-ondemand", pool.name);
+                if od.len() > 63 {
+                    return Err((
+                        at("name"),
+                        "an interruptible pool's name must leave room for \"-ondemand\" (54 characters at most)".into(),
+                    ));
+                }
+                if self.apps.iter().any(|a| a.name == od) || self.pools.iter().any(|p| p.name == od)
+                {
+                    return Err((
+                        at("name"),
+                        format!(
+                            "{od:?} is taken, and this interruptible pool needs it for its on-demand replicas"
+                        ),
+                    ));
+                }
+            }
             let [min, max] = pool.replicas;
             if max == 0 {
                 return Err((

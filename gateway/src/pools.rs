@@ -41,6 +41,8 @@ const MAX_FINISHED: usize = 100_000;
 const MAX_OUTPUT_BYTES: usize = 64 * 1024 * 1024;
 /// First delay before retrying a task that failed in user code.
 const RETRY_BASE: Duration = Duration::from_millis(100);
+/// Suffix of the target of an interruptible pool's on-demand replicas.
+pub const ONDEMAND_SUFFIX: &str = "-ondemand";
 /// Tenant of tasks without `X-Warmgate-Tenant`.
 pub const DEFAULT_TENANT: &str = "default";
 
@@ -207,6 +209,8 @@ pub struct Pool {
     client: Client<HttpConnector, Full<Bytes>>,
     ids: AtomicU64,
     replacer: OnceLock<Replacer>,
+    /// Asks for an on-demand replica (an interruptible pool's fallback).
+    wants_ondemand: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 struct PoolState {
@@ -221,6 +225,10 @@ struct PoolState {
     syncing_to: Option<u64>,
     /// Replicas taken out of dispatch while they swap weights.
     syncing: HashSet<String>,
+    /// Tasks on their last try after losing replicas to preemption, for
+    /// the on-demand replicas of an interruptible pool (FIFO). They already
+    /// count as running in `queue`.
+    fallback: VecDeque<Task>,
 }
 
 // === impl Pool ===
@@ -244,6 +252,7 @@ impl Pool {
                 latest_url: None,
                 syncing_to: None,
                 syncing: HashSet::new(),
+                fallback: VecDeque::new(),
             }),
             spec,
             wake: Notify::new(),
@@ -251,7 +260,70 @@ impl Pool {
             client: Client::builder(TokioExecutor::new()).build(connector),
             ids: AtomicU64::new(0),
             replacer: OnceLock::new(),
+            wants_ondemand: OnceLock::new(),
         })
+    }
+
+    /// The pool-manager target of an interruptible pool's on-demand
+    /// replicas: a task's last try, after it lost replicas to preemption,
+    /// runs there, so it cannot be preempted forever.
+    pub fn ondemand_target(&self) -> Option<String> {
+        self.spec
+            .kubernetes
+            .interruptible
+            .then(|| format!("{}{ONDEMAND_SUFFIX}", self.name))
+    }
+
+    /// How the pool asks for an on-demand replica (set once, at start).
+    pub fn set_ondemand_starter(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.wants_ondemand.set(f);
+    }
+
+    /// How many on-demand replicas the pool wants: enough for the tasks on
+    /// their last try, and idle ones kept for `idle_ttl`.
+    pub fn ondemand_desired(&self, starting: u32) -> u32 {
+        let Some(target) = self.ondemand_target() else {
+            return 0;
+        };
+        let st = self.state.lock();
+        let ours: Vec<&Arc<ReplicaHandle>> =
+            st.replicas.iter().filter(|r| r.target == target).collect();
+        let idle: Vec<Duration> = ours
+            .iter()
+            .filter(|r| r.is_routable())
+            .map(|r| r.idle_for())
+            .collect();
+        let inflight: u32 = ours.iter().map(|r| r.inflight()).sum();
+        warmgate_autoscaler::pool::pool_desired(
+            &warmgate_autoscaler::pool::PoolScaling {
+                min: 0,
+                max: self.spec.replicas[1].max(1),
+                concurrency: self.spec.concurrency,
+                idle_ttl: self.spec.idle_ttl,
+                buffer: 0,
+            },
+            &warmgate_autoscaler::pool::PoolLoad {
+                pending: st.fallback.len(),
+                inflight,
+                starting,
+                idle: &idle,
+            },
+        )
+    }
+
+    /// Fails the tasks waiting for an on-demand replica: none can start.
+    pub fn fail_fallback(&self, error: &ApiError) {
+        let failed: Vec<Task> = {
+            let mut st = self.state.lock();
+            let tasks: Vec<Task> = st.fallback.drain(..).collect();
+            for t in &tasks {
+                st.queue.done(&t.tenant);
+            }
+            tasks
+        };
+        for task in failed {
+            self.finish(task, Err(error.clone()), None);
+        }
     }
 
     /// How the pool gets a failed replica replaced (set once, at start).
@@ -390,20 +462,31 @@ impl Pool {
             "weights_version": st.latest_version,
             "syncing_to": st.syncing_to,
             "max_staleness": self.spec.max_staleness,
+            "ondemand_waiting": st.fallback.len(),
         })
     }
 
     /// Fails the waiting tasks whose timeout has passed, so a task never
     /// waits past it even while no replica can take it.
     pub fn expire(&self, now: Instant) {
-        let expired = {
+        let (expired, late) = {
             let mut st = self.state.lock();
-            if st.queue.pending() == 0 {
+            if st.queue.pending() == 0 && st.fallback.is_empty() {
                 return;
             }
-            st.queue.take_where(|t| now >= t.deadline)
+            let expired = st.queue.take_where(|t| now >= t.deadline);
+            let (late, keep): (Vec<Task>, Vec<Task>) =
+                st.fallback.drain(..).partition(|t| now >= t.deadline);
+            st.fallback = keep.into();
+            for t in &late {
+                st.queue.done(&t.tenant);
+            }
+            (expired, late)
         };
         for (_, task) in expired {
+            self.finish(task, Err(timeout_error(&self.name)), None);
+        }
+        for task in late {
             self.finish(task, Err(timeout_error(&self.name)), None);
         }
     }
@@ -419,7 +502,8 @@ impl Pool {
     /// Whether more tasks wait than the ready replicas have free slots.
     pub fn queued_beyond_free_slots(&self) -> bool {
         let st = self.state.lock();
-        let slots = st.replicas.len() as u64 * u64::from(self.spec.concurrency);
+        let spot = st.replicas.iter().filter(|r| r.target == self.name).count();
+        let slots = spot as u64 * u64::from(self.spec.concurrency);
         st.queue.pending() as u64 > slots.saturating_sub(u64::from(st.inflight))
     }
 
@@ -432,7 +516,7 @@ impl Pool {
         let idle: Vec<Duration> = st
             .replicas
             .iter()
-            .filter(|r| r.is_routable())
+            .filter(|r| r.is_routable() && r.target == self.name)
             .map(|r| r.idle_for())
             .collect();
         let cfg = warmgate_autoscaler::pool::PoolScaling {
@@ -698,6 +782,9 @@ impl Pool {
     /// tasks pass it: a version it asks for is one already synced, so a
     /// replica reaches it within the sync's deadline, or is replaced.
     fn next(&self) -> Option<(Task, Arc<ReplicaHandle>)> {
+        if let Some(next) = self.next_fallback() {
+            return Some(next);
+        }
         loop {
             let mut st = self.state.lock();
             let floor = self
@@ -721,6 +808,7 @@ impl Pool {
                 .iter()
                 .filter(|r| {
                     r.is_routable()
+                        && r.target == self.name
                         && r.has_free_slot()
                         && !st.syncing.contains(&r.id)
                         && r.weights_version.load(Ordering::Relaxed) >= need
@@ -732,6 +820,30 @@ impl Pool {
             st.inflight += 1;
             return Some((task, replica));
         }
+    }
+
+    /// A task on its last try and an on-demand replica with room for it.
+    fn next_fallback(&self) -> Option<(Task, Arc<ReplicaHandle>)> {
+        let target = self.ondemand_target()?;
+        let mut st = self.state.lock();
+        let head = st.fallback.front()?;
+        let need = head.min_version;
+        let replica = st
+            .replicas
+            .iter()
+            .filter(|r| {
+                r.target == target
+                    && r.is_routable()
+                    && r.has_free_slot()
+                    && !st.syncing.contains(&r.id)
+                    && r.weights_version.load(Ordering::Relaxed) >= need
+            })
+            .min_by_key(|r| r.inflight())
+            .cloned()?;
+        let task = st.fallback.pop_front()?;
+        replica.acquire();
+        st.inflight += 1;
+        Some((task, replica))
     }
 
     async fn attempt(self: Arc<Self>, mut task: Task, replica: Arc<ReplicaHandle>) {
@@ -785,8 +897,21 @@ impl Pool {
                     // replica out of rotation before the task is retried.
                     self.store.update(&id, |r| r.state = TaskState::Pending);
                     tokio::time::sleep(SYSTEM_RETRY_PAUSE * task.system_failures).await;
-                    let (tenant, priority) = (task.tenant.clone(), task.priority);
-                    self.state.lock().queue.requeue(&tenant, priority, task);
+                    if task.system_failures == MAX_SYSTEM_RETRIES
+                        && self.ondemand_target().is_some()
+                    {
+                        // The last try of an interruptible pool's task runs
+                        // on on-demand capacity, out of the preemptions' reach.
+                        tracing::warn!(task = %id, "last try: on an on-demand replica");
+                        metrics::counter!("warmgate_task_ondemand_fallbacks_total", "pool" => self.name.clone()).increment(1);
+                        self.state.lock().fallback.push_back(task);
+                        if let Some(start) = self.wants_ondemand.get() {
+                            start();
+                        }
+                    } else {
+                        let (tenant, priority) = (task.tenant.clone(), task.priority);
+                        self.state.lock().queue.requeue(&tenant, priority, task);
+                    }
                     self.wake.notify_one();
                 }
             }

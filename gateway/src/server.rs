@@ -131,10 +131,15 @@ impl ReplicaSink for Sink {
                 format!("app '{}' failed to start: {error}", app.name),
             ));
         } else if let Some(pool) = self.pools.get(target) {
-            pool.fail_pending(&ApiError::new(
+            let err = ApiError::new(
                 ErrorKind::ReplicaFailed,
                 format!("pool '{target}' failed to start a replica: {error}"),
-            ));
+            );
+            if pool.ondemand_target().as_deref() == Some(target) {
+                pool.fail_fallback(&err);
+            } else {
+                pool.fail_pending(&err);
+            }
         }
     }
 }
@@ -222,12 +227,19 @@ impl Gateway {
             })
             .collect();
         let revisions: Revisions = Arc::default();
+        // An interruptible pool's on-demand replicas report to the pool too.
+        let mut by_target = pools.clone();
+        for p in pools.values() {
+            if let Some(od) = p.ondemand_target() {
+                by_target.insert(od, p.clone());
+            }
+        }
         let pool = PoolManager::new(
             backend,
             config.backend.gpus.clone(),
             Arc::new(Sink {
                 revisions: revisions.clone(),
-                pools: pools.clone(),
+                pools: by_target,
             }),
         );
         for p in pools.values() {
@@ -244,7 +256,7 @@ impl Gateway {
                 );
                 env.insert("WARMGATE_WEIGHTS_VERSION".into(), "0".into());
             }
-            pool.add_target(TargetSpec {
+            let spot = TargetSpec {
                 name: p.name.clone(),
                 app: p.name.clone(),
                 revision,
@@ -259,11 +271,35 @@ impl Gateway {
                 image: p.spec.image.clone(),
                 pod: p.spec.kubernetes.clone(),
                 pool: true,
-            });
+            };
+            let od = p.ondemand_target();
+            if let Some(od) = &od {
+                let mut spec = spot.clone();
+                spec.name = od.clone();
+                spec.pod.interruptible = false;
+                pool.add_target(spec);
+                let (manager, pool_ref, od) = (pool.clone(), Arc::downgrade(p), od.clone());
+                p.set_ondemand_starter(Box::new(move || {
+                    if let Some(p) = pool_ref.upgrade() {
+                        let starting = manager
+                            .health(&od)
+                            .map_or(0, |h| (h.starting + h.pending) as u32);
+                        let want = p.ondemand_desired(starting);
+                        if manager.desired(&od).unwrap_or(0) < want {
+                            manager.scale(&od, want);
+                        }
+                    }
+                }));
+            }
+            pool.add_target(spot);
             let manager = pool.clone();
             let name = p.name.clone();
             p.set_replacer(Box::new(move |replica, reason| {
-                if !manager.replace(&name, replica, reason) {
+                let target = match &od {
+                    Some(od) if replica.starts_with(&format!("{od}-")) => od.as_str(),
+                    _ => name.as_str(),
+                };
+                if !manager.replace(target, replica, reason) {
                     tracing::error!(pool = %name, %replica, "could not ask for the replica to be replaced");
                 }
             }));
@@ -345,6 +381,9 @@ impl Gateway {
                     p.expire(instant);
                     let desired = p.desired(gw.starting(&p.name));
                     gw.pool.scale(&p.name, desired);
+                    if let Some(od) = p.ondemand_target() {
+                        gw.pool.scale(&od, p.ondemand_desired(gw.starting(&od)));
+                    }
                     let (pending, inflight, _) = p.load();
                     metrics::gauge!("warmgate_tasks_pending", "pool" => p.name.clone())
                         .set(pending as f64);
@@ -1112,6 +1151,9 @@ impl Gateway {
             .map(|p| {
                 let mut v = p.status();
                 v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
+                if let Some(od) = p.ondemand_target() {
+                    v["ondemand"] = json!(targets.iter().find(|t| t.name == od));
+                }
                 v
             })
             .collect();
@@ -1577,12 +1619,14 @@ async fn sync_weights(
         let url = format!("http://{}/v1/weights/{}/{revision}", gw.reach, pool.name);
         pool.begin_sync(version, url.clone())?;
         let checkpoint = body.checkpoint.clone();
-        gw.pool.update_target(&pool.name, |t| {
-            t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
-            t.env
-                .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
-            t.checkpoint = Some(checkpoint);
-        });
+        for target in std::iter::once(pool.name.clone()).chain(pool.ondemand_target()) {
+            gw.pool.update_target(&target, |t| {
+                t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
+                t.env
+                    .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
+                t.checkpoint = Some(checkpoint.clone());
+            });
+        }
         let started = Instant::now();
         let deadline = started + timeout;
         // In its own task: a client that hangs up does not cut a rollout

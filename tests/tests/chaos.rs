@@ -530,3 +530,71 @@ async fn a_kill_9_of_the_gateway_under_load_reports_every_accepted_task() {
         .await;
     assert_eq!(status, 200, "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interruptible_pool_runs_a_task_s_last_try_on_demand() {
+    let gw = Gateway::start(
+        r#"
+        [[pools]]
+        name = "p"
+        command = ["{worker}"]
+        replicas = [1, 1]
+        concurrency = 1
+        idle_ttl = "1s"
+        [pools.kubernetes]
+        interruptible = true
+        "#,
+    );
+    eventually("the spot replica is warm", || async {
+        (ready_replicas(&gw).await.len() == 1).then_some(())
+    })
+    .await;
+    let (status, body) = gw
+        .post(
+            "/v1/pools/p/tasks?async=true",
+            &json!({"input": {"sleep_ms": 2000}}),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().expect("id").to_string();
+    // Preempt it five times (MAX_SYSTEM_RETRIES): each time the replica
+    // running it dies.
+    for attempt in 1..=5u64 {
+        let replica = eventually("the task runs on a spot replica", || async {
+            let t = gw.json(&format!("/v1/tasks/{id}")).await;
+            (t["state"] == "running" && t["attempts"] == attempt)
+                .then(|| t["replica"].as_str().unwrap_or("").to_string())
+        })
+        .await;
+        assert!(
+            !replica.contains("ondemand"),
+            "try {attempt} ran on {replica}"
+        );
+        let pid = eventually("its pid", || async {
+            ready_replicas(&gw)
+                .await
+                .into_iter()
+                .find(|(r, _)| *r == replica)
+                .map(|(_, pid)| pid)
+        })
+        .await;
+        kill9_group(pid);
+    }
+    // The last try runs on an on-demand replica, and succeeds there.
+    let done = eventually("the task finishes", || async {
+        let t = gw.json(&format!("/v1/tasks/{id}")).await;
+        (t["state"] == "succeeded" || t["state"] == "failed").then_some(t)
+    })
+    .await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["attempts"], 6);
+    let on = done["replica"].as_str().unwrap_or("");
+    assert!(on.starts_with("p-ondemand-"), "the last try ran on {on}");
+    // Idle past idle_ttl, the on-demand replica goes again.
+    eventually("the on-demand replica scales back to zero", || async {
+        let s = gw.json("/v1/status").await;
+        let od = &s["pools"][0]["ondemand"]["replicas"];
+        od.as_array().is_some_and(Vec::is_empty).then_some(())
+    })
+    .await;
+}
