@@ -405,9 +405,11 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
             Ok(Arc::new(backend))
         }
         warmgate_deploy::BackendKind::Kubernetes => {
-            let client = kube::Client::try_default()
-                .await
-                .context("connect to the Kubernetes API (KUBECONFIG or in-cluster config)")?;
+            let client = kube::Client::try_default().await.map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot reach the Kubernetes API (no in-cluster config, and no KUBECONFIG): {e}"
+                )
+            })?;
             let namespace = config
                 .backend
                 .kubernetes

@@ -211,9 +211,11 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         base.apps.is_empty() && base.pools.is_empty(),
         "the operator's --config holds settings only; apps and pools come from ServingApp and WarmPool resources"
     );
-    let client = kube::Client::try_default()
-        .await
-        .context("connect to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    let client = kube::Client::try_default().await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot reach the Kubernetes API (no in-cluster config, and no KUBECONFIG): {e}"
+        )
+    })?;
     let ns = args
         .namespace
         .clone()
