@@ -396,3 +396,68 @@ async fn slow_clients_cannot_hold_sockets_and_connections_are_bounded() {
     })
     .await;
 }
+
+/// One request over a fresh connection (no keep-alive pool, which would hold
+/// the only slot); the status line, or `None` if the connection failed.
+async fn status_line(addr: &str, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let got = read_to_close(&mut s).await;
+    got.lines().next().map(str::to_string)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_off_after_the_idle_timeout() {
+    let gw = Gateway::start(
+        r#"
+        [limits]
+        max_connections = 1
+        idle_timeout = "1s"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    let addr = addr(&gw);
+    eventually("the app is ready", || async {
+        status_line(&addr, "/apps/m/ready")
+            .await
+            .filter(|l| l.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    // A sends 12 MB for the worker to echo back, and never reads the
+    // answer: the socket buffers fill, and the gateway's writes stall.
+    let mut a = TcpStream::connect(&addr).await.expect("connect");
+    let body = vec![b'a'; 12 * 1024 * 1024];
+    a.write_all(
+        format!(
+            "POST /apps/m/echo HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("write");
+    a.write_all(&body).await.expect("the body is read");
+    // While A holds the only connection slot, others are refused...
+    eventually("A holds the slot", || async {
+        status_line(&addr, "/healthz")
+            .await
+            .filter(|l| l.starts_with("HTTP/1.1 503"))
+    })
+    .await;
+    // ...until nothing has moved on A for idle_timeout and the gateway
+    // hangs up on it, freeing the slot.
+    eventually("A is cut off, and the next client is served", || async {
+        status_line(&addr, "/healthz")
+            .await
+            .filter(|l| l.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    drop(a);
+}
