@@ -480,21 +480,26 @@ impl Gateway {
         // yet seen to exit) was sent nothing, so the request may try
         // another one, if its body can be sent again.
         let (parts, body) = req.into_parts();
-        let small = http_body::Body::size_hint(&body)
-            .exact()
-            .is_some_and(|n| n <= MAX_REPLAY_BYTES);
-        if !small {
-            let req = Request::from_parts(parts, body);
-            return self.serve_once(app, req, path_and_query).await;
-        }
-        let bytes = body
-            .collect()
-            .await
-            .map_err(|e| body_error(&e, self.config.limits.max_body_bytes))?
-            .to_bytes();
+        let bytes = match http_body::Body::size_hint(&body).exact() {
+            Some(0) => Bytes::new(),
+            Some(n) if n <= MAX_REPLAY_BYTES => body
+                .collect()
+                .await
+                .map_err(|e| body_error(&e, self.config.limits.max_body_bytes))?
+                .to_bytes(),
+            _ => {
+                let req = Request::from_parts(parts, body);
+                return self.serve_once(app, req, path_and_query).await;
+            }
+        };
         let mut attempt = 1;
         loop {
-            let req = Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+            // What the proxy uses of the request; its extensions stay behind.
+            let mut req = Request::new(Body::from(bytes.clone()));
+            *req.method_mut() = parts.method.clone();
+            *req.uri_mut() = parts.uri.clone();
+            *req.version_mut() = parts.version;
+            *req.headers_mut() = parts.headers.clone();
             match self.serve_once_or_refused(app, req, path_and_query).await {
                 Err(crate::proxy::Forward::Refused(e)) if attempt < MAX_CONNECT_ATTEMPTS => {
                     metrics::counter!("warmgate_connect_retries_total").increment(1);
@@ -798,7 +803,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
     // The data plane: with `[[tenants]]` configured, only callers with an
     // API key get through, each within its tenant's quotas.
-    let data = Router::new()
+    let mut data = Router::new()
         .route("/v1/chat/completions", post(openai))
         .route("/v1/completions", post(openai))
         .route("/v1/embeddings", post(openai))
@@ -806,8 +811,11 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/apps/{*rest}", any(passthrough))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
-        .route("/v1/tasks/{id}", get(get_task))
-        .route_layer(middleware::from_fn_with_state(gw.clone(), require_tenant));
+        .route("/v1/tasks/{id}", get(get_task));
+    // Without tenants the layer would only cost time on every request.
+    if gw.tenants.is_some() {
+        data = data.route_layer(middleware::from_fn_with_state(gw.clone(), require_tenant));
+    }
     Router::new()
         .route("/v1/weights/{target}/{revision}", get(weights_manifest))
         .route("/v1/weights/{target}/{revision}/{*file}", get(weights_file))
