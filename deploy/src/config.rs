@@ -135,6 +135,24 @@ pub struct Config {
     pub pools: Vec<PoolSpec>,
     /// Data-plane API keys, one tenant each; none: the data plane is open.
     pub tenants: Vec<TenantSpec>,
+    /// What `warmgate operator` accepts from `ServingApp` and `WarmPool`
+    /// resources (ignored by `serve`, whose file is trusted as a whole).
+    pub operator: OperatorConfig,
+}
+
+/// What the operator accepts from cluster resources. Anyone who may edit a
+/// `ServingApp` is not thereby trusted to run code in the operator's pod or
+/// to make it send requests inside the cluster, so the spec fields that do
+/// either are refused unless the operator's own config allows them.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OperatorConfig {
+    /// Accept `promotion.gate_command` from resources: it runs in the
+    /// operator's container, beside its credentials. Off by default.
+    pub allow_gate_command: bool,
+    /// Accept `promotion.gate_url` from resources: the operator POSTs to
+    /// it from inside the cluster. Off by default.
+    pub allow_gate_url: bool,
 }
 
 /// A tenant of the data plane: who holds an API key, and its quotas.
@@ -577,6 +595,7 @@ impl Default for Config {
             apps: Vec::new(),
             pools: Vec::new(),
             tenants: Vec::new(),
+            operator: OperatorConfig::default(),
         }
     }
 }

@@ -14,8 +14,8 @@ pub mod store;
 
 pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, KubeBackendConfig,
-    LimitsConfig, PodSpec, PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, TenantSpec,
-    Toleration, WeightsConfig, defaults,
+    LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec,
+    TenantSpec, Toleration, WeightsConfig, defaults,
 };
 
 use std::path::PathBuf;

@@ -80,6 +80,11 @@ pub enum Command {
         /// `text` or `json` logs.
         #[arg(long, env = "WARMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
         log_format: LogFormat,
+        /// Listen beyond loopback without `WARMGATE_ADMIN_TOKEN` (the Helm
+        /// chart always sets one): anyone who can reach the pod may then
+        /// promote, roll back and sync weights.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Work with checkpoints in object storage.
     Weights {
@@ -251,7 +256,12 @@ pub fn run(cli: Cli) -> i32 {
             namespace,
             listen,
             log_format,
+            insecure,
         } => {
+            if let Err(e) = refuse_open_listen(listen, insecure) {
+                eprintln!("error: {e}");
+                return EXIT_USAGE;
+            }
             let _telemetry = crate::telemetry::init(log_format);
             let rt = match runtime(None) {
                 Ok(rt) => rt,
@@ -323,6 +333,19 @@ fn runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
 
 pub use crate::telemetry::LogFormat;
 
+/// A listen address beyond loopback needs `WARMGATE_ADMIN_TOKEN`, unless
+/// the user says `--insecure`: the control plane would be open to anyone
+/// who can reach the port.
+fn refuse_open_listen(listen: SocketAddr, insecure: bool) -> Result<(), String> {
+    if listen.ip().is_loopback() || crate::server::admin_token().is_some() || insecure {
+        return Ok(());
+    }
+    Err(format!(
+        "refusing to listen on {listen} without WARMGATE_ADMIN_TOKEN: anyone who can reach it \
+         could change deployments. Set a token, listen on loopback, or pass --insecure."
+    ))
+}
+
 fn serve(
     path: PathBuf,
     listen: Option<SocketAddr>,
@@ -350,12 +373,8 @@ fn serve(
         );
         return 0;
     }
-    if !config.listen.ip().is_loopback() && crate::server::admin_token().is_none() && !insecure {
-        eprintln!(
-            "error: refusing to listen on {} without WARMGATE_ADMIN_TOKEN: anyone who can reach it \
-             could change deployments. Set a token, listen on loopback, or pass --insecure.",
-            config.listen
-        );
+    if let Err(e) = refuse_open_listen(config.listen, insecure) {
+        eprintln!("error: {e}");
         return EXIT_USAGE;
     }
     let _telemetry = crate::telemetry::init(log_format);

@@ -38,33 +38,126 @@ const STATUS_INTERVAL: Duration = Duration::from_secs(5);
 /// The Lease's name.
 const LEASE: &str = "warmgate-leader";
 
+/// Which kind of resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResourceKind {
+    /// A `ServingApp`.
+    App,
+    /// A `WarmPool`.
+    Pool,
+}
+
+/// A resource the operator will not serve, and why: it is left out of the
+/// gateway and its status says so, while every other resource is served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// Its kind.
+    pub kind: ResourceKind,
+    /// Its `metadata.name`.
+    pub name: String,
+    /// The spec key at fault (`spec.promotion.gate_command`).
+    pub key: String,
+    /// Why.
+    pub message: String,
+}
+
 /// The config the leader's gateway runs: `base` (limits, tenants, backend
 /// settings from `--config`) with the apps and pools of the resources.
 /// A resource's `metadata.name` is its name.
+///
+/// A resource that is invalid, collides with one taken before it, or sets
+/// a field the operator's settings do not allow (`[operator]`) is refused
+/// on its own; the error is only for a base config that is itself invalid.
 pub fn config_from(
     mut base: Config,
     apps: &[ServingApp],
     pools: &[WarmPool],
-) -> Result<Config, (String, String)> {
+) -> Result<(Config, Vec<Refusal>), (String, String)> {
     base.backend.kind = BackendKind::Kubernetes;
-    base.apps = apps
-        .iter()
-        .map(|a| {
-            let mut spec = a.spec.clone();
-            spec.name = a.name_any();
-            spec
-        })
-        .collect();
-    base.pools = pools
-        .iter()
-        .map(|p| {
-            let mut spec = p.spec.clone();
-            spec.name = p.name_any();
-            spec
-        })
-        .collect();
+    base.apps.clear();
+    base.pools.clear();
     base.validate()?;
-    Ok(base)
+    let mut refused = Vec::new();
+    for a in apps {
+        let mut spec = a.spec.clone();
+        spec.name = a.name_any();
+        let refusal = |(key, message): (String, String)| Refusal {
+            kind: ResourceKind::App,
+            name: a.name_any(),
+            key: spec_key(&key),
+            message,
+        };
+        if let Err(e) = resource_fields_allowed(&base.operator, &spec.promotion) {
+            refused.push(refusal(e));
+            continue;
+        }
+        base.apps.push(spec);
+        if let Err(e) = base.validate() {
+            base.apps.pop();
+            refused.push(refusal(e));
+        }
+    }
+    for p in pools {
+        let mut spec = p.spec.clone();
+        spec.name = p.name_any();
+        base.pools.push(spec);
+        if let Err((key, message)) = base.validate() {
+            base.pools.pop();
+            refused.push(Refusal {
+                kind: ResourceKind::Pool,
+                name: p.name_any(),
+                key: spec_key(&key),
+                message,
+            });
+        }
+    }
+    Ok((base, refused))
+}
+
+/// Refuses the promotion fields that run code in the operator's container
+/// or reach the network from it, unless `[operator]` allows them.
+fn resource_fields_allowed(
+    allow: &warmgate_deploy::OperatorConfig,
+    promotion: &warmgate_deploy::PromotionSpec,
+) -> Result<(), (String, String)> {
+    if !promotion.gate_command.is_empty() && !allow.allow_gate_command {
+        return Err((
+            "promotion.gate_command".into(),
+            "runs a command inside the operator's container; refused unless the operator's \
+             config sets [operator] allow_gate_command = true"
+                .into(),
+        ));
+    }
+    if promotion.gate_url.is_some() && !allow.allow_gate_url {
+        return Err((
+            "promotion.gate_url".into(),
+            "makes the operator send a request from inside the cluster; refused unless the \
+             operator's config sets [operator] allow_gate_url = true"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A config key (`apps[3].image`) as a key of the resource (`spec.image`).
+fn spec_key(key: &str) -> String {
+    let rest = ["apps[", "pools["]
+        .iter()
+        .find_map(|p| key.strip_prefix(p))
+        .and_then(|r| r.split_once("]."))
+        .map_or(key, |(_, r)| r);
+    format!("spec.{rest}")
+}
+
+/// The status of a refused resource: not ready, with the reason.
+fn refused_conditions(r: &Refusal, now: &str) -> Vec<Condition> {
+    vec![Condition {
+        type_: "Ready".into(),
+        status: "False".into(),
+        reason: "Refused".into(),
+        message: format!("{}: {}", r.key, r.message),
+        last_transition_time: now.into(),
+    }]
 }
 
 /// The status of an app, from the gateway's `/v1/status` entry for it.
@@ -259,8 +352,11 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         .await
         .context("list WarmPools")?
         .items;
-    let mut config = config_from(base, &apps, &pools)
-        .map_err(|(key, m)| anyhow::anyhow!("the resources are not valid: {key}: {m}"))?;
+    let (mut config, refused) = config_from(base, &apps, &pools)
+        .map_err(|(key, m)| anyhow::anyhow!("the operator's config is not valid: {key}: {m}"))?;
+    for r in &refused {
+        tracing::warn!(kind = ?r.kind, name = %r.name, key = %r.key, reason = %r.message, "refused a resource");
+    }
     config.listen = args.listen;
     let instance = std::env::var("WARMGATE_INSTANCE").unwrap_or_else(|_| "warmgate".into());
     clean_previous_pods(&client, &ns, &instance).await;
@@ -305,7 +401,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
                 Ok(_) => "lost the leader lease".to_string(),
                 Err(_) => "the lease manager stopped".to_string(),
             },
-            r = reconcile(gw, apps_api, pools_api, generations, checkpoints) => r,
+            r = reconcile(gw, apps_api, pools_api, generations, checkpoints, refused) => r,
         };
         reason
     })
@@ -362,6 +458,7 @@ async fn reconcile(
     pools: Api<WarmPool>,
     mut generations: BTreeMap<String, Option<i64>>,
     mut checkpoints: BTreeMap<String, Option<String>>,
+    refused: Vec<Refusal>,
 ) -> String {
     use kube::runtime::watcher;
     let app_events = watcher(apps.clone(), watcher::Config::default()).boxed();
@@ -373,7 +470,7 @@ async fn reconcile(
     let mut tick = tokio::time::interval(STATUS_INTERVAL);
     loop {
         tokio::select! {
-            _ = tick.tick() => write_statuses(&gw, &apps, &pools, &generations).await,
+            _ = tick.tick() => write_statuses(&gw, &apps, &pools, &generations, &refused).await,
             ev = events.next() => {
                 let Some(ev) = ev else { return "the resource watch ended".into() };
                 let ev = match ev {
@@ -458,8 +555,40 @@ async fn write_statuses(
     apps: &Api<ServingApp>,
     pools: &Api<WarmPool>,
     generations: &BTreeMap<String, Option<i64>>,
+    refused: &[Refusal],
 ) {
     let now = now_rfc3339();
+    for r in refused {
+        let result = match r.kind {
+            ResourceKind::App => {
+                let g = generations
+                    .get(&format!("app/{}", r.name))
+                    .copied()
+                    .flatten();
+                let status = ServingAppStatus {
+                    conditions: refused_conditions(r, &now),
+                    observed_generation: g,
+                    ..ServingAppStatus::default()
+                };
+                patch_status(apps, &r.name, &status).await
+            }
+            ResourceKind::Pool => {
+                let g = generations
+                    .get(&format!("pool/{}", r.name))
+                    .copied()
+                    .flatten();
+                let status = WarmPoolStatus {
+                    conditions: refused_conditions(r, &now),
+                    observed_generation: g,
+                    ..WarmPoolStatus::default()
+                };
+                patch_status(pools, &r.name, &status).await
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(name = %r.name, error = %e, "could not write a refused resource's status");
+        }
+    }
     let status = gw.status_json();
     for a in status["apps"].as_array().into_iter().flatten() {
         let Some(name) = a["name"].as_str() else {
@@ -513,7 +642,9 @@ mod tests {
             "spec": {"image": "r/cartpole:1", "replicas": [1, 3]},
         }))
         .expect("a WarmPool");
-        let c = config_from(Config::default(), std::slice::from_ref(&a), &[p]).expect("valid");
+        let (c, refused) =
+            config_from(Config::default(), std::slice::from_ref(&a), &[p]).expect("valid");
+        assert_eq!(refused, []);
         assert_eq!(c.backend.kind, BackendKind::Kubernetes);
         assert_eq!(c.apps[0].name, "minilm");
         assert_eq!(c.apps[0].autoscale.max, 2);
@@ -526,10 +657,77 @@ mod tests {
             ("ServingApp", "minilm", "u-app")
         );
         assert_eq!(owner.controller, Some(true));
-        // A resource without an image is refused with the key at fault.
+        // A resource without an image is refused with the key at fault,
+        // and the others are still served.
         let bad = app("x", json!({"command": ["./w"]}));
-        let (key, _) = config_from(Config::default(), &[bad], &[]).expect_err("no image");
-        assert_eq!(key, "apps[0].image");
+        let (c, refused) = config_from(Config::default(), &[bad, a], &[]).expect("base is valid");
+        assert_eq!(c.apps.len(), 1);
+        assert_eq!(c.apps[0].name, "minilm");
+        assert_eq!(refused.len(), 1);
+        assert_eq!(
+            (refused[0].name.as_str(), refused[0].key.as_str()),
+            ("x", "spec.image")
+        );
+    }
+
+    #[test]
+    fn resources_may_not_run_commands_or_reach_addresses_from_the_operator() {
+        let gate_command = app(
+            "evil",
+            json!({"image": "r/e:1", "promotion": {"gate_command": ["sh", "-c", "cat /var/run/secrets/kubernetes.io/serviceaccount/token"]}}),
+        );
+        let gate_url = app(
+            "probe",
+            json!({"image": "r/e:1", "promotion": {"gate_url": "http://10.0.0.1:6443/api"}}),
+        );
+        let plain = app("plain", json!({"image": "r/e:1"}));
+        let all = [gate_command, gate_url, plain];
+        let (c, refused) = config_from(Config::default(), &all, &[]).expect("base is valid");
+        assert_eq!(
+            c.apps.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["plain"],
+            "only the resource without gates is served"
+        );
+        let keys: Vec<(&str, &str)> = refused
+            .iter()
+            .map(|r| (r.name.as_str(), r.key.as_str()))
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("evil", "spec.promotion.gate_command"),
+                ("probe", "spec.promotion.gate_url")
+            ]
+        );
+        assert!(refused[0].message.contains("allow_gate_command"));
+        // The refusal reaches the resource's status as a condition.
+        let cond = &refused_conditions(&refused[0], "t")[0];
+        assert_eq!(
+            (
+                cond.type_.as_str(),
+                cond.status.as_str(),
+                cond.reason.as_str()
+            ),
+            ("Ready", "False", "Refused")
+        );
+        assert!(cond.message.starts_with("spec.promotion.gate_command: "));
+        // The operator's own config may allow them.
+        let mut base = Config::default();
+        base.operator.allow_gate_command = true;
+        base.operator.allow_gate_url = true;
+        let (c, refused) = config_from(base, &all, &[]).expect("base is valid");
+        assert_eq!(refused, []);
+        assert_eq!(c.apps.len(), 3);
+    }
+
+    #[test]
+    fn a_resource_colliding_with_an_earlier_one_is_refused_alone() {
+        let first = app("minilm", json!({"image": "r/e:1", "aliases": ["embed"]}));
+        let second = app("other", json!({"image": "r/e:1", "aliases": ["embed"]}));
+        let (c, refused) = config_from(Config::default(), &[first, second], &[]).expect("valid");
+        assert_eq!(c.apps.len(), 1);
+        assert_eq!(refused[0].name, "other");
+        assert!(refused[0].key.starts_with("spec."), "{}", refused[0].key);
     }
 
     fn gateway_app_status() -> Value {

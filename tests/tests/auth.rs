@@ -187,3 +187,33 @@ fn serve_refuses_a_public_address_without_a_token() {
     );
     let _ = child.wait();
 }
+
+#[test]
+fn operator_refuses_a_public_address_without_a_token() {
+    let home = tempfile::tempdir().expect("dir");
+    let operator = |token: Option<&str>| {
+        let mut cmd = Command::new(bin("warmgate"));
+        cmd.args(["operator", "--listen", "0.0.0.0:0"])
+            .env_remove("WARMGATE_ADMIN_TOKEN")
+            .env_remove("KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env("HOME", home.path())
+            .stdin(Stdio::null());
+        if let Some(t) = token {
+            cmd.env("WARMGATE_ADMIN_TOKEN", t);
+        }
+        cmd.output().expect("operator")
+    };
+    let out = operator(None);
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("refusing to listen") && err.contains("WARMGATE_ADMIN_TOKEN"),
+        "{err}"
+    );
+    // With a token it gets past the check, to the Kubernetes API (none here).
+    let out = operator(Some(TOKEN));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("Kubernetes API"), "{err}");
+}
