@@ -190,6 +190,12 @@ pub struct BackendConfig {
     pub stop_grace: Duration,
     /// Settings of the kubernetes backend.
     pub kubernetes: KubeBackendConfig,
+    /// Variables of the gateway's own environment that local workers
+    /// inherit, by exact name, on top of the few every process needs
+    /// (`PATH`, `HOME`, the locale, ...). Nothing else is passed on, so
+    /// the admin token, tenant keys and cloud credentials stay with the
+    /// gateway unless listed here.
+    pub pass_env: Vec<String>,
 }
 
 /// Settings of the kubernetes backend.
@@ -210,6 +216,14 @@ pub struct KubeBackendConfig {
     /// `host:port` where pods reach the gateway (its Service), for the
     /// workers' `WARMGATE_WEIGHTS_URL`. The Helm chart sets it.
     pub advertise: Option<String>,
+    /// Service accounts an app or pool may name in
+    /// `kubernetes.service_account`; none by default, so a resource cannot
+    /// run its pods as an account with more rights (the operator's own).
+    pub allowed_service_accounts: Vec<String>,
+    /// Replica pods must run as a non-root user (`runAsNonRoot`). Off by
+    /// default: common model-server images (vLLM, TGI, Triton) run as
+    /// root, and the kubelet refuses to start them with it set.
+    pub run_as_non_root: bool,
 }
 
 /// Where and how one replica pod runs (kubernetes backend).
@@ -679,6 +693,7 @@ impl Config {
             }
         }
         self.validate_tenants()?;
+        self.validate_backend_access()?;
         let mut names: HashSet<&str> = HashSet::new();
         for (i, app) in self.apps.iter().enumerate() {
             let at = |key: &str| format!("apps[{i}].{key}");
@@ -958,6 +973,66 @@ impl Config {
         }
     }
 
+    /// `backend.pass_env` names variables, and none of the gateway's own
+    /// secrets; each `kubernetes.service_account` is one the backend
+    /// settings allow.
+    fn validate_backend_access(&self) -> std::result::Result<(), (String, String)> {
+        let secrets: Vec<&str> = std::iter::once(ADMIN_TOKEN_VAR)
+            .chain(self.tenants.iter().filter_map(|t| t.api_key_env.as_deref()))
+            .collect();
+        for (i, name) in self.backend.pass_env.iter().enumerate() {
+            let key = format!("backend.pass_env[{i}]");
+            if !is_env_name(name) {
+                return Err((
+                    key,
+                    format!(
+                        "{name:?} is not a variable name (letters, digits and _, not starting with a digit)"
+                    ),
+                ));
+            }
+            if secrets.contains(&name.as_str()) {
+                return Err((
+                    key,
+                    format!("{name} holds a secret of the gateway and is never passed to workers"),
+                ));
+            }
+        }
+        let allowed = &self.backend.kubernetes.allowed_service_accounts;
+        for (i, sa) in allowed.iter().enumerate() {
+            check_dns_subdomain(sa).map_err(|m| {
+                (
+                    format!("backend.kubernetes.allowed_service_accounts[{i}]"),
+                    m,
+                )
+            })?;
+        }
+        let specs = self
+            .apps
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (format!("apps[{i}]"), &a.kubernetes))
+            .chain(
+                self.pools
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (format!("pools[{i}]"), &p.kubernetes)),
+            );
+        for (at, pod) in specs {
+            if let Some(sa) = &pod.service_account
+                && !allowed.contains(sa)
+            {
+                return Err((
+                    format!("{at}.kubernetes.service_account"),
+                    format!(
+                        "{sa:?} is not in backend.kubernetes.allowed_service_accounts; \
+                         only the accounts the operator allows may run replica pods"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn validate_tenants(&self) -> std::result::Result<(), (String, String)> {
         let mut names = HashSet::new();
         let mut keys = HashSet::new();
@@ -1023,6 +1098,7 @@ impl Default for BackendConfig {
             gpus: Vec::new(),
             stop_grace: defaults::STOP_GRACE,
             kubernetes: KubeBackendConfig::default(),
+            pass_env: Vec::new(),
         }
     }
 }
@@ -1040,6 +1116,8 @@ impl Default for KubeBackendConfig {
             spot_tolerations: Vec::new(),
             image_pull_policy: None,
             advertise: None,
+            allowed_service_accounts: Vec::new(),
+            run_as_non_root: false,
         }
     }
 }
@@ -1213,6 +1291,38 @@ fn check_pod(p: &PodSpec) -> std::result::Result<(), (String, String)> {
         }
     }
     Ok(())
+}
+
+/// The variable holding the control plane's bearer token, which no worker
+/// may inherit.
+const ADMIN_TOKEN_VAR: &str = "WARMGATE_ADMIN_TOKEN";
+
+/// Whether `name` can be an environment variable's name (POSIX: letters,
+/// digits and `_`, not starting with a digit).
+fn is_env_name(name: &str) -> bool {
+    name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// Why `name` is not a Kubernetes object name (an RFC 1123 subdomain), if
+/// it is not.
+fn check_dns_subdomain(name: &str) -> std::result::Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && l.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && l.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name:?} is not a Kubernetes name (lowercase letters, digits, '-' and '.')"
+        ))
+    }
 }
 
 /// Why `text` is not a SHA-256 digest in hex, if it is not.
@@ -1412,5 +1522,54 @@ mod tests {
     fn syntax_error_is_reported() {
         let err = parse("[[apps]\nname = ").unwrap_err();
         assert!(matches!(err, Error::Parse { .. }), "{err}");
+    }
+
+    #[test]
+    fn pass_env_names_variables_and_no_secret_of_the_gateway() {
+        let c = parse("[backend]\npass_env = [\"HF_TOKEN\", \"AWS_PROFILE\"]").expect("valid");
+        assert_eq!(c.backend.pass_env, ["HF_TOKEN", "AWS_PROFILE"]);
+        let tenant = "[[tenants]]\nname = \"team\"\napi_key_env = \"TEAM_KEY\"\n";
+        for (text, key) in [
+            ("[backend]\npass_env = [\"A=B\"]", "backend.pass_env[0]"),
+            ("[backend]\npass_env = [\"\"]", "backend.pass_env[0]"),
+            ("[backend]\npass_env = [\"1X\"]", "backend.pass_env[0]"),
+            (
+                "[backend]\npass_env = [\"PATH\", \"WARMGATE_ADMIN_TOKEN\"]",
+                "backend.pass_env[1]",
+            ),
+            (
+                &format!("[backend]\npass_env = [\"TEAM_KEY\"]\n{tenant}"),
+                "backend.pass_env[0]",
+            ),
+        ] {
+            let err = parse(text).unwrap_err();
+            assert_eq!(err.key(), Some(key), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_service_account_must_be_allowed_by_the_backend_settings() {
+        let app = "[[apps]]\nname = \"a\"\nimage = \"r/w:1\"\n[apps.kubernetes]\nservice_account = \"warmgate\"\n";
+        let err = parse(&format!("[backend]\nkind = \"kubernetes\"\n{app}")).unwrap_err();
+        assert_eq!(err.key(), Some("apps[0].kubernetes.service_account"));
+        assert!(
+            err.to_string().contains("allowed_service_accounts"),
+            "{err}"
+        );
+        let allowed = "[backend]\nkind = \"kubernetes\"\n[backend.kubernetes]\nallowed_service_accounts = [\"warmgate\"]\n";
+        let c = parse(&format!("{allowed}{app}")).expect("allowed");
+        assert_eq!(
+            c.apps[0].kubernetes.service_account.as_deref(),
+            Some("warmgate")
+        );
+        let pool = "[[pools]]\nname = \"p\"\nimage = \"r/w:1\"\n[pools.kubernetes]\nservice_account = \"other\"\n";
+        let err = parse(&format!("{allowed}{pool}")).unwrap_err();
+        assert_eq!(err.key(), Some("pools[0].kubernetes.service_account"));
+        let err =
+            parse("[backend.kubernetes]\nallowed_service_accounts = [\"Not A Name\"]").unwrap_err();
+        assert_eq!(
+            err.key(),
+            Some("backend.kubernetes.allowed_service_accounts[0]")
+        );
     }
 }

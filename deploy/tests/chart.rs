@@ -1,5 +1,6 @@
 //! The Helm chart: every template, rendered with the chart's values by a
-//! Go-template engine (gtmpl, with the two Sprig functions the chart uses),
+//! Go-template engine (gtmpl, with the Sprig and Helm functions the chart
+//! uses: `toYaml`, `indent`, `randAlphaNum`, `b64enc` and `lookup`),
 //! must read as its Kubernetes type, and the RBAC must grant exactly what
 //! the operator calls. No Helm binary can be installed here, so this is
 //! the check that runs in CI; `helm template` on a workstation renders the
@@ -8,9 +9,10 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use base64::Engine as _;
 use gtmpl_value::{FuncError, Value as Tv};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
 
@@ -78,12 +80,78 @@ fn indent(args: &[Tv]) -> Result<Tv, FuncError> {
     ))
 }
 
+/// Sprig's `randAlphaNum N`.
+fn rand_alpha_num(args: &[Tv]) -> Result<Tv, FuncError> {
+    let [n] = args else {
+        return Err(FuncError::ExactlyXArgs("randAlphaNum".into(), 1));
+    };
+    let n: usize = n
+        .to_string()
+        .parse()
+        .map_err(|_| FuncError::UnableToConvertFromValue)?;
+    Ok(Tv::String(
+        std::iter::repeat_with(fastrand::alphanumeric)
+            .take(n)
+            .collect(),
+    ))
+}
+
+/// Sprig's `b64enc`.
+fn b64enc(args: &[Tv]) -> Result<Tv, FuncError> {
+    let [Tv::String(s)] = args else {
+        return Err(FuncError::ExactlyXArgs("b64enc".into(), 1));
+    };
+    Ok(Tv::String(
+        base64::engine::general_purpose::STANDARD.encode(s),
+    ))
+}
+
+/// Helm's `lookup` without a cluster (as `helm template` and a first
+/// install see it): nothing exists.
+fn lookup_nothing(args: &[Tv]) -> Result<Tv, FuncError> {
+    if args.len() != 4 {
+        return Err(FuncError::ExactlyXArgs("lookup".into(), 4));
+    }
+    Ok(Tv::Map(HashMap::new()))
+}
+
+/// The generated token already in the cluster (an upgrade).
+const KEPT_TOKEN: &str = "a-token-made-at-install";
+
+/// Helm's `lookup` on an upgrade: the Secret made at install exists.
+fn lookup_existing(args: &[Tv]) -> Result<Tv, FuncError> {
+    let [kind_version, kind, ns, name] = args else {
+        return Err(FuncError::ExactlyXArgs("lookup".into(), 4));
+    };
+    let found = kind_version.to_string() == "v1"
+        && kind.to_string() == "Secret"
+        && ns.to_string() == "ml"
+        && name.to_string() == "wg-admin-token";
+    if !found {
+        return Ok(Tv::Map(HashMap::new()));
+    }
+    let secret = serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "wg-admin-token", "namespace": "ml"},
+        "data": {"token": base64::engine::general_purpose::STANDARD.encode(KEPT_TOKEN)},
+    });
+    Ok(to_tv(&secret))
+}
+
 /// Renders one template as `helm template wg . --namespace ml` would.
 fn render(name: &str, values: &Value) -> String {
+    render_with(name, values, lookup_nothing)
+}
+
+/// [`render`] with a given `lookup`.
+fn render_with(name: &str, values: &Value, lookup: gtmpl_value::Func) -> String {
     let text = std::fs::read_to_string(chart().join("templates").join(name)).expect("template");
     let mut t = gtmpl::Template::default();
     t.add_func("toYaml", to_yaml);
     t.add_func("indent", indent);
+    t.add_func("randAlphaNum", rand_alpha_num);
+    t.add_func("b64enc", b64enc);
+    t.add_func("lookup", lookup);
     t.parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut ctx = HashMap::new();
     ctx.insert("Values".to_string(), to_tv(values));
@@ -115,6 +183,7 @@ fn every_template_reads_as_its_kubernetes_type() {
     let cm: ConfigMap = read("configmap.yaml", &v);
     let svc: Service = read("service.yaml", &v);
     let dep: Deployment = read("deployment.yaml", &v);
+    let _: Secret = read("secret.yaml", &v);
     let mut files: Vec<String> = std::fs::read_dir(chart().join("templates"))
         .expect("templates")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
@@ -127,6 +196,7 @@ fn every_template_reads_as_its_kubernetes_type() {
             "deployment.yaml",
             "role.yaml",
             "rolebinding.yaml",
+            "secret.yaml",
             "service.yaml",
             "serviceaccount.yaml"
         ],
@@ -200,11 +270,9 @@ fn every_template_reads_as_its_kubernetes_type() {
     assert!(grants("", "secrets").is_empty(), "no access to secrets");
 }
 
-#[test]
-fn the_admin_token_comes_from_a_secret_when_named() {
-    let mut v = values();
-    v["adminTokenSecret"] = Value::String("wg-admin".into());
-    let dep: Deployment = read("deployment.yaml", &v);
+/// The `WARMGATE_ADMIN_TOKEN` variable of the operator's container: the
+/// Secret's name and key it comes from.
+fn token_source(dep: Deployment) -> (String, String) {
     let env = dep.spec.template.spec.expect("pod").containers[0]
         .env
         .clone()
@@ -212,18 +280,119 @@ fn the_admin_token_comes_from_a_secret_when_named() {
     let token = env
         .iter()
         .find(|e| e.name == "WARMGATE_ADMIN_TOKEN")
-        .expect("token variable");
+        .expect("the token variable is always set");
     let secret = token
         .value_from
         .as_ref()
         .and_then(|f| f.secret_key_ref.as_ref())
         .expect("from a secret");
-    assert_eq!(secret.name, "wg-admin");
-    // And without one, no variable at all.
+    (secret.name.clone(), secret.key.clone())
+}
+
+#[test]
+fn the_admin_token_comes_from_a_secret_when_named() {
+    let mut v = values();
+    v["adminTokenSecret"] = Value::String("wg-admin".into());
+    let dep: Deployment = read("deployment.yaml", &v);
+    assert_eq!(token_source(dep), ("wg-admin".into(), "token".into()));
+    // Then the chart makes no Secret of its own.
+    assert!(
+        render("secret.yaml", &v).trim().is_empty(),
+        "{}",
+        render("secret.yaml", &v)
+    );
+}
+
+#[test]
+fn without_a_named_secret_the_chart_generates_a_token_and_keeps_it() {
+    let v = values();
+    assert_eq!(v["adminTokenSecret"], "", "the default names no Secret");
+    let dep: Deployment = read("deployment.yaml", &v);
+    assert_eq!(
+        token_source(dep),
+        ("wg-admin-token".into(), "token".into()),
+        "the operator reads the generated Secret"
+    );
+    let token = |secret: Secret| -> String {
+        assert_eq!(secret.metadata.name.as_deref(), Some("wg-admin-token"));
+        assert_eq!(secret.metadata.namespace.as_deref(), Some("ml"));
+        let data = secret.data.expect("data");
+        String::from_utf8(data["token"].0.clone()).expect("utf-8")
+    };
+    // A first install: a fresh random token, different each time.
+    let first = token(read("secret.yaml", &v));
+    assert_eq!(first.len(), 48, "{first}");
+    assert!(first.chars().all(|c| c.is_ascii_alphanumeric()), "{first}");
+    assert_ne!(first, token(read("secret.yaml", &v)), "random");
+    // An upgrade: the token in the cluster is kept.
+    let yaml = render_with("secret.yaml", &v, lookup_existing);
+    let kept: Secret = serde_saphyr::from_str(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    assert_eq!(token(kept), KEPT_TOKEN);
+}
+
+#[test]
+fn the_workers_settings_reach_the_operators_config() {
+    let config = |v: &Value| {
+        let cm: ConfigMap = read("configmap.yaml", v);
+        let toml = cm.data.expect("data")["warmgate.toml"].clone();
+        warmgate_deploy::Config::parse(&toml, Path::new("warmgate.toml"), Path::new("/"))
+            .unwrap_or_else(|e| panic!("{e}\n{toml}"))
+    };
+    let k = config(&values()).backend.kubernetes;
+    assert!(
+        k.allowed_service_accounts.is_empty(),
+        "no service account by default"
+    );
+    assert!(!k.run_as_non_root);
+    let mut v = values();
+    v["workers"]["allowedServiceAccounts"] = serde_json::json!(["llm-reader", "s3-reader"]);
+    v["workers"]["runAsNonRoot"] = Value::Bool(true);
+    let k = config(&v).backend.kubernetes;
+    assert_eq!(k.allowed_service_accounts, ["llm-reader", "s3-reader"]);
+    assert!(k.run_as_non_root);
+}
+
+#[test]
+fn the_operator_runs_locked_down() {
     let dep: Deployment = read("deployment.yaml", &values());
-    let env = dep.spec.template.spec.expect("pod").containers[0]
-        .env
+    let pod = dep.spec.template.spec.expect("pod");
+    let psc = pod.security_context.expect("pod securityContext");
+    assert_eq!(psc.run_as_non_root, Some(true));
+    assert_eq!(
+        psc.seccomp_profile.map(|p| p.type_).as_deref(),
+        Some("RuntimeDefault")
+    );
+    let c = &pod.containers[0];
+    let sc = c
+        .security_context
         .clone()
-        .expect("env");
-    assert!(env.iter().all(|e| e.name != "WARMGATE_ADMIN_TOKEN"));
+        .expect("container securityContext");
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.run_as_non_root, Some(true));
+    assert_eq!(sc.privileged, Some(false));
+    let caps = sc.capabilities.expect("capabilities");
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    assert!(caps.add.is_none());
+    // With a read-only root, what it writes (its state folder, temporary
+    // files) is on emptyDirs.
+    let mounts = c.volume_mounts.clone().expect("mounts");
+    let volumes = pod.volumes.expect("volumes");
+    for path in ["/var/lib/warmgate", "/tmp"] {
+        let m = mounts
+            .iter()
+            .find(|m| m.mount_path == path)
+            .unwrap_or_else(|| panic!("{path} is mounted"));
+        let vol = volumes
+            .iter()
+            .find(|v| v.name == m.name)
+            .expect("its volume");
+        assert!(vol.empty_dir.is_some(), "{path} is an emptyDir");
+    }
+    let cm: ConfigMap = read("configmap.yaml", &values());
+    let toml = &cm.data.expect("data")["warmgate.toml"];
+    assert!(
+        toml.contains("state_dir = \"/var/lib/warmgate\""),
+        "the state folder is the writable mount: {toml}"
+    );
 }

@@ -411,7 +411,9 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
             let logs = config.state_dir.join("logs");
             std::fs::create_dir_all(&logs)
                 .with_context(|| format!("create the state folder {}", logs.display()))?;
-            let backend = LocalBackend::new(logs).with_run_dir(config.state_dir.join("run"));
+            let backend = LocalBackend::new(logs)
+                .with_run_dir(config.state_dir.join("run"))
+                .with_pass_env(config.backend.pass_env.clone());
             // A previous run killed with `kill -9` left its replicas
             // running: stop them before anything starts, so GPUs and ports
             // are free again.

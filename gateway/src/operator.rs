@@ -730,6 +730,26 @@ mod tests {
         assert!(refused[0].key.starts_with("spec."), "{}", refused[0].key);
     }
 
+    #[test]
+    fn a_resource_naming_a_service_account_not_allowed_is_refused() {
+        let a = app(
+            "minilm",
+            json!({"image": "r/e:1", "kubernetes": {"service_account": "warmgate"}}),
+        );
+        let (key, message) =
+            config_from(Config::default(), std::slice::from_ref(&a), &[]).expect_err("refused");
+        assert_eq!(key, "apps[0].kubernetes.service_account");
+        assert!(message.contains("allowed_service_accounts"), "{message}");
+        // Allowed by the operator's own settings: accepted.
+        let mut base = Config::default();
+        base.backend.kubernetes.allowed_service_accounts = vec!["warmgate".into()];
+        let c = config_from(base, &[a], &[]).expect("allowed");
+        assert_eq!(
+            c.apps[0].kubernetes.service_account.as_deref(),
+            Some("warmgate")
+        );
+    }
+
     fn gateway_app_status() -> Value {
         json!({
             "name": "minilm", "revision": "minilm-00002",

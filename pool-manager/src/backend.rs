@@ -1,6 +1,7 @@
 //! Backends start and stop replica processes. They all implement [`Backend`].
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::fs::OpenOptions;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -71,17 +72,43 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
+/// Variables of the gateway's environment that every local worker
+/// inherits: what a process needs to find programs and libraries, a home,
+/// a user name, a locale and a temporary folder. None of them holds a
+/// secret. `LD_LIBRARY_PATH` is here because CUDA installs commonly rely
+/// on it. Every `LC_*` variable is passed too (see [`inherited`]).
+pub const BASE_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TMPDIR",
+    "LD_LIBRARY_PATH",
+];
+
 /// Runs replicas as child processes on this machine.
 ///
 /// Each replica gets its own process group, so stopping it also stops the
 /// processes it started, and its stdout and stderr are appended to
-/// `<log_dir>/<replica>.log`.
+/// `<log_dir>/<replica>.log`. When the replica ends, however it ends (asked
+/// to stop, crashed, killed from outside), what is left of its group is
+/// killed, so no helper process outlives it.
+///
+/// A replica starts with a clean environment: [`BASE_ENV`], the
+/// `pass_env` names, the launch's `env`, then the worker contract's
+/// variables. The gateway's own secrets are never inherited.
 #[derive(Debug, Clone)]
 pub struct LocalBackend {
     log_dir: PathBuf,
     /// One `<replica>.pid` file per live replica, so that a gateway killed
     /// with `kill -9` finds its orphans when it starts again.
     run_dir: Option<PathBuf>,
+    /// Names of the gateway's variables that workers inherit besides
+    /// [`BASE_ENV`] (`backend.pass_env`).
+    pass_env: Vec<String>,
 }
 
 /// A replica process left behind by a previous run, and stopped.
@@ -99,7 +126,15 @@ impl LocalBackend {
         LocalBackend {
             log_dir: log_dir.into(),
             run_dir: None,
+            pass_env: Vec::new(),
         }
+    }
+
+    /// Workers also inherit these variables of the gateway's environment
+    /// (`backend.pass_env`), when set.
+    pub fn with_pass_env(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        self.pass_env = names.into_iter().collect();
+        self
     }
 
     /// Keeps a record of each live replica under `dir` (see
@@ -207,6 +242,8 @@ impl Backend for LocalBackend {
         })?;
         let mut cmd = tokio::process::Command::new(program);
         cmd.args(&launch.command[1..])
+            .env_clear()
+            .envs(inherited(std::env::vars_os(), &self.pass_env))
             .envs(&launch.env)
             .env("PORT", port.to_string())
             .env("WARMGATE_REPLICA", &launch.replica)
@@ -233,11 +270,26 @@ impl Backend for LocalBackend {
         Ok(Box::new(LocalProcess {
             child,
             pid,
+            group_ended: false,
             record,
             addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
             log: log_path,
         }))
     }
+}
+
+/// The variables of `env` (the gateway's environment) a worker inherits:
+/// [`BASE_ENV`], every `LC_*`, and those named in `pass_env`.
+pub fn inherited<'a>(
+    env: impl IntoIterator<Item = (OsString, OsString)> + 'a,
+    pass_env: &'a [String],
+) -> impl Iterator<Item = (OsString, OsString)> + 'a {
+    env.into_iter().filter(move |(name, _)| {
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        BASE_ENV.contains(&name) || name.starts_with("LC_") || pass_env.iter().any(|p| p == name)
+    })
 }
 
 /// `CUDA_VISIBLE_DEVICES` for these GPUs. Empty hides every GPU, so a
@@ -252,6 +304,9 @@ pub fn gpu_list(gpus: &[u32]) -> String {
 struct LocalProcess {
     child: tokio::process::Child,
     pid: Option<u32>,
+    /// The leader has been reaped and the rest of its group killed: its
+    /// pid is no longer ours to signal.
+    group_ended: bool,
     /// Its `<replica>.pid` record, removed when the process is dropped.
     record: Option<PathBuf>,
     addr: SocketAddr,
@@ -273,10 +328,12 @@ impl Process for LocalProcess {
     }
 
     async fn wait(&mut self) -> String {
-        match self.child.wait().await {
+        let how = match self.child.wait().await {
             Ok(status) => describe_exit(status),
             Err(e) => format!("could not be waited on ({e})"),
-        }
+        };
+        self.end_group();
+        how
     }
 
     fn terminate(&self) {
@@ -289,7 +346,25 @@ impl Process for LocalProcess {
 }
 
 impl LocalProcess {
+    /// Once the leader has exited, kills what is left of its group (a
+    /// worker's helpers, a `sh -c "helper & exec worker"` background job):
+    /// the replica is over, its replacement may be given the same GPUs, and
+    /// a helper outliving it would hold them and leak. SIGKILL at once, not
+    /// SIGTERM and a grace period: when the replica was asked to stop, the
+    /// group had its SIGTERM with the leader; when the leader crashed, no
+    /// one is left to wait for. A leader's pid is not reused while its
+    /// group has members, so the group id is still this replica's.
+    fn end_group(&mut self) {
+        if !self.group_ended {
+            self.signal(Signal::SIGKILL);
+            self.group_ended = true;
+        }
+    }
+
     fn signal(&self, sig: Signal) {
+        if self.group_ended {
+            return;
+        }
         let Some(pid) = self.pid.and_then(|p| i32::try_from(p).ok()) else {
             return;
         };
@@ -305,6 +380,10 @@ impl LocalProcess {
 
 impl Drop for LocalProcess {
     fn drop(&mut self) {
+        // Dropped without being waited on (the gateway is shutting down,
+        // or its task was cancelled): `kill_on_drop` stops only the leader,
+        // and it has not been reaped, so its pid is still the group's id.
+        self.end_group();
         if let Some(path) = &self.record {
             let _ = std::fs::remove_file(path);
         }
@@ -406,6 +485,140 @@ mod tests {
         );
         assert!(log.contains("oops"), "stderr goes to the log too: {log}");
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn the_child_inherits_only_the_base_and_listed_variables() {
+        // Cargo sets CARGO_* in the environment of every test process: a
+        // stand-in for the gateway's secrets, without `set_var`.
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        let dir = tempfile::tempdir().expect("dir");
+        let backend = LocalBackend::new(dir.path()).with_pass_env(["CARGO_PKG_NAME".to_string()]);
+        let mut p = backend
+            .spawn(&launch(&["sh", "-c", "env"]))
+            .await
+            .expect("spawn");
+        assert_eq!(p.wait().await, "exited with status 0");
+        let log = std::fs::read_to_string(p.log()).expect("log written");
+        let names: Vec<&str> = log.lines().filter_map(|l| l.split('=').next()).collect();
+        assert!(
+            log.contains("CARGO_PKG_NAME=warmgate-pool"),
+            "a pass_env variable is inherited: {log}"
+        );
+        assert!(
+            !names.contains(&"CARGO_MANIFEST_DIR"),
+            "an unlisted variable is not: {log}"
+        );
+        for name in [
+            "PATH",
+            "EXTRA",
+            "PORT",
+            "WARMGATE_REPLICA",
+            "CUDA_VISIBLE_DEVICES",
+        ] {
+            assert!(names.contains(&name), "{name} is set: {log}");
+        }
+    }
+
+    #[test]
+    fn inherited_variables_are_the_base_the_locale_and_the_listed() {
+        let env = [
+            "PATH",
+            "HOME",
+            "LC_ALL",
+            "WARMGATE_ADMIN_TOKEN",
+            "AWS_SECRET_ACCESS_KEY",
+            "TEAM_KEY",
+            "HF_TOKEN",
+        ]
+        .map(|n| (OsString::from(n), OsString::from("v")));
+        let pass = ["HF_TOKEN".to_string()];
+        let kept: Vec<String> = inherited(env, &pass)
+            .map(|(n, _)| n.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(kept, ["PATH", "HOME", "LC_ALL", "HF_TOKEN"]);
+    }
+
+    /// Waits (bounded) until `pid` has exited.
+    fn gone(pid: i32, what: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !exited(pid) {
+            if std::time::Instant::now() > deadline {
+                let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                panic!("{what} is still running");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// Spawns `script` (which must write `$!` of a background helper to
+    /// `$BG`), and returns the process and the helper's pid.
+    async fn spawn_with_helper(
+        backend: &LocalBackend,
+        dir: &Path,
+        script: &str,
+    ) -> (Box<dyn Process>, i32) {
+        let bg = dir.join("bg.pid");
+        let mut l = launch(&["sh", "-c", script]);
+        l.env.insert("BG".into(), bg.display().to_string());
+        let p = backend.spawn(&l).await.expect("spawn");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let pid = loop {
+            if let Some(pid) = std::fs::read_to_string(&bg)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+            {
+                break pid;
+            }
+            assert!(std::time::Instant::now() < deadline, "the helper started");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        (p, pid)
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_exits_by_itself_leaves_no_helper_behind() {
+        let dir = tempfile::tempdir().expect("dir");
+        let backend = LocalBackend::new(dir.path());
+        let (mut p, helper) = spawn_with_helper(
+            &backend,
+            dir.path(),
+            "sleep 600 & echo $! > $BG.tmp; mv $BG.tmp $BG; exit 1",
+        )
+        .await;
+        assert_eq!(p.wait().await, "exited with status 1");
+        gone(helper, "the helper of a crashed worker");
+    }
+
+    #[tokio::test]
+    async fn a_worker_killed_from_outside_leaves_no_helper_behind() {
+        let dir = tempfile::tempdir().expect("dir");
+        let backend = LocalBackend::new(dir.path());
+        let (mut p, helper) = spawn_with_helper(
+            &backend,
+            dir.path(),
+            "sleep 600 & echo $! > $BG.tmp; mv $BG.tmp $BG; exec sleep 600",
+        )
+        .await;
+        let leader = p.pid().expect("pid") as i32;
+        // `kill -9` of the worker alone, not of its group.
+        nix::sys::signal::kill(Pid::from_raw(leader), Signal::SIGKILL).expect("kill");
+        assert_eq!(p.wait().await, "was killed by SIGKILL");
+        gone(helper, "the helper of a killed worker");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_worker_leaves_no_helper_behind() {
+        let dir = tempfile::tempdir().expect("dir");
+        let backend = LocalBackend::new(dir.path());
+        let (p, helper) = spawn_with_helper(
+            &backend,
+            dir.path(),
+            "sleep 600 & echo $! > $BG.tmp; mv $BG.tmp $BG; exec sleep 600",
+        )
+        .await;
+        drop(p);
+        gone(helper, "the helper of a dropped worker");
     }
 
     #[tokio::test]

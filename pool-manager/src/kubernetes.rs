@@ -18,8 +18,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvVar, HTTPGetAction, Pod, PodSpec as KubePodSpec, Probe,
-    ResourceRequirements, Toleration as KubeToleration,
+    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, Pod, PodSecurityContext,
+    PodSpec as KubePodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext,
+    Toleration as KubeToleration,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -328,6 +329,15 @@ fn port_of(launch: &Launch) -> u16 {
 /// environment, GPUs as `nvidia.com/gpu` with the GPU model as a node
 /// selector, spot placement for interruptible replicas, tolerations, a
 /// readiness probe on `/healthz`, labels, and the owner reference.
+///
+/// A worker runs code from its image and serves clients, so its pod gets
+/// no Kubernetes API token (`automountServiceAccountToken: false`), runs
+/// under the runtime's default seccomp profile, cannot gain privileges and
+/// holds no Linux capability. It runs as a non-root user only when
+/// `backend.kubernetes.run_as_non_root` says so: common model-server
+/// images (vLLM, TGI, Triton) run as root, and the kubelet would refuse to
+/// start them. Its service account must be one of
+/// `backend.kubernetes.allowed_service_accounts`.
 pub fn pod_for(
     launch: &Launch,
     settings: &KubeSettings,
@@ -339,6 +349,13 @@ pub fn pod_for(
         .filter(|i| !i.is_empty())
         .ok_or("the kubernetes backend needs an `image`")?;
     let spec = &launch.pod;
+    if let Some(sa) = &spec.service_account
+        && !settings.config.allowed_service_accounts.contains(sa)
+    {
+        return Err(format!(
+            "the service account {sa:?} is not in backend.kubernetes.allowed_service_accounts"
+        ));
+    }
     let port = port_of(launch);
     let mut labels = BTreeMap::from([
         (MANAGED_BY.to_string(), "warmgate".to_string()),
@@ -418,6 +435,15 @@ pub fn pod_for(
             failure_threshold: Some(3),
             ..Probe::default()
         }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            privileged: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_string()]),
+                add: None,
+            }),
+            ..SecurityContext::default()
+        }),
         ..Container::default()
     };
     Ok(Pod {
@@ -439,6 +465,15 @@ pub fn pod_for(
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
             service_account_name: spec.service_account.clone(),
+            automount_service_account_token: Some(false),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: settings.config.run_as_non_root.then_some(true),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".to_string(),
+                    localhost_profile: None,
+                }),
+                ..PodSecurityContext::default()
+            }),
             ..KubePodSpec::default()
         }),
         status: None,

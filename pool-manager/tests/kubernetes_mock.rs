@@ -124,6 +124,7 @@ async fn create_and_watch(
                 )
                 .expect("json");
                 assert_eq!(body, want);
+                assert_locked_down(&body);
                 let mut echo = body.clone();
                 echo["metadata"]["uid"] = json!("u-1");
                 echo["metadata"]["resourceVersion"] = json!("11");
@@ -150,6 +151,24 @@ async fn create_and_watch(
         }
     }
     (created.expect("created"), watch.expect("watch"))
+}
+
+/// A worker pod holds no API token, cannot gain privileges, holds no
+/// capability and runs under the default seccomp profile.
+fn assert_locked_down(pod: &Value) {
+    let spec = &pod["spec"];
+    assert_eq!(spec["automountServiceAccountToken"], false, "{spec}");
+    assert_eq!(
+        spec["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+        "{spec}"
+    );
+    for c in spec["containers"].as_array().expect("containers") {
+        let sc = &c["securityContext"];
+        assert_eq!(sc["allowPrivilegeEscalation"], false, "{sc}");
+        assert_eq!(sc["privileged"], false, "{sc}");
+        assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{sc}");
+        assert!(sc["capabilities"].get("add").is_none(), "{sc}");
+    }
 }
 
 fn urlencode(s: &str) -> String {
@@ -255,8 +274,21 @@ fn the_pod_carries_the_worker_contract_gpus_placement_and_labels() {
         !env.contains_key("CUDA_VISIBLE_DEVICES"),
         "the device plugin sets it"
     );
+    assert_locked_down(&v);
+    assert!(
+        v["spec"]["securityContext"].get("runAsNonRoot").is_none(),
+        "model-server images commonly run as root"
+    );
+    assert!(v["spec"].get("serviceAccountName").is_none());
     // It deserialises as a Pod, as the API server would read it.
     let _: Pod = serde_json::from_value(v).expect("a valid Pod");
+
+    // Non-root when the operator's settings ask for it.
+    let mut strict = settings();
+    strict.config.run_as_non_root = true;
+    let v = serde_json::to_value(pod_for(&launch("llm-00002-1"), &strict, None).expect("pod"))
+        .expect("json");
+    assert_eq!(v["spec"]["securityContext"]["runAsNonRoot"], true);
 
     // A pool's pod, without GPUs or spot: no GPU toleration or selector.
     let mut l = launch("rollouts-1");
@@ -276,6 +308,48 @@ fn the_pod_carries_the_worker_contract_gpus_placement_and_labels() {
             .unwrap_err()
             .contains("image")
     );
+}
+
+#[test]
+fn a_service_account_is_used_only_when_the_settings_allow_it() {
+    let mut l = launch("llm-00002-1");
+    l.pod.service_account = Some("warmgate".into());
+    let err = pod_for(&l, &settings(), None).expect_err("not allowed");
+    assert!(err.contains("allowed_service_accounts"), "{err}");
+    let mut allowing = settings();
+    allowing.config.allowed_service_accounts = vec!["llm-reader".into()];
+    assert!(
+        pod_for(&l, &allowing, None).is_err(),
+        "only the listed ones"
+    );
+    l.pod.service_account = Some("llm-reader".into());
+    let v = serde_json::to_value(pod_for(&l, &allowing, None).expect("allowed")).expect("json");
+    assert_eq!(v["spec"]["serviceAccountName"], "llm-reader");
+    assert_eq!(
+        v["spec"]["automountServiceAccountToken"], false,
+        "a workload-identity account needs no API token in the pod"
+    );
+}
+
+#[tokio::test]
+async fn a_pod_with_a_service_account_not_allowed_is_never_created() {
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+    let client = kube::Client::new(service, NS);
+    let backend = KubeBackend::new(client, settings());
+    let mut l = launch("llm-00002-1");
+    l.pod.service_account = Some("warmgate".into());
+    let err = backend.spawn(&l).await.err().expect("refused");
+    assert!(
+        err.to_string().contains("allowed_service_accounts"),
+        "{err}"
+    );
+    // The only calls made are the watcher's: no pod is created.
+    let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .expect("the watcher lists")
+        .expect("alive");
+    assert_eq!(req.method(), Method::GET, "{}", req.uri());
+    drop(send);
 }
 
 #[tokio::test]
