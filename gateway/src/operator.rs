@@ -736,14 +736,20 @@ mod tests {
             "minilm",
             json!({"image": "r/e:1", "kubernetes": {"service_account": "warmgate"}}),
         );
-        let (key, message) =
-            config_from(Config::default(), std::slice::from_ref(&a), &[]).expect_err("refused");
-        assert_eq!(key, "apps[0].kubernetes.service_account");
-        assert!(message.contains("allowed_service_accounts"), "{message}");
+        let (c, refused) =
+            config_from(Config::default(), std::slice::from_ref(&a), &[]).expect("base is valid");
+        assert!(c.apps.is_empty());
+        assert_eq!(refused[0].key, "spec.kubernetes.service_account");
+        assert!(
+            refused[0].message.contains("allowed_service_accounts"),
+            "{}",
+            refused[0].message
+        );
         // Allowed by the operator's own settings: accepted.
         let mut base = Config::default();
         base.backend.kubernetes.allowed_service_accounts = vec!["warmgate".into()];
-        let c = config_from(base, &[a], &[]).expect("allowed");
+        let (c, refused) = config_from(base, &[a], &[]).expect("allowed");
+        assert_eq!(refused, []);
         assert_eq!(
             c.apps[0].kubernetes.service_account.as_deref(),
             Some("warmgate")
