@@ -175,6 +175,22 @@ pub struct TenantSpec {
     pub rps: Option<f64>,
     /// Requests allowed in a burst above `rps`; default: one second's worth.
     pub burst: Option<u32>,
+    /// The highest task `priority` this tenant may ask for; a higher one is
+    /// lowered to it. Default `0`, the default priority (see
+    /// [`TenantSpec::max_priority()`]).
+    pub max_priority: Option<i32>,
+}
+
+/// A tenant's default `max_priority`: the default priority itself, so no
+/// tenant can jump ahead of the others unless the operator allows it (a
+/// tenant may still lower its own tasks' priority).
+const DEFAULT_TENANT_MAX_PRIORITY: i32 = 0;
+
+impl TenantSpec {
+    /// The highest task priority the tenant may ask for.
+    pub fn max_priority(&self) -> i32 {
+        self.max_priority.unwrap_or(DEFAULT_TENANT_MAX_PRIORITY)
+    }
 }
 
 /// Which backend runs replicas, and its resources.

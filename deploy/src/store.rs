@@ -19,6 +19,14 @@ pub enum StoreError {
     /// SQLite said no.
     #[error("state database: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// The database file's mode could not be set to owner-only.
+    #[error("state database: cannot make {path} private: {source}")]
+    Permissions {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// A stored row is not what this version writes.
     #[error("state database: a stored {what} is unreadable: {source}")]
     Corrupt {
@@ -37,6 +45,9 @@ pub struct Note {
     /// What happened, e.g. `promote m-00002 (canary 10%)`.
     pub what: String,
 }
+
+/// The mode of `state.db` and its `-wal`/`-shm` files: owner only.
+const DB_MODE: u32 = 0o600;
 
 /// The database.
 pub struct Store {
@@ -69,12 +80,38 @@ CREATE TABLE IF NOT EXISTS notes (
 
 impl Store {
     /// Opens (or creates) the database at `path`.
+    ///
+    /// The file is made readable by its owner only (`0600`), and SQLite
+    /// gives its `-wal` and `-shm` files the same mode: they hold the app
+    /// specs, whose `env` may carry secrets. A database made by an older
+    /// version with a wider mode is narrowed.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        let private = |e: std::io::Error| StoreError::Permissions {
+            path: path.display().to_string(),
+            source: e,
+        };
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(DB_MODE)
+            .open(path)
+            .map_err(private)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DB_MODE))
+            .map_err(private)?;
         let conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        for suffix in ["-wal", "-shm"] {
+            let mut side = path.as_os_str().to_owned();
+            side.push(suffix);
+            match std::fs::set_permissions(&side, std::fs::Permissions::from_mode(DB_MODE)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(private(e)),
+                _ => {}
+            }
+        }
         Ok(Store { conn })
     }
 
@@ -264,6 +301,25 @@ mod tests {
         assert_eq!(notes, ["created m-00002", "promote m-00002", "canary 20%"]);
         assert_eq!(s.notes("m", 1).expect("notes").len(), 1);
         assert_eq!(s.load("other").expect("load"), History::default());
+    }
+
+    #[test]
+    fn the_database_and_its_wal_files_are_private() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        // A file an older version left world-readable is narrowed too.
+        std::fs::write(&path, b"").expect("create");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let mut s = Store::open(&path).expect("open");
+        s.save("m", &History::default(), "a note").expect("save");
+        for name in ["state.db", "state.db-wal", "state.db-shm"] {
+            let mode = std::fs::metadata(dir.path().join(name))
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{name} has mode {:o}", mode & 0o777);
+        }
     }
 
     #[test]

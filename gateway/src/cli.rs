@@ -263,6 +263,7 @@ pub fn run(cli: Cli) -> i32 {
                 return EXIT_USAGE;
             }
             let _telemetry = crate::telemetry::init(log_format);
+            raise_open_file_limit();
             let rt = match runtime(None) {
                 Ok(rt) => rt,
                 Err(e) => {
@@ -378,6 +379,7 @@ fn serve(
         return EXIT_USAGE;
     }
     let _telemetry = crate::telemetry::init(log_format);
+    raise_open_file_limit();
     let rt = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
@@ -391,6 +393,25 @@ fn serve(
             eprintln!("error: {e:#}");
             1
         }
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit. Every client
+/// connection, replica connection and checkpoint file takes a descriptor;
+/// the usual soft default of 1024 lets about a thousand idle sockets lock
+/// out clients and the workers' weight fetches, while the hard limit is
+/// what the administrator actually allows.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-file limit"),
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit")
+            }
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
     }
 }
 
@@ -409,8 +430,16 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
     match config.backend.kind {
         warmgate_deploy::BackendKind::Local => {
             let logs = config.state_dir.join("logs");
-            std::fs::create_dir_all(&logs)
-                .with_context(|| format!("create the state folder {}", logs.display()))?;
+            // Owner only, like the state folder itself (replica logs can
+            // hold what workers print).
+            {
+                use std::os::unix::fs::DirBuilderExt as _;
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&logs)
+                    .with_context(|| format!("create the state folder {}", logs.display()))?;
+            }
             let backend = LocalBackend::new(logs)
                 .with_run_dir(config.state_dir.join("run"))
                 .with_pass_env(config.backend.pass_env.clone());

@@ -1,6 +1,6 @@
 //! The HTTP/1 accept loop: one task per connection, a bound on open
-//! connections, header-read and idle timeouts, and a graceful drain on
-//! shutdown.
+//! connections (those over it are answered by one shared task, not one
+//! each), header-read and idle timeouts, and a graceful drain on shutdown.
 //!
 //! axum's own `serve` would do, but it sniffs every connection for HTTP/2
 //! and hides hyper's knobs; serving HTTP/1 directly is measurably cheaper
@@ -26,6 +26,15 @@ use warmgate_deploy::LimitsConfig;
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// Time allowed to tell a connection over the limit why it is refused.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Refused connections that may linger at once (answered, then read until
+/// the client closes, so it sees the answer rather than a reset). Past
+/// these, a refused connection gets the answer written if its socket takes
+/// it at once and is closed: a flood of connections then holds no more
+/// than this many descriptors beyond `max_connections`, and no task each.
+const MAX_LINGERING_REFUSALS: usize = 64;
+/// Refused connections handed to the shared task and not yet answered: a
+/// small buffer for a burst of accepts.
+const REFUSALS_WAITING: usize = 16;
 
 /// The bounds on client connections.
 #[derive(Debug, Clone, Copy)]
@@ -58,6 +67,9 @@ pub async fn serve(
 ) {
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
+    // One task answers every refused connection.
+    let (refused, lingering) = tokio::sync::mpsc::channel(REFUSALS_WAITING);
+    let shedder = tokio::spawn(shed(lingering, limits.max_connections));
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -74,7 +86,11 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             metrics::counter!("warmgate_connections_refused_total").increment(1);
-            tokio::spawn(refuse(stream, limits.max_connections));
+            if let Err(tokio::sync::mpsc::error::TrySendError::Full(stream)) =
+                refused.try_send(stream)
+            {
+                refuse_now(&stream, limits.max_connections);
+            }
             continue;
         };
         let router = router.clone();
@@ -100,13 +116,39 @@ pub async fn serve(
         });
     }
     drop(listener);
+    drop(refused);
     graceful.shutdown().await;
+    let _ = shedder.await;
 }
 
-/// Answers a connection over `limits.max_connections` with a `503` in the
-/// JSON error format, then closes it, so the client learns why at once
-/// rather than timing out in the kernel's backlog.
-async fn refuse(mut stream: TcpStream, max: u32) {
+/// Answers the refused connections sent to it, at most
+/// [`MAX_LINGERING_REFUSALS`] at once, all in this one task.
+async fn shed(mut refused: tokio::sync::mpsc::Receiver<TcpStream>, max: u32) {
+    use futures_util::StreamExt as _;
+    let mut lingering = futures_util::stream::FuturesUnordered::new();
+    loop {
+        tokio::select! {
+            next = refused.recv(), if lingering.len() < MAX_LINGERING_REFUSALS => match next {
+                Some(stream) => lingering.push(refuse(stream, max)),
+                None => break,
+            },
+            Some(()) = lingering.next(), if !lingering.is_empty() => {}
+        }
+    }
+    while lingering.next().await.is_some() {}
+}
+
+/// The refusal of [`refuse`], written only if the socket takes it without
+/// waiting; the connection closes when `stream` is dropped.
+fn refuse_now(stream: &TcpStream, max: u32) {
+    let (head, body) = refusal(max);
+    let mut answer = head.into_bytes();
+    answer.extend_from_slice(body.as_bytes());
+    let _ = stream.try_write(&answer);
+}
+
+/// The `503` answer to a connection over the limit: head and body.
+fn refusal(max: u32) -> (String, String) {
     let body = format!(
         "{{\"error\":{{\"kind\":\"no_capacity\",\"message\":\"the gateway has {max} connections \
          open, its limit (limits.max_connections); retry shortly\"}}}}"
@@ -116,6 +158,14 @@ async fn refuse(mut stream: TcpStream, max: u32) {
          retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );
+    (head, body)
+}
+
+/// Answers a connection over `limits.max_connections` with a `503` in the
+/// JSON error format, then closes it, so the client learns why at once
+/// rather than timing out in the kernel's backlog.
+async fn refuse(mut stream: TcpStream, max: u32) {
+    let (head, body) = refusal(max);
     // Then read until the client closes (a lingering close, as nginx does):
     // closing with its request unread would reset the connection, and the
     // client would see the reset instead of the answer.

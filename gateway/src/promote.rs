@@ -1,6 +1,10 @@
 //! Revisions and promotions, carried out: the pure state machine of
 //! `warmgate_deploy::revision` decides, this module persists each step to
 //! SQLite and then acts on it (start replicas, move traffic, retire).
+//!
+//! A step is saved on a copy of the history and becomes the history in
+//! memory only once saved; a failed save changes nothing and is an
+//! `internal` error (the driver takes the same step again).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,8 +44,9 @@ impl Gateway {
     pub(crate) fn restore(self: &Arc<Self>, app: &Arc<Served>) -> anyhow::Result<()> {
         let config = serde_json::to_string(&app.spec)?;
         let resume = {
-            let mut h = app.history.lock();
-            if h.revisions.is_empty() || h.config.as_deref() != Some(config.as_str()) {
+            let mut history = app.history.lock();
+            if history.revisions.is_empty() || history.config.as_deref() != Some(config.as_str()) {
+                let mut h = history.clone();
                 let first = h.revisions.is_empty();
                 let from = h.serving().map(|r| r.id.clone());
                 // A promotion cut short by the config change ends here.
@@ -73,8 +78,12 @@ impl Gateway {
                         from.unwrap_or_default()
                     )
                 };
+                // Saved as a whole before it counts: a failed save leaves
+                // the history as it was loaded, and the start fails.
                 self.store.lock().save(&app.name, &h, &note)?;
+                *history = h;
             }
+            let h = history;
             let promoting = h.promotion.clone().filter(|p| !p.phase.is_terminal());
             let live: Vec<Revision> = h
                 .revisions
@@ -170,7 +179,11 @@ impl Gateway {
             ));
         }
         let fingerprint = fingerprint(&listing.items);
-        let (from, id) = {
+        let (id, fx) = {
+            // One lock from the check to the save: the new revision and
+            // its first step are saved before anything starts, and a
+            // failed save leaves the history (and the replicas) as they
+            // were.
             let mut h = app.history.lock();
             if h.promoting() {
                 return Err(promoting_error(&app.name, &h));
@@ -182,30 +195,36 @@ impl Gateway {
                 Some(fingerprint),
             );
             let id = rev.id.clone();
-            h.revisions.push(rev);
-            (h.serving().map(|r| r.id.clone()), id)
+            let from = h.serving().map(|r| r.id.clone());
+            let plan = Plan {
+                canary: req.canary.or(app.spec.promotion.canary),
+                bake: req.bake.unwrap_or(app.spec.promotion.bake),
+                at_zero: self.at_zero(from.as_deref()),
+            };
+            let note = format!(
+                "promote {id} from {} ({}{})",
+                req.checkpoint,
+                plan.canary
+                    .map_or("all at once".to_string(), |c| format!("canary {c}%")),
+                if plan.at_zero { ", at zero" } else { "" }
+            );
+            let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
+            self.commit(app, &mut h, Some(rev.clone()), &p, &fx, &note)?;
+            if let Err(e) = self.materialize(app, &rev) {
+                // Saved, but it cannot run: the promotion fails for good,
+                // which is saved too (or, failing that, retried by the
+                // driver).
+                drop(h);
+                let why = e.message.clone();
+                if let Ok((next, fx)) = p.on(Event::StartFailed(why.clone())) {
+                    let _ = self.step(app, &p, &next, fx, &format!("{id} failed to start: {why}"));
+                }
+                tokio::spawn(self.clone().drive(app.clone()));
+                return Err(e);
+            }
+            (id, fx)
         };
-        let rev = app
-            .history
-            .lock()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, "the new revision vanished"))?;
-        self.materialize(app, &rev)?;
-        let plan = Plan {
-            canary: req.canary.or(app.spec.promotion.canary),
-            bake: req.bake.unwrap_or(app.spec.promotion.bake),
-            at_zero: self.at_zero(from.as_deref()),
-        };
-        let note = format!(
-            "promote {id} from {} ({}{})",
-            req.checkpoint,
-            plan.canary
-                .map_or("all at once".to_string(), |c| format!("canary {c}%")),
-            if plan.at_zero { ", at zero" } else { "" }
-        );
-        let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
-        self.step(app, &p, fx, &note)?;
+        self.act(app, &fx);
         tokio::spawn(self.clone().drive(app.clone()));
         Ok(id)
     }
@@ -214,39 +233,69 @@ impl Gateway {
     /// or, with none running, promotes the previous good revision again
     /// (its weights are in the cache, so it starts without a download).
     /// Returns the revision that will serve.
+    ///
+    /// The rollback is saved and carried out before the answer: an error
+    /// means nothing changed.
     pub(crate) fn rollback(self: &Arc<Self>, app: &Arc<Served>) -> Result<String, ApiError> {
-        {
-            let h = app.history.lock();
-            if let Some(p) = h.promotion.as_ref().filter(|p| !p.phase.is_terminal()) {
-                *app.rollback.lock() = Some("requested by an operator".into());
-                return p.from.clone().ok_or_else(|| {
-                    ApiError::new(
-                        ErrorKind::Conflict,
-                        format!("app '{}' has no earlier revision", app.name),
-                    )
-                });
-            }
+        let running = app
+            .history
+            .lock()
+            .promotion
+            .clone()
+            .filter(|p| !p.phase.is_terminal());
+        if let Some(p) = running {
+            let back = p.from.clone().ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::Conflict,
+                    format!("app '{}' has no earlier revision", app.name),
+                )
+            })?;
+            let reason = "requested by an operator".to_string();
+            let (next, fx) = p
+                .on(Event::Rollback(reason.clone()))
+                .map_err(|e| ApiError::new(ErrorKind::Conflict, e.to_string()))?;
+            self.step(
+                app,
+                &p,
+                &next,
+                fx,
+                &format!("{} rolled back: {reason}", p.to),
+            )?;
+            return Ok(back);
         }
-        let (from, prev) = {
-            let h = app.history.lock();
+        let (id, fx) = {
+            let mut h = app.history.lock();
+            if h.promoting() {
+                return Err(promoting_error(&app.name, &h));
+            }
             let prev = h.previous_good().cloned().ok_or_else(|| {
                 ApiError::new(
                     ErrorKind::Conflict,
                     format!("app '{}' has no earlier revision to roll back to", app.name),
                 )
             })?;
-            (h.serving().map(|r| r.id.clone()), prev)
+            let from = h.serving().map(|r| r.id.clone());
+            let plan = Plan {
+                canary: None,
+                bake: Duration::ZERO,
+                at_zero: self.at_zero(from.as_deref()),
+            };
+            let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
+            self.commit(
+                app,
+                &mut h,
+                None,
+                &p,
+                &fx,
+                &format!("roll back to {}", prev.id),
+            )?;
+            // It served before, so its checkpoint opened before.
+            self.materialize(app, &prev)?;
+            (prev.id, fx)
         };
-        self.materialize(app, &prev)?;
-        let plan = Plan {
-            canary: None,
-            bake: Duration::ZERO,
-            at_zero: self.at_zero(from.as_deref()),
-        };
-        let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
-        self.step(app, &p, fx, &format!("roll back to {}", prev.id))?;
+        self.act(app, &fx);
         tokio::spawn(self.clone().drive(app.clone()));
-        Ok(prev.id)
+        Ok(id)
     }
 
     fn refuse_if_promoting(&self, app: &Served) -> Result<(), ApiError> {
@@ -268,26 +317,61 @@ impl Gateway {
         })
     }
 
-    /// Records a step (persisted before anything happens), then acts on it.
+    /// Takes the step from `from` to `next`: saved first, then applied in
+    /// memory, then acted on. `Conflict` when the promotion is no longer
+    /// at `from` (another step got there first: nothing is done);
+    /// `Internal` when the save failed (nothing changed, in memory or
+    /// outside).
     fn step(
         &self,
         app: &Served,
-        p: &Promotion,
+        from: &Promotion,
+        next: &Promotion,
         fx: Vec<Effect>,
         note: &str,
     ) -> Result<(), ApiError> {
         {
             let mut h = app.history.lock();
-            h.apply(p, &fx);
-            self.store.lock().save(&app.name, &h, note).map_err(|e| {
-                ApiError::new(
-                    ErrorKind::NoCapacity,
-                    format!("cannot record the step: {e}"),
-                )
-            })?;
+            if h.promotion.as_ref() != Some(from) {
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "the promotion of {} moved on before this step: {note}",
+                        from.to
+                    ),
+                ));
+            }
+            self.commit(app, &mut h, None, next, &fx, note)?;
         }
-        tracing::info!(app = %app.name, to = %p.to, phase = ?p.phase, "{note}");
         self.act(app, &fx);
+        Ok(())
+    }
+
+    /// Saves `h` with `new` added and the step applied, and only then
+    /// makes it the history in memory. On a failed save `h` is untouched.
+    fn commit(
+        &self,
+        app: &Served,
+        h: &mut History,
+        new: Option<Revision>,
+        p: &Promotion,
+        fx: &[Effect],
+        note: &str,
+    ) -> Result<(), ApiError> {
+        let mut next = h.clone();
+        next.revisions.extend(new);
+        next.apply(p, fx);
+        if let Err(e) = self.store.lock().save(&app.name, &next, note) {
+            tracing::error!(app = %app.name, error = %e, "a promotion step could not be saved: {note}");
+            return Err(ApiError::new(
+                ErrorKind::Internal,
+                format!(
+                    "the gateway could not save this step, so it did not take it ({note}): {e}"
+                ),
+            ));
+        }
+        *h = next;
+        tracing::info!(app = %app.name, to = %p.to, phase = ?p.phase, "{note}");
         Ok(())
     }
 
@@ -325,6 +409,9 @@ impl Gateway {
         let mut since = Instant::now();
         let mut phase_seen: Option<Phase> = None;
         let mut baseline = (0u64, 0u64);
+        // A step whose save failed: taken again, as it was decided, until
+        // it is saved or the promotion moves on (an operator's rollback).
+        let mut unsaved: Option<(Promotion, Promotion, Vec<Effect>, String)> = None;
         loop {
             let Some(p) = app.history.lock().promotion.clone() else {
                 return;
@@ -334,6 +421,18 @@ impl Gateway {
                     a.hold(0);
                 }
                 return;
+            }
+            if let Some((from, next, fx, note)) = unsaved.take()
+                && from == p
+            {
+                match self.step(&app, &from, &next, fx.clone(), &note) {
+                    Err(e) if e.kind == ErrorKind::Internal => {
+                        unsaved = Some((from, next, fx, note));
+                        tokio::time::sleep(STEP).await;
+                    }
+                    _ => {}
+                }
+                continue;
             }
             let to = app.revision(&p.to);
             if phase_seen.as_ref() != Some(&p.phase) {
@@ -365,12 +464,16 @@ impl Gateway {
                     Event::Rollback(r) => format!("{} rolled back: {r}", p.to),
                 };
                 match p.on(event) {
-                    Ok((next, fx)) => {
-                        if let Err(e) = self.step(&app, &next, fx, &note) {
-                            tracing::error!(app = %app.name, error = %e.message, "promotion step not recorded");
-                            return;
+                    Ok((next, fx)) => match self.step(&app, &p, &next, fx.clone(), &note) {
+                        Err(e) if e.kind == ErrorKind::Internal => {
+                            unsaved = Some((p, next, fx, note));
+                            tokio::time::sleep(STEP).await;
                         }
-                    }
+                        Err(e) => {
+                            tracing::debug!(app = %app.name, error = %e.message, "promotion step overtaken")
+                        }
+                        Ok(()) => {}
+                    },
                     Err(e) => {
                         tracing::warn!(app = %app.name, error = %e, "promotion event ignored")
                     }

@@ -179,7 +179,10 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove("proxy-connection");
 }
 
-/// Removes the headers that `Connection` names.
+/// Removes the headers that `Connection` names, except those the gateway
+/// sets itself or the message needs: a client must not be able to strip
+/// the tenant the gateway vouches for, the request id, the trace context
+/// or the body's framing by naming them.
 fn strip_connection_named(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
@@ -187,10 +190,22 @@ fn strip_connection_named(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .filter(|name| !kept_end_to_end(name))
         .collect();
     for name in named {
         headers.remove(name);
     }
+}
+
+/// Whether `name` stays even when `Connection` names it.
+fn kept_end_to_end(name: &HeaderName) -> bool {
+    let n = name.as_str();
+    n.starts_with("x-warmgate-")
+        || n == "x-request-id"
+        || n == crate::trace::TRACEPARENT
+        || n == "tracestate"
+        || *name == header::CONTENT_LENGTH
+        || *name == header::CONTENT_TYPE
 }
 
 /// A response body that frees its slot when it ends, fails or is dropped

@@ -161,8 +161,16 @@ impl Gateway {
         let base = workdir
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from("."));
-        std::fs::create_dir_all(&config.state_dir)
-            .with_context(|| format!("create {}", config.state_dir.display()))?;
+        // Owner only: it holds the state database, replica logs and the
+        // weight cache.
+        {
+            use std::os::unix::fs::DirBuilderExt as _;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&config.state_dir)
+                .with_context(|| format!("create {}", config.state_dir.display()))?;
+        }
         let tenants =
             crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
                 .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?;
@@ -410,7 +418,7 @@ impl Gateway {
 
     /// Serves one request of `served` on the revision the split (or a
     /// pinning `X-Warmgate-Revision`) picks, and counts the answer for
-    /// that revision's health.
+    /// that revision's health unless it was pinned.
     async fn serve(
         self: &Arc<Self>,
         served: &Served,
@@ -464,7 +472,13 @@ impl Gateway {
                 ErrorKind::ReplicaFailed | ErrorKind::Timeout | ErrorKind::NoCapacity
             ),
         };
-        app.answered(failed, t0.elapsed());
+        // Only traffic the split routed judges a revision's health: a
+        // client pinning a revision (an evaluation, or anyone who can
+        // reach the data plane) must not be able to fail a canary, nor to
+        // make a bad one look healthy.
+        if pinned.is_none() {
+            app.answered(failed, t0.elapsed());
+        }
         (Some(app), result)
     }
 
@@ -846,8 +860,7 @@ async fn require_admin(State(gw): State<Arc<Gateway>>, req: Request, next: Next)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    use subtle::ConstantTimeEq as _;
-    if bool::from(presented.as_bytes().ct_eq(token.as_bytes())) {
+    if crate::tenants::same_secret(presented, token) {
         next.run(req).await
     } else {
         ApiError::new(
@@ -1363,6 +1376,9 @@ async fn submit_task(
         .await?;
         let (priority, tenant, timeout) =
             task_options(&headers, body.priority, body.timeout.as_ref())?;
+        let priority = tenant_key
+            .as_ref()
+            .map_or(priority, |t| t.priority(priority));
         let input = Bytes::from(
             serde_json::to_vec(&body.input)
                 .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}")))?,
@@ -1491,6 +1507,7 @@ async fn submit_batch(
         .await?;
         let (priority, tenant, timeout) =
             task_options(&headers, body.priority, body.timeout.as_ref())?;
+        let priority = tenant_key.as_ref().map_or(priority, |t| t.priority(priority));
         let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
         let retries = body.retries;
         let min_version = body.min_weights_version;

@@ -17,6 +17,7 @@ use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq as _;
 use warmgate_deploy::TenantSpec;
 
 use crate::error::{ApiError, ErrorKind};
@@ -25,7 +26,7 @@ type Limiter = RateLimiter<NotKeyed, InMemoryState, DefaultClock>;
 
 /// Every tenant, by the digest of its key.
 pub struct Tenants {
-    by_digest: HashMap<[u8; 32], Arc<Tenant>>,
+    by_digest: Vec<([u8; 32], Arc<Tenant>)>,
     list: Vec<Arc<Tenant>>,
 }
 
@@ -36,6 +37,7 @@ pub struct Tenant {
     max_inflight: Option<u32>,
     max_pending: Option<u32>,
     rps: Option<f64>,
+    max_priority: i32,
     limiter: Option<Limiter>,
     inflight: AtomicU32,
     pending: AtomicU32,
@@ -121,6 +123,7 @@ impl Tenants {
                 max_inflight: spec.max_inflight,
                 max_pending: spec.max_pending,
                 rps: spec.rps,
+                max_priority: spec.max_priority(),
                 limiter: spec
                     .rps
                     .and_then(|r| quota(r, spec.burst))
@@ -137,7 +140,10 @@ impl Tenants {
             }
             list.push(tenant);
         }
-        Ok(Some(Tenants { by_digest, list }))
+        Ok(Some(Tenants {
+            by_digest: by_digest.into_iter().collect(),
+            list,
+        }))
     }
 
     /// The tenant whose key `Authorization: Bearer <key>` carries.
@@ -148,7 +154,17 @@ impl Tenants {
             .ok()?
             .strip_prefix("Bearer ")?
             .trim();
-        self.by_digest.get(&digest_of(key)).cloned()
+        // Every digest is compared, in constant time, so neither the
+        // position of a match nor how much of a digest matched shows in
+        // the time taken.
+        let presented = digest_of(key);
+        let mut found = None;
+        for (digest, tenant) in &self.by_digest {
+            if bool::from(digest.ct_eq(&presented)) {
+                found = Some(tenant.clone());
+            }
+        }
+        found
     }
 
     /// The live figures of every tenant, in config order.
@@ -190,6 +206,13 @@ impl Tenant {
             ));
         }
         Ok(guard)
+    }
+
+    /// The priority a task of this tenant gets when it asks for `asked`:
+    /// at most its `max_priority`, so it cannot jump ahead of the other
+    /// tenants' tasks.
+    pub fn priority(&self, asked: i32) -> i32 {
+        asked.min(self.max_priority)
     }
 
     /// Takes one pending-task slot, within `max_pending`.
@@ -307,6 +330,14 @@ fn digest_of(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
+/// Whether `presented` is `secret`, compared as SHA-256 digests in
+/// constant time: both sides are 32 bytes whatever their lengths, so the
+/// time taken tells nothing about the secret's length or how much of it a
+/// guess got right.
+pub fn same_secret(presented: &str, secret: &str) -> bool {
+    bool::from(digest_of(presented).ct_eq(&digest_of(secret)))
+}
+
 fn parse_hex_digest(hex: &str) -> Option<[u8; 32]> {
     if hex.len() != 64 {
         return None;
@@ -352,6 +383,19 @@ mod tests {
         assert_eq!(t.identify(&bearer("kb")).expect("b").name, "b");
         assert!(t.identify(&bearer("kc")).is_none());
         assert!(t.identify(&http::HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn secrets_compare_by_fixed_size_digest_whatever_their_length() {
+        let secret = "s3cret-token";
+        assert!(same_secret(secret, secret));
+        // Shorter, longer, a prefix, an extension, empty: all refused.
+        for wrong in ["", "s", "s3cret-toke", "s3cret-token!", &"x".repeat(4096)] {
+            assert!(!same_secret(wrong, secret), "{wrong:?}");
+        }
+        // What is compared has the same size for every input, so a
+        // length mismatch cannot end the comparison early.
+        assert_eq!(digest_of("").len(), digest_of(&"x".repeat(4096)).len());
     }
 
     #[test]
