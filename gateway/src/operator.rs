@@ -47,6 +47,10 @@ pub fn config_from(
     pools: &[WarmPool],
 ) -> Result<Config, (String, String)> {
     base.backend.kind = BackendKind::Kubernetes;
+    // The resources' checkpoints are not the operator's word: the allowed
+    // prefixes come from its own config only.
+    let allowed = crate::weights::allowed_prefixes(&base);
+    base.weights.allowed_prefixes = Some(allowed);
     base.apps = apps
         .iter()
         .map(|a| {
