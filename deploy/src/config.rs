@@ -654,12 +654,12 @@ impl Config {
                         .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-')
                     && !rest.is_empty()
             });
-            if !scheme_ok || p.split('/').any(|seg| seg == "..") {
+            if !scheme_ok {
                 return Err((
                     format!("weights.allowed_prefixes[{i}]"),
                     format!(
                         "{p:?} is not a checkpoint URI prefix like \"s3://bucket/checkpoints\" \
-                         or \"file:///data/checkpoints\" (without '..')"
+                         or \"file:///data/checkpoints\""
                     ),
                 ));
             }

@@ -250,19 +250,21 @@ impl Gateway {
         for p in pools.values() {
             let revision = format!("{}-00001", p.name);
             let mut env = p.spec.env.clone();
+            // Every pool replica gets the pool's weights token, with or
+            // without a checkpoint yet: a later weight sync is read with it.
+            let grant = crate::weights::Grant::Pool {
+                target: p.name.clone(),
+            };
+            let token = weights
+                .token(grant)
+                .map_err(|e| anyhow::anyhow!(e.message))?;
+            env.insert("WARMGATE_WEIGHTS_TOKEN".into(), token);
             if let Some(uri) = &p.spec.checkpoint {
                 // Opened here so a bad URI fails at start, not at first use.
                 let src = weights
                     .open(uri)
                     .map_err(|e| anyhow::anyhow!("pool '{}': {}", p.name, e.message))?;
                 weights.register(&p.name, &revision, src);
-                let grant = crate::weights::Grant::Pool {
-                    target: p.name.clone(),
-                };
-                let token = weights
-                    .token(grant)
-                    .map_err(|e| anyhow::anyhow!(e.message))?;
-                env.insert("WARMGATE_WEIGHTS_TOKEN".into(), token);
                 env.insert(
                     "WARMGATE_WEIGHTS_URL".into(),
                     format!("http://{reach}/v1/weights/{}/{revision}", p.name),
