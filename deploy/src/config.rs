@@ -328,6 +328,14 @@ pub struct WeightsConfig {
     /// Size of the node-local cache under `state_dir/cache`; least recently
     /// used entries are evicted past it.
     pub cache_max_bytes: u64,
+    /// Checkpoint URI prefixes the gateway may open (weight sync, promote,
+    /// the checkpoint watcher, the operator's resources); anything else is
+    /// refused before it is opened. Matched on path segments after `.` and
+    /// `..` are resolved; `http(s)` stores only when listed. When set, the
+    /// config's own checkpoints must be under it too. Unset (the default):
+    /// the checkpoints named in this file (each app's and pool's
+    /// `checkpoint`) and the apps' `promotion.watch` prefixes.
+    pub allowed_prefixes: Option<Vec<String>>,
 }
 
 /// One serving app.
@@ -687,6 +695,24 @@ impl Config {
         if self.weights.concurrency == 0 {
             return Err(("weights.concurrency".into(), "must be at least 1".into()));
         }
+        for (i, p) in self.weights.allowed_prefixes.iter().flatten().enumerate() {
+            let scheme_ok = p.split_once("://").is_some_and(|(scheme, rest)| {
+                !scheme.is_empty()
+                    && scheme
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-')
+                    && !rest.is_empty()
+            });
+            if !scheme_ok {
+                return Err((
+                    format!("weights.allowed_prefixes[{i}]"),
+                    format!(
+                        "{p:?} is not a checkpoint URI prefix like \"s3://bucket/checkpoints\" \
+                         or \"file:///data/checkpoints\""
+                    ),
+                ));
+            }
+        }
         if self.weights.part_size_bytes == 0 {
             return Err((
                 "weights.part_size_bytes".into(),
@@ -987,6 +1013,9 @@ impl Config {
             }
             resolve_command(&mut app.promotion.gate_command, base);
         }
+        for p in self.weights.allowed_prefixes.iter_mut().flatten() {
+            resolve_checkpoint(p, base);
+        }
     }
 
     /// `backend.pass_env` names variables, and none of the gateway's own
@@ -1161,6 +1190,10 @@ impl Default for WeightsConfig {
             part_size_bytes: defaults::WEIGHTS_PART_SIZE,
             memory_limit_bytes: defaults::WEIGHTS_MEMORY_LIMIT,
             cache_max_bytes: defaults::WEIGHTS_CACHE_MAX,
+            // Nothing beyond what the config itself names: a checkpoint
+            // URI from an API call must not reach arbitrary files, hosts
+            // or buckets with the gateway's own credentials.
+            allowed_prefixes: None,
         }
     }
 }

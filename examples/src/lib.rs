@@ -68,12 +68,18 @@ use hyper_util::rt::TokioExecutor;
 #[derive(Clone)]
 pub struct Fetcher {
     client: Client<HttpConnector, Empty<Bytes>>,
+    /// `WARMGATE_WEIGHTS_TOKEN`: the gateway serves weights only to
+    /// callers that present it.
+    token: Option<String>,
 }
 
 impl Default for Fetcher {
     fn default() -> Self {
         Fetcher {
             client: Client::builder(TokioExecutor::new()).build_http(),
+            token: std::env::var("WARMGATE_WEIGHTS_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty()),
         }
     }
 }
@@ -82,9 +88,16 @@ impl Fetcher {
     /// `GET url`, whole; a non-2xx answer is an error naming the URL.
     pub async fn get(&self, url: &str) -> anyhow::Result<Bytes> {
         let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+        let mut req = hyper::Request::get(uri);
+        if let Some(token) = &self.token {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let req = req
+            .body(Empty::new())
+            .with_context(|| format!("GET {url}"))?;
         let resp = self
             .client
-            .get(uri)
+            .request(req)
             .await
             .with_context(|| format!("GET {url}"))?;
         let status = resp.status();

@@ -74,9 +74,22 @@ pub fn config_from(
     pools: &[WarmPool],
 ) -> Result<(Config, Vec<Refusal>), (String, String)> {
     base.backend.kind = BackendKind::Kubernetes;
+    // The resources' checkpoints are not the operator's word: the allowed
+    // prefixes come from its own config only.
+    let allowed = crate::weights::allowed_prefixes(&base);
+    base.weights.allowed_prefixes = Some(allowed.clone());
     base.apps.clear();
     base.pools.clear();
     base.validate()?;
+    let cwd = std::path::Path::new(".");
+    let allowed = warmgate_pool::weights::AllowList::new(&allowed, cwd)
+        .map_err(|e| ("weights.allowed_prefixes".to_string(), e.to_string()))?;
+    let uri_allowed = |key: &str, uri: Option<&String>| match uri {
+        Some(uri) => allowed
+            .check(uri, cwd)
+            .map_err(|e| (key.to_string(), e.to_string())),
+        None => Ok(()),
+    };
     let mut refused = Vec::new();
     for a in apps {
         let mut spec = a.spec.clone();
@@ -87,7 +100,10 @@ pub fn config_from(
             key: spec_key(&key),
             message,
         };
-        if let Err(e) = resource_fields_allowed(&base.operator, &spec.promotion) {
+        let checked = resource_fields_allowed(&base.operator, &spec.promotion)
+            .and_then(|()| uri_allowed("checkpoint", spec.checkpoint.as_ref()))
+            .and_then(|()| uri_allowed("promotion.watch", spec.promotion.watch.as_ref()));
+        if let Err(e) = checked {
             refused.push(refusal(e));
             continue;
         }
@@ -100,6 +116,15 @@ pub fn config_from(
     for p in pools {
         let mut spec = p.spec.clone();
         spec.name = p.name_any();
+        if let Err((key, message)) = uri_allowed("checkpoint", spec.checkpoint.as_ref()) {
+            refused.push(Refusal {
+                kind: ResourceKind::Pool,
+                name: p.name_any(),
+                key: spec_key(&key),
+                message,
+            });
+            continue;
+        }
         base.pools.push(spec);
         if let Err((key, message)) = base.validate() {
             base.pools.pop();
@@ -718,6 +743,54 @@ mod tests {
         let (c, refused) = config_from(base, &all, &[]).expect("base is valid");
         assert_eq!(refused, []);
         assert_eq!(c.apps.len(), 3);
+    }
+
+    #[test]
+    fn a_resource_reading_a_checkpoint_outside_the_operator_s_prefixes_is_refused() {
+        let inside = app(
+            "minilm",
+            json!({"image": "r/e:1", "checkpoint": "s3://models/minilm/v1"}),
+        );
+        let outside = app(
+            "other",
+            json!({"image": "r/e:1", "checkpoint": "s3://models-private/secret"}),
+        );
+        let watch = app(
+            "watcher",
+            json!({"image": "r/e:1", "promotion": {"watch": "file:///etc"}}),
+        );
+        let pool: WarmPool = serde_json::from_value(json!({
+            "apiVersion": "warmgate.dev/v1alpha1", "kind": "WarmPool",
+            "metadata": {"name": "rollouts"},
+            "spec": {"image": "r/c:1", "checkpoint": "gs://elsewhere/ckpt"},
+        }))
+        .expect("a WarmPool");
+        let mut base = Config::default();
+        base.weights.allowed_prefixes = Some(vec!["s3://models/".into()]);
+        let (c, refused) =
+            config_from(base, &[inside, outside, watch], &[pool]).expect("base is valid");
+        assert_eq!(
+            c.apps.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["minilm"]
+        );
+        assert!(c.pools.is_empty());
+        let keys: Vec<(&str, &str)> = refused
+            .iter()
+            .map(|r| (r.name.as_str(), r.key.as_str()))
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("other", "spec.checkpoint"),
+                ("watcher", "spec.promotion.watch"),
+                ("rollouts", "spec.checkpoint")
+            ]
+        );
+        // Without a list in the operator's config, no resource may name a
+        // checkpoint: its own spec cannot vouch for itself.
+        let a = app("m", json!({"image": "r/e:1", "checkpoint": "s3://models/m"}));
+        let (_, refused) = config_from(Config::default(), &[a], &[]).expect("base is valid");
+        assert_eq!(refused.len(), 1);
     }
 
     #[test]

@@ -113,6 +113,14 @@ impl Gateway {
     /// (a rollback to a revision that served before).
     pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
         if let Some(a) = self.revisions.read().get(&rev.id).cloned() {
+            // Its weights went when it was retired: served again, with a
+            // new token.
+            if let Some(uri) = &rev.checkpoint
+                && self.weights.uri(&app.name, &rev.id).is_none()
+            {
+                let vars = self.serve_weights(&app.name, &rev.id, uri)?;
+                self.pool.update_target(&rev.id, |t| t.env.extend(vars));
+            }
             app.add_live(a.clone());
             return Ok(a);
         }
@@ -121,17 +129,7 @@ impl Gateway {
         spec.checkpoint = rev.checkpoint.clone();
         let mut env = spec.env.clone();
         if let Some(uri) = &spec.checkpoint {
-            let src = warmgate_pool::weights::Source::open(uri, &self.base).map_err(|e| {
-                ApiError::new(
-                    ErrorKind::BadRequest,
-                    format!("checkpoint of {}: {e}", rev.id),
-                )
-            })?;
-            self.weights.register(&app.name, &rev.id, src);
-            env.insert(
-                "WARMGATE_WEIGHTS_URL".into(),
-                format!("http://{}/v1/weights/{}/{}", self.reach, app.name, rev.id),
-            );
+            env.extend(self.serve_weights(&app.name, &rev.id, uri)?);
         }
         self.pool.add_target(TargetSpec {
             name: rev.id.clone(),
@@ -157,6 +155,32 @@ impl Gateway {
         Ok(a)
     }
 
+    /// Serves a revision's checkpoint to its workers: the variables that
+    /// tell them where it is and the token that lets them read it.
+    fn serve_weights(
+        &self,
+        app: &str,
+        revision: &str,
+        uri: &str,
+    ) -> Result<[(String, String); 2], ApiError> {
+        let src = self
+            .weights
+            .open(uri)
+            .map_err(|e| ApiError::new(e.kind, format!("revision {revision}: {}", e.message)))?;
+        self.weights.register(app, revision, src);
+        let token = self.weights.token(crate::weights::Grant::Revision {
+            target: app.to_string(),
+            revision: revision.to_string(),
+        })?;
+        Ok([
+            (
+                "WARMGATE_WEIGHTS_URL".into(),
+                format!("http://{}/v1/weights/{app}/{revision}", self.reach),
+            ),
+            ("WARMGATE_WEIGHTS_TOKEN".into(), token),
+        ])
+    }
+
     /// Promotes a new checkpoint: checks it, makes a revision, and starts
     /// the promotion. Returns the revision id.
     pub(crate) async fn promote(
@@ -165,13 +189,14 @@ impl Gateway {
         req: PromoteRequest,
     ) -> Result<String, ApiError> {
         self.refuse_if_promoting(app)?;
-        let source = warmgate_pool::weights::Source::open(&req.checkpoint, &self.base)
-            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}")))?;
+        let source = self.weights.open(&req.checkpoint)?;
         // Listed under a scratch name first: the checkpoint must exist
-        // before a revision is made for it.
+        // before a revision is made for it. The scratch name is not kept.
         let probe = format!("promote-{}", fastrand::u64(..));
         self.weights.register(&app.name, &probe, source);
-        let listing = self.weights.files(&app.name, &probe).await?;
+        let listing = self.weights.files(&app.name, &probe).await;
+        self.weights.unregister(&app.name, &probe);
+        let listing = listing?;
         if listing.items.is_empty() {
             return Err(ApiError::new(
                 ErrorKind::BadRequest,
@@ -395,6 +420,9 @@ impl Gateway {
                     if let Some(a) = app.revision(id) {
                         a.hold(0);
                     }
+                    // Its checkpoint is no longer served, nor its token
+                    // honoured; a rollback to it serves them again.
+                    self.weights.unregister(&app.name, id);
                     app.remove_live(id);
                     self.pool.scale(id, 0);
                 }
@@ -494,10 +522,10 @@ impl Gateway {
         };
         let marker = app.spec.promotion.marker.clone();
         let every = app.spec.promotion.watch_interval;
-        let source = match warmgate_pool::weights::Source::open(&uri, &self.base) {
+        let source = match self.weights.open(&uri) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(app = %app.name, %uri, error = %e, "cannot watch for checkpoints");
+                tracing::error!(app = %app.name, %uri, error = %e.message, "cannot watch for checkpoints");
                 return;
             }
         };

@@ -72,8 +72,6 @@ pub struct Gateway {
     tasks: Arc<crate::pools::TaskStore>,
     /// Where workers reach the gateway.
     pub(crate) reach: String,
-    /// Relative checkpoint paths resolve against it (the config's folder).
-    pub(crate) base: std::path::PathBuf,
     /// The workers' working directory.
     pub(crate) workdir: Option<std::path::PathBuf>,
     /// Revision history, on disk.
@@ -181,6 +179,11 @@ impl Gateway {
         let cache =
             warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
                 .context("open the weight cache")?;
+        let allowed = warmgate_pool::weights::AllowList::new(
+            &crate::weights::allowed_prefixes(&config),
+            &base,
+        )
+        .context("weights.allowed_prefixes")?;
         let weights = Arc::new(crate::weights::Weights::new(
             cache,
             warmgate_pool::weights::StreamConfig {
@@ -188,6 +191,8 @@ impl Gateway {
                 part_size: w.part_size_bytes,
                 memory_limit: w.memory_limit_bytes,
             },
+            allowed,
+            base,
         ));
         // Pods reach the gateway at its advertised address (its Service);
         // workers on this machine on loopback when it listens on every
@@ -253,10 +258,20 @@ impl Gateway {
         for p in pools.values() {
             let revision = format!("{}-00001", p.name);
             let mut env = p.spec.env.clone();
+            // Every pool replica gets the pool's weights token, with or
+            // without a checkpoint yet: a later weight sync is read with it.
+            let grant = crate::weights::Grant::Pool {
+                target: p.name.clone(),
+            };
+            let token = weights
+                .token(grant)
+                .map_err(|e| anyhow::anyhow!(e.message))?;
+            env.insert("WARMGATE_WEIGHTS_TOKEN".into(), token);
             if let Some(uri) = &p.spec.checkpoint {
                 // Opened here so a bad URI fails at start, not at first use.
-                let src = warmgate_pool::weights::Source::open(uri, &base)
-                    .with_context(|| format!("pool '{}': open its checkpoint", p.name))?;
+                let src = weights
+                    .open(uri)
+                    .map_err(|e| anyhow::anyhow!("pool '{}': {}", p.name, e.message))?;
                 weights.register(&p.name, &revision, src);
                 env.insert(
                     "WARMGATE_WEIGHTS_URL".into(),
@@ -328,7 +343,6 @@ impl Gateway {
             pools,
             tasks,
             reach,
-            base,
             workdir,
             store: parking_lot::Mutex::new(store),
             admin_token: admin_token(),
@@ -1629,24 +1643,37 @@ async fn sync_weights(
         let max_unavailable = max_unavailable(body.max_unavailable.as_ref(), ready)?;
         let version = body.version;
         pool.check_sync(version)?;
-        let source = warmgate_pool::weights::Source::open(&body.checkpoint, &gw.base)
-            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}")))?;
+        let source = gw.weights.open(&body.checkpoint)?;
         let revision = format!("v{version}");
+        let fresh = gw.weights.uri(&pool.name, &revision).is_none();
         gw.weights.register(&pool.name, &revision, source);
         // The checkpoint must exist and list before any replica is touched.
-        let files = gw.weights.files(&pool.name, &revision).await?;
-        if files.items.is_empty() {
-            return Err(ApiError::new(
+        let listed = match gw.weights.files(&pool.name, &revision).await {
+            Ok(files) if files.items.is_empty() => Err(ApiError::new(
                 ErrorKind::BadRequest,
                 format!("checkpoint {} has no files", body.checkpoint),
-            ));
-        }
+            )),
+            other => other.map(|_| ()),
+        };
         let url = format!("http://{}/v1/weights/{}/{revision}", gw.reach, pool.name);
-        pool.begin_sync(version, url.clone())?;
+        let begun = listed.and_then(|()| pool.begin_sync(version, url.clone()));
+        if let Err(e) = begun {
+            if fresh {
+                gw.weights.unregister(&pool.name, &revision);
+            }
+            return Err(e);
+        }
+        // Older versions are no longer served: replicas that start from
+        // now on, and the ones synced in place, read this one.
+        gw.weights.retain_only(&pool.name, &revision);
+        let token = gw.weights.token(crate::weights::Grant::Pool {
+            target: pool.name.clone(),
+        })?;
         let checkpoint = body.checkpoint.clone();
         for target in std::iter::once(pool.name.clone()).chain(pool.ondemand_target()) {
             gw.pool.update_target(&target, |t| {
                 t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
+                t.env.insert("WARMGATE_WEIGHTS_TOKEN".into(), token.clone());
                 t.env
                     .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
                 t.checkpoint = Some(checkpoint.clone());
@@ -1761,16 +1788,47 @@ async fn get_task(
     ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
 }
 
+/// Lets a weights read through with `Authorization: Bearer` and the
+/// admin token, or a worker's `WARMGATE_WEIGHTS_TOKEN` whose grant covers
+/// this checkpoint; nothing else (no tenant key, no open access).
+fn weights_auth(
+    gw: &Gateway,
+    headers: &http::HeaderMap,
+    target: &str,
+    revision: &str,
+) -> Result<(), ApiError> {
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    use subtle::ConstantTimeEq as _;
+    let admin = gw
+        .admin_token
+        .as_ref()
+        .is_some_and(|t| bool::from(presented.as_bytes().ct_eq(t.as_bytes())));
+    if admin || gw.weights.authorized(target, revision, presented) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorKind::Unauthorized,
+        "weights need Authorization: Bearer <the worker's WARMGATE_WEIGHTS_TOKEN, \
+         or the gateway's WARMGATE_ADMIN_TOKEN>",
+    ))
+}
+
 /// The files of a revision's checkpoint.
 #[utoipa::path(get, path = "/v1/weights/{target}/{revision}", tag = "weights",
     params(("target" = String, Path, description = "App or pool"), ("revision" = String, Path, description = "Revision id, or v<N> for a pool")),
-    responses((status = 200, description = "`{target, revision, checkpoint, files}`", body = Object), (status = 404, description = "No such checkpoint", body = ErrorBody)))]
+    responses((status = 200, description = "`{target, revision, checkpoint, files}`", body = Object), (status = 401, description = "No weights or admin token", body = ErrorBody), (status = 404, description = "No such checkpoint", body = ErrorBody)))]
 async fn weights_manifest(
     State(gw): State<Arc<Gateway>>,
     Path((target, revision)): Path<(String, String)>,
+    headers: http::HeaderMap,
 ) -> Response {
     let result = async {
         let target = gw.target_name(&target);
+        weights_auth(&gw, &headers, &target, &revision)?;
         let files = gw.weights.files(&target, &revision).await?;
         let list: Vec<_> = files
             .items
@@ -1794,12 +1852,16 @@ async fn weights_manifest(
 /// One file of a revision's checkpoint, streamed.
 #[utoipa::path(get, path = "/v1/weights/{target}/{revision}/{file}", tag = "weights",
     params(("target" = String, Path, description = "App or pool"), ("revision" = String, Path, description = "Revision id"), ("file" = String, Path, description = "File in the checkpoint")),
-    responses((status = 200, description = "The file, streamed from the cache", content_type = "application/octet-stream"), (status = 404, description = "No such file", body = ErrorBody)))]
+    responses((status = 200, description = "The file, streamed from the cache", content_type = "application/octet-stream"), (status = 401, description = "No weights or admin token", body = ErrorBody), (status = 404, description = "No such file", body = ErrorBody)))]
 async fn weights_file(
     State(gw): State<Arc<Gateway>>,
     Path((target, revision, file)): Path<(String, String, String)>,
+    headers: http::HeaderMap,
 ) -> Response {
     let target = gw.target_name(&target);
+    if let Err(e) = weights_auth(&gw, &headers, &target, &revision) {
+        return e.into_response();
+    }
     match gw.weights.file(&target, &revision, &file).await {
         Ok((body, size)) => (
             [

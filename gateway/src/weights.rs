@@ -7,6 +7,14 @@
 //! one download from the store fills the cache, and every reader of that
 //! file, however many replicas start at once, follows the same download as
 //! it grows.
+//!
+//! Only checkpoint URIs under the allowed prefixes are opened
+//! ([`Weights::open`]). Reading needs a credential: the admin token, or
+//! the token each worker finds in `WARMGATE_WEIGHTS_TOKEN`, which is
+//! bound to its target ([`Grant`]) and revoked when the target's
+//! registration goes. Every body that has a `SHA256SUMS` digest is hashed
+//! as it is sent, and its last chunk is held back until the digest
+//! matches: a mismatch ends the body with an error, never a clean end.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -15,9 +23,10 @@ use std::sync::Arc;
 use axum::body::Body;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
+use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::watch;
-use warmgate_pool::weights::{Cache, PullItem, Source, StreamConfig, checksums, plan};
+use warmgate_pool::weights::{AllowList, Cache, PullItem, Source, StreamConfig, checksums, plan};
 
 use crate::error::{ApiError, ErrorKind};
 
@@ -44,46 +53,177 @@ pub struct Listing {
     pub sums: HashMap<String, String>,
 }
 
+/// The checkpoint URI prefixes the gateway may open: `[weights]
+/// allowed_prefixes` when set, else every checkpoint the config names
+/// (apps' and pools') and the apps' `promotion.watch` prefixes.
+pub fn allowed_prefixes(config: &warmgate_deploy::Config) -> Vec<String> {
+    if let Some(list) = &config.weights.allowed_prefixes {
+        return list.clone();
+    }
+    let apps = config
+        .apps
+        .iter()
+        .flat_map(|a| a.checkpoint.iter().chain(a.promotion.watch.iter()).cloned());
+    let pools = config.pools.iter().filter_map(|p| p.checkpoint.clone());
+    apps.chain(pools).collect()
+}
+
+/// What a worker's weights token lets it read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Grant {
+    /// The checkpoint of one revision of an app.
+    Revision {
+        /// The app.
+        target: String,
+        /// The revision id.
+        revision: String,
+    },
+    /// Every weights version of a pool (its replicas swap versions in
+    /// place with the token they started with).
+    Pool {
+        /// The pool.
+        target: String,
+    },
+}
+
+/// A registration: the checkpoint of `target` at `revision`.
+type Key = (String, String);
+
 /// Checkpoints of the apps' revisions and of the pools' weight versions,
-/// their listings, and downloads in flight.
+/// their listings, downloads in flight, and the workers' tokens.
 pub struct Weights {
     cache: Cache,
     cfg: StreamConfig,
-    /// By `<target>/<revision>`.
-    sources: Mutex<HashMap<String, Source>>,
-    listings: Mutex<HashMap<String, Arc<Listing>>>,
+    allowed: AllowList,
+    /// Relative `file://` URIs resolve against it.
+    base: PathBuf,
+    sources: Mutex<HashMap<Key, Source>>,
+    listings: Mutex<HashMap<Key, Arc<Listing>>>,
     downloads: Mutex<HashMap<String, watch::Receiver<Progress>>>,
+    tokens: Mutex<HashMap<Grant, String>>,
 }
 
+// === impl Grant ===
+
+impl Grant {
+    /// Whether it covers the checkpoint of `target` at `revision`.
+    fn covers(&self, t: &str, r: &str) -> bool {
+        match self {
+            Grant::Revision { target, revision } => target == t && revision == r,
+            Grant::Pool { target } => target == t,
+        }
+    }
+}
+
+// === impl Weights ===
+
 impl Weights {
-    /// Weights with no checkpoints yet, cached in `cache`.
-    pub fn new(cache: Cache, cfg: StreamConfig) -> Self {
+    /// Weights with no checkpoints yet, cached in `cache`, opening only
+    /// URIs under `allowed` (relative ones against `base`).
+    pub fn new(cache: Cache, cfg: StreamConfig, allowed: AllowList, base: PathBuf) -> Self {
         Weights {
             cache,
             cfg,
+            allowed,
+            base,
             sources: Mutex::new(HashMap::new()),
             listings: Mutex::new(HashMap::new()),
             downloads: Mutex::new(HashMap::new()),
+            tokens: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Opens a checkpoint URI, after checking it against the allowed
+    /// prefixes: one outside them is refused (400) before anything is
+    /// opened or fetched.
+    pub fn open(&self, uri: &str) -> Result<Source, ApiError> {
+        let bad = |e: warmgate_pool::Error| {
+            ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}"))
+        };
+        self.allowed.check(uri, &self.base).map_err(bad)?;
+        Source::open(uri, &self.base).map_err(bad)
     }
 
     /// Serves `source` as the checkpoint of `target` at `revision`.
     pub fn register(&self, target: &str, revision: &str, source: Source) {
-        let key = format!("{target}/{revision}");
+        let key = (target.to_string(), revision.to_string());
         self.listings.lock().remove(&key);
         self.sources.lock().insert(key, source);
     }
 
+    /// Stops serving the checkpoint of `target` at `revision` (a revision
+    /// rolled back, replaced or failed), and revokes its token.
+    pub fn unregister(&self, target: &str, revision: &str) {
+        let key = (target.to_string(), revision.to_string());
+        self.sources.lock().remove(&key);
+        self.listings.lock().remove(&key);
+        self.revoke(&Grant::Revision {
+            target: target.to_string(),
+            revision: revision.to_string(),
+        });
+    }
+
+    /// Stops serving every checkpoint of `target` but the one at `revision`
+    /// (a pool's older weight versions, once a newer one is synced).
+    pub fn retain_only(&self, target: &str, revision: &str) {
+        let keep = |k: &Key| k.0 != target || k.1 == revision;
+        self.sources.lock().retain(|k, _| keep(k));
+        self.listings.lock().retain(|k, _| keep(k));
+    }
+
+    /// Checkpoints registered.
+    pub fn registered(&self) -> usize {
+        self.sources.lock().len()
+    }
+
     /// The URI of a registered checkpoint.
     pub fn uri(&self, target: &str, revision: &str) -> Option<String> {
-        let key = format!("{target}/{revision}");
+        let key = (target.to_string(), revision.to_string());
         self.sources.lock().get(&key).map(|s| s.uri().to_string())
+    }
+
+    /// The token for `grant`, made on first use: 32 random bytes from the
+    /// operating system, in hex. Workers get it as `WARMGATE_WEIGHTS_TOKEN`.
+    pub fn token(&self, grant: Grant) -> Result<String, ApiError> {
+        let mut tokens = self.tokens.lock();
+        if let Some(t) = tokens.get(&grant) {
+            return Ok(t.clone());
+        }
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).map_err(|e| {
+            ApiError::new(
+                ErrorKind::NoCapacity,
+                format!("cannot make a weights token: {e}"),
+            )
+        })?;
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        tokens.insert(grant, token.clone());
+        Ok(token)
+    }
+
+    /// Revokes the token of `grant`.
+    pub fn revoke(&self, grant: &Grant) {
+        self.tokens.lock().remove(grant);
+    }
+
+    /// Whether `presented` is a live token whose grant covers the
+    /// checkpoint of `target` at `revision`. Every token is compared in
+    /// constant time.
+    pub fn authorized(&self, target: &str, revision: &str, presented: &str) -> bool {
+        use subtle::ConstantTimeEq as _;
+        let tokens = self.tokens.lock();
+        let mut ok = subtle::Choice::from(0);
+        for (grant, token) in tokens.iter() {
+            let same = presented.as_bytes().ct_eq(token.as_bytes());
+            ok |= same & subtle::Choice::from(u8::from(grant.covers(target, revision)));
+        }
+        bool::from(ok)
     }
 
     /// The files of a revision's checkpoint (listed once; a revision's
     /// checkpoint does not change).
     pub async fn files(&self, target: &str, revision: &str) -> Result<Arc<Listing>, ApiError> {
-        let key = format!("{target}/{revision}");
+        let key = (target.to_string(), revision.to_string());
         if let Some(l) = self.listings.lock().get(&key) {
             return Ok(l.clone());
         }
@@ -98,7 +238,10 @@ impl Weights {
             .await
             .map_err(|e| weights_error(&e))?;
         let listing = Arc::new(Listing { items, sums });
-        self.listings.lock().insert(key, listing.clone());
+        // Not kept when the registration went meanwhile.
+        if self.sources.lock().contains_key(&key) {
+            self.listings.lock().insert(key, listing.clone());
+        }
         Ok(listing)
     }
 
@@ -128,10 +271,11 @@ impl Weights {
         let key = Cache::key(item.source.uri(), &item.meta);
         if let Some(path) = self.cache.lookup(&key, size) {
             metrics::counter!("warmgate_weights_cache_bytes_total").increment(size);
-            return Ok((follow(watch::channel(Progress::Done(path)).1, size), size));
+            let rx = watch::channel(Progress::Done(path)).1;
+            return Ok((follow(rx, size, expected), size));
         }
-        let rx = self.download(key, item, expected).await?;
-        Ok((follow(rx, size), size))
+        let rx = self.download(key, item, expected.clone()).await?;
+        Ok((follow(rx, size, expected), size))
     }
 
     /// The download of `item`: the one in flight, or a new one.
@@ -209,21 +353,35 @@ impl Weights {
 }
 
 /// A body that reads a file as a download writes it: from the temporary
-/// file while it grows, from the cache entry once it is done.
-fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
+/// file while it grows, from the cache entry once it is done. With an
+/// expected SHA-256 it hashes what it sends and holds the last chunk back
+/// until the digest matches; on a mismatch the body ends with an error
+/// (and a cache entry that was read is removed), so no reader sees a clean
+/// end of bad bytes.
+fn follow(rx: watch::Receiver<Progress>, size: u64, sha256: Option<String>) -> Body {
+    Body::from_stream(follow_stream(rx, size, sha256))
+}
+
+fn follow_stream(
+    rx: watch::Receiver<Progress>,
+    size: u64,
+    sha256: Option<String>,
+) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> {
     struct St {
         rx: watch::Receiver<Progress>,
-        file: Option<tokio::fs::File>,
+        file: Option<(tokio::fs::File, PathBuf)>,
         offset: u64,
         size: u64,
+        sha256: Option<(String, Sha256)>,
     }
     let st = St {
         rx,
         file: None,
         offset: 0,
         size,
+        sha256: sha256.map(|s| (s, Sha256::new())),
     };
-    let stream = futures_util::stream::try_unfold(st, |mut st| async move {
+    futures_util::stream::try_unfold(st, |mut st| async move {
         loop {
             if st.offset >= st.size {
                 return Ok::<_, std::io::Error>(None);
@@ -241,7 +399,7 @@ fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
                     match tokio::fs::File::open(&path).await {
                         Ok(mut f) => {
                             f.seek(std::io::SeekFrom::Start(st.offset)).await?;
-                            st.file = Some(f);
+                            st.file = Some((f, path.clone()));
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                             if st.rx.changed().await.is_err() {
@@ -254,7 +412,7 @@ fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
                 }
                 let want = ((available - st.offset) as usize).min(CHUNK);
                 let mut buf = bytes::BytesMut::with_capacity(want);
-                let file = st.file.as_mut().expect("opened above");
+                let (file, opened) = st.file.as_mut().expect("opened above");
                 let mut limited = file.take(want as u64);
                 while buf.len() < want {
                     if limited.read_buf(&mut buf).await? == 0 {
@@ -262,6 +420,25 @@ fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
                     }
                 }
                 st.offset += want as u64;
+                if let Some((expected, hasher)) = st.sha256.as_mut() {
+                    hasher.update(&buf);
+                    if st.offset == st.size {
+                        let got: String = std::mem::take(hasher)
+                            .finalize()
+                            .iter()
+                            .map(|b| format!("{b:02x}"))
+                            .collect();
+                        if !got.eq_ignore_ascii_case(expected) {
+                            if matches!(progress, Progress::Done(_)) {
+                                tracing::warn!(path = %opened.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
+                                let _ = std::fs::remove_file(&*opened);
+                            }
+                            return Err(std::io::Error::other(format!(
+                                "sha256 mismatch: the checkpoint's SHA256SUMS says {expected}, the bytes hash to {got}"
+                            )));
+                        }
+                    }
+                }
                 return Ok(Some((buf.freeze(), st)));
             }
             if st.rx.changed().await.is_err() {
@@ -271,8 +448,7 @@ fn follow(rx: watch::Receiver<Progress>, size: u64) -> Body {
                 }
             }
         }
-    });
-    Body::from_stream(stream)
+    })
 }
 
 fn weights_error(e: &warmgate_pool::Error) -> ApiError {
@@ -285,4 +461,168 @@ fn weights_error(e: &warmgate_pool::Error) -> ApiError {
         _ => ErrorKind::ReplicaFailed,
     };
     ApiError::new(kind, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::memory::InMemory;
+    use object_store::{ObjectStoreExt, PutPayload};
+
+    fn weights(dir: &std::path::Path) -> Arc<Weights> {
+        let cache = Cache::open(dir.join("cache"), u64::MAX).expect("cache");
+        Arc::new(Weights::new(
+            cache,
+            StreamConfig::default(),
+            AllowList::default(),
+            dir.to_path_buf(),
+        ))
+    }
+
+    /// A checkpoint in a fresh in-memory store: its first object gets
+    /// ETag 0, as in every other fresh store.
+    async fn checkpoint(files: &[(&str, &[u8])], uri: &str) -> Source {
+        let store = Arc::new(InMemory::new());
+        for (name, data) in files {
+            store
+                .put(
+                    &object_store::path::Path::from(format!("ck/{name}")),
+                    PutPayload::from(data.to_vec()),
+                )
+                .await
+                .expect("put");
+        }
+        Source::new(store, object_store::path::Path::from("ck"), uri)
+    }
+
+    async fn read(
+        w: &Arc<Weights>,
+        target: &str,
+        rev: &str,
+        name: &str,
+    ) -> Result<Vec<u8>, String> {
+        let (body, _) = w.file(target, rev, name).await.map_err(|e| e.message)?;
+        axum::body::to_bytes(body, usize::MAX)
+            .await
+            .map(|b| b.to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    fn sha(data: &[u8]) -> String {
+        Sha256::digest(data)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn two_checkpoints_with_the_same_etag_and_size_get_their_own_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = weights(dir.path());
+        let a = checkpoint(&[("model.bin", b"aaaaaaaa")], "memory://one/ck").await;
+        let b = checkpoint(&[("model.bin", b"bbbbbbbb")], "memory://two/ck").await;
+        let file = object_store::path::Path::from("ck/model.bin");
+        let ma = a.child(&file).head().await.expect("head");
+        let mb = b.child(&file).head().await.expect("head");
+        assert_eq!((ma.e_tag.clone(), ma.size), (mb.e_tag.clone(), mb.size));
+        w.register("m", "r1", a);
+        w.register("m", "r2", b);
+        assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), b"aaaaaaaa");
+        assert_eq!(read(&w, "m", "r2", "model.bin").await.unwrap(), b"bbbbbbbb");
+    }
+
+    #[tokio::test]
+    async fn a_cache_hit_whose_bytes_do_not_match_sha256sums_ends_in_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = weights(dir.path());
+        let data = vec![7u8; 3 * CHUNK / 2];
+        let sums = format!("{}  model.bin\n", sha(&data));
+        let src = checkpoint(
+            &[("model.bin", &data), ("SHA256SUMS", sums.as_bytes())],
+            "memory://one/ck",
+        )
+        .await;
+        w.register("m", "r1", src);
+        assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), data);
+        // The entry is corrupted on disk, keeping its size.
+        // The reader may finish before the download commits its entry.
+        let cache = dir.path().join("cache");
+        let committed = || {
+            std::fs::read_dir(&cache)
+                .expect("cache dir")
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| {
+                    !p.to_string_lossy().ends_with(".tmp")
+                        && std::fs::metadata(p).is_ok_and(|m| m.len() == data.len() as u64)
+                })
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let entry = loop {
+            if let Some(p) = committed()
+                && w.downloads.lock().is_empty()
+            {
+                break p;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the entry was never committed"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        std::fs::write(&entry, vec![8u8; data.len()]).expect("corrupt");
+        let err = read(&w, "m", "r1", "model.bin").await.unwrap_err();
+        assert!(!err.is_empty());
+        // The bad entry is gone: the next read downloads the good bytes.
+        assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), data);
+    }
+
+    #[tokio::test]
+    async fn a_follower_never_sees_the_end_of_bytes_whose_digest_is_wrong() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tmp = dir.path().join("partial");
+        let bad = vec![1u8; CHUNK + 10];
+        std::fs::write(&tmp, &bad).expect("write");
+        // Every byte is written; the writer has not committed yet.
+        let (_tx, rx) = watch::channel(Progress::Writing {
+            tmp,
+            written: bad.len() as u64,
+        });
+        let mut stream = std::pin::pin!(follow_stream(rx, bad.len() as u64, Some(sha(b"good"))));
+        let mut got = 0usize;
+        let mut failed = false;
+        while let Some(chunk) = stream.next().await {
+            match chunk {
+                Ok(c) => got += c.len(),
+                Err(_) => {
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        assert!(failed, "the body ended cleanly after {got} bytes");
+        assert!(got < bad.len());
+    }
+
+    #[test]
+    fn a_weights_token_reads_only_its_own_grant_until_revoked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = weights(dir.path());
+        let rev = |r: &str| Grant::Revision {
+            target: "m".into(),
+            revision: r.into(),
+        };
+        let t1 = w.token(rev("r1")).expect("token");
+        let pool = w.token(Grant::Pool { target: "p".into() }).expect("token");
+        assert_eq!(t1.len(), 64);
+        assert_eq!(w.token(rev("r1")).expect("token"), t1);
+        assert!(w.authorized("m", "r1", &t1));
+        assert!(!w.authorized("m", "r2", &t1));
+        assert!(!w.authorized("p", "v1", &t1));
+        assert!(w.authorized("p", "v1", &pool) && w.authorized("p", "v7", &pool));
+        assert!(!w.authorized("m", "r1", ""));
+        assert!(!w.authorized("m", "r1", &t1[..63]));
+        w.unregister("m", "r1");
+        assert!(!w.authorized("m", "r1", &t1));
+    }
 }

@@ -105,15 +105,17 @@ async fn pool_counters_follow_tasks_retries_and_weight_syncs() {
     let v1 = root.path().join("v1");
     std::fs::create_dir_all(&v1).expect("mkdir");
     std::fs::write(v1.join("model.bin"), b"weights").expect("write");
-    let gw = Gateway::start(
+    let gw = Gateway::start(&format!(
         r#"
         [[pools]]
         name = "rollouts"
-        command = ["{worker}"]
+        command = ["{{worker}}"]
         replicas = [1, 1]
         retries = 3
+        {}
         "#,
-    );
+        common::allow_temp_checkpoints()
+    ));
     let task = |input: Value| {
         let (http, url) = (gw.http.clone(), gw.at("/v1/pools/rollouts/tasks"));
         async move {

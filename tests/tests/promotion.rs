@@ -45,7 +45,9 @@ fn config(extra: &str) -> String {
         bake = "30s"
         min_requests = 10
         {extra}
-        "#
+        {allow}
+        "#,
+        allow = common::allow_temp_checkpoints()
     )
 }
 

@@ -24,8 +24,10 @@ async fn reinforce_through_the_gateway_solves_cartpole() {
         command = ["{}"]
         replicas = [2, 2]
         concurrency = 4
+        {}
         "#,
-        worker.display()
+        worker.display(),
+        common::allow_temp_checkpoints()
     ));
     let store = gw.dir.path().join("store");
     let png = gw.dir.path().join("curve.png");

@@ -35,7 +35,9 @@ fn config(initial: &str, replicas: u32, extra: &str) -> String {
         replicas = [{replicas}, {replicas}]
         concurrency = 2
         {extra}
-        "#
+        {allow}
+        "#,
+        allow = common::allow_temp_checkpoints()
     )
 }
 

@@ -1,7 +1,7 @@
 //! A node-local, content-addressed cache of objects under `state_dir`.
 //!
-//! An entry's name is a hash of what the store says identifies the content
-//! (ETag or version, plus size), so a second replica, a restart or a
+//! An entry's name is a hash of the object's URI and of what the store says
+//! identifies its content (ETag or version, plus size), so a second replica, a restart or a
 //! rollback reads the same bytes locally. Entries are written to a temporary
 //! file and renamed into place only after their size is checked, so a crash
 //! never leaves a partial entry that a later read would trust. Least
@@ -56,17 +56,23 @@ impl Cache {
         Ok(Cache { dir, max_bytes })
     }
 
-    /// The entry name for an object: a hash of its ETag (or version) and
-    /// size; without either, of its URI, modification time and size.
+    /// The entry name for an object: a hash of its identity (its URI) and
+    /// of what the store says about its content (ETag or version, else
+    /// modification time) and size. Two objects that share an ETag and a
+    /// size (nginx's ETag is mtime plus size; an in-memory store counts
+    /// from zero) never share an entry.
     pub fn key(uri: &str, meta: &ObjectMeta) -> String {
         let mut h = Sha256::new();
+        h.update(format!("uri:{uri}|size:{}|", meta.size));
         match (&meta.e_tag, &meta.version) {
-            (Some(etag), _) => h.update(format!("etag:{etag}|size:{}", meta.size)),
-            (None, Some(v)) => h.update(format!("version:{v}|size:{}", meta.size)),
+            (Some(etag), v) => h.update(format!(
+                "etag:{etag}|version:{}",
+                v.as_deref().unwrap_or("")
+            )),
+            (None, Some(v)) => h.update(format!("version:{v}")),
             (None, None) => h.update(format!(
-                "uri:{uri}|modified:{}|size:{}",
-                meta.last_modified.timestamp_nanos_opt().unwrap_or_default(),
-                meta.size
+                "modified:{}",
+                meta.last_modified.timestamp_nanos_opt().unwrap_or_default()
             )),
         }
         hex(&h.finalize())
@@ -242,6 +248,29 @@ impl Drop for CacheWriter {
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
+}
+
+/// The SHA-256 of a file, in lower-case hex, read on the blocking pool.
+pub async fn sha256_file(path: &Path) -> Result<String> {
+    let p = path.to_owned();
+    let err = |reason: String| Error::Cache {
+        path: path.to_owned(),
+        reason,
+    };
+    tokio::task::spawn_blocking(move || {
+        let mut f = std::fs::File::open(&p)?;
+        let mut h = Sha256::new();
+        std::io::copy(&mut f, &mut h)?;
+        Ok::<_, std::io::Error>(hex(&h.finalize()))
+    })
+    .await
+    .map_err(|e| err(e.to_string()))?
+    .map_err(|e| err(e.to_string()))
+}
+
+/// Whether a cached file hashes to `sha256`.
+pub(crate) async fn matches(path: &Path, sha256: &str) -> Result<bool> {
+    Ok(sha256_file(path).await?.eq_ignore_ascii_case(sha256))
 }
 
 /// Lower-case hex of a digest.

@@ -7,14 +7,17 @@
 //! first and yields each tensor as soon as its bytes are complete, so a
 //! worker can place tensor N while tensor N+1 is still arriving. [`Cache`]
 //! keeps objects on local disk, keyed by what the store says about their
-//! content, so a second replica or a rollback never downloads them again.
+//! content and identity, so a second replica or a rollback never downloads them
+//! again. [`AllowList`] says which checkpoint URIs may be opened at all.
 
+mod allow;
 mod cache;
 pub mod header;
 mod pull;
 mod source;
 
-pub use cache::{Cache, CacheWriter, parse_sha256sums};
+pub use allow::AllowList;
+pub use cache::{Cache, CacheWriter, parse_sha256sums, sha256_file};
 pub use header::{Header, TensorEntry};
 pub use pull::{PullItem, PullReport, SHA256SUMS, checksums, plan, pull};
 pub use source::{Source, StreamConfig, Tensor};

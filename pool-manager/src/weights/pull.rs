@@ -51,8 +51,20 @@ pub async fn plan(src: &Source) -> Result<Vec<PullItem>> {
         },
     };
     let base = src.path_str().trim_end_matches('/').to_string();
+    // The local store follows symlinks; one that leads out of the
+    // checkpoint is neither listed nor served.
+    let root = src.local_path().and_then(|p| std::fs::canonicalize(p).ok());
     objects
         .into_iter()
+        .filter(|meta| {
+            let Some(root) = &root else { return true };
+            let path = PathBuf::from(format!("/{}", meta.location.as_ref()));
+            let inside = std::fs::canonicalize(&path).is_ok_and(|real| real.starts_with(root));
+            if !inside {
+                tracing::warn!(uri = %src.uri(), file = %path.display(), "skipping a file that resolves outside the checkpoint");
+            }
+            inside
+        })
         .map(|meta| {
             let loc = meta.location.as_ref();
             let rel = loc
@@ -138,7 +150,18 @@ pub async fn pull(
             item.source.header(size).await?;
         }
         let key = Cache::key(item.source.uri(), &item.meta);
-        if let Some(cached) = cache.and_then(|c| c.lookup(&key, size)) {
+        let cached = match cache.and_then(|c| c.lookup(&key, size)) {
+            Some(path) => match expected {
+                Some(want) if !super::cache::matches(&path, want).await? => {
+                    tracing::warn!(path = %path.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
+                    let _ = tokio::fs::remove_file(&path).await;
+                    None
+                }
+                _ => Some(path),
+            },
+            None => None,
+        };
+        if let Some(cached) = cached {
             place(&cached, &target).await?;
             on_bytes(size);
             report.from_cache += size;

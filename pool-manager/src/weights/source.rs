@@ -71,6 +71,26 @@ pub struct Source {
     store: Arc<dyn ObjectStore>,
     path: Path,
     uri: String,
+    /// Whether the store is the local file system (rooted at `/`).
+    local: bool,
+}
+
+/// A checkpoint URI as the store will see it: a relative `file://` path
+/// resolved against `base`, then parsed, which removes `.` and `..`
+/// segments (percent-encoded ones too).
+pub fn resolve(uri: &str, base: &std::path::Path) -> Result<url::Url> {
+    let resolved = match uri.strip_prefix("file://") {
+        Some(rest) if !rest.starts_with('/') => {
+            let base = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
+            let abs = base.join(rest.trim_start_matches("./"));
+            format!("file://{}", abs.display())
+        }
+        _ => uri.to_string(),
+    };
+    url::Url::parse(&resolved).map_err(|e| Error::Weights {
+        uri: uri.to_string(),
+        reason: format!("not a valid URI: {e}"),
+    })
 }
 
 impl Source {
@@ -82,15 +102,7 @@ impl Source {
             uri: uri.to_string(),
             reason,
         };
-        let resolved = match uri.strip_prefix("file://") {
-            Some(rest) if !rest.starts_with('/') => {
-                let base = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
-                let abs = base.join(rest.trim_start_matches("./"));
-                format!("file://{}", abs.display())
-            }
-            _ => uri.to_string(),
-        };
-        let url = url::Url::parse(&resolved).map_err(|e| bad(format!("not a valid URI: {e}")))?;
+        let url = resolve(uri, base)?;
         if url.scheme() == "file" {
             // object_store's local store refuses paths that do not exist yet;
             // a missing checkpoint is reported on first read instead.
@@ -101,7 +113,9 @@ impl Source {
             let location = Path::from_filesystem_path(&path)
                 .or_else(|_| Path::parse(path.to_string_lossy().trim_start_matches('/')))
                 .map_err(|e| bad(e.to_string()))?;
-            return Ok(Source::new(Arc::new(store), location, uri));
+            let mut src = Source::new(Arc::new(store), location, uri);
+            src.local = true;
+            return Ok(src);
         }
         let mut options: Vec<(String, String)> = std::env::vars()
             .map(|(k, v)| (k.to_ascii_lowercase(), v))
@@ -122,7 +136,15 @@ impl Source {
             store,
             path,
             uri: uri.into(),
+            local: false,
         }
+    }
+
+    /// Where the object (or prefix) is on this machine's file system, for
+    /// a `file://` source.
+    pub fn local_path(&self) -> Option<std::path::PathBuf> {
+        self.local
+            .then(|| std::path::PathBuf::from(format!("/{}", self.path.as_ref())))
     }
 
     /// The URI, for messages.
@@ -152,6 +174,7 @@ impl Source {
             store: self.store.clone(),
             path: location.clone(),
             uri,
+            local: self.local,
         }
     }
 

@@ -380,8 +380,11 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
     struct File {
         name: String,
     }
+    // The gateway serves weights only with the worker's token.
+    let token = std::env::var("WARMGATE_WEIGHTS_TOKEN").unwrap_or_default();
     let manifest: Manifest = http
         .get(url)
+        .bearer_auth(&token)
         .send()
         .await?
         .error_for_status()?
@@ -394,6 +397,7 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
     for f in &manifest.files {
         let mut resp = http
             .get(format!("{url}/{}", f.name))
+            .bearer_auth(&token)
             .send()
             .await?
             .error_for_status()?;

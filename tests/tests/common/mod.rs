@@ -326,3 +326,18 @@ pub fn alive(pid: i32) -> bool {
 pub fn kind(v: &Value) -> &str {
     v["error"]["kind"].as_str().unwrap_or("<no kind>")
 }
+
+/// `[weights] allowed_prefixes` for tests whose checkpoints live in
+/// temporary folders that the config does not name.
+pub fn allow_temp_checkpoints() -> String {
+    allow_checkpoints_under(&[])
+}
+
+/// `[weights] allowed_prefixes`: the temporary folder and `dirs`.
+pub fn allow_checkpoints_under(dirs: &[&Path]) -> String {
+    let list: Vec<String> = std::iter::once(std::env::temp_dir().as_path())
+        .chain(dirs.iter().copied())
+        .map(|d| format!("\"file://{}\"", d.display()))
+        .collect();
+    format!("\n[weights]\nallowed_prefixes = [{}]\n", list.join(", "))
+}
