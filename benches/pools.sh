@@ -36,6 +36,9 @@ fi
 cargo build --release --workspace --bins -q
 BIN=$PWD/target/release
 WORK=$(mktemp -d /tmp/warmgate-pools.XXXXXX)
+# The control plane and /v1/weights need a credential: an admin token for
+# the gateways this script starts, sent by its curls and by pool-fairness.
+export WARMGATE_ADMIN_TOKEN="bench-$RANDOM$RANDOM"
 OUT=${OUT:-$PWD/target/bench-results}
 mkdir -p "$OUT"
 PIDS=()
@@ -66,7 +69,7 @@ stop_gateway() {
 ready_replicas() { # pool n -> prints the addresses once n are ready
   local pool=$1 n=$2
   for _ in $(seq 1 1500); do
-    addrs=$(curl -s "$GW_URL/v1/status" | python3 -c '
+    addrs=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GW_URL/v1/status" | python3 -c '
 import json,sys
 p=[p for p in json.load(sys.stdin)["pools"] if p["name"]==sys.argv[1]][0]
 r=[x["addr"] for x in p["pool"]["replicas"] if x["state"]=="ready"]
@@ -144,6 +147,7 @@ GW_CPU=0-1 start_gateway "$WORK/sync.toml" "$WORK/gw-sync.log" 2
 ready_replicas sync 4 >/dev/null
 sync_to() { # version max_unavailable [checkpoint-dir] -> seconds (the API's own figure)
   curl -sf -X POST "$GW_URL/v1/pools/sync/weights" -H 'content-type: application/json' \
+    -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" \
     -d "{\"checkpoint\": \"file://$WORK/ckpt/v${3:-$1}\", \"version\": $1, \"max_unavailable\": \"$2\"}" \
     | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["synced"]==4, d; print("%.3f" % d["seconds"])'
 }
@@ -154,10 +158,11 @@ SYNC_WARM=$(sync_to 3 100% 2)
 # Baselines: four plain downloads of the same (now cached) file from the
 # gateway at once, as the four workers make, and a raw read from disk.
 DL=$(python3 - "$GW_URL/v1/weights/sync/v2/model.safetensors.bin" <<'PY'
-import sys, time, urllib.request
+import os, sys, time, urllib.request
 from concurrent.futures import ThreadPoolExecutor
 def get(_):
-    with urllib.request.urlopen(sys.argv[1]) as r:
+    req = urllib.request.Request(sys.argv[1], headers={"authorization": "Bearer " + os.environ["WARMGATE_ADMIN_TOKEN"]})
+    with urllib.request.urlopen(req) as r:
         while r.read(8 << 20):
             pass
 t = time.perf_counter()

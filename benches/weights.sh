@@ -60,6 +60,8 @@ nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf"
 URL="http://127.0.0.1:$PORT/model.safetensors"
 
 # warmgate, for its /v1/weights endpoint (the app never starts a worker).
+# The endpoint needs a credential: the admin token, which weights-bench sends.
+export WARMGATE_ADMIN_TOKEN="bench-$RANDOM$RANDOM"
 cat >"$WORK/gw.toml" <<CONF
 state_dir = "$WORK/state"
 [[apps]]
@@ -97,7 +99,7 @@ CONF
   for _ in $(seq 1 200); do grep -q "listening on" "$WORK/mini.out" && break; sleep 0.02; done
   MG=$(sed -n 's/^warmgate listening on //p' "$WORK/mini.out")
   req() { curl -s -o /dev/null -w '%{time_total}' "$MG/v1/embeddings" -d '{"model":"minilm","input":"warm pools"}'; }
-  phases() { curl -s "$MG/v1/status" | python3 -c '
+  phases() { curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$MG/v1/status" | python3 -c '
 import json,sys
 c=json.load(sys.stdin)["apps"][0]["pool"]["last_cold_start"]
 s, r = c["spawn_seconds"] * 1e3, c["ready_seconds"] * 1e3
@@ -105,7 +107,7 @@ print("spawn %.1f ms, spawn to ready %.0f ms" % (s, r))'; }
   T1=$(req)
   P1=$(phases)
   for _ in $(seq 1 300); do
-    n=$(curl -s "$MG/v1/status" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["apps"][0]["pool"]["replicas"]))')
+    n=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$MG/v1/status" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["apps"][0]["pool"]["replicas"]))')
     [ "$n" = 0 ] && break; sleep 0.05
   done
   T2=$(req)

@@ -97,8 +97,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         first.get_or_insert(wait);
         hist.record(wait)?;
     }
-    let status: Value = http
-        .get(format!("{gw}/v1/status"))
+    let mut status = http.get(format!("{gw}/v1/status"));
+    if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+        status = status.bearer_auth(token);
+    }
+    let status: Value = status
         .send()
         .await?
         .json()

@@ -138,7 +138,16 @@ where
 
 async fn http_get_all(url: &str) -> anyhow::Result<u64> {
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let resp = client.get(url.parse()?).await.context("GET")?;
+    // `/v1/weights` needs a credential: the gateway's admin token, which the
+    // bench script sets for both.
+    let mut req = hyper::Request::get(url).body(Empty::<Bytes>::new())?;
+    if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+        req.headers_mut().insert(
+            hyper::header::AUTHORIZATION,
+            format!("Bearer {token}").parse()?,
+        );
+    }
+    let resp = client.request(req).await.context("GET")?;
     anyhow::ensure!(resp.status().is_success(), "GET {url}: {}", resp.status());
     let mut body = resp.into_body();
     let mut n = 0u64;
