@@ -35,11 +35,14 @@ pub enum ErrorKind {
     Starting,
     /// 504: a held request waited longer than the queue timeout.
     Timeout,
+    /// 500: the gateway could not do its own part (a durable write failed);
+    /// nothing was done for the request.
+    Internal,
 }
 
 impl ErrorKind {
     /// Every kind, for pre-registering metrics.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::BadRequest,
         ErrorKind::Unauthorized,
         ErrorKind::NotFound,
@@ -52,6 +55,7 @@ impl ErrorKind {
         ErrorKind::NoCapacity,
         ErrorKind::Starting,
         ErrorKind::Timeout,
+        ErrorKind::Internal,
     ];
 
     /// The HTTP status.
@@ -67,6 +71,7 @@ impl ErrorKind {
             ErrorKind::ReplicaFailed => StatusCode::BAD_GATEWAY,
             ErrorKind::NoCapacity | ErrorKind::Starting => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -85,6 +90,7 @@ impl ErrorKind {
             ErrorKind::NoCapacity => "no_capacity",
             ErrorKind::Starting => "starting",
             ErrorKind::Timeout => "timeout",
+            ErrorKind::Internal => "internal",
         }
     }
 }
