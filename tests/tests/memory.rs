@@ -131,7 +131,7 @@ async fn hostile_bodies_on_every_json_route_keep_the_gateway_under_100_mb() {
     let routes = routes();
     let baseline = rss_bytes(gw.pid());
     let mut peak = baseline;
-    for round in 0..2 {
+    for round in 0..1 {
         for (path, bodies) in &routes {
             for (shape, body) in bodies {
                 let r = gw
