@@ -24,6 +24,22 @@ pub mod defaults {
     /// Large enough for a batch of embeddings inputs or a long chat history,
     /// small enough that a client cannot make the gateway buffer gigabytes.
     pub const MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+    /// A task body is held in the gateway until a replica takes it (unlike
+    /// an inference body, which goes straight on), so its bound is tighter:
+    /// 8 MiB is thousands of rollout inputs in one batch; larger batches
+    /// can be split.
+    pub const MAX_TASK_BODY_BYTES: u64 = 8 * 1024 * 1024;
+    /// Inputs of the tasks accepted and not ended, over every pool: 100,000
+    /// queued rollouts of a few KiB each, while a burst of large inputs
+    /// cannot push the gateway past a few hundred MB.
+    pub const MAX_PENDING_TASK_BYTES: u64 = 256 * 1024 * 1024;
+    /// Outputs of finished async tasks kept in memory for `GET /v1/tasks`;
+    /// the oldest go first (the journal still has them, up to 1 MiB each).
+    /// 64 MiB holds thousands of typical results and keeps the gateway small.
+    pub const MAX_TASK_RESULTS_BYTES: u64 = 64 * 1024 * 1024;
+    /// Disk kept by the async-task journal; the oldest rows go first. 1 GiB
+    /// holds 100,000 results of 10 KiB without filling a small state disk.
+    pub const MAX_JOURNAL_BYTES: u64 = 1024 * 1024 * 1024;
     /// A GPU model server batches well up to a handful of concurrent requests;
     /// 8 keeps latency predictable without leaving the GPU idle.
     pub const CONCURRENCY: u32 = 8;
@@ -297,6 +313,16 @@ pub enum BackendKind {
 pub struct LimitsConfig {
     /// Largest request body accepted, in bytes (413 past it).
     pub max_body_bytes: u64,
+    /// Largest body of a task submission or a batch, in bytes (413 past it).
+    pub max_task_body_bytes: u64,
+    /// Input bytes of all tasks accepted and not ended, over every pool
+    /// (`429 queue_full` past it).
+    pub max_pending_task_bytes: u64,
+    /// Bytes of finished async task results kept in memory; the oldest are
+    /// dropped first and then read back from the journal.
+    pub max_task_results_bytes: u64,
+    /// Bytes of the async-task journal on disk; the oldest rows are pruned.
+    pub max_journal_bytes: u64,
     /// Client connections open at once; past it a new connection gets
     /// `503 no_capacity` and is closed.
     pub max_connections: u32,
@@ -719,8 +745,16 @@ impl Config {
                 "must be at least 1".into(),
             ));
         }
-        if self.limits.max_body_bytes == 0 {
-            return Err(("limits.max_body_bytes".into(), "must be at least 1".into()));
+        for (key, n) in [
+            ("max_body_bytes", self.limits.max_body_bytes),
+            ("max_task_body_bytes", self.limits.max_task_body_bytes),
+            ("max_pending_task_bytes", self.limits.max_pending_task_bytes),
+            ("max_task_results_bytes", self.limits.max_task_results_bytes),
+            ("max_journal_bytes", self.limits.max_journal_bytes),
+        ] {
+            if n == 0 {
+                return Err((format!("limits.{key}"), "must be at least 1".into()));
+            }
         }
         if self.limits.max_connections == 0 {
             return Err(("limits.max_connections".into(), "must be at least 1".into()));
@@ -1173,6 +1207,10 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         LimitsConfig {
             max_body_bytes: defaults::MAX_BODY_BYTES,
+            max_task_body_bytes: defaults::MAX_TASK_BODY_BYTES,
+            max_pending_task_bytes: defaults::MAX_PENDING_TASK_BYTES,
+            max_task_results_bytes: defaults::MAX_TASK_RESULTS_BYTES,
+            max_journal_bytes: defaults::MAX_JOURNAL_BYTES,
             max_connections: defaults::MAX_CONNECTIONS,
             header_read_timeout: defaults::HEADER_READ_TIMEOUT,
             idle_timeout: defaults::IDLE_TIMEOUT,

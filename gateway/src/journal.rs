@@ -4,6 +4,9 @@
 //! tasks that had not ended are marked failed with `gateway_restarted`, and
 //! `GET /v1/tasks/{id}` reads ended tasks back from the journal.
 //!
+//! The journal is bounded in rows and in bytes (`limits.max_journal_bytes`):
+//! the oldest rows are pruned past either.
+//!
 //! One writer thread owns the write connection and commits whatever is
 //! waiting in one transaction (group commit), so a burst of submissions
 //! costs one fsync-free WAL append per batch, not per task. The channel to
@@ -47,6 +50,8 @@ enum Op {
         ack: oneshot::Sender<Result<(), String>>,
     },
     End(TaskRecord),
+    /// A task accepted here and then refused by its queue: it never ran.
+    Forget(String),
 }
 
 /// The journal: a writer thread and a read connection.
@@ -64,17 +69,18 @@ pub struct Recovered {
 
 impl Journal {
     /// Opens the journal in the SQLite file at `path`, marks every task
-    /// the previous run left unfinished as failed, and starts the writer.
-    pub fn open(path: &Path) -> rusqlite::Result<(Journal, Recovered)> {
+    /// the previous run left unfinished as failed, and starts the writer,
+    /// which keeps the rows within `max_bytes` (of their bodies).
+    pub fn open(path: &Path, max_bytes: u64) -> rusqlite::Result<(Journal, Recovered)> {
         let write = connect(path)?;
         write.execute_batch(SCHEMA)?;
         let failed = fail_unfinished(&write)?;
-        prune(&write)?;
+        prune(&write, max_bytes)?;
         let read = connect(path)?;
         let (tx, rx) = sync_channel(CAPACITY);
         std::thread::Builder::new()
             .name("task-journal".into())
-            .spawn(move || writer(write, rx))
+            .spawn(move || writer(write, rx, max_bytes))
             .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
         Ok((
             Journal {
@@ -106,6 +112,15 @@ impl Journal {
         if let Err(e) = self.tx.try_send(Op::End(record.clone())) {
             metrics::counter!("warmgate_task_journal_dropped_total").increment(1);
             tracing::warn!(task = %record.id, error = %e, "could not journal a task's end");
+        }
+    }
+
+    /// Removes an accepted task that its queue then refused (never waits):
+    /// it never ran, so it must not read back as failed after a restart.
+    pub fn forget(&self, id: &str) {
+        if let Err(e) = self.tx.try_send(Op::Forget(id.to_string())) {
+            metrics::counter!("warmgate_task_journal_dropped_total").increment(1);
+            tracing::warn!(task = %id, error = %e, "could not remove a refused task from the journal");
         }
     }
 
@@ -149,19 +164,22 @@ fn state_name(s: TaskState) -> &'static str {
     }
 }
 
-/// The record as it is kept: the output dropped when too large.
+/// The record as it is kept: the output dropped when too large. The
+/// output's text is copied as it is, never parsed.
 fn body_of(record: &TaskRecord) -> String {
-    let mut v = serde_json::to_value(record).unwrap_or(Value::Null);
     let big = record
         .output
         .as_ref()
-        .is_some_and(|o| o.to_string().len() > MAX_KEPT_OUTPUT);
-    if big {
-        v["output"] = Value::Null;
-        v["output_dropped"] = Value::String(format!(
-            "the output was larger than {MAX_KEPT_OUTPUT} bytes and was not kept across a restart"
-        ));
+        .is_some_and(|o| o.get().len() > MAX_KEPT_OUTPUT);
+    if !big {
+        return serde_json::to_string(record).unwrap_or_else(|_| "null".into());
     }
+    let mut small = record.clone();
+    small.output = None;
+    let mut v = serde_json::to_value(&small).unwrap_or(Value::Null);
+    v["output_dropped"] = Value::String(format!(
+        "the output was larger than {MAX_KEPT_OUTPUT} bytes and was not kept across a restart"
+    ));
     v.to_string()
 }
 
@@ -189,16 +207,33 @@ fn fail_unfinished(conn: &Connection) -> rusqlite::Result<u64> {
     Ok(rows.len() as u64)
 }
 
-fn prune(conn: &Connection) -> rusqlite::Result<()> {
+/// Drops the oldest rows past [`KEEP`] rows or `max_bytes` of bodies.
+fn prune(conn: &Connection, max_bytes: u64) -> rusqlite::Result<()> {
     conn.execute(
         "DELETE FROM tasks WHERE id IN (SELECT id FROM tasks ORDER BY at DESC LIMIT -1 OFFSET ?1)",
         params![KEEP],
     )?;
+    conn.execute(
+        "DELETE FROM tasks WHERE id IN (SELECT id FROM (SELECT id, SUM(length(body)) \
+         OVER (ORDER BY at DESC, rowid DESC ROWS UNBOUNDED PRECEDING) AS kept FROM tasks) WHERE kept > ?1)",
+        params![i64::try_from(max_bytes).unwrap_or(i64::MAX)],
+    )?;
     Ok(())
 }
 
-fn writer(mut conn: Connection, rx: Receiver<Op>) {
+/// Bytes an operation adds to the journal, about.
+fn op_bytes(op: &Op) -> u64 {
+    match op {
+        Op::Accept { record, .. } | Op::End(record) => {
+            record.output.as_ref().map_or(0, |o| o.get().len()) as u64 + 256
+        }
+        Op::Forget(_) => 0,
+    }
+}
+
+fn writer(mut conn: Connection, rx: Receiver<Op>, max_bytes: u64) {
     let mut since_prune = 0usize;
+    let mut bytes_since_prune = 0u64;
     while let Ok(first) = rx.recv() {
         let mut ops = vec![first];
         while ops.len() < BATCH {
@@ -208,6 +243,7 @@ fn writer(mut conn: Connection, rx: Receiver<Op>) {
             }
         }
         since_prune += ops.len();
+        bytes_since_prune += ops.iter().map(op_bytes).sum::<u64>();
         let result = commit(&mut conn, &ops);
         if let Err(e) = &result {
             tracing::error!(error = %e, "the task journal could not commit");
@@ -217,9 +253,10 @@ fn writer(mut conn: Connection, rx: Receiver<Op>) {
                 let _ = ack.send(result.clone().map_err(|e| e.to_string()));
             }
         }
-        if since_prune >= KEEP as usize / 10 {
+        if since_prune >= KEEP as usize / 10 || bytes_since_prune >= max_bytes / 10 {
             since_prune = 0;
-            if let Err(e) = prune(&conn) {
+            bytes_since_prune = 0;
+            if let Err(e) = prune(&conn, max_bytes) {
                 tracing::warn!(error = %e, "could not prune the task journal");
             }
         }
@@ -231,6 +268,11 @@ fn commit(conn: &mut Connection, ops: &[Op]) -> Result<(), String> {
     for op in ops {
         // An end may overtake its accept (a task can end before the
         // submitter's write is queued): the accept then leaves it alone.
+        if let Op::Forget(id) = op {
+            tx.execute("DELETE FROM tasks WHERE id = ?1", params![id])
+                .map_err(|e| e.to_string())?;
+            continue;
+        }
         let (sql, record) = match op {
             Op::Accept { record, .. } => (
                 "INSERT OR IGNORE INTO tasks (id, owner, state, at, body) VALUES (?1, ?2, ?3, ?4, ?5)",
@@ -240,6 +282,7 @@ fn commit(conn: &mut Connection, ops: &[Op]) -> Result<(), String> {
                 "INSERT OR REPLACE INTO tasks (id, owner, state, at, body) VALUES (?1, ?2, ?3, ?4, ?5)",
                 record,
             ),
+            Op::Forget(_) => continue,
         };
         tx.execute(
             sql,
@@ -265,7 +308,8 @@ mod tests {
             id: id.into(),
             pool: "p".into(),
             state,
-            output: (state == TaskState::Succeeded).then(|| serde_json::json!({"x": 1})),
+            output: (state == TaskState::Succeeded)
+                .then(|| crate::pools::Output::parse(br#"{"x": 1}"#).expect("json")),
             error: None,
             attempts: 1,
             replica: None,
@@ -280,7 +324,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("state.db");
         {
-            let (j, rec) = Journal::open(&path).expect("open");
+            let (j, rec) = Journal::open(&path, u64::MAX).expect("open");
             assert_eq!(rec.failed, 0);
             j.accept(&record("a", TaskState::Pending))
                 .await
@@ -294,12 +338,45 @@ mod tests {
             assert_eq!(b["state"], "succeeded");
             assert_eq!(owner.as_deref(), Some("alpha"));
         }
-        let (j, rec) = Journal::open(&path).expect("reopen");
+        let (j, rec) = Journal::open(&path, u64::MAX).expect("reopen");
         assert_eq!(rec.failed, 1, "a was never finished");
         let (a, _) = j.get("a").expect("a");
         assert_eq!(a["state"], "failed");
         assert_eq!(a["error"]["kind"], "gateway_restarted");
         assert_eq!(j.get("b").expect("b").0["output"]["x"], 1);
         assert!(j.get("c").is_none());
+    }
+
+    #[tokio::test]
+    async fn the_journal_is_kept_within_its_bytes_oldest_first() {
+        const MAX: u64 = 20_000;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        let (j, _) = Journal::open(&path, MAX).expect("open");
+        let big = format!("\"{}\"", "x".repeat(1000));
+        for i in 0..100 {
+            let mut r = record(&format!("t{i}"), TaskState::Succeeded);
+            r.output = Some(crate::pools::Output::parse(big.as_bytes()).expect("json"));
+            j.end(&r);
+        }
+        // The writer works in order: once two later accepts are committed,
+        // the prune after the ends' batch has run.
+        for id in ["sync-1", "sync-2"] {
+            j.accept(&record(id, TaskState::Pending))
+                .await
+                .expect("accept");
+        }
+        let conn = connect(&path).expect("connect");
+        let (rows, bytes): (i64, i64) = conn
+            .query_row(
+                "SELECT COUNT(*), COALESCE(SUM(length(body)), 0) FROM tasks",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("count");
+        assert!(bytes as u64 <= MAX + 2_000, "{rows} rows, {bytes} bytes");
+        assert!(rows < 100, "{rows} rows, {bytes} bytes");
+        assert!(j.get("t99").is_some(), "the newest is kept");
+        assert!(j.get("t0").is_none(), "the oldest went first");
     }
 }

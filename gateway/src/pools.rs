@@ -23,6 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
 use serde::Serialize;
 use serde_json::Value;
+use serde_json::value::RawValue;
 use tokio::sync::{Notify, oneshot};
 use warmgate_deploy::{Fairness, PoolSpec};
 use warmgate_pool::ReplicaHandle;
@@ -35,7 +36,9 @@ pub const MAX_SYSTEM_RETRIES: u32 = 5;
 /// Pause before retrying a task whose replica was lost, times the number of
 /// losses: the pool manager sees a process exit within milliseconds.
 const SYSTEM_RETRY_PAUSE: Duration = Duration::from_millis(100);
-/// Finished tasks kept for `GET /v1/tasks/{id}`; the oldest go first.
+/// Finished async tasks kept for `GET /v1/tasks/{id}`, whatever their
+/// size; the oldest go first (`limits.max_task_results_bytes` bounds their
+/// bytes).
 const MAX_FINISHED: usize = 100_000;
 /// The largest worker answer read.
 const MAX_OUTPUT_BYTES: usize = 64 * 1024 * 1024;
@@ -70,7 +73,7 @@ pub struct TaskRecord {
     /// State.
     pub state: TaskState,
     /// The worker's answer, once succeeded.
-    pub output: Option<Value>,
+    pub output: Option<Output>,
     /// Why it failed, once failed.
     pub error: Option<Value>,
     /// Attempts made.
@@ -88,23 +91,124 @@ pub struct TaskRecord {
     pub durable: bool,
 }
 
+/// A worker's JSON answer, kept as the text it sent: never expanded into
+/// a tree of values, so it costs its size in memory, and shared by the
+/// copies of its record.
+#[derive(Debug, Clone)]
+pub struct Output(Arc<RawValue>);
+
+impl Output {
+    /// Checks that `body` is one JSON value and keeps its text.
+    pub fn parse(body: &[u8]) -> serde_json::Result<Output> {
+        let raw: Box<RawValue> = serde_json::from_slice(body)?;
+        Ok(Output(Arc::from(raw)))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl Serialize for Output {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
 /// A finished task, as the synchronous API answers it.
 pub type Outcome = Result<TaskRecord, ApiError>;
 
-/// Every task the gateway knows, bounded.
+/// Byte bounds of the task store.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreLimits {
+    /// Input bytes of the tasks accepted and not ended, over every pool.
+    pub max_pending_bytes: u64,
+    /// Bytes of finished async task records kept in memory.
+    pub max_results_bytes: u64,
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        StoreLimits {
+            max_pending_bytes: warmgate_deploy::defaults::MAX_PENDING_TASK_BYTES,
+            max_results_bytes: warmgate_deploy::defaults::MAX_TASK_RESULTS_BYTES,
+        }
+    }
+}
+
+/// Every task the gateway knows, bounded in count and in bytes. A task
+/// submitted without `?async=true` (one task or a batch) is forgotten once
+/// its outcome is handed to its waiter; finished async tasks are kept
+/// within `limits.max_task_results_bytes`, oldest dropped first.
 #[derive(Default)]
 pub struct TaskStore {
     inner: Mutex<StoreInner>,
     journal: OnceLock<Arc<crate::journal::Journal>>,
+    limits: StoreLimits,
+    /// Input bytes charged by live tasks (see [`InputCharge`]).
+    pending_bytes: Arc<AtomicU64>,
 }
 
 #[derive(Default)]
 struct StoreInner {
     records: HashMap<String, TaskRecord>,
-    finished: VecDeque<String>,
+    /// Finished async tasks, oldest first, with the bytes each holds.
+    finished: VecDeque<(String, u64)>,
+    finished_bytes: u64,
+}
+
+/// A live task's share of `limits.max_pending_task_bytes`, given back when
+/// the task is dropped (it ended, or was refused).
+#[derive(Debug)]
+pub struct InputCharge {
+    bytes: u64,
+    total: Arc<AtomicU64>,
+}
+
+impl Drop for InputCharge {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// Bytes a finished record holds in memory, about.
+fn record_bytes(r: &TaskRecord) -> u64 {
+    let output = r.output.as_ref().map_or(0, |o| o.get().len());
+    // The error is a short message; ids and names are small.
+    let rest = 256 + r.id.len() + r.error.as_ref().map_or(0, |_| 512);
+    (output + rest) as u64
 }
 
 impl TaskStore {
+    /// An empty store within `limits`.
+    pub fn new(limits: StoreLimits) -> Self {
+        TaskStore {
+            limits,
+            ..TaskStore::default()
+        }
+    }
+
+    /// Charges `bytes` of input to the pending budget, or `None` when the
+    /// tasks alive already hold too much.
+    fn charge(&self, bytes: u64) -> Option<InputCharge> {
+        let max = self.limits.max_pending_bytes;
+        self.pending_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                cur.checked_add(bytes).filter(|n| *n <= max)
+            })
+            .ok()?;
+        Some(InputCharge {
+            bytes,
+            total: self.pending_bytes.clone(),
+        })
+    }
+
+    /// Input bytes held by the tasks alive.
+    pub fn pending_bytes(&self) -> u64 {
+        self.pending_bytes.load(Ordering::Relaxed)
+    }
+
     /// A task's record.
     pub fn get(&self, id: &str) -> Option<TaskRecord> {
         self.inner.lock().records.get(id).cloned()
@@ -130,12 +234,26 @@ impl TaskStore {
         f(r);
         let out = r.clone();
         let ended = matches!(out.state, TaskState::Succeeded | TaskState::Failed);
-        if ended {
-            s.finished.push_back(id.to_string());
-            while s.finished.len() > MAX_FINISHED {
-                if let Some(old) = s.finished.pop_front() {
-                    s.records.remove(&old);
-                }
+        if ended && !out.durable {
+            // Its outcome goes to its waiter, the only one who asked.
+            s.records.remove(id);
+        } else if ended {
+            let bytes = record_bytes(&out);
+            s.finished.push_back((id.to_string(), bytes));
+            s.finished_bytes += bytes;
+            let mut evicted = 0u64;
+            while s.finished.len() > MAX_FINISHED
+                || s.finished_bytes > self.limits.max_results_bytes
+            {
+                let Some((old, n)) = s.finished.pop_front() else {
+                    break;
+                };
+                s.records.remove(&old);
+                s.finished_bytes -= n;
+                evicted += 1;
+            }
+            if evicted > 0 {
+                metrics::counter!("warmgate_task_results_evicted_total").increment(evicted);
             }
         }
         drop(s);
@@ -169,6 +287,8 @@ struct Task {
     waiter: Option<oneshot::Sender<Outcome>>,
     /// Dropped with the task, freeing the tenant's pending slot.
     _hold: Option<crate::tenants::PendingPermit>,
+    /// Dropped with the task, freeing its input's bytes.
+    _charge: InputCharge,
 }
 
 /// What a submitter asks for.
@@ -192,6 +312,9 @@ pub struct Submit {
     pub hold: Option<crate::tenants::PendingPermit>,
     /// Journal the task's end (an async submission).
     pub durable: bool,
+    /// The id made beforehand with [`Pool::new_id`] (an async submission
+    /// is journaled under it before it is queued); a fresh one if `None`.
+    pub id: Option<String>,
 }
 
 /// Replaces a replica through the pool manager: `(replica, reason)`.
@@ -331,10 +454,25 @@ impl Pool {
         let _ = self.replacer.set(f);
     }
 
+    /// A fresh task id.
+    pub fn new_id(&self) -> String {
+        let n = self.ids.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{:x}-{:x}", self.name, fastrand::u32(..), n)
+    }
+
     /// Queues a task. The receiver gets its outcome.
     pub fn submit(&self, s: Submit) -> Result<(String, oneshot::Receiver<Outcome>), ApiError> {
-        let n = self.ids.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{}-{:x}-{:x}", self.name, fastrand::u32(..), n);
+        let id = s.id.unwrap_or_else(|| self.new_id());
+        let charge = self.store.charge(s.input.len() as u64).ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::QueueFull,
+                format!(
+                    "the tasks waiting already hold {} bytes of input (limits.max_pending_task_bytes)",
+                    self.store.pending_bytes()
+                ),
+            )
+            .retry_after(1)
+        })?;
         let (tx, rx) = oneshot::channel();
         let tenant = match self.spec.queue.fairness {
             Fairness::Tenant => s.tenant.clone(),
@@ -359,6 +497,7 @@ impl Pool {
             attempts: 0,
             waiter: Some(tx),
             _hold: s.hold,
+            _charge: charge,
         };
         {
             let mut st = self.state.lock();
@@ -945,7 +1084,7 @@ impl Pool {
         }
     }
 
-    async fn invoke(&self, task: &Task, replica: &ReplicaHandle) -> Result<Value, Failure> {
+    async fn invoke(&self, task: &Task, replica: &ReplicaHandle) -> Result<Output, Failure> {
         let uri = format!("http://{}/invoke", replica.addr);
         let req = http::Request::post(uri)
             .header(http::header::CONTENT_TYPE, "application/json")
@@ -973,14 +1112,14 @@ impl Pool {
                 "the worker answered {status}: {text}"
             )));
         }
-        serde_json::from_slice(&body)
+        Output::parse(&body)
             .map_err(|e| Failure::User(format!("the worker's answer is not JSON: {e}")))
     }
 
     fn finish(
         &self,
         mut task: Task,
-        result: Result<Value, ApiError>,
+        result: Result<Output, ApiError>,
         replica: Option<&ReplicaHandle>,
     ) {
         let weights_version = replica.map(|r| r.weights_version.load(Ordering::Relaxed));
@@ -1078,6 +1217,7 @@ mod tests {
             traceparent: None,
             hold: None,
             durable: false,
+            id: None,
         })
         .expect("accepted");
     }
@@ -1134,6 +1274,7 @@ mod tests {
                 traceparent: None,
                 hold: None,
                 durable: false,
+                id: None,
             })
             .expect_err("refused");
         assert_eq!(e.kind, ErrorKind::Conflict);

@@ -218,9 +218,13 @@ impl Gateway {
                 routes.insert(alias.clone(), app.clone());
             }
         }
-        let tasks = Arc::new(crate::pools::TaskStore::default());
-        let (journal, recovered) = crate::journal::Journal::open(&db)
-            .with_context(|| format!("open the task journal in {}", db.display()))?;
+        let tasks = Arc::new(crate::pools::TaskStore::new(crate::pools::StoreLimits {
+            max_pending_bytes: config.limits.max_pending_task_bytes,
+            max_results_bytes: config.limits.max_task_results_bytes,
+        }));
+        let (journal, recovered) =
+            crate::journal::Journal::open(&db, config.limits.max_journal_bytes)
+                .with_context(|| format!("open the task journal in {}", db.display()))?;
         if recovered.failed > 0 {
             tracing::warn!(
                 tasks = recovered.failed,
@@ -964,13 +968,16 @@ async fn within_deadline(gw: &Gateway, work: impl Future<Output = Response>) -> 
 async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<Served>, Request), ApiError> {
     let (parts, bytes) = read_body(req, &gw.config.limits).await?;
     let model = model_field(&bytes)?;
-    let app = gw.routes.get(model.as_str()).cloned().ok_or_else(|| {
+    let app = gw.routes.get(model.as_ref()).cloned().ok_or_else(|| {
         let mut names: Vec<&str> = gw.routes.keys().map(String::as_str).collect();
         names.sort_unstable();
+        // A name can be as long as the body: echo only its start.
+        let shown: String = model.chars().take(MAX_ECHOED_CHARS).collect();
+        let more = if shown.len() < model.len() { "…" } else { "" };
         ApiError::new(
             ErrorKind::NotFound,
             format!(
-                "model '{model}' not found; available models: {}",
+                "model '{shown}{more}' not found; available models: {}",
                 if names.is_empty() {
                     "none".to_string()
                 } else {
@@ -994,57 +1001,90 @@ fn body_error(e: &axum::Error, limit: u64) -> ApiError {
     ApiError::new(ErrorKind::BadRequest, "could not read the request body")
 }
 
-/// The whole request body, within `limit` bytes (413 past it).
+/// The whole request body, within `limits.max_body_bytes` (413 past it).
 /// A body that trickles in is cut off at `limits.request_timeout`.
 async fn read_body(
     req: Request,
     limits: &warmgate_deploy::LimitsConfig,
 ) -> Result<(http::request::Parts, Bytes), ApiError> {
-    let limit = limits.max_body_bytes;
-    check_content_length(&req, limit)?;
+    read_body_within(req, limits, BodyLimit::Inference).await
+}
+
+/// Which size limit a body is read within.
+#[derive(Debug, Clone, Copy)]
+enum BodyLimit {
+    /// `limits.max_body_bytes`: inference and control-plane bodies (a
+    /// weight sync, a promotion).
+    Inference,
+    /// `limits.max_task_body_bytes`: task submissions and batches, which
+    /// are held until a replica takes them.
+    Task,
+}
+
+/// The whole request body, within the `which` limit (413 past it), read
+/// into one buffer of the announced length: the body is in memory once,
+/// never twice.
+async fn read_body_within(
+    req: Request,
+    limits: &warmgate_deploy::LimitsConfig,
+    which: BodyLimit,
+) -> Result<(http::request::Parts, Bytes), ApiError> {
+    let (limit, key) = match which {
+        BodyLimit::Inference => (limits.max_body_bytes, "limits.max_body_bytes"),
+        BodyLimit::Task => (limits.max_task_body_bytes, "limits.max_task_body_bytes"),
+    };
+    let announced = content_length(&req);
+    if announced.is_some_and(|n| n > limit) {
+        return Err(too_large_for(limit, key));
+    }
     let (parts, body) = req.into_parts();
-    let collected = tokio::time::timeout(
-        limits.request_timeout,
-        Limited::new(body, limit as usize).collect(),
-    )
-    .await
-    .map_err(|_| {
-        ApiError::new(
-            ErrorKind::Timeout,
-            "the request body did not arrive within limits.request_timeout",
-        )
-    })?;
-    let bytes = collected
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                too_large(limit)
-            } else {
-                ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+    let read = async move {
+        let mut body = std::pin::pin!(Limited::new(body, limit as usize));
+        let mut buf = bytes::BytesMut::with_capacity(announced.unwrap_or(0).min(limit) as usize);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    too_large_for(limit, key)
+                } else {
+                    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+                }
+            })?;
+            if let Ok(data) = frame.into_data() {
+                buf.extend_from_slice(&data);
             }
-        })?
-        .to_bytes();
+        }
+        Ok::<_, ApiError>(buf.freeze())
+    };
+    let bytes = tokio::time::timeout(limits.request_timeout, read)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                ErrorKind::Timeout,
+                "the request body did not arrive within limits.request_timeout",
+            )
+        })??;
     Ok((parts, bytes))
 }
 
-/// The pool named in the path, the request's headers, and its JSON body
-/// parsed as `B` (`shape` tells the client what is expected).
-async fn pool_request<B: serde::de::DeserializeOwned>(
+/// The pool named in the path, the request's headers, and its body, read
+/// within the `which` limit (parse it with [`parse_json`]).
+async fn pool_request(
     gw: &Gateway,
     name: &str,
     req: Request,
-    shape: &str,
-) -> Result<(Arc<crate::pools::Pool>, http::HeaderMap, B), ApiError> {
+    which: BodyLimit,
+) -> Result<(Arc<crate::pools::Pool>, http::HeaderMap, Bytes), ApiError> {
     let pool =
         gw.pools.get(name).cloned().ok_or_else(|| {
             ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
         })?;
-    let (parts, bytes) = read_body(req, &gw.config.limits).await?;
-    let body = parse_json(&bytes, shape)?;
-    Ok((pool, parts.headers, body))
+    let (parts, bytes) = read_body_within(req, &gw.config.limits, which).await?;
+    Ok((pool, parts.headers, bytes))
 }
 
-/// A JSON body as `B`; `shape` tells the client what was expected.
-fn parse_json<B: serde::de::DeserializeOwned>(bytes: &[u8], shape: &str) -> Result<B, ApiError> {
+/// A JSON body as `B`, which may borrow from it; `shape` tells the client
+/// what was expected.
+fn parse_json<'a, B: serde::Deserialize<'a>>(bytes: &'a [u8], shape: &str) -> Result<B, ApiError> {
     serde_json::from_slice(bytes).map_err(|e| {
         ApiError::new(
             ErrorKind::BadRequest,
@@ -1053,11 +1093,88 @@ fn parse_json<B: serde::de::DeserializeOwned>(bytes: &[u8], shape: &str) -> Resu
     })
 }
 
-/// The JSON `model` field, without parsing the rest of the body into values.
-pub fn model_field(body: &[u8]) -> Result<String, ApiError> {
+/// Characters of a client's string echoed back in an error.
+const MAX_ECHOED_CHARS: usize = 200;
+
+/// A JSON value read without building it: a number, a string (borrowed
+/// from the body when it has no escapes), or anything else, skipped
+/// without keeping it (an array of a million numbers costs nothing).
+#[derive(Debug, Clone, Default, PartialEq)]
+enum Scalar<'a> {
+    /// The key is not in the body.
+    #[default]
+    Absent,
+    /// A number.
+    Number(serde_json::Number),
+    /// A string.
+    Str(std::borrow::Cow<'a, str>),
+    /// `null`, a boolean, an array or an object.
+    Other,
+}
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Scalar<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Scalar<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+                Ok(Scalar::Number(v.into()))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Scalar::Number(v.into()))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+                Ok(serde_json::Number::from_f64(v).map_or(Scalar::Other, Scalar::Number))
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Scalar::Str(std::borrow::Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Scalar::Str(std::borrow::Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Scalar::Str(std::borrow::Cow::Owned(v)))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<Self::Value, D::Error> {
+                <Scalar<'a> as serde::Deserialize<'de>>::deserialize(d)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+/// The JSON `model` field, without parsing the rest of the body into
+/// values: other keys are skipped as they are read, and `model` itself is
+/// borrowed from the body (a non-string is skipped, not built).
+pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, ApiError> {
     #[derive(serde::Deserialize)]
-    struct Model {
-        model: Option<serde_json::Value>,
+    struct Model<'a> {
+        #[serde(borrow, default)]
+        model: Scalar<'a>,
     }
     let not_object = |why: String| {
         ApiError::new(
@@ -1072,16 +1189,16 @@ pub fn model_field(body: &[u8]) -> Result<String, ApiError> {
     }
     let parsed: Model = serde_json::from_slice(body).map_err(|e| not_object(e.to_string()))?;
     match parsed.model {
-        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s),
-        Some(serde_json::Value::String(_)) => Err(ApiError::new(
+        Scalar::Str(s) if !s.is_empty() => Ok(s),
+        Scalar::Str(_) => Err(ApiError::new(
             ErrorKind::BadRequest,
             "the \"model\" field is empty; name an app (see GET /v1/models)",
         )),
-        Some(_) => Err(ApiError::new(
+        Scalar::Number(_) | Scalar::Other => Err(ApiError::new(
             ErrorKind::BadRequest,
             "the \"model\" field must be a string naming an app (see GET /v1/models)",
         )),
-        None => Err(ApiError::new(
+        Scalar::Absent => Err(ApiError::new(
             ErrorKind::BadRequest,
             "the request body has no \"model\" field; name an app (see GET /v1/models)",
         )),
@@ -1137,23 +1254,28 @@ fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {
 }
 
 fn check_content_length(req: &Request, limit: u64) -> Result<(), ApiError> {
-    let len = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    match len {
+    match content_length(req) {
         Some(n) if n > limit => Err(too_large(limit)),
         _ => Ok(()),
     }
 }
 
+/// The announced `Content-Length`, if any.
+fn content_length(req: &Request) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 fn too_large(limit: u64) -> ApiError {
+    too_large_for(limit, "limits.max_body_bytes")
+}
+
+fn too_large_for(limit: u64, key: &str) -> ApiError {
     ApiError::new(
         ErrorKind::TooLarge,
-        format!(
-            "the request body is larger than the limit of {limit} bytes (limits.max_body_bytes)"
-        ),
+        format!("the request body is larger than the limit of {limit} bytes ({key})"),
     )
 }
 
@@ -1241,10 +1363,12 @@ async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Re
 
 #[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct PromoteBody {
+struct PromoteBody<'a> {
     checkpoint: String,
     canary: Option<u8>,
-    bake: Option<serde_json::Value>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    bake: Scalar<'a>,
     #[serde(default)]
     wait: bool,
 }
@@ -1270,7 +1394,7 @@ async fn promote(
     let result: Result<Response, ApiError> = async {
         let app = served(&gw, &name)?;
         let (_, bytes) = read_body(req, &gw.config.limits).await?;
-        let body: PromoteBody = serde_json::from_slice(&bytes).map_err(|e| {
+        let body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
             ApiError::new(
                 ErrorKind::BadRequest,
                 format!(
@@ -1281,7 +1405,7 @@ async fn promote(
         if body.canary.is_some_and(|c| c == 0 || c > 100) {
             return Err(ApiError::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
         }
-        let bake = duration_value(body.bake.as_ref(), "bake")?;
+        let bake = duration_value(&body.bake, "bake")?;
         let id = gw
             .promote(
                 &app,
@@ -1350,12 +1474,18 @@ async fn revisions(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> 
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// A task submission. The input is kept as the client's text (validated,
+/// never built into values) and sent to the worker as it is.
 #[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct TaskBody {
-    input: serde_json::Value,
+struct TaskBody<'a> {
+    #[serde(borrow)]
+    #[schema(value_type = Object)]
+    input: &'a serde_json::value::RawValue,
     priority: Option<i32>,
-    timeout: Option<serde_json::Value>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    timeout: Scalar<'a>,
     retries: Option<u32>,
     min_weights_version: Option<u64>,
 }
@@ -1381,40 +1511,25 @@ async fn submit_task(
     let result: Result<Response, ApiError> = async {
         let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
         let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
-        let (pool, headers, body): (_, _, TaskBody) = pool_request(
-            &gw,
-            &name,
-            req,
+        let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
+        let body: TaskBody<'_> = parse_json(
+            &bytes,
             "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
-        )
-        .await?;
-        let (priority, tenant, timeout) =
-            task_options(&headers, body.priority, body.timeout.as_ref())?;
+        )?;
+        let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
         let priority = tenant_key
             .as_ref()
             .map_or(priority, |t| t.priority(priority));
-        let input = Bytes::from(
-            serde_json::to_vec(&body.input)
-                .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}")))?,
-        );
-        let (id, rx) = gw.enqueue(
-            &pool,
-            crate::pools::Submit {
-                input,
-                priority,
-                tenant,
-                timeout,
-                retries: body.retries,
-                min_weights_version: body.min_weights_version,
-                traceparent: traceparent(&headers),
-                hold: tenant_key.map(|t| t.pending_permit()).transpose()?,
-                durable: q.is_async,
-            },
-        )?;
-        if q.is_async {
-            // On disk before the 202: a crash after it cannot lose the task
-            // silently (it reads back as failed after the restart).
-            if let Some(j) = gw.tasks.journal() {
+        let input = Bytes::copy_from_slice(body.input.get().as_bytes());
+        let hold = tenant_key.map(|t| t.pending_permit()).transpose()?;
+        // An async task is on disk before it is queued: one that cannot be
+        // recorded is refused and never runs, and a crash after the 202
+        // cannot lose it silently (it reads back as failed after the
+        // restart).
+        let journal = gw.tasks.journal().filter(|_| q.is_async);
+        let id = match journal {
+            Some(j) => {
+                let id = pool.new_id();
                 let record = crate::pools::TaskRecord {
                     id: id.clone(),
                     pool: pool.name.clone(),
@@ -1428,13 +1543,38 @@ async fn submit_task(
                     durable: true,
                 };
                 j.accept(&record).await.map_err(|e| {
+                    tracing::error!(pool = %pool.name, error = %e, "could not journal an async task; refused it");
                     ApiError::new(
-                        ErrorKind::NoCapacity,
-                        format!("could not record the task: {e}"),
+                        ErrorKind::Internal,
+                        "the gateway could not record the task, so it was not accepted",
                     )
-                    .retry_after(1)
                 })?;
+                Some(id)
             }
+            None => None,
+        };
+        let submit = crate::pools::Submit {
+            input,
+            priority,
+            tenant,
+            timeout,
+            retries: body.retries,
+            min_weights_version: body.min_weights_version,
+            traceparent: traceparent(&headers),
+            hold,
+            durable: q.is_async,
+            id: id.clone(),
+        };
+        let (id, rx) = match gw.enqueue(&pool, submit) {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                if let (Some(j), Some(id)) = (journal, &id) {
+                    j.forget(id);
+                }
+                return Err(e);
+            }
+        };
+        if q.is_async {
             return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
         }
         let record = rx.await.map_err(|_| {
@@ -1466,7 +1606,7 @@ fn traceparent(headers: &http::HeaderMap) -> Option<String> {
 fn task_options(
     headers: &http::HeaderMap,
     priority: Option<i32>,
-    timeout: Option<&serde_json::Value>,
+    timeout: &Scalar<'_>,
 ) -> Result<(i32, String, Option<Duration>), ApiError> {
     let parsed = duration_value(timeout, "timeout")?;
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
@@ -1487,14 +1627,73 @@ fn task_options(
     Ok((priority, tenant, parsed))
 }
 
+/// A batch. `inputs` is validated as it is read but kept as text; its
+/// elements are taken one at a time as the batch's window moves on.
 #[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct BatchBody {
-    inputs: Vec<serde_json::Value>,
+struct BatchBody<'a> {
+    #[serde(borrow)]
+    #[schema(value_type = Vec<Object>)]
+    inputs: &'a serde_json::value::RawValue,
     priority: Option<i32>,
-    timeout: Option<serde_json::Value>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    timeout: Scalar<'a>,
     retries: Option<u32>,
     min_weights_version: Option<u64>,
+}
+
+/// The elements of a JSON array already validated, one at a time, each as
+/// its own text: a batch never holds its inputs as values.
+struct RawElements {
+    body: Bytes,
+    /// Where the next element (or the closing bracket) starts, past
+    /// whitespace and a comma.
+    pos: usize,
+}
+
+impl RawElements {
+    /// The elements of the array whose text is `array`, a part of `body`.
+    fn new(body: Bytes, array: &str) -> Option<RawElements> {
+        let start = (array.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+        if start + array.len() > body.len() || !array.starts_with('[') {
+            return None;
+        }
+        Some(RawElements {
+            body,
+            pos: start + 1,
+        })
+    }
+}
+
+impl Iterator for RawElements {
+    type Item = Bytes;
+
+    fn next(&mut self) -> Option<Bytes> {
+        use serde::Deserialize as _;
+        let rest = self.body.get(self.pos..)?;
+        let skip = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+        let rest = &rest[skip..];
+        if rest.first() == Some(&b']') {
+            self.pos = self.body.len();
+            return None;
+        }
+        let mut de = serde_json::Deserializer::from_slice(rest);
+        let Ok(raw) = <&serde_json::value::RawValue>::deserialize(&mut de) else {
+            self.pos = self.body.len();
+            return None;
+        };
+        let item = Bytes::copy_from_slice(raw.get().as_bytes());
+        let end = (raw.get().as_ptr() as usize + raw.get().len())
+            .saturating_sub(self.body.as_ptr() as usize);
+        let after = self.body.get(end..).unwrap_or_default();
+        let sep = after.iter().position(|b| !b.is_ascii_whitespace());
+        self.pos = match sep.map(|i| (i, after[i])) {
+            Some((i, b',')) => end + i + 1,
+            _ => self.body.len(),
+        };
+        Some(item)
+    }
 }
 
 /// `POST /v1/pools/{pool}/tasks/batch`: one NDJSON line per input, in input
@@ -1512,21 +1711,22 @@ async fn submit_batch(
 ) -> Response {
     let result = async {
         let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
-        let (pool, headers, body): (_, _, BatchBody) = pool_request(
-            &gw,
-            &name,
-            req,
-            "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
-        )
-        .await?;
-        let (priority, tenant, timeout) =
-            task_options(&headers, body.priority, body.timeout.as_ref())?;
+        let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
+        let shape = "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}";
+        let body: BatchBody<'_> = parse_json(&bytes, shape)?;
+        let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
         let priority = tenant_key.as_ref().map_or(priority, |t| t.priority(priority));
+        let inputs = RawElements::new(bytes.clone(), body.inputs.get()).ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("the body must be {shape} (inputs is not an array)"),
+            )
+        })?;
         let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
         let retries = body.retries;
         let min_version = body.min_weights_version;
         let traceparent = traceparent(&headers);
-        let lines = futures_util::stream::iter(body.inputs.into_iter().enumerate())
+        let lines = futures_util::stream::iter(inputs.enumerate())
             .map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
                 let traceparent = traceparent.clone();
@@ -1582,13 +1782,9 @@ struct BatchTask {
 async fn batch_one(
     gw: &Gateway,
     pool: &crate::pools::Pool,
-    input: serde_json::Value,
+    input: Bytes,
     o: BatchTask,
 ) -> Result<crate::pools::TaskRecord, ApiError> {
-    let input = Bytes::from(
-        serde_json::to_vec(&input)
-            .map_err(|e| ApiError::new(ErrorKind::BadRequest, format!("bad input: {e}")))?,
-    );
     let (_, rx) = gw.enqueue(
         pool,
         crate::pools::Submit {
@@ -1601,6 +1797,7 @@ async fn batch_one(
             traceparent: o.traceparent,
             hold: o.tenant_key.map(|t| t.pending_permit()).transpose()?,
             durable: false,
+            id: None,
         },
     )?;
     rx.await
@@ -1609,11 +1806,15 @@ async fn batch_one(
 
 #[derive(serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct SyncBody {
+struct SyncBody<'a> {
     checkpoint: String,
     version: u64,
-    timeout: Option<serde_json::Value>,
-    max_unavailable: Option<serde_json::Value>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    timeout: Scalar<'a>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    max_unavailable: Scalar<'a>,
 }
 
 /// `POST /v1/pools/{pool}/weights`: swap the weights of the pool's warm
@@ -1630,17 +1831,15 @@ async fn sync_weights(
     req: Request,
 ) -> Response {
     let result: Result<Response, ApiError> = async {
-        let (pool, _, body): (_, _, SyncBody) = pool_request(
-            &gw,
-            &name,
-            req,
+        let (pool, _, bytes) = pool_request(&gw, &name, req, BodyLimit::Inference).await?;
+        let body: SyncBody<'_> = parse_json(
+            &bytes,
             "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
-        )
-        .await?;
-        let timeout = duration_value(body.timeout.as_ref(), "timeout")?
-            .unwrap_or(pool.spec.weight_sync_timeout);
+        )?;
+        let timeout =
+            duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec.weight_sync_timeout);
         let ready = pool.load().2;
-        let max_unavailable = max_unavailable(body.max_unavailable.as_ref(), ready)?;
+        let max_unavailable = max_unavailable(&body.max_unavailable, ready)?;
         let version = body.version;
         pool.check_sync(version)?;
         let source = gw.weights.open(&body.checkpoint)?;
@@ -1708,17 +1907,15 @@ async fn sync_weights(
 }
 
 /// A duration given as seconds (a number) or a string like `"30s"`.
-fn duration_value(v: Option<&serde_json::Value>, key: &str) -> Result<Option<Duration>, ApiError> {
-    let Some(v) = v else {
-        return Ok(None);
-    };
+fn duration_value(v: &Scalar<'_>, key: &str) -> Result<Option<Duration>, ApiError> {
     let parsed = match v {
-        serde_json::Value::Number(n) => n
+        Scalar::Absent => return Ok(None),
+        Scalar::Number(n) => n
             .as_f64()
             .filter(|s| *s > 0.0)
             .and_then(|s| Duration::try_from_secs_f64(s).ok()),
-        serde_json::Value::String(s) => humantime::parse_duration(s).ok().filter(|d| !d.is_zero()),
-        _ => None,
+        Scalar::Str(s) => humantime::parse_duration(s).ok().filter(|d| !d.is_zero()),
+        Scalar::Other => None,
     };
     parsed
         .filter(|d| *d <= MAX_CLIENT_DURATION)
@@ -1737,7 +1934,7 @@ fn duration_value(v: Option<&serde_json::Value>, key: &str) -> Result<Option<Dur
 /// Replicas a sync may take out of dispatch at once: a count, or a
 /// percentage of the ready replicas (rounded up). Kubernetes' rolling
 /// update default, 25%, when absent.
-fn max_unavailable(v: Option<&serde_json::Value>, ready: usize) -> Result<usize, ApiError> {
+fn max_unavailable(v: &Scalar<'_>, ready: usize) -> Result<usize, ApiError> {
     let pct = |p: f64| ((ready as f64 * p / 100.0).ceil() as usize).max(1);
     let bad = || {
         ApiError::new(
@@ -1746,16 +1943,16 @@ fn max_unavailable(v: Option<&serde_json::Value>, ready: usize) -> Result<usize,
         )
     };
     match v {
-        None => Ok(pct(25.0)),
-        Some(serde_json::Value::Number(n)) => match n.as_u64() {
+        Scalar::Absent => Ok(pct(25.0)),
+        Scalar::Number(n) => match n.as_u64() {
             Some(k) if k >= 1 => Ok(k as usize),
             _ => Err(bad()),
         },
-        Some(serde_json::Value::String(s)) => match s.strip_suffix('%').map(str::parse::<f64>) {
+        Scalar::Str(s) => match s.strip_suffix('%').map(str::parse::<f64>) {
             Some(Ok(p)) if p > 0.0 && p <= 100.0 => Ok(pct(p)),
             _ => Err(bad()),
         },
-        Some(_) => Err(bad()),
+        Scalar::Other => Err(bad()),
     }
 }
 
@@ -2027,12 +2224,44 @@ mod tests {
             br#"{"model":7}"#,
             br#"{"model":""}"#,
             br#"[1,2]"#,
+            br#"{"model":null}"#,
+            br#"{"model":[0,0,[{"a":1}]]}"#,
+            br#"{"model":{"a":[1]}}"#,
         ];
         for body in kinds {
             let err = model_field(body).expect_err("error");
             assert_eq!(err.kind, ErrorKind::BadRequest);
             assert!(err.message.contains("model"), "{}", err.message);
         }
+        assert_eq!(
+            model_field(br#"{"x":[1,{"y":2}],"model":"b\u0061"}"#).expect("ok"),
+            "ba"
+        );
+    }
+
+    #[test]
+    fn batch_inputs_are_taken_one_at_a_time_as_text() {
+        let body = Bytes::from_static(br#" {"inputs" : [ 1 , {"a": [2, "]"]},"x,y" ,[] ] } "#);
+        let parsed: BatchBody<'_> = parse_json(&body, "a batch").expect("batch");
+        let items: Vec<Bytes> = RawElements::new(body.clone(), parsed.inputs.get())
+            .expect("an array")
+            .collect();
+        assert_eq!(
+            items,
+            vec![
+                Bytes::from_static(b"1"),
+                Bytes::from_static(br#"{"a": [2, "]"]}"#),
+                Bytes::from_static(br#""x,y""#),
+                Bytes::from_static(b"[]"),
+            ]
+        );
+        let empty = Bytes::from_static(br#"{"inputs":[]}"#);
+        let parsed: BatchBody<'_> = parse_json(&empty, "a batch").expect("batch");
+        let mut items = RawElements::new(empty.clone(), parsed.inputs.get()).expect("array");
+        assert!(items.next().is_none());
+        let not_array = Bytes::from_static(br#"{"inputs":{"a":1}}"#);
+        let parsed: BatchBody<'_> = parse_json(&not_array, "a batch").expect("batch");
+        assert!(RawElements::new(not_array.clone(), parsed.inputs.get()).is_none());
     }
 
     use proptest::prelude::any;
@@ -2096,20 +2325,30 @@ mod tests {
 
     /// Every way a task or sync body can be read, as the handlers read it.
     fn read_task_like(bytes: &[u8]) {
-        if let Ok(b) = parse_json::<TaskBody>(bytes, "a task") {
+        if let Ok(b) = parse_json::<TaskBody<'_>>(bytes, "a task") {
             let h = http::HeaderMap::new();
-            if let Ok((_, _, Some(t))) = task_options(&h, b.priority, b.timeout.as_ref()) {
+            if let Ok((_, _, Some(t))) = task_options(&h, b.priority, &b.timeout) {
                 assert!(!t.is_zero() && t <= MAX_CLIENT_DURATION);
                 // The deadline arithmetic the pool does must not overflow.
                 let _ = std::time::Instant::now() + t;
             }
         }
-        if let Ok(b) = parse_json::<BatchBody>(bytes, "a batch") {
-            let _ = duration_value(b.timeout.as_ref(), "timeout");
+        if let Ok(b) = parse_json::<BatchBody<'_>>(bytes, "a batch") {
+            let _ = duration_value(&b.timeout, "timeout");
+            let body = Bytes::copy_from_slice(bytes);
+            let parsed: BatchBody<'_> = parse_json(&body, "a batch").expect("parsed once");
+            if let Some(items) = RawElements::new(body.clone(), parsed.inputs.get()) {
+                let want: Vec<serde_json::Value> =
+                    serde_json::from_str(parsed.inputs.get()).expect("an array");
+                let got: Vec<serde_json::Value> = items
+                    .map(|i| serde_json::from_slice(&i).expect("each element is JSON"))
+                    .collect();
+                assert_eq!(got, want);
+            }
         }
-        if let Ok(b) = parse_json::<SyncBody>(bytes, "a sync") {
-            let _ = duration_value(b.timeout.as_ref(), "timeout");
-            if let Ok(n) = max_unavailable(b.max_unavailable.as_ref(), 7) {
+        if let Ok(b) = parse_json::<SyncBody<'_>>(bytes, "a sync") {
+            let _ = duration_value(&b.timeout, "timeout");
+            if let Ok(n) = max_unavailable(&b.max_unavailable, 7) {
                 assert!(n >= 1);
             }
         }
@@ -2165,7 +2404,7 @@ mod tests {
                 ("x-warmgate-tenant", tenant),
                 (crate::trace::TRACEPARENT, trace),
             ]);
-            if let Ok((_, tenant, _)) = task_options(&h, None, None) {
+            if let Ok((_, tenant, _)) = task_options(&h, None, &Scalar::Absent) {
                 prop_assert!(!tenant.is_empty());
             }
             let tp = crate::trace::ensure_traceparent(&mut h);
