@@ -788,7 +788,10 @@ mod tests {
         );
         // Without a list in the operator's config, no resource may name a
         // checkpoint: its own spec cannot vouch for itself.
-        let a = app("m", json!({"image": "r/e:1", "checkpoint": "s3://models/m"}));
+        let a = app(
+            "m",
+            json!({"image": "r/e:1", "checkpoint": "s3://models/m"}),
+        );
         let (_, refused) = config_from(Config::default(), &[a], &[]).expect("base is valid");
         assert_eq!(refused.len(), 1);
     }

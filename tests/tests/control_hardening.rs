@@ -16,6 +16,11 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 const KEY_A: &str = "key-alpha-7d1e";
 const KEY_B: &str = "key-bravo-2c9f";
 
+/// `config` with the temporary folder's checkpoints allowed.
+fn with_temp_checkpoints(config: &str) -> String {
+    format!("{config}{}", common::allow_temp_checkpoints())
+}
+
 /// A checkpoint folder with one file.
 fn checkpoint(root: &Path, name: &str) -> String {
     let dir = root.join(name);
@@ -92,7 +97,7 @@ impl WriteLock {
 async fn a_promotion_step_that_cannot_be_saved_changes_nothing() {
     let root = tempfile::tempdir().expect("dir");
     let v2 = checkpoint(root.path(), "v2");
-    let gw = Gateway::start(
+    let gw = Gateway::start(&with_temp_checkpoints(
         r#"
         [[apps]]
         name = "m"
@@ -101,7 +106,7 @@ async fn a_promotion_step_that_cannot_be_saved_changes_nothing() {
         min = 1
         max = 2
         "#,
-    );
+    ));
     gw.wait_ready("m", 1).await;
 
     // The promotion cannot be saved: an internal error, and nothing moved.
@@ -159,7 +164,7 @@ async fn a_promotion_step_that_cannot_be_saved_changes_nothing() {
 async fn a_step_the_driver_cannot_save_is_taken_once_the_disk_is_back() {
     let root = tempfile::tempdir().expect("dir");
     let v2 = checkpoint(root.path(), "v2");
-    let gw = Gateway::start(
+    let gw = Gateway::start(&with_temp_checkpoints(
         r#"
         [[apps]]
         name = "m"
@@ -171,7 +176,7 @@ async fn a_step_the_driver_cannot_save_is_taken_once_the_disk_is_back() {
         canary = 50
         bake = "1s"
         "#,
-    );
+    ));
     gw.wait_ready("m", 1).await;
     let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;
     assert_eq!(status, 202, "{body}");
@@ -205,7 +210,7 @@ async fn a_step_the_driver_cannot_save_is_taken_once_the_disk_is_back() {
 async fn pinned_requests_do_not_count_toward_a_canary_s_health() {
     let root = tempfile::tempdir().expect("dir");
     let v2 = checkpoint(root.path(), "v2");
-    let gw = Gateway::start(
+    let gw = Gateway::start(&with_temp_checkpoints(
         r#"
         [[apps]]
         name = "m"
@@ -218,7 +223,7 @@ async fn pinned_requests_do_not_count_toward_a_canary_s_health() {
         bake = "5s"
         min_requests = 10
         "#,
-    );
+    ));
     gw.wait_ready("m", 1).await;
     let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;
     assert_eq!(status, 202, "{body}");

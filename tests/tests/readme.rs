@@ -31,6 +31,7 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
         return;
     }
     let ckpt = std::path::absolute(ckpt).expect("absolute");
+    let root_checkpoints = ckpt.parent().expect("checkpoints/").to_path_buf();
     let config: String = quickstart
         .lines()
         .filter(|l| !l.starts_with("listen") && !l.starts_with("state_dir"))
@@ -47,6 +48,10 @@ async fn readme_curl_examples_work_against_the_quickstart_config() {
                 .replace(
                     "file://../../checkpoints/minilm",
                     &format!("file://{}", ckpt.display()),
+                )
+                .replace(
+                    "\"file://../../checkpoints\"",
+                    &format!("\"file://{}\"", root_checkpoints.display()),
                 )
                 + "\n"
         })

@@ -101,11 +101,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
         status = status.bearer_auth(token);
     }
-    let status: Value = status
-        .send()
-        .await?
-        .json()
-        .await?;
+    let status: Value = status.send().await?.json().await?;
     let backlog = status["pools"]
         .as_array()
         .and_then(|ps| ps.iter().find(|p| p["name"] == args.pool.as_str()))
