@@ -113,8 +113,8 @@ impl Gateway {
     /// (a rollback to a revision that served before).
     pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
         if let Some(a) = self.revisions.read().get(&rev.id).cloned() {
-            // Its weights went when it was retired: served again, with a
-            // new token.
+            // Its weights went when it was retired, with its replicas'
+            // tokens: served again, new replicas get new tokens.
             if let Some(uri) = &rev.checkpoint
                 && self.weights.uri(&app.name, &rev.id).is_none()
             {
@@ -162,23 +162,18 @@ impl Gateway {
         app: &str,
         revision: &str,
         uri: &str,
-    ) -> Result<[(String, String); 2], ApiError> {
+    ) -> Result<[(String, String); 1], ApiError> {
         let src = self
             .weights
             .open(uri)
             .map_err(|e| ApiError::new(e.kind, format!("revision {revision}: {}", e.message)))?;
         self.weights.register(app, revision, src);
-        let token = self.weights.token(crate::weights::Grant::Revision {
-            target: app.to_string(),
-            revision: revision.to_string(),
-        })?;
-        Ok([
-            (
-                "WARMGATE_WEIGHTS_URL".into(),
-                format!("http://{}/v1/weights/{app}/{revision}", self.reach),
-            ),
-            ("WARMGATE_WEIGHTS_TOKEN".into(), token),
-        ])
+        // Each replica gets its own weights token as it launches (the
+        // replica sink mints it).
+        Ok([(
+            "WARMGATE_WEIGHTS_URL".into(),
+            format!("http://{}/v1/weights/{app}/{revision}", self.reach),
+        )])
     }
 
     /// Promotes a new checkpoint: checks it, makes a revision, and starts

@@ -1,6 +1,6 @@
 //! The gateway: its state, the HTTP routes and the autoscaling loop.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -97,9 +97,41 @@ pub(crate) type Revisions = Arc<parking_lot::RwLock<HashMap<String, Arc<App>>>>;
 struct Sink {
     revisions: Revisions,
     pools: HashMap<String, Arc<crate::pools::Pool>>,
+    /// Mints and revokes each replica's weights token.
+    weights: Arc<crate::weights::Weights>,
 }
 
 impl ReplicaSink for Sink {
+    /// A pool replica may read every weight version of its pool (it syncs
+    /// in place); an app replica with a checkpoint, its revision's.
+    fn replica_env(&self, spec: &TargetSpec, replica: &str) -> BTreeMap<String, String> {
+        let grant = if spec.pool {
+            crate::weights::Grant::Pool {
+                target: spec.app.clone(),
+            }
+        } else if spec.checkpoint.is_some() {
+            crate::weights::Grant::Revision {
+                target: spec.app.clone(),
+                revision: spec.revision.clone(),
+            }
+        } else {
+            return BTreeMap::new();
+        };
+        match self.weights.issue(replica, grant) {
+            Ok(token) => BTreeMap::from([("WARMGATE_WEIGHTS_TOKEN".to_string(), token)]),
+            Err(e) => {
+                // The worker then gets 401 for its weights and fails to
+                // start, which its target reports.
+                tracing::error!(%replica, error = %e.message, "could not mint a weights token");
+                BTreeMap::new()
+            }
+        }
+    }
+
+    fn replica_ended(&self, replica: &str) {
+        self.weights.revoke_replica(replica);
+    }
+
     fn replica_ready(&self, replica: Arc<ReplicaHandle>) {
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
@@ -257,20 +289,12 @@ impl Gateway {
             Arc::new(Sink {
                 revisions: revisions.clone(),
                 pools: by_target,
+                weights: weights.clone(),
             }),
         );
         for p in pools.values() {
             let revision = format!("{}-00001", p.name);
             let mut env = p.spec.env.clone();
-            // Every pool replica gets the pool's weights token, with or
-            // without a checkpoint yet: a later weight sync is read with it.
-            let grant = crate::weights::Grant::Pool {
-                target: p.name.clone(),
-            };
-            let token = weights
-                .token(grant)
-                .map_err(|e| anyhow::anyhow!(e.message))?;
-            env.insert("WARMGATE_WEIGHTS_TOKEN".into(), token);
             if let Some(uri) = &p.spec.checkpoint {
                 // Opened here so a bad URI fails at start, not at first use.
                 let src = weights
@@ -1865,14 +1889,10 @@ async fn sync_weights(
         // Older versions are no longer served: replicas that start from
         // now on, and the ones synced in place, read this one.
         gw.weights.retain_only(&pool.name, &revision);
-        let token = gw.weights.token(crate::weights::Grant::Pool {
-            target: pool.name.clone(),
-        })?;
         let checkpoint = body.checkpoint.clone();
         for target in std::iter::once(pool.name.clone()).chain(pool.ondemand_target()) {
             gw.pool.update_target(&target, |t| {
                 t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
-                t.env.insert("WARMGATE_WEIGHTS_TOKEN".into(), token.clone());
                 t.env
                     .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
                 t.checkpoint = Some(checkpoint.clone());

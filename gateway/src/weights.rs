@@ -10,8 +10,9 @@
 //!
 //! Only checkpoint URIs under the allowed prefixes are opened
 //! ([`Weights::open`]). Reading needs a credential: the admin token, or
-//! the token each worker finds in `WARMGATE_WEIGHTS_TOKEN`, which is
-//! bound to its target ([`Grant`]) and revoked when the target's
+//! the token each worker finds in `WARMGATE_WEIGHTS_TOKEN`, its replica's
+//! own, which is bound to its target ([`Grant`]), revoked when the replica
+//! ends, and revoked too when the target's
 //! registration goes. Every body that has a `SHA256SUMS` digest is hashed
 //! as it is sent, and its last chunk is held back until the digest
 //! matches: a mismatch ends the body with an error, never a clean end.
@@ -100,7 +101,9 @@ pub struct Weights {
     sources: Mutex<HashMap<Key, Source>>,
     listings: Mutex<HashMap<Key, Arc<Listing>>>,
     downloads: Mutex<HashMap<String, watch::Receiver<Progress>>>,
-    tokens: Mutex<HashMap<Grant, String>>,
+    /// Live weights tokens by replica id: each replica's own, with what it
+    /// may read.
+    tokens: Mutex<HashMap<String, (Grant, String)>>,
 }
 
 // === impl Grant ===
@@ -182,28 +185,38 @@ impl Weights {
         self.sources.lock().get(&key).map(|s| s.uri().to_string())
     }
 
-    /// The token for `grant`, made on first use: 32 random bytes from the
-    /// operating system, in hex. Workers get it as `WARMGATE_WEIGHTS_TOKEN`.
-    pub fn token(&self, grant: Grant) -> Result<String, ApiError> {
-        let mut tokens = self.tokens.lock();
-        if let Some(t) = tokens.get(&grant) {
-            return Ok(t.clone());
-        }
+    /// A new token for `replica`, to read what `grant` covers: 32 random
+    /// bytes from the operating system, in hex. The worker gets it as
+    /// `WARMGATE_WEIGHTS_TOKEN`; it dies with the replica
+    /// ([`Weights::revoke_replica`]) or with its grant ([`Weights::revoke`]).
+    pub fn issue(&self, replica: &str, grant: Grant) -> Result<String, ApiError> {
         let mut bytes = [0u8; 32];
         getrandom::fill(&mut bytes).map_err(|e| {
             ApiError::new(
-                ErrorKind::NoCapacity,
+                ErrorKind::Internal,
                 format!("cannot make a weights token: {e}"),
             )
         })?;
         let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        tokens.insert(grant, token.clone());
+        self.tokens
+            .lock()
+            .insert(replica.to_string(), (grant, token.clone()));
         Ok(token)
     }
 
-    /// Revokes the token of `grant`.
+    /// Revokes the token of a replica that has ended.
+    pub fn revoke_replica(&self, replica: &str) {
+        self.tokens.lock().remove(replica);
+    }
+
+    /// Revokes every token of `grant` (a revision retired).
     pub fn revoke(&self, grant: &Grant) {
-        self.tokens.lock().remove(grant);
+        self.tokens.lock().retain(|_, (g, _)| g != grant);
+    }
+
+    /// Live tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens.lock().len()
     }
 
     /// Whether `presented` is a live token whose grant covers the
@@ -213,7 +226,7 @@ impl Weights {
         use subtle::ConstantTimeEq as _;
         let tokens = self.tokens.lock();
         let mut ok = subtle::Choice::from(0);
-        for (grant, token) in tokens.iter() {
+        for (grant, token) in tokens.values() {
             let same = presented.as_bytes().ct_eq(token.as_bytes());
             ok |= same & subtle::Choice::from(u8::from(grant.covers(target, revision)));
         }
@@ -612,17 +625,26 @@ mod tests {
             target: "m".into(),
             revision: r.into(),
         };
-        let t1 = w.token(rev("r1")).expect("token");
-        let pool = w.token(Grant::Pool { target: "p".into() }).expect("token");
+        let t1 = w.issue("m-00001-1", rev("r1")).expect("token");
+        let t2 = w.issue("m-00001-2", rev("r1")).expect("token");
+        let pool = w
+            .issue("p-1", Grant::Pool { target: "p".into() })
+            .expect("token");
         assert_eq!(t1.len(), 64);
-        assert_eq!(w.token(rev("r1")).expect("token"), t1);
-        assert!(w.authorized("m", "r1", &t1));
+        assert_ne!(t1, t2, "each replica has its own token");
+        assert!(w.authorized("m", "r1", &t1) && w.authorized("m", "r1", &t2));
         assert!(!w.authorized("m", "r2", &t1));
         assert!(!w.authorized("p", "v1", &t1));
         assert!(w.authorized("p", "v1", &pool) && w.authorized("p", "v7", &pool));
         assert!(!w.authorized("m", "r1", ""));
         assert!(!w.authorized("m", "r1", &t1[..63]));
-        w.unregister("m", "r1");
+        // A replica that ended loses its token; the others keep theirs.
+        w.revoke_replica("m-00001-1");
         assert!(!w.authorized("m", "r1", &t1));
+        assert!(w.authorized("m", "r1", &t2));
+        // A retired revision loses them all.
+        w.unregister("m", "r1");
+        assert!(!w.authorized("m", "r1", &t2));
+        assert_eq!(w.tokens(), 1, "only the pool replica's token is left");
     }
 }

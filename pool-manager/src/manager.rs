@@ -41,6 +41,14 @@ pub trait ReplicaSink: Send + Sync + 'static {
     fn replica_removed(&self, replica: &Arc<ReplicaHandle>);
     /// A replica failed to start; `health` is the target's state after it.
     fn start_failed(&self, target: &str, error: &Error, health: &TargetHealth);
+    /// Environment of one replica's own, added to its target's `env` as it
+    /// launches (a credential minted for that replica alone).
+    fn replica_env(&self, _spec: &TargetSpec, _replica: &str) -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+    /// A launched replica has ended, however it ended (stopped, crashed,
+    /// failed to start): what was made for it alone can go.
+    fn replica_ended(&self, _replica: &str) {}
 }
 
 /// How to run the replicas of one app or pool.
@@ -602,12 +610,14 @@ impl Actor {
         slot.gpus = gpus.clone();
         let (stop_tx, stop_rx) = oneshot::channel();
         slot.stop = Some(stop_tx);
+        let mut env = spec.env.clone();
+        env.extend(self.inner.sink.replica_env(&spec, &slot.id));
         let launch = Launch {
             replica: slot.id.clone(),
             target: spec.app.clone(),
             revision: spec.revision.clone(),
             command: spec.command.clone(),
-            env: spec.env.clone(),
+            env,
             gpus,
             workdir: spec.workdir.clone(),
             checkpoint: spec.checkpoint.clone(),
@@ -722,6 +732,7 @@ impl Actor {
                     return;
                 };
                 self.release_gpus(&slot.gpus);
+                self.inner.sink.replica_ended(&slot.id);
                 let asked = slot.state == ReplicaState::Draining;
                 if asked {
                     return;
@@ -737,6 +748,7 @@ impl Actor {
                     return;
                 };
                 self.release_gpus(&slot.gpus);
+                self.inner.sink.replica_ended(&slot.id);
                 if let Some(h) = &slot.handle {
                     h.set_unroutable();
                     self.inner.sink.replica_removed(h);

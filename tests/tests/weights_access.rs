@@ -246,3 +246,73 @@ async fn a_replaced_revision_is_no_longer_served() {
     let (status, _) = get(&gw, "/v1/weights/m/m-00001", Some(ADMIN)).await;
     assert_eq!(status, 200);
 }
+
+/// Each ready replica of app `m`: `(id, pid)`.
+async fn ready_replicas(gw: &Gateway) -> Vec<(String, i32)> {
+    let (_, s) = get(gw, "/v1/status", Some(ADMIN)).await;
+    s["apps"][0]["pool"]["replicas"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["state"] == "ready")
+        .filter_map(|r| Some((r["id"].as_str()?.to_string(), r["pid"].as_i64()? as i32)))
+        .collect()
+}
+
+/// The `WARMGATE_WEIGHTS_TOKEN` in a worker's environment.
+fn weights_token(pid: i32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).expect("read environ");
+    raw.split(|b| *b == 0)
+        .filter_map(|v| std::str::from_utf8(v).ok())
+        .find_map(|v| v.strip_prefix("WARMGATE_WEIGHTS_TOKEN="))
+        .expect("the worker has a weights token")
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_replica_has_its_own_weights_token_which_ends_with_it() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1");
+    let gw = Gateway::start_with(
+        &format!(
+            r#"
+            [[apps]]
+            name = "m"
+            command = ["{{worker}}"]
+            checkpoint = "{v1}"
+            [apps.autoscale]
+            min = 2
+            max = 2
+            "#
+        ),
+        &[],
+        &[("WARMGATE_ADMIN_TOKEN", ADMIN)],
+    );
+    let first = eventually("two ready replicas", || async {
+        let r = ready_replicas(&gw).await;
+        (r.len() == 2).then_some(r)
+    })
+    .await;
+    let tokens: Vec<String> = first.iter().map(|(_, pid)| weights_token(*pid)).collect();
+    assert_ne!(tokens[0], tokens[1], "each replica has its own token");
+    let manifest = "/v1/weights/m/m-00001";
+    for t in &tokens {
+        let (status, body) = get(&gw, manifest, Some(t)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // One replica dies: its token dies with it, the other's still reads.
+    let (dead_id, dead_pid) = first[0].clone();
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(dead_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    eventually("the dead replica is replaced", || async {
+        let r = ready_replicas(&gw).await;
+        (r.len() == 2 && r.iter().all(|(id, _)| *id != dead_id)).then_some(())
+    })
+    .await;
+    let (status, body) = get(&gw, manifest, Some(&tokens[0])).await;
+    assert_eq!(status, 401, "the dead replica's token is revoked: {body}");
+    let (status, body) = get(&gw, manifest, Some(&tokens[1])).await;
+    assert_eq!(status, 200, "the live replica's token still reads: {body}");
+}
