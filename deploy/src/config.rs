@@ -942,6 +942,37 @@ impl Config {
                     format!("the name {:?} is already used by an app or pool", pool.name),
                 ));
             }
+            // An app's revisions run as targets named `<app>-00001`, … and
+            // an interruptible pool's fallback as `<pool>-ondemand`: a pool
+            // under such a name would take over the other's replicas.
+            if let Some(app) = self
+                .apps
+                .iter()
+                .find(|a| is_revision_of(&pool.name, &a.name))
+            {
+                return Err((
+                    at("name"),
+                    format!(
+                        "{:?} is the name of a revision of app {:?} ({}-00001, …); pick another",
+                        pool.name, app.name, app.name
+                    ),
+                ));
+            }
+            let ondemand = format!("{}-ondemand", pool.name);
+            if pool.kubernetes.interruptible
+                && (self
+                    .apps
+                    .iter()
+                    .any(|a| a.name == ondemand || a.aliases.contains(&ondemand))
+                    || self.pools.iter().any(|p| p.name == ondemand))
+            {
+                return Err((
+                    at("name"),
+                    format!(
+                        "an interruptible pool's on-demand fallback runs as {ondemand:?}, which is already the name of an app or pool"
+                    ),
+                ));
+            }
             if self.backend.kind == BackendKind::Local
                 && pool.command.first().is_none_or(|c| c.is_empty())
             {
@@ -1466,6 +1497,14 @@ mod bounded {
     }
 }
 
+/// Whether `name` is the id of a revision of `app` (`<app>-` and at least
+/// five digits, as revisions are numbered).
+fn is_revision_of(name: &str, app: &str) -> bool {
+    name.strip_prefix(app)
+        .and_then(|r| r.strip_prefix('-'))
+        .is_some_and(|d| d.len() >= 5 && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// App names end up in URLs, file names, metric labels and (on Kubernetes)
 /// object names, so they follow RFC 1123 labels.
 fn check_dns_label(name: &str) -> std::result::Result<(), String> {
@@ -1500,6 +1539,45 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config> {
         Config::parse(text, Path::new("test.toml"), Path::new("/base"))
+    }
+
+    #[test]
+    fn a_pool_cannot_take_the_name_of_an_app_revision_or_an_on_demand_fallback() {
+        let err = parse(
+            r#"
+            [[apps]]
+            name = "minilm"
+            command = ["./w"]
+            [[pools]]
+            name = "minilm-00001"
+            command = ["./p"]
+            "#,
+        )
+        .expect_err("a pool named like the app's first revision");
+        let text = err.to_string();
+        assert!(text.contains("pools[0].name"), "{text}");
+        assert!(text.contains("revision of app"), "{text}");
+        // Not a revision id: fewer than five digits, or not digits.
+        for ok in ["minilm-0001", "minilm-x0001", "minilm2-00001"] {
+            parse(&format!(
+                "[[apps]]\nname = \"minilm\"\ncommand = [\"./w\"]\n[[pools]]\nname = \"{ok}\"\ncommand = [\"./p\"]\n"
+            ))
+            .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let err = parse(
+            r#"
+            [[apps]]
+            name = "spot-ondemand"
+            command = ["./w"]
+            [[pools]]
+            name = "spot"
+            command = ["./p"]
+            [pools.kubernetes]
+            interruptible = true
+            "#,
+        )
+        .expect_err("an app named like the pool's on-demand fallback");
+        assert!(err.to_string().contains("on-demand"), "{err}");
     }
 
     #[test]

@@ -264,6 +264,7 @@ pub fn run(cli: Cli) -> i32 {
             }
             let _telemetry = crate::telemetry::init(log_format);
             raise_open_file_limit();
+            keep_environment_private();
             let rt = match runtime(None) {
                 Ok(rt) => rt,
                 Err(e) => {
@@ -380,6 +381,7 @@ fn serve(
     }
     let _telemetry = crate::telemetry::init(log_format);
     raise_open_file_limit();
+    keep_environment_private();
     let rt = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
@@ -393,6 +395,17 @@ fn serve(
             eprintln!("error: {e:#}");
             1
         }
+    }
+}
+
+/// Makes the gateway's process non-dumpable, so a worker running as the
+/// same (non-root) user cannot read its environment (the admin token,
+/// tenant keys, cloud credentials) from `/proc/<gateway>/environ`, nor
+/// attach to it. Workers are dumpable again after their `exec`. A worker
+/// running as root can still read it: run workers as another user for that.
+pub fn keep_environment_private() {
+    if let Err(e) = nix::sys::prctl::set_dumpable(false) {
+        tracing::warn!(error = %e, "cannot make the gateway non-dumpable");
     }
 }
 
@@ -1185,5 +1198,19 @@ fn human_secs(s: f64) -> String {
         format!("{:.0}m", s / 60.0)
     } else {
         format!("{:.1}h", s / 3600.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateway_is_not_dumpable() {
+        keep_environment_private();
+        assert!(
+            !nix::sys::prctl::get_dumpable().expect("prctl"),
+            "a worker of the same user could read /proc/<gateway>/environ"
+        );
     }
 }

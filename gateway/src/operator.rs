@@ -81,12 +81,21 @@ pub fn config_from(
     base.apps.clear();
     base.pools.clear();
     base.validate()?;
-    let cwd = std::path::Path::new(".");
-    let allowed = warmgate_pool::weights::AllowList::new(&allowed, cwd)
+    // Relative URIs resolve as the gateway resolves them: against the
+    // state folder's parent (the config's folder).
+    let base_dir = base
+        .state_dir
+        .parent()
+        .map_or_else(|| std::path::PathBuf::from("."), |p| p.to_path_buf());
+    let allowed = warmgate_pool::weights::AllowList::new(&allowed, &base_dir)
         .map_err(|e| ("weights.allowed_prefixes".to_string(), e.to_string()))?;
+    // Allowed, and one the store can open: a URI that passes the list but
+    // that the store refuses would otherwise stop the gateway at start,
+    // and with it every other resource.
     let uri_allowed = |key: &str, uri: Option<&String>| match uri {
         Some(uri) => allowed
-            .check(uri, cwd)
+            .check(uri, &base_dir)
+            .and_then(|()| warmgate_pool::weights::Source::open(uri, &base_dir).map(drop))
             .map_err(|e| (key.to_string(), e.to_string())),
         None => Ok(()),
     };
@@ -786,6 +795,16 @@ mod tests {
                 ("rollouts", "spec.checkpoint")
             ]
         );
+        // A URI the list allows but the store cannot open (an empty
+        // segment) is refused alone instead of stopping the gateway.
+        let odd = app(
+            "odd",
+            json!({"image": "r/e:1", "checkpoint": "s3://models//x"}),
+        );
+        let mut base = Config::default();
+        base.weights.allowed_prefixes = Some(vec!["s3://models/".into()]);
+        let (_, refused) = config_from(base, &[odd], &[]).expect("base is valid");
+        assert_eq!(refused.len(), 1, "{refused:?}");
         // Without a list in the operator's config, no resource may name a
         // checkpoint: its own spec cannot vouch for itself.
         let a = app(

@@ -2019,11 +2019,10 @@ fn weights_auth(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    use subtle::ConstantTimeEq as _;
     let admin = gw
         .admin_token
         .as_ref()
-        .is_some_and(|t| bool::from(presented.as_bytes().ct_eq(t.as_bytes())));
+        .is_some_and(|t| crate::tenants::same_secret(presented, t));
     if admin || gw.weights.authorized(target, revision, presented) {
         return Ok(());
     }
