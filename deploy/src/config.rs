@@ -917,10 +917,10 @@ impl Config {
                     "must be a file name (e.g. \"_COMPLETE\")".into(),
                 ));
             }
-            if pr.watch_interval.is_zero() {
+            if pr.watch_interval < MIN_WATCH_INTERVAL {
                 return Err((
                     at("promotion.watch_interval"),
-                    "must be more than 0s".into(),
+                    "must be at least 100ms (each look lists the store)".into(),
                 ));
             }
             if pr.canary.is_some_and(|c| c == 0 || c > 100) {
@@ -1497,6 +1497,11 @@ mod bounded {
     }
 }
 
+/// The shortest `promotion.watch_interval`: each look lists the store
+/// with the gateway's credentials, so a spec must not turn the watcher into
+/// a busy loop; ten looks a second is already more than training needs.
+const MIN_WATCH_INTERVAL: Duration = Duration::from_millis(100);
+
 /// Whether `name` is the id of a revision of `app` (`<app>-` and at least
 /// five digits, as revisions are numbered).
 fn is_revision_of(name: &str, app: &str) -> bool {
@@ -1539,6 +1544,21 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config> {
         Config::parse(text, Path::new("test.toml"), Path::new("/base"))
+    }
+
+    #[test]
+    fn the_checkpoint_watcher_cannot_be_a_busy_loop() {
+        let with = |interval: &str| {
+            parse(&format!(
+                "[[apps]]\nname = \"m\"\ncommand = [\"./w\"]\n[apps.promotion]\nwatch = \"file:///ckpt\"\nwatch_interval = \"{interval}\"\n"
+            ))
+        };
+        let err = with("1ns").expect_err("a busy loop");
+        assert!(
+            err.to_string().contains("promotion.watch_interval"),
+            "{err}"
+        );
+        with("100ms").expect("ten looks a second");
     }
 
     #[test]
