@@ -103,12 +103,7 @@ pub fn config_from(
     for a in apps {
         let mut spec = a.spec.clone();
         spec.name = a.name_any();
-        let refusal = |(key, message): (String, String)| Refusal {
-            kind: ResourceKind::App,
-            name: a.name_any(),
-            key: spec_key(&key),
-            message,
-        };
+        let refusal = |e| Refusal::of(ResourceKind::App, a.name_any(), e);
         let checked = resource_fields_allowed(&base.operator, &spec.promotion)
             .and_then(|()| uri_allowed("checkpoint", spec.checkpoint.as_ref()))
             .and_then(|()| uri_allowed("promotion.watch", spec.promotion.watch.as_ref()));
@@ -125,27 +120,31 @@ pub fn config_from(
     for p in pools {
         let mut spec = p.spec.clone();
         spec.name = p.name_any();
-        if let Err((key, message)) = uri_allowed("checkpoint", spec.checkpoint.as_ref()) {
-            refused.push(Refusal {
-                kind: ResourceKind::Pool,
-                name: p.name_any(),
-                key: spec_key(&key),
-                message,
-            });
+        let refusal = |e| Refusal::of(ResourceKind::Pool, p.name_any(), e);
+        if let Err(e) = uri_allowed("checkpoint", spec.checkpoint.as_ref()) {
+            refused.push(refusal(e));
             continue;
         }
         base.pools.push(spec);
-        if let Err((key, message)) = base.validate() {
+        if let Err(e) = base.validate() {
             base.pools.pop();
-            refused.push(Refusal {
-                kind: ResourceKind::Pool,
-                name: p.name_any(),
-                key: spec_key(&key),
-                message,
-            });
+            refused.push(refusal(e));
         }
     }
     Ok((base, refused))
+}
+
+impl Refusal {
+    /// A refusal of `name` for a config error `(key, message)`, its key
+    /// given as the resource's (`spec.…`).
+    fn of(kind: ResourceKind, name: String, (key, message): (String, String)) -> Self {
+        Refusal {
+            kind,
+            name,
+            key: spec_key(&key),
+            message,
+        }
+    }
 }
 
 /// Refuses the promotion fields that run code in the operator's container
