@@ -252,9 +252,18 @@ impl Autoscaler {
         self.cold_start
     }
 
-    /// The configuration this policy was built with.
+    /// The configuration this policy follows.
     pub fn config(&self) -> &ScalingConfig {
         &self.config
+    }
+
+    /// Follows `config` from now on, keeping what it has observed: a
+    /// change of bounds or target applies on the next tick without
+    /// forgetting the load. The last decision is brought within the new
+    /// bounds at once.
+    pub fn set_config(&mut self, config: ScalingConfig) {
+        self.desired = self.desired.clamp(config.min.min(config.max), config.max);
+        self.config = config;
     }
 
     /// Last desired replica count (from [`Autoscaler::observe`] or
@@ -533,6 +542,53 @@ mod tests {
         assert_eq!(sanitize_concurrency(-3.0), 0.0);
         assert_eq!(sanitize_concurrency(f64::INFINITY), MAX_CONCURRENCY);
         assert_eq!(sanitize_concurrency(2.5), 2.5);
+    }
+
+    #[test]
+    fn a_new_config_keeps_the_observed_load() {
+        let mut a = Autoscaler::new(ScalingConfig {
+            min: 0,
+            max: 10,
+            target: 1.0,
+            ..ScalingConfig::default()
+        });
+        let load = |a: &mut Autoscaler, s: u64| {
+            a.observe(Observation {
+                now: Duration::from_secs(s),
+                concurrency: 6.0,
+                ready: 6,
+            })
+            .desired
+        };
+        for s in 0..10 {
+            load(&mut a, s);
+        }
+        assert_eq!(a.desired(), 6);
+        // A lower max applies at once and on every tick after it.
+        a.set_config(ScalingConfig {
+            min: 0,
+            max: 3,
+            target: 1.0,
+            ..ScalingConfig::default()
+        });
+        assert_eq!(a.desired(), 3);
+        assert_eq!(load(&mut a, 10), 3);
+        // A larger target halves the need at once: the load was kept.
+        a.set_config(ScalingConfig {
+            min: 0,
+            max: 10,
+            target: 2.0,
+            ..ScalingConfig::default()
+        });
+        assert_eq!(load(&mut a, 11), 3);
+        // A min above the last decision lifts it.
+        a.set_config(ScalingConfig {
+            min: 5,
+            max: 10,
+            target: 2.0,
+            ..ScalingConfig::default()
+        });
+        assert_eq!(a.desired(), 5);
     }
 
     #[test]

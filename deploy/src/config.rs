@@ -664,6 +664,32 @@ impl Default for Config {
     }
 }
 
+impl AppSpec {
+    /// Makes its relative paths (command, checkpoint, watch prefix, gate
+    /// command) absolute against `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        resolve_command(&mut self.command, base);
+        if let Some(c) = &mut self.checkpoint {
+            resolve_checkpoint(c, base);
+        }
+        if let Some(w) = &mut self.promotion.watch {
+            resolve_checkpoint(w, base);
+        }
+        resolve_command(&mut self.promotion.gate_command, base);
+    }
+}
+
+impl PoolSpec {
+    /// Makes its relative paths (command, checkpoint) absolute against
+    /// `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        resolve_command(&mut self.command, base);
+        if let Some(c) = &mut self.checkpoint {
+            resolve_checkpoint(c, base);
+        }
+    }
+}
+
 impl Config {
     /// Reads, parses and validates a config file, and resolves its relative
     /// paths against the file's folder.
@@ -1063,20 +1089,10 @@ impl Config {
             self.state_dir = base.join(&self.state_dir);
         }
         for pool in &mut self.pools {
-            resolve_command(&mut pool.command, base);
-            if let Some(c) = &mut pool.checkpoint {
-                resolve_checkpoint(c, base);
-            }
+            pool.resolve_paths(base);
         }
         for app in &mut self.apps {
-            resolve_command(&mut app.command, base);
-            if let Some(c) = &mut app.checkpoint {
-                resolve_checkpoint(c, base);
-            }
-            if let Some(w) = &mut app.promotion.watch {
-                resolve_checkpoint(w, base);
-            }
-            resolve_command(&mut app.promotion.gate_command, base);
+            app.resolve_paths(base);
         }
         for p in self.weights.allowed_prefixes.iter_mut().flatten() {
             resolve_checkpoint(p, base);
@@ -1512,7 +1528,7 @@ fn is_revision_of(name: &str, app: &str) -> bool {
 
 /// App names end up in URLs, file names, metric labels and (on Kubernetes)
 /// object names, so they follow RFC 1123 labels.
-fn check_dns_label(name: &str) -> std::result::Result<(), String> {
+pub fn check_dns_label(name: &str) -> std::result::Result<(), String> {
     let ok = !name.is_empty()
         && name.len() <= 63
         && name

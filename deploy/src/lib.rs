@@ -15,7 +15,7 @@ pub mod store;
 pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, KubeBackendConfig,
     LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec,
-    TenantSpec, Toleration, WeightsConfig, defaults,
+    TenantSpec, Toleration, WeightsConfig, check_dns_label, defaults,
 };
 
 use std::path::PathBuf;

@@ -11,6 +11,7 @@ use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use crate::config::{AppSpec, Config, PoolSpec};
 use crate::revision::{History, Promotion, Revision};
 
 /// Why the store failed.
@@ -69,6 +70,12 @@ CREATE TABLE IF NOT EXISTS promotions (
 CREATE TABLE IF NOT EXISTS configs (
     app TEXT PRIMARY KEY,
     body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS spec_changes (
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT,
+    PRIMARY KEY (kind, name)
 );
 CREATE TABLE IF NOT EXISTS notes (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -190,12 +197,17 @@ impl Store {
                 tx.execute("DELETE FROM promotions WHERE app = ?1", params![app])?;
             }
         }
-        if let Some(c) = &h.config {
-            tx.execute(
-                "INSERT INTO configs (app, body) VALUES (?1, ?2)
-                 ON CONFLICT (app) DO UPDATE SET body = excluded.body",
-                params![app, c],
-            )?;
+        match &h.config {
+            Some(c) => {
+                tx.execute(
+                    "INSERT INTO configs (app, body) VALUES (?1, ?2)
+                     ON CONFLICT (app) DO UPDATE SET body = excluded.body",
+                    params![app, c],
+                )?;
+            }
+            None => {
+                tx.execute("DELETE FROM configs WHERE app = ?1", params![app])?;
+            }
         }
         if !note.is_empty() {
             tx.execute(
@@ -222,6 +234,139 @@ impl Store {
             })?
             .collect::<Result<Vec<_>, _>>()?;
         Ok(notes)
+    }
+}
+
+/// What the control API changed over the config file: apps and pools put
+/// (`Some`) or deleted (`None`), by name. Applied over the file at every
+/// start, so a change made through the API survives a restart.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overlay {
+    /// Apps put or deleted.
+    pub apps: std::collections::BTreeMap<String, Option<AppSpec>>,
+    /// Pools put or deleted.
+    pub pools: std::collections::BTreeMap<String, Option<PoolSpec>>,
+}
+
+impl Overlay {
+    /// `config` with these changes: a put spec replaces the file's entry of
+    /// that name in place or comes after the file's entries; a deleted
+    /// one is gone.
+    pub fn apply_to(&self, config: &mut Config) {
+        fn merge<S: Clone>(
+            list: &mut Vec<S>,
+            changes: &std::collections::BTreeMap<String, Option<S>>,
+            name: impl Fn(&S) -> &str,
+        ) {
+            list.retain(|s| !matches!(changes.get(name(s)), Some(None)));
+            for (n, spec) in changes {
+                let Some(spec) = spec else { continue };
+                match list.iter_mut().find(|s| name(s) == n) {
+                    Some(slot) => *slot = spec.clone(),
+                    None => list.push(spec.clone()),
+                }
+            }
+        }
+        merge(&mut config.apps, &self.apps, |a| &a.name);
+        merge(&mut config.pools, &self.pools, |p| &p.name);
+    }
+
+    /// True when it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.apps.is_empty() && self.pools.is_empty()
+    }
+}
+
+/// Which kind of spec a change is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecKind {
+    /// An `[[apps]]` entry.
+    App,
+    /// A `[[pools]]` entry.
+    Pool,
+}
+
+impl SpecKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            SpecKind::App => "app",
+            SpecKind::Pool => "pool",
+        }
+    }
+}
+
+impl Store {
+    /// Records that the API put (`Some`, the spec as JSON) or deleted
+    /// (`None`) an app or pool, with a note, in one transaction.
+    pub fn record_spec(
+        &mut self,
+        kind: SpecKind,
+        name: &str,
+        body: Option<&str>,
+        note: &str,
+    ) -> Result<(), StoreError> {
+        let tx = self.conn.transaction()?;
+        tx.execute(
+            "INSERT INTO spec_changes (kind, name, body) VALUES (?1, ?2, ?3)
+             ON CONFLICT (kind, name) DO UPDATE SET body = excluded.body",
+            params![kind.as_str(), name, body],
+        )?;
+        if !note.is_empty() {
+            tx.execute(
+                "INSERT INTO notes (app, at, what) VALUES (?1, ?2, ?3)",
+                params![name, unix_now(), note],
+            )?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Every change the API made, to apply over the config file.
+    pub fn overlay(&self) -> Result<Overlay, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT kind, name, body FROM spec_changes ORDER BY kind, name")?;
+        let rows = stmt
+            .query_map([], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, Option<String>>(2)?,
+                ))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = Overlay::default();
+        for (kind, name, body) in rows {
+            let corrupt = |source| StoreError::Corrupt {
+                what: "spec change",
+                source,
+            };
+            match kind.as_str() {
+                "app" => {
+                    let spec = body
+                        .map(|b| serde_json::from_str(&b))
+                        .transpose()
+                        .map_err(corrupt)?;
+                    out.apps.insert(name, spec);
+                }
+                "pool" => {
+                    let spec = body
+                        .map(|b| serde_json::from_str(&b))
+                        .transpose()
+                        .map_err(corrupt)?;
+                    out.pools.insert(name, spec);
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// Forgets every change the API made (the config file is the whole
+    /// truth again, as after `warmgate apply`).
+    pub fn clear_overlay(&mut self) -> Result<(), StoreError> {
+        self.conn.execute("DELETE FROM spec_changes", [])?;
+        Ok(())
     }
 }
 
@@ -335,5 +480,56 @@ mod tests {
             .expect("insert");
         let err = s.load("m").expect_err("corrupt");
         assert!(err.to_string().contains("revision"), "{err}");
+    }
+
+    #[test]
+    fn changes_made_through_the_api_are_kept_and_laid_over_the_file() {
+        let text = r#"
+            [[apps]]
+            name = "a"
+            command = ["w"]
+            [[apps]]
+            name = "b"
+            command = ["w"]
+            [[pools]]
+            name = "p"
+            command = ["w"]
+        "#;
+        let file = Config::parse(text, Path::new("t.toml"), Path::new("/")).expect("config");
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        let mut b = file.apps[1].clone();
+        b.autoscale.max = 7;
+        let mut c = file.apps[0].clone();
+        c.name = "c".into();
+        {
+            let mut store = Store::open(&path).expect("open");
+            assert!(store.overlay().expect("overlay").is_empty());
+            let json = |s: &AppSpec| serde_json::to_string(s).expect("json");
+            store
+                .record_spec(SpecKind::App, "b", Some(&json(&b)), "put b")
+                .expect("b");
+            store
+                .record_spec(SpecKind::App, "c", Some(&json(&c)), "put c")
+                .expect("c");
+            store
+                .record_spec(SpecKind::App, "a", None, "delete a")
+                .expect("a");
+            store
+                .record_spec(SpecKind::Pool, "p", None, "delete p")
+                .expect("p");
+        }
+        // Reopened, as after a restart.
+        let store = Store::open(&path).expect("reopen");
+        let overlay = store.overlay().expect("overlay");
+        let mut config = file.clone();
+        overlay.apply_to(&mut config);
+        let names: Vec<&str> = config.apps.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, ["b", "c"]);
+        assert_eq!(config.apps[0].autoscale.max, 7);
+        assert!(config.pools.is_empty());
+        let mut store = store;
+        store.clear_overlay().expect("clear");
+        assert!(store.overlay().expect("overlay").is_empty());
     }
 }

@@ -329,6 +329,25 @@ impl PoolManager {
             .is_ok()
     }
 
+    /// Stops every replica of `target` (drain, SIGTERM, grace, SIGKILL)
+    /// and forgets the target. Returns once they are gone; false for an
+    /// unknown target.
+    pub async fn remove_target(&self, target: &str) -> bool {
+        let task = {
+            let Some(t) = self.inner.targets.write().remove(target) else {
+                return false;
+            };
+            let _ = t.shutdown.send(true);
+            t.task.lock().take()
+        };
+        if let Some(task) = task
+            && let Err(e) = task.await
+        {
+            tracing::error!(%target, error = %e, "pool manager task failed");
+        }
+        true
+    }
+
     /// The replica count last asked for.
     pub fn desired(&self, target: &str) -> Option<u32> {
         self.inner
