@@ -142,6 +142,17 @@ pub enum Command {
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
     },
+    /// Make a running gateway serve the apps and pools of a config file:
+    /// puts each (unchanged ones keep their replicas), deletes the others,
+    /// and prints what changed.
+    Apply {
+        /// The TOML config file; its `[[apps]]` and `[[pools]]` are applied.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+    },
     /// Route traffic back to the previous good revision.
     Rollback {
         /// The app.
@@ -249,6 +260,7 @@ pub fn run(cli: Cli) -> i32 {
             wait,
             gateway,
         } => promote(&gateway, &app, &checkpoint, canary, bake, wait),
+        Command::Apply { config, gateway } => apply(&gateway, &config),
         Command::Rollback { app, gateway } => rollback(&gateway, &app),
         Command::Revisions { app, gateway } => revisions(&gateway, &app),
         Command::Operator {
@@ -1017,6 +1029,79 @@ fn rollback(gateway: &str, app: &str) -> i32 {
         }
         Err(code) => code,
     }
+}
+
+/// `warmgate apply`: the file's apps and pools put, the gateway's others
+/// deleted (deletions first, so a name may move from a pool to an app),
+/// one line per change. Exit 0 when every change was taken, 1 when one was
+/// refused (the others still apply), 64 for a bad file.
+fn apply(gateway: &str, file: &std::path::Path) -> i32 {
+    let config = match Config::load(file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let status = match api(
+        gateway,
+        http::Method::GET,
+        "/v1/status",
+        None,
+        Duration::from_secs(10),
+    ) {
+        Ok(v) => v,
+        Err(code) => return code,
+    };
+    let running = |kind: &str| -> Vec<String> {
+        status[kind]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x["name"].as_str().map(str::to_string))
+            .collect()
+    };
+    let mut refused = false;
+    let mut change = |method: http::Method, kind: &str, name: &str, body: Option<Value>| {
+        let path = format!("/v1/{kind}s/{name}");
+        match api(gateway, method, &path, body, Duration::from_secs(60)) {
+            Ok(v) => {
+                let what = v["change"].as_str().unwrap_or("?").replace('_', " ");
+                match v["revision"].as_str() {
+                    Some(rev) => println!("{kind} {name}: {what} (to {rev})"),
+                    None => println!("{kind} {name}: {what}"),
+                }
+            }
+            Err(_) => refused = true,
+        }
+    };
+    for name in running("pools") {
+        if !config.pools.iter().any(|p| p.name == name) {
+            change(http::Method::DELETE, "pool", &name, None);
+        }
+    }
+    for name in running("apps") {
+        if !config.apps.iter().any(|a| a.name == name) {
+            change(http::Method::DELETE, "app", &name, None);
+        }
+    }
+    for pool in &config.pools {
+        change(
+            http::Method::PUT,
+            "pool",
+            &pool.name,
+            serde_json::to_value(pool).ok(),
+        );
+    }
+    for app in &config.apps {
+        change(
+            http::Method::PUT,
+            "app",
+            &app.name,
+            serde_json::to_value(app).ok(),
+        );
+    }
+    if refused { 1 } else { 0 }
 }
 
 /// `warmgate revisions`: the history as a table, then the recent notes.

@@ -28,8 +28,9 @@ pub struct App {
     pub name: String,
     /// The revision traffic goes to.
     pub revision: String,
-    /// Its spec.
-    pub spec: AppSpec,
+    /// Its spec; [`App::retune`] swaps in new autoscaling and queue
+    /// settings.
+    spec: arc_swap::ArcSwap<AppSpec>,
     slots: Mutex<Slots>,
     scaler: Mutex<Autoscaler>,
     handoff: Mutex<Option<Duration>>,
@@ -167,8 +168,24 @@ impl App {
             answered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             latencies: Mutex::new(VecDeque::new()),
-            spec,
+            spec: arc_swap::ArcSwap::from_pointee(spec),
         }
+    }
+
+    /// Its spec.
+    pub fn spec(&self) -> Arc<AppSpec> {
+        self.spec.load_full()
+    }
+
+    /// Takes `spec`'s autoscaling and queue settings, keeping its replicas,
+    /// its queue and the autoscaler's history: a change that needs no new
+    /// replica applies in place.
+    pub fn retune(&self, spec: &AppSpec) {
+        let mut next = (*self.spec()).clone();
+        next.autoscale = spec.autoscale.clone();
+        next.queue = spec.queue.clone();
+        self.scaler.lock().set_config(scaling_config(&next));
+        self.spec.store(Arc::new(next));
     }
 
     /// Takes a free slot, or a place in the hold queue, or says why neither
@@ -190,8 +207,8 @@ impl App {
             }));
         }
         let cold = s.replicas.is_empty();
-        if s.live_waiters >= self.spec.queue.max_pending as usize {
-            let max = self.spec.queue.max_pending;
+        let max = self.spec.load().queue.max_pending;
+        if s.live_waiters >= max as usize {
             let err = if cold {
                 ApiError::new(
                     ErrorKind::Starting,
@@ -215,7 +232,7 @@ impl App {
         }
         // Cancelled waiters are skipped lazily; purge them before the deque
         // can grow past twice the bound.
-        if s.waiters.len() >= 2 * (self.spec.queue.max_pending as usize).max(1) {
+        if s.waiters.len() >= 2 * (self.spec.load().queue.max_pending as usize).max(1) {
             s.waiters.retain(|w| !w.tx.is_closed());
         }
         let (tx, rx) = oneshot::channel();

@@ -4,6 +4,7 @@
 
 #![warn(missing_docs)]
 
+pub mod change;
 pub mod cli;
 pub mod dispatch;
 pub mod error;
@@ -13,6 +14,7 @@ pub mod operator;
 pub mod pools;
 pub mod promote;
 pub mod proxy;
+pub mod registry;
 pub mod server;
 pub mod serving;
 pub mod simplot;

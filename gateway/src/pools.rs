@@ -334,6 +334,11 @@ pub struct Pool {
     replacer: OnceLock<Replacer>,
     /// Asks for an on-demand replica (an interruptible pool's fallback).
     wants_ondemand: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Deleted: it takes no new task, finishes those it holds, then its
+    /// dispatcher ends.
+    closed: std::sync::atomic::AtomicBool,
+    /// Told when it has closed and holds nothing.
+    emptied: Notify,
 }
 
 struct PoolState {
@@ -384,7 +389,39 @@ impl Pool {
             ids: AtomicU64::new(0),
             replacer: OnceLock::new(),
             wants_ondemand: OnceLock::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            emptied: Notify::new(),
         })
+    }
+
+    /// Takes no new task from now on; the tasks it holds still run.
+    pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether it holds no task, waiting or running.
+    pub fn is_empty(&self) -> bool {
+        let st = self.state.lock();
+        st.queue.pending() == 0 && st.inflight == 0 && st.fallback.is_empty()
+    }
+
+    /// Waits until it is closed and every task it held has ended.
+    pub async fn drained(&self) {
+        loop {
+            let emptied = self.emptied.notified();
+            tokio::pin!(emptied);
+            emptied.as_mut().enable();
+            if self.is_closed() && self.is_empty() {
+                return;
+            }
+            emptied.await;
+        }
     }
 
     /// The pool-manager target of an interruptible pool's on-demand
@@ -462,6 +499,12 @@ impl Pool {
 
     /// Queues a task. The receiver gets its outcome.
     pub fn submit(&self, s: Submit) -> Result<(String, oneshot::Receiver<Outcome>), ApiError> {
+        if self.is_closed() {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("pool '{}' was deleted", self.name),
+            ));
+        }
         let id = s.id.unwrap_or_else(|| self.new_id());
         let charge = self.store.charge(s.input.len() as u64).ok_or_else(|| {
             ApiError::new(
@@ -899,7 +942,8 @@ impl Pool {
         }
     }
 
-    /// Runs the dispatcher until the runtime stops.
+    /// Runs the dispatcher until the runtime stops, or until the pool is
+    /// closed and holds no task.
     pub async fn run(self: Arc<Self>) {
         loop {
             let notified = self.wake.notified();
@@ -908,6 +952,10 @@ impl Pool {
             while let Some((task, replica)) = self.next() {
                 let pool = self.clone();
                 tokio::spawn(async move { pool.attempt(task, replica).await });
+            }
+            if self.is_closed() && self.is_empty() {
+                self.emptied.notify_waiters();
+                return;
             }
             notified.await;
         }

@@ -42,7 +42,7 @@ impl Gateway {
     /// Then it routes the split the app had and resumes a promotion that
     /// was running.
     pub(crate) fn restore(self: &Arc<Self>, app: &Arc<Served>) -> anyhow::Result<()> {
-        let config = serde_json::to_string(&app.spec)?;
+        let config = serde_json::to_string(&*app.spec())?;
         let resume = {
             let mut history = app.history.lock();
             if history.revisions.is_empty() || history.config.as_deref() != Some(config.as_str()) {
@@ -55,7 +55,7 @@ impl Gateway {
                 {
                     h.apply(&p, &fx);
                 }
-                let rev = new_revision(&h, &app.spec, app.spec.checkpoint.clone(), None);
+                let rev = new_revision(&h, &app.spec(), app.spec().checkpoint.clone(), None);
                 let id = rev.id.clone();
                 h.revisions.push(rev);
                 h.config = Some(config);
@@ -125,7 +125,7 @@ impl Gateway {
             return Ok(a);
         }
         let mut spec: AppSpec =
-            serde_json::from_str(&rev.spec).unwrap_or_else(|_| app.spec.clone());
+            serde_json::from_str(&rev.spec).unwrap_or_else(|_| (*app.spec()).clone());
         spec.checkpoint = rev.checkpoint.clone();
         let mut env = spec.env.clone();
         if let Some(uri) = &spec.checkpoint {
@@ -210,15 +210,15 @@ impl Gateway {
             }
             let rev = new_revision(
                 &h,
-                &app.spec,
+                &app.spec(),
                 Some(req.checkpoint.clone()),
                 Some(fingerprint),
             );
             let id = rev.id.clone();
             let from = h.serving().map(|r| r.id.clone());
             let plan = Plan {
-                canary: req.canary.or(app.spec.promotion.canary),
-                bake: req.bake.unwrap_or(app.spec.promotion.bake),
+                canary: req.canary.or(app.spec().promotion.canary),
+                bake: req.bake.unwrap_or(app.spec().promotion.bake),
                 at_zero: self.at_zero(from.as_deref()),
             };
             let note = format!(
@@ -318,7 +318,77 @@ impl Gateway {
         Ok(id)
     }
 
-    fn refuse_if_promoting(&self, app: &Served) -> Result<(), ApiError> {
+    /// Rolls the app onto a changed spec: a new revision made from it is
+    /// started with as many replicas as the serving one has, takes all the
+    /// traffic once they are ready, and the old revision is retired (at
+    /// once when nothing runs). The spec is saved as the app's before
+    /// anything starts. Returns the new revision's id.
+    pub(crate) fn roll(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        spec: AppSpec,
+        why: &str,
+    ) -> Result<String, ApiError> {
+        let config = serde_json::to_string(&spec).map_err(|e| {
+            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
+        })?;
+        let (id, fx) = {
+            let mut h = app.history.lock();
+            if h.promoting() {
+                return Err(promoting_error(&app.name, &h));
+            }
+            let rev = new_revision(&h, &spec, spec.checkpoint.clone(), None);
+            let id = rev.id.clone();
+            let from = h.serving().map(|r| r.id.clone());
+            let plan = Plan {
+                canary: None,
+                bake: Duration::ZERO,
+                at_zero: self.at_zero(from.as_deref()),
+            };
+            let note = match &from {
+                Some(from) => format!("{why}: {id} replaces {from}"),
+                None => format!("{why}: {id}"),
+            };
+            let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
+            self.commit_spec(app, &mut h, Some(rev.clone()), Some(config), &p, &fx, &note)?;
+            app.set_spec(spec);
+            if let Err(e) = self.materialize(app, &rev) {
+                drop(h);
+                let why = e.message.clone();
+                if let Ok((next, fx)) = p.on(Event::StartFailed(why.clone())) {
+                    let _ = self.step(app, &p, &next, fx, &format!("{id} failed to start: {why}"));
+                }
+                tokio::spawn(self.clone().drive(app.clone()));
+                return Err(e);
+            }
+            (id, fx)
+        };
+        self.act(app, &fx);
+        tokio::spawn(self.clone().drive(app.clone()));
+        Ok(id)
+    }
+
+    /// Forgets which spec the app's revisions were made from and takes
+    /// every revision out of traffic, saved: the app was deleted, and if
+    /// it is put again it starts from a new revision.
+    pub(crate) fn forget_spec(&self, app: &Served, note: &str) -> Result<(), ApiError> {
+        let mut h = app.history.lock();
+        let mut next = h.clone();
+        next.config = None;
+        for r in &mut next.revisions {
+            r.traffic = 0;
+        }
+        if let Err(e) = self.store.lock().save(&app.name, &next, note) {
+            return Err(ApiError::new(
+                ErrorKind::Internal,
+                format!("the gateway could not save the deletion, so it did not delete: {e}"),
+            ));
+        }
+        *h = next;
+        Ok(())
+    }
+
+    pub(crate) fn refuse_if_promoting(&self, app: &Served) -> Result<(), ApiError> {
         let h = app.history.lock();
         if h.promoting() {
             return Err(promoting_error(&app.name, &h));
@@ -378,8 +448,27 @@ impl Gateway {
         fx: &[Effect],
         note: &str,
     ) -> Result<(), ApiError> {
+        self.commit_spec(app, h, new, None, p, fx, note)
+    }
+
+    /// [`Self::commit`], recording `config` as the spec the app's
+    /// revisions are now made from when given.
+    #[allow(clippy::too_many_arguments)]
+    fn commit_spec(
+        &self,
+        app: &Served,
+        h: &mut History,
+        new: Option<Revision>,
+        config: Option<String>,
+        p: &Promotion,
+        fx: &[Effect],
+        note: &str,
+    ) -> Result<(), ApiError> {
         let mut next = h.clone();
         next.revisions.extend(new);
+        if config.is_some() {
+            next.config = config;
+        }
         next.apply(p, fx);
         if let Err(e) = self.store.lock().save(&app.name, &next, note) {
             tracing::error!(app = %app.name, error = %e, "a promotion step could not be saved: {note}");
@@ -512,11 +601,11 @@ impl Gateway {
     /// revision has used yet, is promoted. A folder without its marker (a
     /// checkpoint still being written) is never looked at.
     pub(crate) async fn watch(self: Arc<Self>, app: Arc<Served>) {
-        let Some(uri) = app.spec.promotion.watch.clone() else {
+        let Some(uri) = app.spec().promotion.watch.clone() else {
             return;
         };
-        let marker = app.spec.promotion.marker.clone();
-        let every = app.spec.promotion.watch_interval;
+        let marker = app.spec().promotion.marker.clone();
+        let every = app.spec().promotion.watch_interval;
         let source = match self.weights.open(&uri) {
             Ok(s) => s,
             Err(e) => {
@@ -525,6 +614,11 @@ impl Gateway {
             }
         };
         loop {
+            if app.is_removed() || app.spec().promotion.watch.as_deref() != Some(uri.as_str()) {
+                // Deleted, or changed to watch elsewhere (a new watcher
+                // took over) or nothing.
+                return;
+            }
             match newest_complete(&source, &marker).await {
                 Ok(Some(folder)) => {
                     let checkpoint = format!("{}/{folder}", uri.trim_end_matches('/'));
@@ -559,7 +653,8 @@ impl Gateway {
     /// The evaluation gate, when the app has one: `Ready` when it passes,
     /// `Unhealthy` with its output when it fails or runs out of time.
     async fn gate(&self, app: &Served, rev: &str) -> Event {
-        let spec = &app.spec.promotion;
+        let whole = app.spec();
+        let spec = &whole.promotion;
         if spec.gate_command.is_empty() && spec.gate_url.is_none() {
             return Event::Ready;
         }
@@ -633,11 +728,11 @@ impl Gateway {
                 h.last_error.unwrap_or_else(|| "it exited".into()),
             ));
         }
-        let limit = app.spec.startup_timeout + Duration::from_secs(5);
+        let limit = app.spec().startup_timeout + Duration::from_secs(5);
         (since.elapsed() > limit).then(|| {
             Event::StartFailed(format!(
                 "not ready within {}",
-                humantime::format_duration(app.spec.startup_timeout)
+                humantime::format_duration(app.spec().startup_timeout)
             ))
         })
     }
@@ -676,7 +771,8 @@ fn canary(
         let answered = answered.saturating_sub(baseline.0);
         let failed = failed.saturating_sub(baseline.1);
         let rate = failed as f64 / answered.max(1) as f64;
-        let spec = &app.spec.promotion;
+        let whole = app.spec();
+        let spec = &whole.promotion;
         if answered >= spec.min_requests && rate > spec.max_error_rate {
             return Some(Event::Unhealthy(format!(
                 "error rate {:.0}% over {answered} answers is above {:.0}%",

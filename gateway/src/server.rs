@@ -56,10 +56,8 @@ const MAX_REQUEST_ID_LEN: usize = 128;
 /// The gateway's shared state.
 pub struct Gateway {
     pub(crate) config: Arc<Config>,
-    /// Apps by name and by alias.
-    pub(crate) routes: HashMap<String, Arc<Served>>,
-    /// Apps in config order.
-    pub(crate) apps: Vec<Arc<Served>>,
+    /// The apps and pools served now, swapped whole on a change.
+    pub(crate) registry: crate::registry::Live,
     /// Every app revision ever started, by id (for replica events).
     pub(crate) revisions: Revisions,
     pub(crate) pool: PoolManager,
@@ -68,8 +66,7 @@ pub struct Gateway {
     draining: AtomicBool,
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub(crate) weights: Arc<crate::weights::Weights>,
-    pools: HashMap<String, Arc<crate::pools::Pool>>,
-    tasks: Arc<crate::pools::TaskStore>,
+    pub(crate) tasks: Arc<crate::pools::TaskStore>,
     /// Where workers reach the gateway.
     pub(crate) reach: String,
     /// The workers' working directory.
@@ -80,6 +77,13 @@ pub struct Gateway {
     admin_token: Option<String>,
     /// Data-plane API keys and quotas (`None`: the data plane is open).
     tenants: Option<crate::tenants::Tenants>,
+    /// Held by whoever changes the registry: one change at a time.
+    pub(crate) changes: tokio::sync::Mutex<()>,
+    /// Apps and pools a change is being applied to (a second change to
+    /// one of them meanwhile gets 409).
+    pub(crate) busy: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// Deleted pools still finishing their tasks.
+    pub(crate) retiring_pools: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
 
 /// The admin token from the environment, when set and not empty.
@@ -96,7 +100,7 @@ pub(crate) type Revisions = Arc<parking_lot::RwLock<HashMap<String, Arc<App>>>>;
 /// stops them.
 struct Sink {
     revisions: Revisions,
-    pools: HashMap<String, Arc<crate::pools::Pool>>,
+    registry: crate::registry::Live,
     /// Mints and revokes each replica's weights token.
     weights: Arc<crate::weights::Weights>,
 }
@@ -136,7 +140,7 @@ impl ReplicaSink for Sink {
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
             app.add_replica(replica);
-        } else if let Some(pool) = self.pools.get(&replica.target) {
+        } else if let Some(pool) = self.registry.load().pool_of_target(&replica.target) {
             pool.add_replica(replica);
         }
     }
@@ -145,7 +149,7 @@ impl ReplicaSink for Sink {
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
             app.remove_replica(replica);
-        } else if let Some(pool) = self.pools.get(&replica.target) {
+        } else if let Some(pool) = self.registry.load().pool_of_target(&replica.target) {
             pool.remove_replica(replica);
         }
     }
@@ -160,7 +164,7 @@ impl ReplicaSink for Sink {
                 ErrorKind::ReplicaFailed,
                 format!("app '{}' failed to start: {error}", app.name),
             ));
-        } else if let Some(pool) = self.pools.get(target) {
+        } else if let Some(pool) = self.registry.load().pool_of_target(target).cloned() {
             let err = ApiError::new(
                 ErrorKind::ReplicaFailed,
                 format!("pool '{target}' failed to start a replica: {error}"),
@@ -236,19 +240,28 @@ impl Gateway {
             }
             _ => addr.to_string(),
         };
-        let mut apps = Vec::new();
-        for spec in &config.apps {
-            let history = store
-                .load(&spec.name)
-                .with_context(|| format!("app '{}': read its revision history", spec.name))?;
-            apps.push(Arc::new(Served::new(spec.clone(), history)));
-        }
-        let mut routes: HashMap<String, Arc<Served>> = HashMap::new();
-        for app in &apps {
-            routes.insert(app.name.clone(), app.clone());
-            for alias in &app.spec.aliases {
-                routes.insert(alias.clone(), app.clone());
-            }
+        // The changes made through the API, over the file. The weights
+        // allow-list above is the file's alone: a checkpoint put through
+        // the API must lie under it.
+        let overlay = store
+            .overlay()
+            .context("read the changes made through the API")?;
+        let mut config = config;
+        if !overlay.is_empty() {
+            let names: Vec<String> = overlay
+                .apps
+                .keys()
+                .map(|n| format!("app {n}"))
+                .chain(overlay.pools.keys().map(|n| format!("pool {n}")))
+                .collect();
+            overlay.apply_to(&mut config);
+            config.validate().map_err(|(key, message)| {
+                anyhow::anyhow!(
+                    "the changes made through the API ({}) do not fit the config file: {key}: {message}",
+                    names.join(", ")
+                )
+            })?;
+            tracing::info!(changes = %names.join(", "), "applying the changes made through the API over the config file");
         }
         let tasks = Arc::new(crate::pools::TaskStore::new(crate::pools::StoreLimits {
             max_pending_bytes: config.limits.max_pending_task_bytes,
@@ -265,102 +278,20 @@ impl Gateway {
         }
         metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
         tasks.set_journal(Arc::new(journal));
-        let pools: HashMap<String, Arc<crate::pools::Pool>> = config
-            .pools
-            .iter()
-            .map(|p| {
-                (
-                    p.name.clone(),
-                    crate::pools::Pool::new(p.clone(), tasks.clone()),
-                )
-            })
-            .collect();
         let revisions: Revisions = Arc::default();
-        // An interruptible pool's on-demand replicas report to the pool too.
-        let mut by_target = pools.clone();
-        for p in pools.values() {
-            if let Some(od) = p.ondemand_target() {
-                by_target.insert(od, p.clone());
-            }
-        }
+        let registry: crate::registry::Live = Arc::default();
         let pool = PoolManager::new(
             backend,
             config.backend.gpus.clone(),
             Arc::new(Sink {
                 revisions: revisions.clone(),
-                pools: by_target,
+                registry: registry.clone(),
                 weights: weights.clone(),
             }),
         );
-        for p in pools.values() {
-            let revision = format!("{}-00001", p.name);
-            let mut env = p.spec.env.clone();
-            if let Some(uri) = &p.spec.checkpoint {
-                // Opened here so a bad URI fails at start, not at first use.
-                let src = weights
-                    .open(uri)
-                    .map_err(|e| anyhow::anyhow!("pool '{}': {}", p.name, e.message))?;
-                weights.register(&p.name, &revision, src);
-                env.insert(
-                    "WARMGATE_WEIGHTS_URL".into(),
-                    format!("http://{reach}/v1/weights/{}/{revision}", p.name),
-                );
-                env.insert("WARMGATE_WEIGHTS_VERSION".into(), "0".into());
-            }
-            let spot = TargetSpec {
-                name: p.name.clone(),
-                app: p.name.clone(),
-                revision,
-                command: p.spec.command.clone(),
-                env,
-                checkpoint: p.spec.checkpoint.clone(),
-                workdir: workdir.clone(),
-                concurrency: p.spec.concurrency,
-                gpus: p.spec.gpus,
-                startup_timeout: p.spec.startup_timeout,
-                stop_grace: config.backend.stop_grace,
-                image: p.spec.image.clone(),
-                pod: p.spec.kubernetes.clone(),
-                pool: true,
-            };
-            let od = p.ondemand_target();
-            if let Some(od) = &od {
-                let mut spec = spot.clone();
-                spec.name = od.clone();
-                spec.pod.interruptible = false;
-                pool.add_target(spec);
-                let (manager, pool_ref, od) = (pool.clone(), Arc::downgrade(p), od.clone());
-                p.set_ondemand_starter(Box::new(move || {
-                    if let Some(p) = pool_ref.upgrade() {
-                        let starting = manager
-                            .health(&od)
-                            .map_or(0, |h| (h.starting + h.pending) as u32);
-                        let want = p.ondemand_desired(starting);
-                        if manager.desired(&od).unwrap_or(0) < want {
-                            manager.scale(&od, want);
-                        }
-                    }
-                }));
-            }
-            pool.add_target(spot);
-            let manager = pool.clone();
-            let name = p.name.clone();
-            p.set_replacer(Box::new(move |replica, reason| {
-                let target = match &od {
-                    Some(od) if replica.starts_with(&format!("{od}-")) => od.as_str(),
-                    _ => name.as_str(),
-                };
-                if !manager.replace(target, replica, reason) {
-                    tracing::error!(pool = %name, %replica, "could not ask for the replica to be replaced");
-                }
-            }));
-            pool.scale(&p.name, p.spec.replicas[0]);
-            tokio::spawn(p.clone().run());
-        }
         let gw = Arc::new(Gateway {
             config: Arc::new(config),
-            routes,
-            apps,
+            registry,
             revisions,
             pool,
             proxy: Proxy::new(),
@@ -368,22 +299,125 @@ impl Gateway {
             draining: AtomicBool::new(false),
             metrics,
             weights,
-            pools,
             tasks,
             reach,
             workdir,
             store: parking_lot::Mutex::new(store),
             admin_token: admin_token(),
             tenants,
+            changes: tokio::sync::Mutex::new(()),
+            busy: parking_lot::Mutex::default(),
+            retiring_pools: parking_lot::Mutex::default(),
         });
-        for app in &gw.apps {
-            gw.restore(app)
-                .with_context(|| format!("app '{}': restore its revisions", app.name))?;
-            if app.spec.promotion.watch.is_some() {
-                tokio::spawn(gw.clone().watch(app.clone()));
-            }
+        for spec in &gw.config.pools {
+            gw.start_pool(spec.clone())?;
+        }
+        for spec in &gw.config.apps {
+            gw.start_app(spec.clone())
+                .with_context(|| format!("app '{}'", spec.name))?;
         }
         Ok(gw)
+    }
+
+    /// Starts serving a pool: its targets (and on-demand fallback) in the
+    /// pool manager at their minimum, its dispatcher, and its place in the
+    /// registry.
+    pub(crate) fn start_pool(
+        self: &Arc<Self>,
+        spec: warmgate_deploy::PoolSpec,
+    ) -> anyhow::Result<Arc<crate::pools::Pool>> {
+        let p = crate::pools::Pool::new(spec, self.tasks.clone());
+        let revision = format!("{}-00001", p.name);
+        let mut env = p.spec.env.clone();
+        if let Some(uri) = &p.spec.checkpoint {
+            // Opened here so a bad URI fails at start, not at first use.
+            let src = self
+                .weights
+                .open(uri)
+                .map_err(|e| anyhow::anyhow!("pool '{}': {}", p.name, e.message))?;
+            self.weights.register(&p.name, &revision, src);
+            env.insert(
+                "WARMGATE_WEIGHTS_URL".into(),
+                format!("http://{}/v1/weights/{}/{revision}", self.reach, p.name),
+            );
+            env.insert("WARMGATE_WEIGHTS_VERSION".into(), "0".into());
+        }
+        // In the registry before its targets exist: the replica sink finds
+        // the pool by target as soon as a replica is ready.
+        self.registry.rcu(|r| Arc::new(r.with_pool(p.clone())));
+        let pool = &self.pool;
+        let spot = TargetSpec {
+            name: p.name.clone(),
+            app: p.name.clone(),
+            revision,
+            command: p.spec.command.clone(),
+            env,
+            checkpoint: p.spec.checkpoint.clone(),
+            workdir: self.workdir.clone(),
+            concurrency: p.spec.concurrency,
+            gpus: p.spec.gpus,
+            startup_timeout: p.spec.startup_timeout,
+            stop_grace: self.config.backend.stop_grace,
+            image: p.spec.image.clone(),
+            pod: p.spec.kubernetes.clone(),
+            pool: true,
+        };
+        let od = p.ondemand_target();
+        if let Some(od) = &od {
+            let mut spec = spot.clone();
+            spec.name = od.clone();
+            spec.pod.interruptible = false;
+            pool.add_target(spec);
+            let (manager, pool_ref, od) = (pool.clone(), Arc::downgrade(&p), od.clone());
+            p.set_ondemand_starter(Box::new(move || {
+                if let Some(p) = pool_ref.upgrade() {
+                    let starting = manager
+                        .health(&od)
+                        .map_or(0, |h| (h.starting + h.pending) as u32);
+                    let want = p.ondemand_desired(starting);
+                    if manager.desired(&od).unwrap_or(0) < want {
+                        manager.scale(&od, want);
+                    }
+                }
+            }));
+        }
+        pool.add_target(spot);
+        let manager = pool.clone();
+        let name = p.name.clone();
+        p.set_replacer(Box::new(move |replica, reason| {
+            let target = match &od {
+                Some(od) if replica.starts_with(&format!("{od}-")) => od.as_str(),
+                _ => name.as_str(),
+            };
+            if !manager.replace(target, replica, reason) {
+                tracing::error!(pool = %name, %replica, "could not ask for the replica to be replaced");
+            }
+        }));
+        pool.scale(&p.name, p.spec.replicas[0]);
+        tokio::spawn(p.clone().run());
+        Ok(p)
+    }
+
+    /// Starts serving an app: its history from the store, its revisions
+    /// restored (a new one when its spec changed since), its checkpoint
+    /// watcher, and its place in the registry.
+    pub(crate) fn start_app(
+        self: &Arc<Self>,
+        spec: warmgate_deploy::AppSpec,
+    ) -> anyhow::Result<Arc<Served>> {
+        use anyhow::Context as _;
+        let history = self
+            .store
+            .lock()
+            .load(&spec.name)
+            .context("read its revision history")?;
+        let app = Arc::new(Served::new(spec, history));
+        self.restore(&app).context("restore its revisions")?;
+        self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
+        if app.spec().promotion.watch.is_some() {
+            tokio::spawn(self.clone().watch(app.clone()));
+        }
+        Ok(app)
     }
 
     /// The config it runs.
@@ -408,7 +442,8 @@ impl Gateway {
                     return;
                 }
                 let now = gw.now();
-                for served in &gw.apps {
+                let registry = gw.registry.load_full();
+                for served in registry.apps() {
                     let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
                     for app in served.live() {
                         app.tick(now, |n| {
@@ -427,7 +462,7 @@ impl Gateway {
                     metrics::gauge!("warmgate_queued", "app" => name).set(queued as f64);
                 }
                 let instant = Instant::now();
-                for p in gw.pools.values() {
+                for p in registry.pools() {
                     p.expire(instant);
                     let desired = p.desired(gw.starting(&p.name));
                     gw.pool.scale(&p.name, desired);
@@ -602,7 +637,10 @@ impl Gateway {
                         }
                     });
                 }
-                let (slot, waited) = pending.wait(app.spec.queue.timeout).await.map_err(Failed)?;
+                let (slot, waited) = pending
+                    .wait(app.spec().queue.timeout)
+                    .await
+                    .map_err(Failed)?;
                 (slot, waited, cold)
             }
         };
@@ -682,8 +720,9 @@ impl Gateway {
 
     /// An app's name for any of its aliases; a pool's name as it is.
     fn target_name(&self, name: &str) -> String {
-        self.routes
-            .get(name)
+        self.registry
+            .load()
+            .app(name)
             .map_or_else(|| name.to_string(), |a| a.name.clone())
     }
 
@@ -712,7 +751,7 @@ impl Gateway {
                 replicas: t.map(|t| t.replicas.clone()).unwrap_or_default(),
             });
         }
-        let spec = &served.spec;
+        let spec = served.spec();
         let (revision, ready, target, handoff) = match &serving {
             Some(a) => (
                 a.revision.clone(),
@@ -740,8 +779,7 @@ impl Gateway {
             pool: target.cloned(),
             revisions,
             promotion: promotion.map(|p| json!(p)),
-            watch_scans: served
-                .spec
+            watch_scans: spec
                 .promotion
                 .watch
                 .as_ref()
@@ -751,7 +789,9 @@ impl Gateway {
 
     fn status(&self) -> Vec<AppStatus> {
         let targets = self.pool.status();
-        self.apps
+        self.registry
+            .load()
+            .apps()
             .iter()
             .map(|a| self.status_of(a, &targets))
             .collect()
@@ -851,7 +891,14 @@ pub fn router(gw: Arc<Gateway>) -> Router {
     let control = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/apps", get(list_apps))
-        .route("/v1/apps/{app}", get(get_app))
+        .route(
+            "/v1/apps/{app}",
+            get(get_app).put(put_app).delete(delete_app),
+        )
+        .route(
+            "/v1/pools/{pool}",
+            get(get_pool).put(put_pool).delete(delete_pool),
+        )
         .route("/v1/apps/{app}/promote", post(promote))
         .route("/v1/apps/{app}/rollback", post(rollback))
         .route("/v1/apps/{app}/revisions", get(revisions))
@@ -992,8 +1039,9 @@ async fn within_deadline(gw: &Gateway, work: impl Future<Output = Response>) -> 
 async fn read_model(gw: &Gateway, req: Request) -> Result<(Arc<Served>, Request), ApiError> {
     let (parts, bytes) = read_body(req, &gw.config.limits).await?;
     let model = model_field(&bytes)?;
-    let app = gw.routes.get(model.as_ref()).cloned().ok_or_else(|| {
-        let mut names: Vec<&str> = gw.routes.keys().map(String::as_str).collect();
+    let registry = gw.registry.load();
+    let app = registry.app(model.as_ref()).cloned().ok_or_else(|| {
+        let mut names: Vec<&str> = registry.route_names().collect();
         names.sort_unstable();
         // A name can be as long as the body: echo only its start.
         let shown: String = model.chars().take(MAX_ECHOED_CHARS).collect();
@@ -1099,7 +1147,7 @@ async fn pool_request(
     which: BodyLimit,
 ) -> Result<(Arc<crate::pools::Pool>, http::HeaderMap, Bytes), ApiError> {
     let pool =
-        gw.pools.get(name).cloned().ok_or_else(|| {
+        gw.registry.load().pool(name).cloned().ok_or_else(|| {
             ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
         })?;
     let (parts, bytes) = read_body_within(req, &gw.config.limits, which).await?;
@@ -1240,7 +1288,7 @@ async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
     };
-    let Some(app) = gw.routes.get(name).cloned() else {
+    let Some(app) = gw.registry.load().app(name).cloned() else {
         let err = ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"));
         return finish(None, Err(err));
     };
@@ -1307,8 +1355,8 @@ fn too_large_for(limit: u64, key: &str) -> ApiError {
     responses((status = 200, description = "The apps and their aliases, as OpenAI models", body = Object)))]
 async fn models(State(gw): State<Arc<Gateway>>) -> Response {
     let mut data = Vec::new();
-    for app in &gw.apps {
-        for id in std::iter::once(&app.name).chain(app.spec.aliases.iter()) {
+    for app in gw.registry.load().apps() {
+        for id in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
             data.push(json!({"id": id, "object": "model", "created": 0, "owned_by": "warmgate"}));
         }
     }
@@ -1327,8 +1375,9 @@ impl Gateway {
         let gw = self;
         let targets = gw.pool.status();
         let mut pools: Vec<serde_json::Value> = gw
-            .pools
-            .values()
+            .registry
+            .load()
+            .pools()
             .map(|p| {
                 let mut v = p.status();
                 v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
@@ -1374,7 +1423,7 @@ async fn list_apps(State(gw): State<Arc<Gateway>>) -> Response {
     params(("app" = String, Path, description = "App name or alias")),
     responses((status = 200, description = "The app's status", body = Object), (status = 404, description = "Unknown app", body = ErrorBody)))]
 async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
-    match gw.routes.get(&name) {
+    match gw.registry.load().app(&name) {
         Some(app) => {
             let targets = gw.pool.status();
             axum::Json(gw.status_of(app, &targets)).into_response()
@@ -1383,6 +1432,171 @@ async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Re
             ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
         }
     }
+}
+
+/// A name in a control-plane path: a DNS label, or 400 before anything
+/// else is looked at.
+fn check_path_name(name: &str, what: &str) -> Result<(), ApiError> {
+    warmgate_deploy::check_dns_label(name).map_err(|why| {
+        let shown: String = why.chars().take(MAX_ECHOED_CHARS + 100).collect();
+        ApiError::new(ErrorKind::BadRequest, format!("{what} name: {shown}"))
+    })
+}
+
+/// A spec from a JSON body, as a `[[apps]]` or `[[pools]]` entry of the
+/// config file; its `name`, when given, must be the one in the path. Its
+/// relative paths are taken from the workers' folder.
+fn spec_from_json<S: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<S, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let spec = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let key = match e.path().to_string() {
+            p if p == "." || p.is_empty() => "(top level)".to_string(),
+            p => p,
+        };
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "the body must be {what} spec as JSON: {key}: {}",
+                e.into_inner()
+            ),
+        )
+    })?;
+    de.end().map_err(|e| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the body must be {what} spec as JSON: {e}"),
+        )
+    })?;
+    Ok(spec)
+}
+
+fn name_from_path(spec_name: &mut String, path: &str, what: &str) -> Result<(), ApiError> {
+    if spec_name.is_empty() {
+        *spec_name = path.to_string();
+        return Ok(());
+    }
+    if spec_name != path {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!("name: the body names {what} '{spec_name}' but the path names '{path}'"),
+        ));
+    }
+    Ok(())
+}
+
+fn changed_response(kind: &str, name: &str, changed: crate::change::Changed) -> Response {
+    let status = if changed == crate::change::Changed::Created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let mut body = json!(changed);
+    body[kind] = json!(name);
+    (status, axum::Json(body)).into_response()
+}
+
+/// `PUT /v1/apps/{app}`: creates or changes an app. An unchanged spec
+/// keeps its replicas; autoscaling, queue, alias and promotion settings
+/// apply in place; anything else rolls to a new revision.
+#[utoipa::path(put, path = "/v1/apps/{app}", tag = "control",
+    params(("app" = String, Path, description = "App name")),
+    request_body(content = Object, description = "An `[[apps]]` entry of the config file, as JSON"),
+    responses((status = 201, description = "Created: `{app, change}`", body = Object), (status = 200, description = "`{app, change}`: `unchanged`, `in_place`, or `rolled` with the new `revision`", body = Object), (status = 400, description = "Bad name or spec; the key is named", body = ErrorBody), (status = 409, description = "Another change or a promotion of this app is running", body = ErrorBody)))]
+async fn put_app(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "app")?;
+        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
+        name_from_path(&mut spec.name, &name, "app")?;
+        if let Some(dir) = &gw.workdir {
+            spec.resolve_paths(dir);
+        }
+        let changed = gw.put_app(spec).await?;
+        Ok(changed_response("app", &name, changed))
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/apps/{app}`: the app takes no new request at once; those it
+/// holds finish, then its replicas stop.
+#[utoipa::path(delete, path = "/v1/apps/{app}", tag = "control",
+    params(("app" = String, Path, description = "App name")),
+    responses((status = 200, description = "`{app, change: \"deleted\"}`", body = Object), (status = 404, description = "Unknown app", body = ErrorBody), (status = 409, description = "Another change or a promotion of this app is running", body = ErrorBody)))]
+async fn delete_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "app")?;
+        gw.delete_app(&name).await?;
+        Ok(axum::Json(json!({"app": name, "change": "deleted"})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/pools/{pool}`: one pool's status, as in `/v1/status`.
+#[utoipa::path(get, path = "/v1/pools/{pool}", tag = "control",
+    params(("pool" = String, Path, description = "Pool name")),
+    responses((status = 200, description = "The pool's status", body = Object), (status = 404, description = "Unknown pool", body = ErrorBody)))]
+async fn get_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let status = gw.status_json();
+    let found = status["pools"]
+        .as_array()
+        .and_then(|ps| {
+            ps.iter()
+                .find(|p| p["name"].as_str() == Some(name.as_str()))
+        })
+        .cloned();
+    match found {
+        Some(p) => axum::Json(p).into_response(),
+        None => {
+            ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response()
+        }
+    }
+}
+
+/// `PUT /v1/pools/{pool}`: creates a pool (the same spec again changes
+/// nothing; another spec for a running pool is refused).
+#[utoipa::path(put, path = "/v1/pools/{pool}", tag = "control",
+    params(("pool" = String, Path, description = "Pool name")),
+    request_body(content = Object, description = "A `[[pools]]` entry of the config file, as JSON"),
+    responses((status = 201, description = "Created: `{pool, change}`", body = Object), (status = 200, description = "`{pool, change: \"unchanged\"}`", body = Object), (status = 400, description = "Bad name or spec; the key is named", body = ErrorBody), (status = 409, description = "Another change to this pool is running, or it runs with another spec", body = ErrorBody)))]
+async fn put_pool(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "pool")?;
+        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
+        name_from_path(&mut spec.name, &name, "pool")?;
+        if let Some(dir) = &gw.workdir {
+            spec.resolve_paths(dir);
+        }
+        let changed = gw.put_pool(spec).await?;
+        Ok(changed_response("pool", &name, changed))
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/pools/{pool}`: the pool takes no new task at once; the tasks
+/// it holds finish, then its replicas stop.
+#[utoipa::path(delete, path = "/v1/pools/{pool}", tag = "control",
+    params(("pool" = String, Path, description = "Pool name")),
+    responses((status = 200, description = "`{pool, change: \"deleted\"}`", body = Object), (status = 404, description = "Unknown pool", body = ErrorBody), (status = 409, description = "Another change to this pool is running", body = ErrorBody)))]
+async fn delete_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "pool")?;
+        gw.delete_pool(&name).await?;
+        Ok(axum::Json(json!({"pool": name, "change": "deleted"})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
 #[derive(serde::Deserialize, utoipa::ToSchema)]
@@ -1398,8 +1612,9 @@ struct PromoteBody<'a> {
 }
 
 fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
-    gw.routes
-        .get(name)
+    gw.registry
+        .load()
+        .app(name)
         .cloned()
         .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))
 }
@@ -2171,6 +2386,11 @@ struct ErrorDetail {
         status,
         list_apps,
         get_app,
+        put_app,
+        delete_app,
+        get_pool,
+        put_pool,
+        delete_pool,
         promote,
         rollback,
         revisions,

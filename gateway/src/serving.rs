@@ -17,8 +17,9 @@ use crate::error::{ApiError, ErrorKind};
 pub struct Served {
     /// The app's name.
     pub name: String,
-    /// Its spec in the config (a revision may run another checkpoint).
-    pub spec: AppSpec,
+    /// Its spec as put (a revision may run another checkpoint); swapped
+    /// when the app is changed.
+    spec: arc_swap::ArcSwap<AppSpec>,
     routing: RwLock<Routing>,
     /// Revisions and the last promotion, as persisted.
     pub history: Mutex<History>,
@@ -27,6 +28,8 @@ pub struct Served {
     pub rollback: Mutex<Option<String>>,
     /// Times the checkpoint watcher has listed its prefix.
     pub watch_scans: std::sync::atomic::AtomicU64,
+    /// Deleted: its watcher stops and nothing new starts for it.
+    removed: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -42,12 +45,34 @@ impl Served {
     pub fn new(spec: AppSpec, history: History) -> Self {
         Served {
             name: spec.name.clone(),
-            spec,
+            spec: arc_swap::ArcSwap::from_pointee(spec),
             routing: RwLock::new(Routing::default()),
             history: Mutex::new(history),
             rollback: Mutex::new(None),
             watch_scans: std::sync::atomic::AtomicU64::new(0),
+            removed: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Marks it deleted.
+    pub fn mark_removed(&self) {
+        self.removed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether it was deleted.
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Its spec as last put.
+    pub fn spec(&self) -> Arc<AppSpec> {
+        self.spec.load_full()
+    }
+
+    /// Replaces its spec (the revisions it starts from now on use it).
+    pub fn set_spec(&self, spec: AppSpec) {
+        self.spec.store(Arc::new(spec));
     }
 
     /// The revision for one request: the one named by

@@ -166,6 +166,12 @@ impl Weights {
         });
     }
 
+    /// Stops serving every checkpoint of `target` (a deleted pool).
+    pub fn unregister_all(&self, target: &str) {
+        self.sources.lock().retain(|k, _| k.0 != target);
+        self.listings.lock().retain(|k, _| k.0 != target);
+    }
+
     /// Stops serving every checkpoint of `target` but the one at `revision`
     /// (a pool's older weight versions, once a newer one is synced).
     pub fn retain_only(&self, target: &str, revision: &str) {

@@ -95,6 +95,21 @@ impl Gateway {
         self.url = url;
     }
 
+    /// Stops the gateway with SIGTERM (its replicas with it) and starts a
+    /// fresh `warmgate serve` on the same config and state folder, on a
+    /// new port.
+    pub fn restart(&mut self) {
+        let status = self.stop();
+        assert!(
+            status.success(),
+            "warmgate exited with {status}:\n{}",
+            self.log()
+        );
+        let (child, url) = spawn(self.dir.path(), &[], &[]);
+        self.child = Some(child);
+        self.url = url;
+    }
+
     /// `url + path`.
     pub fn at(&self, path: &str) -> String {
         format!("{}{path}", self.url)

@@ -1,0 +1,357 @@
+//! Changes to the live desired state: an app or a pool put or deleted
+//! while the gateway runs, as the API (and `warmgate apply`) asks.
+//!
+//! Every change is checked as a whole config would be (the same
+//! validation as the config file, so names that collide with another
+//! target are refused), saved in the state store, and only then carried
+//! out, so it survives a restart and a failed save changes nothing. What
+//! it does to replicas:
+//! - an unchanged spec: nothing, the same processes serve;
+//! - only autoscaling, queue, alias or promotion settings changed: applied
+//!   in place, the same processes serve;
+//! - anything else changed: a new revision from the new spec is started,
+//!   takes all the traffic once ready, and the old one drains;
+//! - deleted: it leaves the registry at once (new work gets 404), what it
+//!   holds finishes, then its replicas stop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use warmgate_deploy::store::SpecKind;
+use warmgate_deploy::{AppSpec, Config, PoolSpec};
+
+use crate::error::{ApiError, ErrorKind};
+use crate::server::Gateway;
+use crate::serving::Served;
+
+/// What a put did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "change")]
+pub enum Changed {
+    /// A new app or pool.
+    Created,
+    /// The same spec as before: nothing was done.
+    Unchanged,
+    /// Settings that need no new replica, applied to the running ones.
+    InPlace,
+    /// A new revision replaces the serving one as soon as it is ready.
+    Rolled {
+        /// The new revision.
+        revision: String,
+    },
+}
+
+/// How long a deleted app or pool may take to finish what it holds before
+/// its replicas are stopped anyway.
+const MAX_DRAIN: Duration = Duration::from_secs(30 * 60);
+
+impl Gateway {
+    /// The specs served now, under the file's other settings.
+    pub(crate) fn desired_config(&self) -> Config {
+        let r = self.registry.load();
+        let mut c = (*self.config).clone();
+        c.apps = r.apps().iter().map(|a| (*a.spec()).clone()).collect();
+        c.pools = r.pools().map(|p| p.spec.clone()).collect();
+        c
+    }
+
+    /// Checks `candidate` as the config file is checked, and that the
+    /// checkpoints it names (for `changed`) may be opened. The key in an
+    /// error is the one inside the spec.
+    fn check(&self, candidate: &Config, prefix: &str) -> Result<(), ApiError> {
+        candidate.validate().map_err(|(key, message)| {
+            let key = key
+                .strip_prefix(prefix)
+                .map_or(key.clone(), |k| k.trim_start_matches('.').to_string());
+            ApiError::new(ErrorKind::BadRequest, format!("{key}: {message}"))
+        })
+    }
+
+    fn refuse_if_busy(&self, what: &str) -> Result<BusyGuard<'_>, ApiError> {
+        let mut busy = self.busy.lock();
+        if !busy.insert(what.to_string()) {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!("another change to {what} is being applied; try again when it is done"),
+            ));
+        }
+        Ok(BusyGuard {
+            gw: self,
+            what: what.to_string(),
+        })
+    }
+
+    fn record(
+        &self,
+        kind: SpecKind,
+        name: &str,
+        body: Option<&str>,
+        note: &str,
+    ) -> Result<(), ApiError> {
+        self.store
+            .lock()
+            .record_spec(kind, name, body, note)
+            .map_err(|e| {
+                ApiError::new(
+                    ErrorKind::Internal,
+                    format!("the gateway could not save the change, so it did not make it: {e}"),
+                )
+            })
+    }
+
+    /// Puts an app: creates it, or changes the one of that name.
+    pub async fn put_app(self: &Arc<Self>, spec: AppSpec) -> Result<Changed, ApiError> {
+        let name = spec.name.clone();
+        let _busy = self.refuse_if_busy(&format!("app '{name}'"))?;
+        // One registry change at a time: each is checked against the
+        // state the one before it left.
+        let _one = self.changes.lock().await;
+        let current = self
+            .registry
+            .load()
+            .apps()
+            .iter()
+            .find(|a| a.name == name)
+            .cloned();
+        let mut candidate = self.desired_config();
+        let index = match candidate.apps.iter().position(|a| a.name == name) {
+            Some(i) => {
+                candidate.apps[i] = spec.clone();
+                i
+            }
+            None => {
+                candidate.apps.push(spec.clone());
+                candidate.apps.len() - 1
+            }
+        };
+        self.check(&candidate, &format!("apps[{index}]"))?;
+        if let Some(uri) = &spec.checkpoint {
+            self.weights.open(uri)?;
+        }
+        if let Some(uri) = &spec.promotion.watch {
+            self.weights.open(uri)?;
+        }
+        let json = serde_json::to_string(&spec).map_err(|e| {
+            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
+        })?;
+        let Some(app) = current else {
+            self.record(
+                SpecKind::App,
+                &name,
+                Some(&json),
+                &format!("app {name} put through the API"),
+            )?;
+            self.start_app(spec)
+                .map_err(|e| ApiError::new(ErrorKind::Internal, format!("app '{name}': {e:#}")))?;
+            return Ok(Changed::Created);
+        };
+        let old = app.spec();
+        if *old == spec {
+            return Ok(Changed::Unchanged);
+        }
+        self.refuse_if_promoting(&app)?;
+        let watch_changed = old.promotion.watch != spec.promotion.watch;
+        let mut tuned = (*old).clone();
+        tuned.autoscale = spec.autoscale.clone();
+        tuned.queue = spec.queue.clone();
+        tuned.aliases = spec.aliases.clone();
+        tuned.promotion = spec.promotion.clone();
+        let changed = if tuned == spec {
+            self.record(
+                SpecKind::App,
+                &name,
+                Some(&json),
+                &format!("app {name} retuned through the API"),
+            )?;
+            self.retune_app(&app, spec)?;
+            Changed::InPlace
+        } else {
+            self.record(SpecKind::App, &name, Some(&json), "")?;
+            let revision = self.roll(&app, spec, "the spec changed through the API")?;
+            Changed::Rolled { revision }
+        };
+        // Aliases may have changed: the app is routed by its new ones.
+        self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
+        if watch_changed && app.spec().promotion.watch.is_some() {
+            tokio::spawn(self.clone().watch(app.clone()));
+        }
+        Ok(changed)
+    }
+
+    /// Applies a spec that differs only in settings the running replicas
+    /// can take: every live revision takes its autoscaling and queue.
+    fn retune_app(&self, app: &Arc<Served>, spec: AppSpec) -> Result<(), ApiError> {
+        let config = serde_json::to_string(&spec).map_err(|e| {
+            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
+        })?;
+        {
+            // Saved as the spec its revisions come from, so a restart does
+            // not take it for a change that needs a new revision.
+            let mut h = app.history.lock();
+            let mut next = h.clone();
+            next.config = Some(config);
+            self.store
+                .lock()
+                .save(&app.name, &next, "")
+                .map_err(|e| ApiError::new(ErrorKind::Internal, format!("could not save: {e}")))?;
+            *h = next;
+        }
+        for rev in app.live() {
+            rev.retune(&spec);
+        }
+        app.set_spec(spec);
+        Ok(())
+    }
+
+    /// Deletes an app: it leaves routing at once; its revisions finish what
+    /// they hold, then stop.
+    pub async fn delete_app(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
+        let _busy = self.refuse_if_busy(&format!("app '{name}'"))?;
+        let _one = self.changes.lock().await;
+        let Some(app) = self
+            .registry
+            .load()
+            .apps()
+            .iter()
+            .find(|a| a.name == name)
+            .cloned()
+        else {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("app '{name}' not found"),
+            ));
+        };
+        self.refuse_if_promoting(&app)?;
+        self.record(
+            SpecKind::App,
+            name,
+            None,
+            &format!("app {name} deleted through the API"),
+        )?;
+        self.forget_spec(&app, "")?;
+        app.mark_removed();
+        self.registry.rcu(|r| Arc::new(r.without_app(name)));
+        let gw = self.clone();
+        tokio::spawn(async move { gw.retire_app(app).await });
+        Ok(())
+    }
+
+    /// Waits for a deleted app's requests to end, then stops its replicas
+    /// and forgets its targets.
+    async fn retire_app(self: Arc<Self>, app: Arc<Served>) {
+        let revisions = app.live();
+        let started = tokio::time::Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tick.tick().await;
+            let busy = revisions.iter().any(|r| r.load() != (0, 0));
+            if !busy || started.elapsed() >= MAX_DRAIN {
+                break;
+            }
+        }
+        for rev in &revisions {
+            rev.hold(0);
+            self.weights.unregister(&app.name, &rev.revision);
+            app.remove_live(&rev.revision);
+            self.pool.scale(&rev.revision, 0);
+        }
+        for rev in &revisions {
+            self.pool.remove_target(&rev.revision).await;
+            self.revisions.write().remove(&rev.revision);
+        }
+        tracing::info!(app = %app.name, "deleted app's replicas stopped");
+    }
+
+    /// Puts a pool: creates it. A pool of that name with the same spec is
+    /// left as it is; changing a running pool is refused (delete it, then
+    /// put it again).
+    pub async fn put_pool(self: &Arc<Self>, spec: PoolSpec) -> Result<Changed, ApiError> {
+        let name = spec.name.clone();
+        let _busy = self.refuse_if_busy(&format!("pool '{name}'"))?;
+        let _one = self.changes.lock().await;
+        if self.retiring_pools.lock().contains(&name) {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{name}' was deleted and is still finishing its tasks; put it again once it is gone"
+                ),
+            ));
+        }
+        if let Some(p) = self.registry.load().pool(&name) {
+            if p.spec == spec {
+                return Ok(Changed::Unchanged);
+            }
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{name}' runs with another spec; changing a running pool is not supported yet: delete it, then put it again"
+                ),
+            ));
+        }
+        let mut candidate = self.desired_config();
+        candidate.pools.push(spec.clone());
+        self.check(&candidate, &format!("pools[{}]", candidate.pools.len() - 1))?;
+        if let Some(uri) = &spec.checkpoint {
+            self.weights.open(uri)?;
+        }
+        let json = serde_json::to_string(&spec).map_err(|e| {
+            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
+        })?;
+        self.record(SpecKind::Pool, &name, Some(&json), "")?;
+        self.start_pool(spec)
+            .map_err(|e| ApiError::new(ErrorKind::Internal, format!("pool '{name}': {e:#}")))?;
+        Ok(Changed::Created)
+    }
+
+    /// Deletes a pool: it takes no new task at once; the tasks it holds
+    /// finish, then its replicas stop.
+    pub async fn delete_pool(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
+        let _busy = self.refuse_if_busy(&format!("pool '{name}'"))?;
+        let _one = self.changes.lock().await;
+        let Some(pool) = self.registry.load().pool(name).cloned() else {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("pool '{name}' not found"),
+            ));
+        };
+        self.record(SpecKind::Pool, name, None, "")?;
+        pool.close();
+        self.retiring_pools.lock().insert(name.to_string());
+        self.registry.rcu(|r| Arc::new(r.without_pool(name)));
+        let gw = self.clone();
+        tokio::spawn(async move {
+            // Told when the last task ends; checked now and then as well,
+            // and given up on after MAX_DRAIN.
+            let started = tokio::time::Instant::now();
+            while !pool.is_empty() && started.elapsed() < MAX_DRAIN {
+                let _ = tokio::time::timeout(Duration::from_millis(200), pool.drained()).await;
+            }
+            let mut targets = vec![pool.name.clone()];
+            targets.extend(pool.ondemand_target());
+            for t in &targets {
+                gw.pool.scale(t, 0);
+            }
+            for t in &targets {
+                gw.pool.remove_target(t).await;
+            }
+            gw.registry
+                .rcu(|r| Arc::new(r.forget_pool_targets(&pool.name)));
+            gw.weights.unregister_all(&pool.name);
+            gw.retiring_pools.lock().remove(&pool.name);
+            tracing::info!(pool = %pool.name, "deleted pool's replicas stopped");
+        });
+        Ok(())
+    }
+}
+
+/// Marks an app or pool as being changed while it lives.
+struct BusyGuard<'a> {
+    gw: &'a Gateway,
+    what: String,
+}
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.gw.busy.lock().remove(&self.what);
+    }
+}

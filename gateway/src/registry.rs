@@ -1,0 +1,146 @@
+//! The live desired state: the apps (by name and alias) and the pools the
+//! gateway serves right now.
+//!
+//! A [`Registry`] is an immutable snapshot. The gateway holds the current
+//! one behind an [`ArcSwap`], so the hot path reads it without a lock, and
+//! a change (an API call, `warmgate apply`) builds the next snapshot and
+//! swaps it in whole: a reader sees the old set or the new one, never a
+//! mix.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use crate::pools::Pool;
+use crate::serving::Served;
+
+/// One snapshot of what is served.
+#[derive(Default, Clone)]
+pub struct Registry {
+    /// Apps by name and by alias.
+    routes: HashMap<String, Arc<Served>>,
+    /// Apps in order (config order, then added ones).
+    apps: Vec<Arc<Served>>,
+    /// Pools by name.
+    pools: BTreeMap<String, Arc<Pool>>,
+    /// Pools by pool-manager target: their own and their on-demand one.
+    by_target: HashMap<String, Arc<Pool>>,
+}
+
+impl Registry {
+    /// A snapshot of these apps and pools.
+    pub fn new(apps: Vec<Arc<Served>>, pools: Vec<Arc<Pool>>) -> Self {
+        let mut r = Registry::default();
+        for a in apps {
+            r.insert_app(a);
+        }
+        for p in pools {
+            r.insert_pool(p);
+        }
+        r
+    }
+
+    fn insert_app(&mut self, app: Arc<Served>) {
+        for name in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
+            self.routes.insert(name.clone(), app.clone());
+        }
+        match self.apps.iter_mut().find(|a| a.name == app.name) {
+            Some(slot) => *slot = app,
+            None => self.apps.push(app),
+        }
+    }
+
+    fn insert_pool(&mut self, pool: Arc<Pool>) {
+        self.by_target.retain(|_, p| p.name != pool.name);
+        self.by_target.insert(pool.name.clone(), pool.clone());
+        if let Some(od) = pool.ondemand_target() {
+            self.by_target.insert(od, pool.clone());
+        }
+        self.pools.insert(pool.name.clone(), pool);
+    }
+
+    /// This snapshot with `app` added, or in place of the app of its name
+    /// (its aliases as they are now).
+    pub fn with_app(&self, app: Arc<Served>) -> Registry {
+        let mut next = self.without_app(&app.name);
+        next.insert_app(app);
+        // Keep the order it had.
+        let order: Vec<&str> = self.apps.iter().map(|a| a.name.as_str()).collect();
+        next.apps.sort_by_key(|a| {
+            order
+                .iter()
+                .position(|n| *n == a.name)
+                .unwrap_or(usize::MAX)
+        });
+        next
+    }
+
+    /// This snapshot without the app `name` (and its aliases).
+    pub fn without_app(&self, name: &str) -> Registry {
+        let mut next = self.clone();
+        next.apps.retain(|a| a.name != name);
+        next.routes.retain(|_, a| a.name != name);
+        next
+    }
+
+    /// This snapshot with `pool` added.
+    pub fn with_pool(&self, pool: Arc<Pool>) -> Registry {
+        let mut next = self.without_pool(&pool.name);
+        next.insert_pool(pool);
+        next
+    }
+
+    /// This snapshot without the pool `name`. Its targets still find it
+    /// (its replicas report to it while it finishes its tasks) until
+    /// [`Registry::forget_pool_targets`].
+    pub fn without_pool(&self, name: &str) -> Registry {
+        let mut next = self.clone();
+        next.pools.remove(name);
+        next
+    }
+
+    /// This snapshot with no target reporting to a pool named `name`
+    /// that is no longer in it.
+    pub fn forget_pool_targets(&self, name: &str) -> Registry {
+        let mut next = self.clone();
+        let current = next.pools.get(name).cloned();
+        next.by_target
+            .retain(|_, p| p.name != name || current.as_ref().is_some_and(|c| Arc::ptr_eq(c, p)));
+        next
+    }
+
+    /// The app a name or alias routes to.
+    pub fn app(&self, name: &str) -> Option<&Arc<Served>> {
+        self.routes.get(name)
+    }
+
+    /// Every app, in order.
+    pub fn apps(&self) -> &[Arc<Served>] {
+        &self.apps
+    }
+
+    /// Every name and alias that routes to an app.
+    pub fn route_names(&self) -> impl Iterator<Item = &str> {
+        self.routes.keys().map(String::as_str)
+    }
+
+    /// A pool by name.
+    pub fn pool(&self, name: &str) -> Option<&Arc<Pool>> {
+        self.pools.get(name)
+    }
+
+    /// Every pool, by name.
+    pub fn pools(&self) -> impl Iterator<Item = &Arc<Pool>> {
+        self.pools.values()
+    }
+
+    /// The pool a pool-manager target belongs to (its own or its on-demand
+    /// fallback).
+    pub fn pool_of_target(&self, target: &str) -> Option<&Arc<Pool>> {
+        self.by_target.get(target)
+    }
+}
+
+/// The current snapshot, shared by the gateway and the replica sink.
+pub type Live = Arc<ArcSwap<Registry>>;

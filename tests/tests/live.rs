@@ -1,0 +1,474 @@
+//! A live gateway: apps and pools put and deleted through the API while
+//! traffic flows, without touching the rest. Unchanged apps keep their
+//! very processes, a retuned app keeps them too, a changed app moves to
+//! new replicas without a failed request, a deleted pool finishes its
+//! tasks, and every change survives a restart.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use common::{Gateway, eventually, kind};
+use serde_json::{Value, json};
+
+const CONFIG: &str = r#"
+[[apps]]
+name = "a"
+command = ["{worker}"]
+[apps.autoscale]
+min = 1
+max = 1
+
+[[apps]]
+name = "b"
+command = ["{worker}"]
+[apps.autoscale]
+min = 1
+max = 2
+
+[[apps]]
+name = "e"
+command = ["{worker}"]
+env = { GENERATION = "1" }
+[apps.autoscale]
+min = 1
+max = 1
+
+[[pools]]
+name = "d"
+command = ["{worker}"]
+replicas = [1, 1]
+concurrency = 2
+"#;
+
+/// Requests sent and failed per app by the load loops.
+#[derive(Default)]
+struct Tally {
+    sent: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// One app's load: its tally and its client loops.
+type AppLoad = (&'static str, Arc<Tally>, Vec<tokio::task::JoinHandle<()>>);
+
+/// Closed-loop clients on each app until `stop`, counting answers that
+/// are not 200.
+fn load(
+    gw: &Gateway,
+    apps: &[&'static str],
+    clients: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<AppLoad> {
+    apps.iter()
+        .map(|app| {
+            let tally = Arc::new(Tally::default());
+            let loops = (0..clients)
+                .map(|_| {
+                    let (http, url) = (gw.http.clone(), gw.at(&format!("/apps/{app}/work")));
+                    let (tally, stop) = (tally.clone(), stop.clone());
+                    tokio::spawn(async move {
+                        while !stop.load(Ordering::Relaxed) {
+                            let ok = http
+                                .get(&url)
+                                .send()
+                                .await
+                                .is_ok_and(|r| r.status().is_success());
+                            tally.sent.fetch_add(1, Ordering::Relaxed);
+                            if !ok {
+                                tally.failed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            (*app, tally, loops)
+        })
+        .collect()
+}
+
+async fn put(gw: &Gateway, path: &str, body: &Value) -> (u16, Value) {
+    let r = gw
+        .http
+        .put(gw.at(path))
+        .json(body)
+        .send()
+        .await
+        .expect("put");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn delete(gw: &Gateway, path: &str) -> (u16, Value) {
+    let r = gw.http.delete(gw.at(path)).send().await.expect("delete");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn pool_ready(gw: &Gateway, pool: &str) {
+    eventually(&format!("pool {pool} has a ready replica"), || async {
+        let s = gw.json("/v1/status").await;
+        s["pools"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["name"] == pool))
+            .and_then(|p| p["ready"].as_u64())
+            .filter(|n| *n > 0)
+    })
+    .await;
+}
+
+fn sorted(mut v: Vec<i32>) -> Vec<i32> {
+    v.sort_unstable();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apps_and_pools_change_at_runtime_without_touching_the_rest() {
+    let mut gw = Gateway::start(CONFIG);
+    for app in ["a", "b", "e"] {
+        gw.wait_ready(app, 1).await;
+    }
+    pool_ready(&gw, "d").await;
+    let a_pids = sorted(gw.replica_pids("a").await);
+    let b_pids = sorted(gw.replica_pids("b").await);
+    let e_pids = sorted(gw.replica_pids("e").await);
+    assert_eq!((a_pids.len(), b_pids.len(), e_pids.len()), (1, 1, 1));
+
+    // Two tasks still running on D when it is deleted.
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let r = gw
+            .http
+            .post(gw.at("/v1/pools/d/tasks?async=true"))
+            .json(&json!({"input": {"sleep_ms": 1500}}))
+            .send()
+            .await
+            .expect("submit");
+        assert_eq!(r.status().as_u16(), 202);
+        let v: Value = r.json().await.expect("json");
+        running.push(v["id"].as_str().expect("id").to_string());
+    }
+    eventually("both of D's tasks are running", || async {
+        let s = gw.json("/v1/pools/d").await;
+        (s["inflight"].as_u64() == Some(2)).then_some(())
+    })
+    .await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let loads = load(&gw, &["a", "b", "e"], 3, &stop);
+
+    // B: a larger max and a longer queue apply in place.
+    let mut b = gw.json("/v1/apps/b").await;
+    assert_eq!(b["max"], 2);
+    let (status, body) = put(
+        &gw,
+        "/v1/apps/b",
+        &json!({"command": [common::test_worker()], "autoscale": {"min": 1, "max": 3}, "queue": {"max_pending": 500}}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("in_place")),
+        "{body}"
+    );
+    b = gw.json("/v1/apps/b").await;
+    assert_eq!(
+        (b["max"].as_u64(), b["max_pending"].as_u64()),
+        (Some(3), Some(500)),
+        "{b}"
+    );
+
+    // C: a new app serves.
+    let (status, body) = put(
+        &gw,
+        "/v1/apps/c",
+        &json!({"command": [common::test_worker()], "autoscale": {"min": 0, "max": 1}}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (201, Some("created")),
+        "{body}"
+    );
+    let r = gw.http.get(gw.at("/apps/c/hello")).send().await.expect("c");
+    assert_eq!(r.status().as_u16(), 200);
+
+    // D: deleted while two tasks run; they finish, new ones are refused.
+    let (status, body) = delete(&gw, "/v1/pools/d").await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("deleted")),
+        "{body}"
+    );
+    let (status, body) = gw.post("/v1/pools/d/tasks", &json!({"input": {}})).await;
+    assert_eq!((status, kind(&body)), (404, "not_found"), "{body}");
+    for id in &running {
+        let task = eventually(&format!("task {id} of the deleted pool ends"), || async {
+            let t = gw.json(&format!("/v1/tasks/{id}")).await;
+            (t["state"] != "pending" && t["state"] != "running").then_some(t)
+        })
+        .await;
+        assert_eq!(task["state"], "succeeded", "{task}");
+    }
+
+    // E: a new environment rolls it to new replicas.
+    let (status, body) = put(
+        &gw,
+        "/v1/apps/e",
+        &json!({"command": [common::test_worker()], "env": {"GENERATION": "2"}, "autoscale": {"min": 1, "max": 1}}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("rolled")),
+        "{body}"
+    );
+    let new_revision = body["revision"].as_str().expect("revision").to_string();
+    eventually("e serves from its new revision alone", || async {
+        let s = gw.app_status("e").await;
+        let pids = sorted(gw.replica_pids("e").await);
+        (s["revision"] == new_revision.as_str()
+            && s["revisions"].as_array().is_some_and(|r| r.len() == 1)
+            && !pids.is_empty()
+            && pids.iter().all(|p| !e_pids.contains(p)))
+        .then_some(())
+    })
+    .await;
+
+    stop.store(true, Ordering::Relaxed);
+    for (app, tally, loops) in loads {
+        for l in loops {
+            l.await.expect("load loop");
+        }
+        let (sent, failed) = (
+            tally.sent.load(Ordering::Relaxed),
+            tally.failed.load(Ordering::Relaxed),
+        );
+        eprintln!("{app}: {sent} requests, {failed} failed");
+        assert!(sent > 0, "no request reached {app}");
+        assert_eq!(failed, 0, "{failed} of {sent} requests to {app} failed");
+    }
+    assert_eq!(
+        sorted(gw.replica_pids("a").await),
+        a_pids,
+        "a's replicas changed"
+    );
+    assert_eq!(
+        sorted(gw.replica_pids("b").await),
+        b_pids,
+        "b's replicas changed"
+    );
+    eventually("the deleted pool is gone from status", || async {
+        let s = gw.json("/v1/status").await;
+        s["pools"]
+            .as_array()
+            .is_some_and(|p| p.is_empty())
+            .then_some(())
+    })
+    .await;
+
+    // Every change made through the API is still there after a restart.
+    gw.restart();
+    let s = gw.json("/v1/status").await;
+    let names: Vec<&str> = s["apps"]
+        .as_array()
+        .expect("apps")
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(names, ["a", "b", "e", "c"], "{s}");
+    assert!(s["pools"].as_array().is_some_and(|p| p.is_empty()), "{s}");
+    let b = gw.json("/v1/apps/b").await;
+    assert_eq!(b["max"].as_u64(), Some(3), "{b}");
+    let e = gw.app_status("e").await;
+    assert_eq!(e["revision"], new_revision.as_str(), "{e}");
+    let r = gw.http.get(gw.at("/apps/c/hello")).send().await.expect("c");
+    assert_eq!(r.status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_changes_are_refused_and_change_nothing() {
+    let gw = Gateway::start(CONFIG);
+    let worker = common::test_worker();
+    let spec = json!({"command": [worker]});
+    let hostile = [
+        "/v1/apps/..%2Fetc",
+        "/v1/apps/%2e%2e%2fx",
+        "/v1/apps/A",
+        "/v1/apps/-x",
+        "/v1/apps/a%00b",
+        "/v1/pools/..%2Fetc",
+        "/v1/pools/x%20y",
+    ];
+    for path in hostile {
+        let (status, body) = put(&gw, path, &spec).await;
+        assert_eq!(
+            (status, kind(&body)),
+            (400, "bad_request"),
+            "{path}: {body}"
+        );
+    }
+    let cases = [
+        // An unknown key, named.
+        (
+            "/v1/apps/x",
+            json!({"command": [worker], "autoscale": {"maxx": 2}}),
+            "autoscale.maxx",
+        ),
+        // A bad value, named.
+        (
+            "/v1/apps/x",
+            json!({"command": [worker], "autoscale": {"max": "lots"}}),
+            "autoscale.max",
+        ),
+        // The body names another app.
+        (
+            "/v1/apps/x",
+            json!({"name": "y", "command": [worker]}),
+            "name",
+        ),
+        // A pool named like a revision of app a would take its traffic.
+        ("/v1/pools/a-00001", json!({"command": [worker]}), "a-00001"),
+        // An alias already routed to another app.
+        (
+            "/v1/apps/x",
+            json!({"command": [worker], "aliases": ["b"]}),
+            "b",
+        ),
+        // A checkpoint outside the allowed prefixes.
+        (
+            "/v1/apps/x",
+            json!({"command": [worker], "checkpoint": "file:///etc"}),
+            "file:///etc",
+        ),
+    ];
+    for (path, body, named) in cases {
+        let (status, answer) = put(&gw, path, &body).await;
+        assert_eq!(status, 400, "{path} {body}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(named),
+            "{path} {body}: {message} does not name {named}"
+        );
+    }
+    let s = gw.json("/v1/status").await;
+    let names: Vec<&str> = s["apps"]
+        .as_array()
+        .expect("apps")
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["a", "b", "e"],
+        "a refused change left something: {s}"
+    );
+    assert_eq!(s["pools"].as_array().map(Vec::len), Some(1), "{s}");
+    let (status, body) = delete(&gw, "/v1/apps/nope").await;
+    assert_eq!((status, kind(&body)), (404, "not_found"), "{body}");
+    // The same spec again changes nothing.
+    let d = gw.json("/v1/pools/d").await;
+    assert_eq!(d["name"], "d", "{d}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_need_the_admin_token() {
+    let gw = Gateway::start_with(CONFIG, &[], &[("WARMGATE_ADMIN_TOKEN", "s3cret")]);
+    let spec = json!({"command": [common::test_worker()]});
+    let (status, _) = put(&gw, "/v1/apps/x", &spec).await;
+    assert_eq!(status, 401);
+    let (status, _) = delete(&gw, "/v1/apps/a").await;
+    assert_eq!(status, 401);
+    let (status, _) = delete(&gw, "/v1/pools/d").await;
+    assert_eq!(status, 401);
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/x"))
+        .bearer_auth("s3cret")
+        .json(&spec)
+        .send()
+        .await
+        .expect("put");
+    assert_eq!(r.status().as_u16(), 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed() {
+    let gw = Gateway::start(CONFIG);
+    for app in ["a", "b"] {
+        gw.wait_ready(app, 1).await;
+    }
+    let a_pids = sorted(gw.replica_pids("a").await);
+    let b_pids = sorted(gw.replica_pids("b").await);
+    let stop = Arc::new(AtomicBool::new(false));
+    let loads = load(&gw, &["a", "b"], 2, &stop);
+    // The file: a as it was, b with a larger max, e gone, pool d gone, c
+    // new.
+    let next = CONFIG
+        .replace("min = 1\nmax = 2", "min = 1\nmax = 4")
+        .replace(
+            "[[apps]]\nname = \"e\"\ncommand = [\"{worker}\"]\nenv = { GENERATION = \"1\" }\n[apps.autoscale]\nmin = 1\nmax = 1\n",
+            "[[apps]]\nname = \"c\"\ncommand = [\"{worker}\"]\n",
+        )
+        .replace("[[pools]]\nname = \"d\"\ncommand = [\"{worker}\"]\nreplicas = [1, 1]\nconcurrency = 2\n", "")
+        .replace("{worker}", &common::test_worker());
+    assert!(next.contains("max = 4") && next.contains("\"c\"") && !next.contains("\"d\""));
+    let file = gw.dir.path().join("next.toml");
+    std::fs::write(&file, format!("state_dir = \"state\"\n{next}")).expect("write");
+    let out = tokio::process::Command::new(common::bin("warmgate"))
+        .args(["apply", "--config"])
+        .arg(&file)
+        .args(["--gateway", &gw.url])
+        .output()
+        .await
+        .expect("run warmgate apply");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = printed.lines().collect();
+    for expected in [
+        "pool d: deleted",
+        "app e: deleted",
+        "app a: unchanged",
+        "app b: in place",
+        "app c: created",
+    ] {
+        assert!(lines.contains(&expected), "{expected:?} not in:\n{printed}");
+    }
+    let r = gw.http.get(gw.at("/apps/c/hello")).send().await.expect("c");
+    assert_eq!(r.status().as_u16(), 200);
+    stop.store(true, Ordering::Relaxed);
+    for (app, tally, loops) in loads {
+        for l in loops {
+            l.await.expect("load loop");
+        }
+        let failed = tally.failed.load(Ordering::Relaxed);
+        assert_eq!(failed, 0, "{failed} requests to {app} failed");
+    }
+    assert_eq!(
+        sorted(gw.replica_pids("a").await),
+        a_pids,
+        "a's replicas changed"
+    );
+    assert_eq!(
+        sorted(gw.replica_pids("b").await),
+        b_pids,
+        "b's replicas changed"
+    );
+    assert_eq!(gw.json("/v1/apps/b").await["max"].as_u64(), Some(4));
+    // Applying the same file again changes nothing.
+    let again = tokio::process::Command::new(common::bin("warmgate"))
+        .args(["apply", "--config"])
+        .arg(&file)
+        .args(["--gateway", &gw.url])
+        .output()
+        .await
+        .expect("run warmgate apply");
+    let printed = String::from_utf8_lossy(&again.stdout);
+    assert!(again.status.success());
+    assert!(
+        printed.lines().all(|l| l.ends_with(": unchanged")),
+        "{printed}"
+    );
+}
