@@ -321,6 +321,16 @@ impl Store {
         Ok(())
     }
 
+    /// Forgets the API's change to one app or pool (a change recorded but
+    /// then not carried out).
+    pub fn forget_spec(&mut self, kind: SpecKind, name: &str) -> Result<(), StoreError> {
+        self.conn.execute(
+            "DELETE FROM spec_changes WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name],
+        )?;
+        Ok(())
+    }
+
     /// Every change the API made, to apply over the config file.
     pub fn overlay(&self) -> Result<Overlay, StoreError> {
         let mut stmt = self
@@ -529,6 +539,8 @@ mod tests {
         assert_eq!(config.apps[0].autoscale.max, 7);
         assert!(config.pools.is_empty());
         let mut store = store;
+        store.forget_spec(SpecKind::App, "c").expect("forget c");
+        assert!(!store.overlay().expect("overlay").apps.contains_key("c"));
         store.clear_overlay().expect("clear");
         assert!(store.overlay().expect("overlay").is_empty());
     }

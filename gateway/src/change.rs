@@ -141,8 +141,14 @@ impl Gateway {
                 Some(&json),
                 &format!("app {name} put through the API"),
             )?;
-            self.start_app(spec)
-                .map_err(|e| ApiError::new(ErrorKind::Internal, format!("app '{name}': {e:#}")))?;
+            if let Err(e) = self.start_app(spec) {
+                // Not kept: a restart would trip on it.
+                let _ = self.store.lock().forget_spec(SpecKind::App, &name);
+                return Err(ApiError::new(
+                    ErrorKind::Internal,
+                    format!("app '{name}': {e:#}"),
+                ));
+            }
             return Ok(Changed::Created);
         };
         let old = app.spec();
@@ -298,8 +304,13 @@ impl Gateway {
             ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
         })?;
         self.record(SpecKind::Pool, &name, Some(&json), "")?;
-        self.start_pool(spec)
-            .map_err(|e| ApiError::new(ErrorKind::Internal, format!("pool '{name}': {e:#}")))?;
+        if let Err(e) = self.start_pool(spec) {
+            let _ = self.store.lock().forget_spec(SpecKind::Pool, &name);
+            return Err(ApiError::new(
+                ErrorKind::Internal,
+                format!("pool '{name}': {e:#}"),
+            ));
+        }
         Ok(Changed::Created)
     }
 
@@ -341,6 +352,109 @@ impl Gateway {
             tracing::info!(pool = %pool.name, "deleted pool's replicas stopped");
         });
         Ok(())
+    }
+}
+
+/// One change an apply made, or the reason it was refused.
+#[derive(Debug)]
+pub struct Applied {
+    /// `app` or `pool`.
+    pub kind: &'static str,
+    /// Its name.
+    pub name: String,
+    /// What was done (`created`, `unchanged`, `in place`, `rolled (to
+    /// e-00002)`, `deleted`), or why not.
+    pub outcome: Result<String, ApiError>,
+}
+
+impl std::fmt::Display for Applied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.outcome {
+            Ok(what) => write!(f, "{} {}: {what}", self.kind, self.name),
+            Err(e) => write!(f, "{} {}: refused: {}", self.kind, self.name, e.message),
+        }
+    }
+}
+
+impl Changed {
+    /// In words, as `warmgate apply` prints it.
+    pub fn describe(&self) -> String {
+        match self {
+            Changed::Created => "created".into(),
+            Changed::Unchanged => "unchanged".into(),
+            Changed::InPlace => "in place".into(),
+            Changed::Rolled { revision } => format!("rolled (to {revision})"),
+        }
+    }
+}
+
+impl Gateway {
+    /// Makes the gateway serve the apps and pools of `file`: the others are
+    /// deleted (first, so a name may move from a pool to an app), then
+    /// every one of the file's is put. Each change stands alone: a refused
+    /// one leaves the others applied.
+    pub async fn apply_file(self: &Arc<Self>, file: Config) -> Vec<Applied> {
+        let mut out = Vec::new();
+        let current = self.desired_config();
+        for p in &current.pools {
+            if !file.pools.iter().any(|f| f.name == p.name) {
+                let outcome = self
+                    .delete_pool(&p.name)
+                    .await
+                    .map(|()| "deleted".to_string());
+                out.push(Applied {
+                    kind: "pool",
+                    name: p.name.clone(),
+                    outcome,
+                });
+            }
+        }
+        for a in &current.apps {
+            if !file.apps.iter().any(|f| f.name == a.name) {
+                let outcome = self
+                    .delete_app(&a.name)
+                    .await
+                    .map(|()| "deleted".to_string());
+                out.push(Applied {
+                    kind: "app",
+                    name: a.name.clone(),
+                    outcome,
+                });
+            }
+        }
+        for p in file.pools {
+            let name = p.name.clone();
+            let outcome = self.put_pool(p).await.map(|c| c.describe());
+            out.push(Applied {
+                kind: "pool",
+                name,
+                outcome,
+            });
+        }
+        for a in file.apps {
+            let name = a.name.clone();
+            let outcome = self.put_app(a).await.map(|c| c.describe());
+            out.push(Applied {
+                kind: "app",
+                name,
+                outcome,
+            });
+        }
+        out
+    }
+
+    /// Whether `file` differs from the running config in anything but its
+    /// apps and pools (which an apply does not change).
+    pub fn other_settings_differ(&self, file: &Config) -> bool {
+        let strip = |c: &Config| {
+            let mut c = c.clone();
+            c.apps.clear();
+            c.pools.clear();
+            // `serve --listen` may have overridden it.
+            c.listen = self.config.listen;
+            c
+        };
+        strip(file) != strip(&self.config)
     }
 }
 

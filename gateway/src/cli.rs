@@ -401,7 +401,7 @@ fn serve(
             return 1;
         }
     };
-    match rt.block_on(serve_async(config)) {
+    match rt.block_on(serve_async(config, path)) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -440,12 +440,50 @@ fn raise_open_file_limit() {
     }
 }
 
-async fn serve_async(config: Config) -> anyhow::Result<()> {
+async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
     let backend = backend_for(&config).await?;
-    serve_with(config, backend, listener, |_| std::future::pending()).await
+    serve_with(config, backend, listener, move |gw| {
+        reload_on_hangup(gw, path)
+    })
+    .await
+}
+
+/// On every SIGHUP, re-reads the config file and applies its apps and
+/// pools as `warmgate apply` does, logging each change. A file that does
+/// not load changes nothing. Settings other than apps and pools need a
+/// restart; a change to them is logged. Runs until the gateway stops.
+async fn reload_on_hangup(gw: Arc<Gateway>, path: PathBuf) -> String {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; reload with `warmgate apply`");
+            return std::future::pending().await;
+        }
+    };
+    while hup.recv().await.is_some() {
+        let file = match Config::load(&path) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "SIGHUP: the config file does not load; nothing changed");
+                continue;
+            }
+        };
+        if gw.other_settings_differ(&file) {
+            tracing::warn!(file = %path.display(), "SIGHUP: settings other than [[apps]] and [[pools]] changed; they take effect at the next restart");
+        }
+        tracing::info!(file = %path.display(), "SIGHUP: applying the config file's apps and pools");
+        for change in gw.apply_file(file).await {
+            match &change.outcome {
+                Ok(_) => tracing::info!("{change}"),
+                Err(_) => tracing::error!("{change}"),
+            }
+        }
+    }
+    std::future::pending().await
 }
 
 /// The backend the config names: local processes (after stopping any a

@@ -472,3 +472,111 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
         "{printed}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_applies_the_edited_config_file() {
+    let gw = Gateway::start(CONFIG);
+    gw.wait_ready("a", 1).await;
+    let a_pids = sorted(gw.replica_pids("a").await);
+    let path = gw.dir.path().join("warmgate.toml");
+    let text = std::fs::read_to_string(&path).expect("config");
+    let edited = text.replace("min = 1\nmax = 2", "min = 1\nmax = 5")
+        + &format!(
+            "\n[[apps]]\nname = \"f\"\ncommand = [\"{}\"]\n",
+            common::test_worker()
+        );
+    std::fs::write(&path, edited).expect("write");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(gw.pid()),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    eventually("the edited file is applied", || async {
+        let s = gw.json("/v1/status").await;
+        let apps = s["apps"].as_array()?;
+        let b = apps.iter().find(|a| a["name"] == "b")?;
+        (b["max"] == 5 && apps.iter().any(|a| a["name"] == "f")).then_some(())
+    })
+    .await;
+    let r = gw.http.get(gw.at("/apps/f/hello")).send().await.expect("f");
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(
+        sorted(gw.replica_pids("a").await),
+        a_pids,
+        "a's replicas changed"
+    );
+    // A file that does not load changes nothing, and the gateway stays up.
+    std::fs::write(&path, "[[apps]]\nname = 7\n").expect("write");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(gw.pid()),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    eventually("the bad file is reported", || async {
+        gw.log().contains("does not load").then_some(())
+    })
+    .await;
+    let s = gw.json("/v1/status").await;
+    assert_eq!(s["apps"].as_array().map(Vec::len), Some(4), "{s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_changes_to_one_app_never_mix() {
+    let gw = Gateway::start(CONFIG);
+    gw.wait_ready("b", 1).await;
+    let worker = common::test_worker();
+    let puts = (2..10u64).map(|max| {
+        let (http, url) = (gw.http.clone(), gw.at("/v1/apps/b"));
+        let body = json!({"command": [worker], "autoscale": {"min": 1, "max": max}, "queue": {"max_pending": 100 + max}});
+        tokio::spawn(async move {
+            let r = http.put(url).json(&body).send().await.expect("put");
+            (max, r.status().as_u16())
+        })
+    });
+    let mut taken = Vec::new();
+    for p in puts.collect::<Vec<_>>() {
+        let (max, status) = p.await.expect("join");
+        assert!(status == 200 || status == 409, "max {max}: {status}");
+        if status == 200 {
+            taken.push(max);
+        }
+    }
+    eprintln!("puts taken: {taken:?}");
+    assert!(!taken.is_empty());
+    // Whatever won, max and max_pending come from one and the same put.
+    let b = gw.json("/v1/apps/b").await;
+    let max = b["max"].as_u64().expect("max");
+    assert!(taken.contains(&max), "max {max} was not taken: {taken:?}");
+    assert_eq!(b["max_pending"].as_u64(), Some(100 + max), "{b}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_while_the_app_rolls_is_refused() {
+    let gw = Gateway::start(CONFIG);
+    gw.wait_ready("e", 1).await;
+    let worker = common::test_worker();
+    // A new revision that takes a while to start: the roll is running.
+    let (status, body) = put(
+        &gw,
+        "/v1/apps/e",
+        &json!({"command": [worker], "env": {"GENERATION": "2", "TEST_WORKER_STARTUP_MS": "3000"}, "autoscale": {"min": 1, "max": 1}}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("rolled")),
+        "{body}"
+    );
+    let (status, body) = put(
+        &gw,
+        "/v1/apps/e",
+        &json!({"command": [worker], "env": {"GENERATION": "3"}, "autoscale": {"min": 1, "max": 1}}),
+    )
+    .await;
+    assert_eq!((status, kind(&body)), (409, "conflict"), "{body}");
+    let (status, body) = delete(&gw, "/v1/apps/e").await;
+    assert_eq!((status, kind(&body)), (409, "conflict"), "{body}");
+    // The old revision serves meanwhile.
+    let r = gw.http.get(gw.at("/apps/e/hello")).send().await.expect("e");
+    assert_eq!(r.status().as_u16(), 200);
+}
