@@ -16,7 +16,8 @@ use serde_json::Value;
 use warmgate_deploy::Config;
 use warmgate_pool::LocalBackend;
 
-use crate::server::{Gateway, router};
+use crate::http::router;
+use crate::server::Gateway;
 
 /// Exit code for a bad config or bad usage (`EX_USAGE` from sysexits.h).
 pub const EXIT_USAGE: i32 = 64;

@@ -159,3 +159,26 @@ impl IntoResponse for ApiError {
         resp
     }
 }
+
+/// The error for a request body that could not be read.
+pub(crate) fn body_error(e: &axum::Error, limit: u64) -> ApiError {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<crate::proxy::BodyTooLarge>() || err.is::<http_body_util::LengthLimitError>() {
+            return too_large(limit);
+        }
+        cur = err.source();
+    }
+    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+}
+
+pub(crate) fn too_large(limit: u64) -> ApiError {
+    too_large_for(limit, "limits.max_body_bytes")
+}
+
+pub(crate) fn too_large_for(limit: u64, key: &str) -> ApiError {
+    ApiError::new(
+        ErrorKind::TooLarge,
+        format!("the request body is larger than the limit of {limit} bytes ({key})"),
+    )
+}

@@ -8,6 +8,7 @@ pub mod change;
 pub mod cli;
 pub mod dispatch;
 pub mod error;
+pub mod http;
 pub mod journal;
 pub mod listener;
 pub mod operator;
@@ -25,4 +26,5 @@ pub mod trace;
 pub mod weights;
 
 pub use error::{ApiError, ErrorKind};
-pub use server::{Gateway, router};
+pub use http::router;
+pub use server::Gateway;

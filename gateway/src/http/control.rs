@@ -1,0 +1,327 @@
+//! The control plane for apps and pools: status, put and delete,
+//! promote, rollback and revision history.
+
+#[allow(unused_imports)]
+use super::prelude::*;
+
+#[utoipa::path(get, path = "/v1/status", tag = "control",
+    responses((status = 200, description = "Apps (with revisions and replicas) and pools", body = Object)))]
+pub(crate) async fn status(State(gw): State<Arc<Gateway>>) -> Response {
+    axum::Json(gw.status_json()).into_response()
+}
+
+#[utoipa::path(get, path = "/v1/apps", tag = "control",
+    responses((status = 200, description = "Every app's status", body = Object)))]
+pub(crate) async fn list_apps(State(gw): State<Arc<Gateway>>) -> Response {
+    axum::Json(json!({"apps": gw.status()})).into_response()
+}
+
+#[utoipa::path(get, path = "/v1/apps/{app}", tag = "control",
+    params(("app" = String, Path, description = "App name or alias")),
+    responses((status = 200, description = "The app's status", body = Object), (status = 404, description = "Unknown app", body = ErrorBody)))]
+pub(crate) async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    match gw.registry.load().app(&name) {
+        Some(app) => {
+            let targets = gw.pool.status();
+            axum::Json(gw.status_of(app, &targets)).into_response()
+        }
+        None => {
+            ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
+        }
+    }
+}
+
+/// A name in a control-plane path: a DNS label, or 400 before anything
+/// else is looked at.
+pub(crate) fn check_path_name(name: &str, what: &str) -> Result<(), ApiError> {
+    warmgate_deploy::check_dns_label(name).map_err(|why| {
+        let shown: String = why.chars().take(MAX_ECHOED_CHARS + 100).collect();
+        ApiError::new(ErrorKind::BadRequest, format!("{what} name: {shown}"))
+    })
+}
+
+/// A spec from a JSON body, as a `[[apps]]` or `[[pools]]` entry of the
+/// config file; its `name`, when given, must be the one in the path. Its
+/// relative paths are taken from the workers' folder.
+pub(crate) fn spec_from_json<S: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    what: &str,
+) -> Result<S, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let spec = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let key = match e.path().to_string() {
+            p if p == "." || p.is_empty() => "(top level)".to_string(),
+            p => p,
+        };
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "the body must be {what} spec as JSON: {key}: {}",
+                e.into_inner()
+            ),
+        )
+    })?;
+    de.end().map_err(|e| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the body must be {what} spec as JSON: {e}"),
+        )
+    })?;
+    Ok(spec)
+}
+
+pub(crate) fn name_from_path(
+    spec_name: &mut String,
+    path: &str,
+    what: &str,
+) -> Result<(), ApiError> {
+    if spec_name.is_empty() {
+        *spec_name = path.to_string();
+        return Ok(());
+    }
+    if spec_name != path {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!("name: the body names {what} '{spec_name}' but the path names '{path}'"),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn changed_response(
+    kind: &str,
+    name: &str,
+    changed: crate::change::Changed,
+) -> Response {
+    let status = if changed == crate::change::Changed::Created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let mut body = json!(changed);
+    body[kind] = json!(name);
+    (status, axum::Json(body)).into_response()
+}
+
+/// `PUT /v1/apps/{app}`: creates or changes an app. An unchanged spec
+/// keeps its replicas; autoscaling, queue, alias and promotion settings
+/// apply in place; anything else rolls to a new revision.
+#[utoipa::path(put, path = "/v1/apps/{app}", tag = "control",
+    params(("app" = String, Path, description = "App name")),
+    request_body(content = Object, description = "An `[[apps]]` entry of the config file, as JSON"),
+    responses((status = 201, description = "Created: `{app, change}`", body = Object), (status = 200, description = "`{app, change}`: `unchanged`, `in_place`, or `rolled` with the new `revision`", body = Object), (status = 400, description = "Bad name or spec; the key is named", body = ErrorBody), (status = 409, description = "Another change or a promotion of this app is running", body = ErrorBody)))]
+pub(crate) async fn put_app(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "app")?;
+        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
+        name_from_path(&mut spec.name, &name, "app")?;
+        if let Some(dir) = &gw.workdir {
+            spec.resolve_paths(dir);
+        }
+        let changed = gw.put_app(spec).await?;
+        Ok(changed_response("app", &name, changed))
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/apps/{app}`: the app takes no new request at once; those it
+/// holds finish, then its replicas stop.
+#[utoipa::path(delete, path = "/v1/apps/{app}", tag = "control",
+    params(("app" = String, Path, description = "App name")),
+    responses((status = 200, description = "`{app, change: \"deleted\"}`", body = Object), (status = 404, description = "Unknown app", body = ErrorBody), (status = 409, description = "Another change or a promotion of this app is running", body = ErrorBody)))]
+pub(crate) async fn delete_app(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "app")?;
+        gw.delete_app(&name).await?;
+        Ok(axum::Json(json!({"app": name, "change": "deleted"})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/pools/{pool}`: one pool's status, as in `/v1/status`.
+#[utoipa::path(get, path = "/v1/pools/{pool}", tag = "control",
+    params(("pool" = String, Path, description = "Pool name")),
+    responses((status = 200, description = "The pool's status", body = Object), (status = 404, description = "Unknown pool", body = ErrorBody)))]
+pub(crate) async fn get_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let status = gw.status_json();
+    let found = status["pools"]
+        .as_array()
+        .and_then(|ps| {
+            ps.iter()
+                .find(|p| p["name"].as_str() == Some(name.as_str()))
+        })
+        .cloned();
+    match found {
+        Some(p) => axum::Json(p).into_response(),
+        None => {
+            ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response()
+        }
+    }
+}
+
+/// `PUT /v1/pools/{pool}`: creates a pool (the same spec again changes
+/// nothing; another spec for a running pool is refused).
+#[utoipa::path(put, path = "/v1/pools/{pool}", tag = "control",
+    params(("pool" = String, Path, description = "Pool name")),
+    request_body(content = Object, description = "A `[[pools]]` entry of the config file, as JSON"),
+    responses((status = 201, description = "Created: `{pool, change}`", body = Object), (status = 200, description = "`{pool, change: \"unchanged\"}`", body = Object), (status = 400, description = "Bad name or spec; the key is named", body = ErrorBody), (status = 409, description = "Another change to this pool is running, or it runs with another spec", body = ErrorBody)))]
+pub(crate) async fn put_pool(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "pool")?;
+        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
+        name_from_path(&mut spec.name, &name, "pool")?;
+        if let Some(dir) = &gw.workdir {
+            spec.resolve_paths(dir);
+        }
+        let changed = gw.put_pool(spec).await?;
+        Ok(changed_response("pool", &name, changed))
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/pools/{pool}`: the pool takes no new task at once; the tasks
+/// it holds finish, then its replicas stop.
+#[utoipa::path(delete, path = "/v1/pools/{pool}", tag = "control",
+    params(("pool" = String, Path, description = "Pool name")),
+    responses((status = 200, description = "`{pool, change: \"deleted\"}`", body = Object), (status = 404, description = "Unknown pool", body = ErrorBody), (status = 409, description = "Another change to this pool is running", body = ErrorBody)))]
+pub(crate) async fn delete_pool(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&name, "pool")?;
+        gw.delete_pool(&name).await?;
+        Ok(axum::Json(json!({"pool": name, "change": "deleted"})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PromoteBody<'a> {
+    checkpoint: String,
+    canary: Option<u8>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    bake: Scalar<'a>,
+    #[serde(default)]
+    wait: bool,
+}
+
+pub(crate) fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
+    gw.app(name)
+}
+
+/// `POST /v1/apps/{app}/promote`: a new revision from a checkpoint; 202
+/// with its id, or with `"wait": true` the promotion's outcome.
+#[utoipa::path(post, path = "/v1/apps/{app}/promote", tag = "promotion",
+    params(("app" = String, Path, description = "App name")),
+    request_body = PromoteBody,
+    responses((status = 202, description = "Promotion started: `{app, revision}`", body = Object), (status = 200, description = "With `wait`: `{app, revision, promotion}` once it ended", body = Object), (status = 400, description = "Bad checkpoint URI or body", body = ErrorBody), (status = 404, description = "Unknown app or missing checkpoint", body = ErrorBody), (status = 409, description = "A promotion is running", body = ErrorBody)))]
+pub(crate) async fn promote(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        let app = served(&gw, &name)?;
+        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?}} ({e})"
+                ),
+            )
+        })?;
+        if body.canary.is_some_and(|c| c == 0 || c > 100) {
+            return Err(ApiError::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
+        }
+        let bake = duration_value(&body.bake, "bake")?;
+        let id = gw
+            .promote(
+                &app,
+                crate::promote::PromoteRequest {
+                    checkpoint: body.checkpoint,
+                    canary: body.canary,
+                    bake,
+                },
+            )
+            .await?;
+        if !body.wait {
+            return Ok((
+                StatusCode::ACCEPTED,
+                axum::Json(json!({"app": app.name, "revision": id})),
+            )
+                .into_response());
+        }
+        loop {
+            let p = app.history.lock().promotion.clone();
+            if let Some(p) = p.filter(|p| p.to == id && p.phase.is_terminal()) {
+                return Ok(axum::Json(json!({"app": app.name, "revision": id, "promotion": p}))
+                    .into_response());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/apps/{app}/rollback`.
+#[utoipa::path(post, path = "/v1/apps/{app}/rollback", tag = "promotion",
+    params(("app" = String, Path, description = "App name")),
+    responses((status = 200, description = "`{app, revision}`: the revision that will serve", body = Object), (status = 409, description = "No earlier revision", body = ErrorBody)))]
+pub(crate) async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
+    let result = served(&gw, &name).and_then(|app| {
+        let id = gw.rollback(&app)?;
+        Ok(axum::Json(json!({"app": app.name, "revision": id})).into_response())
+    });
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/apps/{app}/revisions`: the history, newest first, with notes.
+#[utoipa::path(get, path = "/v1/apps/{app}/revisions", tag = "promotion",
+    params(("app" = String, Path, description = "App name")),
+    responses((status = 200, description = "`{app, revisions, promotion, notes}`", body = Object), (status = 404, description = "Unknown app", body = ErrorBody)))]
+pub(crate) async fn revisions(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Response {
+    let result = served(&gw, &name).and_then(|app| {
+        let h = app.history.lock().clone();
+        let notes = gw.store.lock().notes(&app.name, 50).map_err(|e| {
+            ApiError::new(
+                ErrorKind::NoCapacity,
+                format!("cannot read the history: {e}"),
+            )
+        })?;
+        let mut revisions = h.revisions.clone();
+        revisions.reverse();
+        Ok(axum::Json(json!({
+            "app": app.name,
+            "revisions": revisions,
+            "promotion": h.promotion,
+            "notes": notes,
+        }))
+        .into_response())
+    });
+    result.unwrap_or_else(IntoResponse::into_response)
+}

@@ -1,0 +1,155 @@
+//! The data plane for apps: OpenAI-compatible routes, the passthrough and
+//! the model list.
+
+#[allow(unused_imports)]
+use super::prelude::*;
+
+// === handlers ===
+
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
+    description = "OpenAI-compatible: routed by the body's `model` to an app (or an alias), streamed when the worker streams. `/v1/completions` and `/v1/embeddings` work the same way.",
+    request_body(content = Object, description = "An OpenAI request with a `model` field"),
+    responses((status = 200, description = "The worker's answer, passed through"), (status = 404, description = "Unknown model", body = ErrorBody), (status = 429, description = "Queue full", body = ErrorBody), (status = 503, description = "Starting or no capacity", body = ErrorBody)))]
+pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    within_deadline(&gw, async {
+        match read_model(&gw, req).await {
+            Ok((served, req)) => {
+                let (app, result) = gw.serve(&served, req, &path).await;
+                finish(app.as_deref(), result)
+            }
+            Err(e) => finish(None, Err(e)),
+        }
+    })
+    .await
+}
+
+pub(crate) async fn read_model(
+    gw: &Gateway,
+    req: Request,
+) -> Result<(Arc<Served>, Request), ApiError> {
+    let (parts, bytes) = read_body(req, &gw.config.limits).await?;
+    let model = model_field(&bytes)?;
+    let registry = gw.registry.load();
+    let app = registry.app(model.as_ref()).cloned().ok_or_else(|| {
+        let mut names: Vec<&str> = registry.route_names().collect();
+        names.sort_unstable();
+        // A name can be as long as the body: echo only its start.
+        let shown: String = model.chars().take(MAX_ECHOED_CHARS).collect();
+        let more = if shown.len() < model.len() { "…" } else { "" };
+        ApiError::new(
+            ErrorKind::NotFound,
+            format!(
+                "model '{shown}{more}' not found; available models: {}",
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            ),
+        )
+    })?;
+    Ok((app, Request::from_parts(parts, Body::from(bytes))))
+}
+
+/// The JSON `model` field, without parsing the rest of the body into
+/// values: other keys are skipped as they are read, and `model` itself is
+/// borrowed from the body (a non-string is skipped, not built).
+pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Model<'a> {
+        #[serde(borrow, default)]
+        model: Scalar<'a>,
+    }
+    let not_object = |why: String| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("the request body must be a JSON object with a \"model\" field ({why})"),
+        )
+    };
+    // serde reads a struct from an array too (`["m"]`); only an object is
+    // an OpenAI request.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(not_object("it is not an object".into()));
+    }
+    let parsed: Model = serde_json::from_slice(body).map_err(|e| not_object(e.to_string()))?;
+    match parsed.model {
+        Scalar::Str(s) if !s.is_empty() => Ok(s),
+        Scalar::Str(_) => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "the \"model\" field is empty; name an app (see GET /v1/models)",
+        )),
+        Scalar::Number(_) | Scalar::Other => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "the \"model\" field must be a string naming an app (see GET /v1/models)",
+        )),
+        Scalar::Absent => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "the request body has no \"model\" field; name an app (see GET /v1/models)",
+        )),
+    }
+}
+
+#[utoipa::path(get, path = "/apps/{app}/{path}", tag = "inference",
+    description = "Any method and path, forwarded to one of the app's replicas. `X-Warmgate-Revision` pins a revision.",
+    params(("app" = String, Path, description = "App name or alias"), ("path" = String, Path, description = "The worker's path")),
+    responses((status = 200, description = "The worker's answer, passed through"), (status = 404, description = "Unknown app", body = ErrorBody)))]
+pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let path = req.uri().path();
+    let rest = path.strip_prefix("/apps/").unwrap_or("");
+    let (name, sub) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let Some(app) = gw.registry.load().app(name).cloned() else {
+        let err = ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"));
+        return finish(None, Err(err));
+    };
+    let target = match req.uri().query() {
+        Some(q) => format!("{sub}?{q}"),
+        None => sub.to_string(),
+    };
+    let limit = gw.config.limits.max_body_bytes;
+    if let Err(e) = check_content_length(&req, limit) {
+        return finish(None, Err(e));
+    }
+    let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
+    within_deadline(&gw, async {
+        let (app, result) = gw.serve(&app, req, &target).await;
+        finish(app.as_deref(), result)
+    })
+    .await
+}
+
+pub(crate) fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {
+    match result {
+        Ok(resp) => {
+            if let Some(app) = app {
+                app.count(None);
+            }
+            resp
+        }
+        Err(e) => {
+            if let Some(app) = app {
+                app.count(Some(e.kind));
+            }
+            e.into_response()
+        }
+    }
+}
+
+#[utoipa::path(get, path = "/v1/models", tag = "inference",
+    responses((status = 200, description = "The apps and their aliases, as OpenAI models", body = Object)))]
+pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Response {
+    let mut data = Vec::new();
+    for app in gw.registry.load().apps() {
+        for id in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
+            data.push(json!({"id": id, "object": "model", "created": 0, "owned_by": "warmgate"}));
+        }
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}

@@ -1,0 +1,495 @@
+//! The HTTP edge: the router, its middleware (request id, admin token,
+//! tenant keys, deadline), the OpenAPI document and the error body. The
+//! handlers, by area, are in the submodules; each parses, calls the gateway
+//! and renders.
+
+pub(crate) mod body;
+pub(crate) mod control;
+pub(crate) mod inference;
+pub(crate) mod ops;
+pub(crate) mod tasks;
+pub(crate) mod weights;
+
+#[allow(unused_imports)]
+use prelude::*;
+
+/// What every handler module uses: the gateway, its constants, the
+/// shared body helpers and the other modules' handlers.
+pub(crate) mod prelude {
+    #![allow(unused_imports)]
+    pub(crate) use std::collections::{BTreeMap, HashMap};
+    pub(crate) use std::sync::Arc;
+    pub(crate) use std::sync::atomic::Ordering;
+    pub(crate) use std::time::{Duration, Instant};
+
+    pub(crate) use axum::Router;
+    pub(crate) use axum::body::Body;
+    pub(crate) use axum::extract::{Path, Request, State};
+    pub(crate) use axum::middleware::{self, Next};
+    pub(crate) use axum::response::{IntoResponse, Response};
+    pub(crate) use axum::routing::{any, get, post};
+    pub(crate) use bytes::Bytes;
+    pub(crate) use futures_util::StreamExt;
+    pub(crate) use http::{HeaderValue, StatusCode, header};
+    pub(crate) use http_body_util::{BodyExt, Limited};
+    pub(crate) use serde_json::json;
+
+    pub(crate) use crate::dispatch::App;
+    pub(crate) use crate::error::{ApiError, ErrorKind, body_error, too_large, too_large_for};
+    pub(crate) use crate::proxy::LimitedBody;
+    pub(crate) use crate::server::*;
+    pub(crate) use crate::serving::Served;
+    pub(crate) use crate::tenants::Tenant;
+
+    pub(crate) use super::body::*;
+    pub(crate) use super::control::*;
+    pub(crate) use super::inference::*;
+    pub(crate) use super::ops::*;
+    pub(crate) use super::tasks::*;
+    pub(crate) use super::weights::*;
+    pub(crate) use super::{ErrorBody, ErrorDetail, within_deadline};
+}
+
+/// The HTTP routes, data plane and control plane.
+pub fn router(gw: Arc<Gateway>) -> Router {
+    // The control plane: with `WARMGATE_ADMIN_TOKEN` set, only callers that
+    // present it may read status or change deployments.
+    let control = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/apps", get(list_apps))
+        .route(
+            "/v1/apps/{app}",
+            get(get_app).put(put_app).delete(delete_app),
+        )
+        .route(
+            "/v1/pools/{pool}",
+            get(get_pool).put(put_pool).delete(delete_pool),
+        )
+        .route("/v1/apps/{app}/promote", post(promote))
+        .route("/v1/apps/{app}/rollback", post(rollback))
+        .route("/v1/apps/{app}/revisions", get(revisions))
+        .route("/v1/pools/{pool}/weights", post(sync_weights))
+        .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
+    // The data plane: with `[[tenants]]` configured, only callers with an
+    // API key get through, each within its tenant's quotas.
+    let mut data = Router::new()
+        .route("/v1/chat/completions", post(openai))
+        .route("/v1/completions", post(openai))
+        .route("/v1/embeddings", post(openai))
+        .route("/v1/models", get(models))
+        .route("/apps/{*rest}", any(passthrough))
+        .route("/v1/pools/{pool}/tasks", post(submit_task))
+        .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
+        .route("/v1/tasks/{id}", get(get_task));
+    // Without tenants the layer would only cost time on every request.
+    if gw.tenants.is_some() {
+        data = data.route_layer(middleware::from_fn_with_state(gw.clone(), require_tenant));
+    }
+    Router::new()
+        .route("/v1/weights/{target}/{revision}", get(weights_manifest))
+        .route("/v1/weights/{target}/{revision}/{*file}", get(weights_file))
+        .merge(data)
+        .route("/ui", get(dashboard))
+        .route("/ui/", get(dashboard))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
+        .merge(control)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(request_id))
+        .with_state(gw)
+}
+
+/// Lets a control-plane request through when no admin token is configured,
+/// or when it carries `Authorization: Bearer <token>`; the comparison takes
+/// the same time wherever the tokens differ.
+pub(crate) async fn require_admin(
+    State(gw): State<Arc<Gateway>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let Some(token) = &gw.admin_token else {
+        return next.run(req).await;
+    };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if crate::tenants::same_secret(presented, token) {
+        next.run(req).await
+    } else {
+        ApiError::new(
+            ErrorKind::Unauthorized,
+            "this endpoint needs Authorization: Bearer <the gateway's WARMGATE_ADMIN_TOKEN>",
+        )
+        .into_response()
+    }
+}
+
+/// With `[[tenants]]` configured: identifies the caller's tenant by its API
+/// key (401 without a known one), admits the request within the tenant's
+/// rate and in-flight quotas (429 `quota_exceeded` past them), and sets
+/// `X-Warmgate-Tenant` to the tenant's name, so fairness cannot be gamed by
+/// the header. The key is not passed on to workers. The in-flight slot is
+/// held until the response body ends, so a streamed answer counts.
+pub(crate) async fn require_tenant(
+    State(gw): State<Arc<Gateway>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let Some(tenants) = &gw.tenants else {
+        return next.run(req).await;
+    };
+    let Some(tenant) = tenants.identify(req.headers()) else {
+        return ApiError::new(
+            ErrorKind::Unauthorized,
+            "this endpoint needs Authorization: Bearer <an API key of a [[tenants]] entry>",
+        )
+        .into_response();
+    };
+    let guard = match tenant.admit() {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    let headers = req.headers_mut();
+    headers.remove(header::AUTHORIZATION);
+    if let Ok(v) = HeaderValue::from_str(&tenant.name) {
+        headers.insert(X_TENANT, v);
+    }
+    req.extensions_mut().insert(tenant);
+    let resp = next.run(req).await;
+    resp.map(|body| Body::new(crate::tenants::HeldBody::new(body, guard)))
+}
+
+/// Runs an inference request under `limits.request_timeout`, from its
+/// arrival to its response's headers: past it the client gets `504 timeout`
+/// and the request gives up its place in the queue or its replica slot.
+pub(crate) async fn within_deadline(
+    gw: &Gateway,
+    work: impl Future<Output = Response>,
+) -> Response {
+    let limit = gw.config.limits.request_timeout;
+    match tokio::time::timeout(limit, work).await {
+        Ok(resp) => resp,
+        Err(_) => {
+            metrics::counter!("warmgate_request_deadline_exceeded_total").increment(1);
+            ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no response within {} (limits.request_timeout)",
+                    humantime::format_duration(limit)
+                ),
+            )
+            .into_response()
+        }
+    }
+}
+
+/// The error format every endpoint uses.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct ErrorBody {
+    /// `{"kind": "queue_full", "message": "…"}`
+    error: ErrorDetail,
+}
+
+/// One error.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct ErrorDetail {
+    /// `bad_request`, `unauthorized`, `not_found`, `method_not_allowed`,
+    /// `conflict`, `too_large`, `queue_full`, `replica_failed`,
+    /// `no_capacity`, `starting` or `timeout`.
+    kind: String,
+    /// What went wrong, for people.
+    message: String,
+}
+
+/// The HTTP API, generated from the handlers above.
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(title = "warmgate", description = "The warmgate gateway's HTTP API."),
+    paths(
+        openai,
+        passthrough,
+        models,
+        status,
+        list_apps,
+        get_app,
+        put_app,
+        delete_app,
+        get_pool,
+        put_pool,
+        delete_pool,
+        promote,
+        rollback,
+        revisions,
+        submit_task,
+        submit_batch,
+        sync_weights,
+        get_task,
+        weights_manifest,
+        weights_file,
+        dashboard,
+        healthz,
+        readyz,
+        metrics_text
+    ),
+    components(schemas(ErrorBody, ErrorDetail, PromoteBody, TaskBody, BatchBody, SyncBody))
+)]
+pub struct ApiDoc;
+
+pub(crate) async fn openapi() -> Response {
+    use utoipa::OpenApi as _;
+    axum::Json(ApiDoc::openapi()).into_response()
+}
+
+pub(crate) async fn not_found(req: Request) -> Response {
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+pub(crate) async fn method_not_allowed(req: Request) -> Response {
+    ApiError::new(
+        ErrorKind::MethodNotAllowed,
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+/// Echoes `X-Request-Id`, generating one when the client sent none, and
+/// passes it on to the worker.
+pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = match req.headers().get(X_REQUEST_ID) {
+        Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
+        _ => {
+            let v = HeaderValue::from_str(&format!("{:016x}", fastrand::u64(..)))
+                .expect("hex is a valid header value");
+            req.headers_mut().insert(X_REQUEST_ID, v.clone());
+            v
+        }
+    };
+    let mut resp = next.run(req).await;
+    resp.headers_mut().insert(X_REQUEST_ID, id);
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_field_errors_are_clear() {
+        assert_eq!(
+            model_field(br#"{"model":"a","input":[1,2]}"#).expect("ok"),
+            "a"
+        );
+        let kinds = [
+            &b"not json"[..],
+            br#"{"input":"x"}"#,
+            br#"{"model":7}"#,
+            br#"{"model":""}"#,
+            br#"[1,2]"#,
+            br#"{"model":null}"#,
+            br#"{"model":[0,0,[{"a":1}]]}"#,
+            br#"{"model":{"a":[1]}}"#,
+        ];
+        for body in kinds {
+            let err = model_field(body).expect_err("error");
+            assert_eq!(err.kind, ErrorKind::BadRequest);
+            assert!(err.message.contains("model"), "{}", err.message);
+        }
+        assert_eq!(
+            model_field(br#"{"x":[1,{"y":2}],"model":"b\u0061"}"#).expect("ok"),
+            "ba"
+        );
+    }
+
+    #[test]
+    fn batch_inputs_are_taken_one_at_a_time_as_text() {
+        let body = Bytes::from_static(br#" {"inputs" : [ 1 , {"a": [2, "]"]},"x,y" ,[] ] } "#);
+        let parsed: BatchBody<'_> = parse_json(&body, "a batch").expect("batch");
+        let items: Vec<Bytes> = RawElements::new(body.clone(), parsed.inputs.get())
+            .expect("an array")
+            .collect();
+        assert_eq!(
+            items,
+            vec![
+                Bytes::from_static(b"1"),
+                Bytes::from_static(br#"{"a": [2, "]"]}"#),
+                Bytes::from_static(br#""x,y""#),
+                Bytes::from_static(b"[]"),
+            ]
+        );
+        let empty = Bytes::from_static(br#"{"inputs":[]}"#);
+        let parsed: BatchBody<'_> = parse_json(&empty, "a batch").expect("batch");
+        let mut items = RawElements::new(empty.clone(), parsed.inputs.get()).expect("array");
+        assert!(items.next().is_none());
+        let not_array = Bytes::from_static(br#"{"inputs":{"a":1}}"#);
+        let parsed: BatchBody<'_> = parse_json(&not_array, "a batch").expect("batch");
+        assert!(RawElements::new(not_array.clone(), parsed.inputs.get()).is_none());
+    }
+
+    use proptest::prelude::any;
+    use proptest::prelude::*;
+
+    /// Arbitrary JSON values, nested a few levels.
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            any::<u64>().prop_map(serde_json::Value::from),
+            any::<f64>()
+                .prop_filter("JSON has no NaN or infinity", |f| f.is_finite())
+                .prop_map(serde_json::Value::from),
+            prop_oneof![
+                ".{0,12}",
+                Just("30s".to_string()),
+                Just("-1s".to_string()),
+                Just("99999999999y".to_string()),
+                Just("50%".to_string()),
+                Just("1e308%".to_string()),
+                Just("NaN%".to_string()),
+            ]
+            .prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                proptest::collection::btree_map(
+                    prop_oneof![
+                        Just("input".to_string()),
+                        Just("inputs".to_string()),
+                        Just("model".to_string()),
+                        Just("priority".to_string()),
+                        Just("timeout".to_string()),
+                        Just("retries".to_string()),
+                        Just("min_weights_version".to_string()),
+                        Just("checkpoint".to_string()),
+                        Just("version".to_string()),
+                        Just("max_unavailable".to_string()),
+                        ".{0,6}",
+                    ],
+                    inner,
+                    0..5
+                )
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn header_map(pairs: &[(&'static str, Vec<u8>)]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (name, value) in pairs {
+            if let Ok(v) = HeaderValue::from_bytes(value) {
+                h.insert(*name, v);
+            }
+        }
+        h
+    }
+
+    /// Every way a task or sync body can be read, as the handlers read it.
+    fn read_task_like(bytes: &[u8]) {
+        if let Ok(b) = parse_json::<TaskBody<'_>>(bytes, "a task") {
+            let h = http::HeaderMap::new();
+            if let Ok((_, _, Some(t))) = task_options(&h, b.priority, &b.timeout) {
+                assert!(!t.is_zero() && t <= MAX_CLIENT_DURATION);
+                // The deadline arithmetic the pool does must not overflow.
+                let _ = std::time::Instant::now() + t;
+            }
+        }
+        if let Ok(b) = parse_json::<BatchBody<'_>>(bytes, "a batch") {
+            let _ = duration_value(&b.timeout, "timeout");
+            let body = Bytes::copy_from_slice(bytes);
+            let parsed: BatchBody<'_> = parse_json(&body, "a batch").expect("parsed once");
+            if let Some(items) = RawElements::new(body.clone(), parsed.inputs.get()) {
+                let want: Vec<serde_json::Value> =
+                    serde_json::from_str(parsed.inputs.get()).expect("an array");
+                let got: Vec<serde_json::Value> = items
+                    .map(|i| serde_json::from_slice(&i).expect("each element is JSON"))
+                    .collect();
+                assert_eq!(got, want);
+            }
+        }
+        if let Ok(b) = parse_json::<SyncBody<'_>>(bytes, "a sync") {
+            let _ = duration_value(&b.timeout, "timeout");
+            if let Ok(n) = max_unavailable(&b.max_unavailable, 7) {
+                assert!(n >= 1);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// The `model` field extraction never panics on any bytes, and
+        /// what it accepts is a non-empty name.
+        #[test]
+        fn model_field_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok(m) = model_field(&bytes) {
+                prop_assert!(!m.is_empty());
+            }
+        }
+
+        /// Nor on JSON of any shape, with `model` anywhere.
+        #[test]
+        fn model_field_on_any_json(v in json_value()) {
+            let bytes = serde_json::to_vec(&v).expect("serialises");
+            let got = model_field(&bytes);
+            match v.get("model") {
+                Some(serde_json::Value::String(s)) if !s.is_empty() => {
+                    prop_assert_eq!(got.expect("a name"), s.clone());
+                }
+                _ => prop_assert_eq!(got.expect_err("no name").kind, ErrorKind::BadRequest),
+            }
+        }
+
+        /// Task, batch and sync bodies: arbitrary bytes and arbitrary JSON
+        /// either parse into options within bounds or are refused.
+        #[test]
+        fn task_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), v in json_value()) {
+            read_task_like(&bytes);
+            read_task_like(&serde_json::to_vec(&v).expect("serialises"));
+        }
+
+        /// Routing headers with arbitrary bytes: priority, tenant,
+        /// traceparent and a pinned revision.
+        #[test]
+        fn routing_headers_never_panic(
+            priority in proptest::collection::vec(any::<u8>(), 0..24),
+            tenant in proptest::collection::vec(any::<u8>(), 0..24),
+            trace in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..64),
+                "00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}".prop_map(String::into_bytes),
+            ],
+            pinned in ".{0,24}",
+        ) {
+            let mut h = header_map(&[
+                ("x-warmgate-priority", priority),
+                ("x-warmgate-tenant", tenant),
+                (crate::trace::TRACEPARENT, trace),
+            ]);
+            if let Ok((_, tenant, _)) = task_options(&h, None, &Scalar::Absent) {
+                prop_assert!(!tenant.is_empty());
+            }
+            let tp = crate::trace::ensure_traceparent(&mut h);
+            prop_assert!(crate::trace::is_valid(&tp));
+            prop_assert_eq!(crate::trace::trace_id(&tp).len(), 32);
+            let served = Served::new(
+                warmgate_deploy::AppSpec { name: "m".into(), ..Default::default() },
+                warmgate_deploy::revision::History::default(),
+            );
+            let err = served.pick(Some(&pinned)).err().expect("no live revision");
+            prop_assert_eq!(err.kind, ErrorKind::NotFound);
+            prop_assert_eq!(served.pick(None).err().expect("no split").kind, ErrorKind::NoCapacity);
+        }
+    }
+}

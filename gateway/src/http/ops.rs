@@ -1,0 +1,50 @@
+//! Health, readiness, metrics and the dashboard.
+
+#[allow(unused_imports)]
+use super::prelude::*;
+
+/// The live dashboard: one static page, embedded in the binary, that reads
+/// `/v1/status` like the CLI does.
+#[utoipa::path(get, path = "/ui", tag = "control",
+    responses((status = 200, description = "The live dashboard", content_type = "text/html")))]
+pub(crate) async fn dashboard() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        include_str!("../../ui/index.html"),
+    )
+        .into_response()
+}
+
+#[utoipa::path(get, path = "/healthz", tag = "control",
+    responses((status = 200, description = "The process is up", body = Object)))]
+pub(crate) async fn healthz() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "control",
+    responses((status = 200, description = "Taking traffic"), (status = 503, description = "Shutting down", body = ErrorBody)))]
+pub(crate) async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
+    if gw.draining.load(Ordering::Acquire) {
+        ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down")
+            .retry_after(1)
+            .into_response()
+    } else {
+        axum::Json(json!({"status": "ready"})).into_response()
+    }
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "control",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+pub(crate) async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
+    match &gw.metrics {
+        Some(h) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            h.render(),
+        )
+            .into_response(),
+        None => (StatusCode::OK, "").into_response(),
+    }
+}

@@ -1,0 +1,478 @@
+//! Pool tasks: submission (one, async, or a batch), results, and weight
+//! syncs.
+
+#[allow(unused_imports)]
+use super::prelude::*;
+
+/// The pool named in the path, the request's headers, and its body, read
+/// within the `which` limit (parse it with [`parse_json`]).
+pub(crate) async fn pool_request(
+    gw: &Gateway,
+    name: &str,
+    req: Request,
+    which: BodyLimit,
+) -> Result<(Arc<crate::pools::Pool>, http::HeaderMap, Bytes), ApiError> {
+    let pool =
+        gw.registry.load().pool(name).cloned().ok_or_else(|| {
+            ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
+        })?;
+    let (parts, bytes) = read_body_within(req, &gw.config.limits, which).await?;
+    Ok((pool, parts.headers, bytes))
+}
+
+/// A task submission. The input is kept as the client's text (validated,
+/// never built into values) and sent to the worker as it is.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TaskBody<'a> {
+    #[serde(borrow)]
+    #[schema(value_type = Object)]
+    pub(crate) input: &'a serde_json::value::RawValue,
+    pub(crate) priority: Option<i32>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    pub(crate) timeout: Scalar<'a>,
+    pub(crate) retries: Option<u32>,
+    pub(crate) min_weights_version: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+pub(crate) struct TaskQuery {
+    #[serde(rename = "async", default)]
+    pub(crate) is_async: bool,
+}
+
+/// `POST /v1/pools/{pool}/tasks`: queue a task; wait for its output, or
+/// answer 202 with its id when `?async=true`.
+#[utoipa::path(post, path = "/v1/pools/{pool}/tasks", tag = "pools",
+    params(("pool" = String, Path, description = "Pool name"), ("async" = Option<bool>, Query, description = "Answer 202 with the id at once")),
+    request_body = TaskBody,
+    responses((status = 200, description = "`{id, output, replica, weights_version, attempts}`", body = Object), (status = 202, description = "`{id}`", body = Object), (status = 409, description = "min_weights_version not synced", body = ErrorBody), (status = 429, description = "Queue full or tenant quota", body = ErrorBody), (status = 502, description = "Failed in the worker", body = ErrorBody), (status = 504, description = "Timed out", body = ErrorBody)))]
+pub(crate) async fn submit_task(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<TaskQuery>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
+        let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
+        let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
+        let body: TaskBody<'_> = parse_json(
+            &bytes,
+            "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
+        )?;
+        let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
+        let priority = tenant_key
+            .as_ref()
+            .map_or(priority, |t| t.priority(priority));
+        let input = Bytes::copy_from_slice(body.input.get().as_bytes());
+        let hold = tenant_key.map(|t| t.pending_permit()).transpose()?;
+        // An async task is on disk before it is queued: one that cannot be
+        // recorded is refused and never runs, and a crash after the 202
+        // cannot lose it silently (it reads back as failed after the
+        // restart).
+        let journal = gw.tasks.journal().filter(|_| q.is_async);
+        let id = match journal {
+            Some(j) => {
+                let id = pool.new_id();
+                let record = crate::pools::TaskRecord {
+                    id: id.clone(),
+                    pool: pool.name.clone(),
+                    state: crate::pools::TaskState::Pending,
+                    output: None,
+                    error: None,
+                    attempts: 0,
+                    replica: None,
+                    weights_version: None,
+                    owner: tenant_owner,
+                    durable: true,
+                };
+                j.accept(&record).await.map_err(|e| {
+                    tracing::error!(pool = %pool.name, error = %e, "could not journal an async task; refused it");
+                    ApiError::new(
+                        ErrorKind::Internal,
+                        "the gateway could not record the task, so it was not accepted",
+                    )
+                })?;
+                Some(id)
+            }
+            None => None,
+        };
+        let submit = crate::pools::Submit {
+            input,
+            priority,
+            tenant,
+            timeout,
+            retries: body.retries,
+            min_weights_version: body.min_weights_version,
+            traceparent: traceparent(&headers),
+            hold,
+            durable: q.is_async,
+            id: id.clone(),
+        };
+        let (id, rx) = match gw.enqueue(&pool, submit) {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                if let (Some(j), Some(id)) = (journal, &id) {
+                    j.forget(id);
+                }
+                return Err(e);
+            }
+        };
+        if q.is_async {
+            return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
+        }
+        let record = rx.await.map_err(|_| {
+            ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
+        })??;
+        Ok(axum::Json(json!({
+            "id": record.id,
+            "output": record.output,
+            "replica": record.replica,
+            "weights_version": record.weights_version,
+            "attempts": record.attempts,
+        }))
+        .into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The client's `traceparent`, if it sent one.
+pub(crate) fn traceparent(headers: &http::HeaderMap) -> Option<String> {
+    headers
+        .get(crate::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+/// Priority (body, else `X-Warmgate-Priority`), tenant and timeout of a
+/// task submission.
+pub(crate) fn task_options(
+    headers: &http::HeaderMap,
+    priority: Option<i32>,
+    timeout: &Scalar<'_>,
+) -> Result<(i32, String, Option<Duration>), ApiError> {
+    let parsed = duration_value(timeout, "timeout")?;
+    let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+    let priority = match (priority, header("x-warmgate-priority")) {
+        (Some(p), _) => p,
+        (None, Some(h)) => h.parse().map_err(|_| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                "X-Warmgate-Priority must be an integer",
+            )
+        })?,
+        (None, None) => 0,
+    };
+    let tenant = header("x-warmgate-tenant")
+        .filter(|t| !t.is_empty())
+        .unwrap_or(crate::pools::DEFAULT_TENANT)
+        .to_string();
+    Ok((priority, tenant, parsed))
+}
+
+/// A batch. `inputs` is validated as it is read but kept as text; its
+/// elements are taken one at a time as the batch's window moves on.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BatchBody<'a> {
+    #[serde(borrow)]
+    #[schema(value_type = Vec<Object>)]
+    pub(crate) inputs: &'a serde_json::value::RawValue,
+    pub(crate) priority: Option<i32>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    pub(crate) timeout: Scalar<'a>,
+    pub(crate) retries: Option<u32>,
+    pub(crate) min_weights_version: Option<u64>,
+}
+
+/// The elements of a JSON array already validated, one at a time, each as
+/// its own text: a batch never holds its inputs as values.
+pub(crate) struct RawElements {
+    body: Bytes,
+    /// Where the next element (or the closing bracket) starts, past
+    /// whitespace and a comma.
+    pos: usize,
+}
+
+impl RawElements {
+    /// The elements of the array whose text is `array`, a part of `body`.
+    pub(crate) fn new(body: Bytes, array: &str) -> Option<RawElements> {
+        let start = (array.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+        if start + array.len() > body.len() || !array.starts_with('[') {
+            return None;
+        }
+        Some(RawElements {
+            body,
+            pos: start + 1,
+        })
+    }
+}
+
+impl Iterator for RawElements {
+    type Item = Bytes;
+
+    fn next(&mut self) -> Option<Bytes> {
+        use serde::Deserialize as _;
+        let rest = self.body.get(self.pos..)?;
+        let skip = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+        let rest = &rest[skip..];
+        if rest.first() == Some(&b']') {
+            self.pos = self.body.len();
+            return None;
+        }
+        let mut de = serde_json::Deserializer::from_slice(rest);
+        let Ok(raw) = <&serde_json::value::RawValue>::deserialize(&mut de) else {
+            self.pos = self.body.len();
+            return None;
+        };
+        let item = Bytes::copy_from_slice(raw.get().as_bytes());
+        let end = (raw.get().as_ptr() as usize + raw.get().len())
+            .saturating_sub(self.body.as_ptr() as usize);
+        let after = self.body.get(end..).unwrap_or_default();
+        let sep = after.iter().position(|b| !b.is_ascii_whitespace());
+        self.pos = match sep.map(|i| (i, after[i])) {
+            Some((i, b',')) => end + i + 1,
+            _ => self.body.len(),
+        };
+        Some(item)
+    }
+}
+
+/// `POST /v1/pools/{pool}/tasks/batch`: one NDJSON line per input, in input
+/// order, streamed as results complete. At most a window of tasks is
+/// submitted ahead of the line being written, so a batch of 10,000 never
+/// holds 10,000 results while it waits for the first.
+#[utoipa::path(post, path = "/v1/pools/{pool}/tasks/batch", tag = "pools",
+    params(("pool" = String, Path, description = "Pool name")),
+    request_body = BatchBody,
+    responses((status = 200, description = "NDJSON, one line per input, in input order", content_type = "application/x-ndjson")))]
+pub(crate) async fn submit_batch(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result = async {
+        let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
+        let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
+        let shape = "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}";
+        let body: BatchBody<'_> = parse_json(&bytes, shape)?;
+        let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
+        let priority = tenant_key.as_ref().map_or(priority, |t| t.priority(priority));
+        let inputs = RawElements::new(bytes.clone(), body.inputs.get()).ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("the body must be {shape} (inputs is not an array)"),
+            )
+        })?;
+        let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
+        let retries = body.retries;
+        let min_version = body.min_weights_version;
+        let traceparent = traceparent(&headers);
+        let lines = futures_util::stream::iter(inputs.enumerate())
+            .map(move |(index, input)| {
+                let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
+                let traceparent = traceparent.clone();
+                let tenant_key = tenant_key.clone();
+                async move {
+                    let submit = BatchTask {
+                        tenant_key,
+                        traceparent,
+                        priority,
+                        tenant,
+                        timeout,
+                        retries,
+                        min_weights_version: min_version,
+                    };
+                    let line = match batch_one(&gw, &pool, input, submit).await
+                    {
+                        Ok(r) => json!({
+                            "index": index, "id": r.id, "output": r.output, "replica": r.replica,
+                            "weights_version": r.weights_version, "attempts": r.attempts,
+                        }),
+                        Err(e) => json!({
+                            "index": index,
+                            "error": {"kind": e.kind.as_str(), "message": e.message},
+                        }),
+                    };
+                    Ok::<_, std::convert::Infallible>(Bytes::from(format!("{line}\n")))
+                }
+            })
+            .buffered(window);
+        Ok::<_, ApiError>(
+            (
+                [(header::CONTENT_TYPE, "application/x-ndjson")],
+                Body::from_stream(lines),
+            )
+                .into_response(),
+        )
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The options every task of a batch shares.
+pub(crate) struct BatchTask {
+    tenant_key: Option<Arc<Tenant>>,
+    traceparent: Option<String>,
+    priority: i32,
+    tenant: String,
+    timeout: Option<Duration>,
+    retries: Option<u32>,
+    min_weights_version: Option<u64>,
+}
+
+pub(crate) async fn batch_one(
+    gw: &Gateway,
+    pool: &crate::pools::Pool,
+    input: Bytes,
+    o: BatchTask,
+) -> Result<crate::pools::TaskRecord, ApiError> {
+    let (_, rx) = gw.enqueue(
+        pool,
+        crate::pools::Submit {
+            input,
+            priority: o.priority,
+            tenant: o.tenant,
+            timeout: o.timeout,
+            retries: o.retries,
+            min_weights_version: o.min_weights_version,
+            traceparent: o.traceparent,
+            hold: o.tenant_key.map(|t| t.pending_permit()).transpose()?,
+            durable: false,
+            id: None,
+        },
+    )?;
+    rx.await
+        .map_err(|_| ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
+}
+
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SyncBody<'a> {
+    pub(crate) checkpoint: String,
+    pub(crate) version: u64,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    pub(crate) timeout: Scalar<'a>,
+    #[serde(borrow, default)]
+    #[schema(value_type = Option<Object>)]
+    pub(crate) max_unavailable: Scalar<'a>,
+}
+
+/// `POST /v1/pools/{pool}/weights`: swap the weights of the pool's warm
+/// replicas in place, a few at a time, within a deadline; answer with
+/// per-replica results once every replica has the new weights or was
+/// replaced by one that starts with them.
+#[utoipa::path(post, path = "/v1/pools/{pool}/weights", tag = "pools",
+    params(("pool" = String, Path, description = "Pool name")),
+    request_body = SyncBody,
+    responses((status = 200, description = "`{pool, version, checkpoint, seconds, synced, replaced, replicas}`", body = Object), (status = 409, description = "Older version, or a sync is running", body = ErrorBody)))]
+pub(crate) async fn sync_weights(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        let (pool, _, bytes) = pool_request(&gw, &name, req, BodyLimit::Inference).await?;
+        let body: SyncBody<'_> = parse_json(
+            &bytes,
+            "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
+        )?;
+        let timeout =
+            duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec.weight_sync_timeout);
+        let ready = pool.load().2;
+        let max_unavailable = max_unavailable(&body.max_unavailable, ready)?;
+        let version = body.version;
+        pool.check_sync(version)?;
+        let source = gw.weights.open(&body.checkpoint)?;
+        let revision = format!("v{version}");
+        let fresh = gw.weights.uri(&pool.name, &revision).is_none();
+        gw.weights.register(&pool.name, &revision, source);
+        // The checkpoint must exist and list before any replica is touched.
+        let listed = match gw.weights.files(&pool.name, &revision).await {
+            Ok(files) if files.items.is_empty() => Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!("checkpoint {} has no files", body.checkpoint),
+            )),
+            other => other.map(|_| ()),
+        };
+        let url = format!("http://{}/v1/weights/{}/{revision}", gw.reach, pool.name);
+        let begun = listed.and_then(|()| pool.begin_sync(version, url.clone()));
+        if let Err(e) = begun {
+            if fresh {
+                gw.weights.unregister(&pool.name, &revision);
+            }
+            return Err(e);
+        }
+        // Older versions are no longer served: replicas that start from
+        // now on, and the ones synced in place, read this one.
+        gw.weights.retain_only(&pool.name, &revision);
+        let checkpoint = body.checkpoint.clone();
+        for target in std::iter::once(pool.name.clone()).chain(pool.ondemand_target()) {
+            gw.pool.update_target(&target, |t| {
+                t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
+                t.env
+                    .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
+                t.checkpoint = Some(checkpoint.clone());
+            });
+        }
+        let started = Instant::now();
+        let deadline = started + timeout;
+        // In its own task: a client that hangs up does not cut a rollout
+        // short and leave replicas out of dispatch.
+        let job = {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.sync_weights(max_unavailable, deadline).await })
+        };
+        let results = job.await.map_err(|e| {
+            ApiError::new(ErrorKind::ReplicaFailed, format!("the weight sync failed: {e}"))
+        })?;
+        let synced = results.iter().filter(|r| r.ok).count();
+        tracing::info!(pool = %pool.name, version, synced, replaced = results.len() - synced, "weight sync done");
+        Ok(axum::Json(json!({
+            "pool": pool.name,
+            "version": version,
+            "checkpoint": body.checkpoint,
+            "seconds": started.elapsed().as_secs_f64(),
+            "synced": synced,
+            "replaced": results.len() - synced,
+            "replicas": results,
+        }))
+        .into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/tasks/{id}`.
+#[utoipa::path(get, path = "/v1/tasks/{id}", tag = "pools",
+    params(("id" = String, Path, description = "Task id")),
+    responses((status = 200, description = "The task's state and output", body = Object), (status = 404, description = "Unknown or evicted task", body = ErrorBody)))]
+pub(crate) async fn get_task(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let caller = req
+        .extensions()
+        .get::<Arc<Tenant>>()
+        .map(|t| t.name.as_str());
+    // With API keys, a tenant sees only its own tasks; another's reads as
+    // unknown, so ids cannot be probed.
+    let mine = |owner: Option<&str>| caller.is_none() || owner == caller;
+    if let Some(r) = gw.tasks.get(&id) {
+        if mine(r.owner.as_deref()) {
+            return axum::Json(r).into_response();
+        }
+    } else if let Some((v, owner)) = gw.tasks.journal().and_then(|j| j.get(&id))
+        && mine(owner.as_deref())
+    {
+        // Ended before this gateway started, or evicted from memory.
+        return axum::Json(v).into_response();
+    }
+    ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
+}
