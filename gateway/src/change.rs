@@ -184,6 +184,17 @@ impl Gateway {
         Ok(changed)
     }
 
+    /// Records that the app's spec names `checkpoint` now (promoted by
+    /// other means than a put, as the operator promotes a resource's new
+    /// checkpoint).
+    pub fn adopt_checkpoint(&self, name: &str, checkpoint: &str) {
+        if let Ok(app) = self.app(name) {
+            let mut spec = (*app.spec()).clone();
+            spec.checkpoint = Some(checkpoint.to_string());
+            app.set_spec(spec);
+        }
+    }
+
     /// Applies a spec that differs only in settings the running replicas
     /// can take: every live revision takes its autoscaling and queue.
     fn retune_app(&self, app: &Arc<Served>, spec: AppSpec) -> Result<(), ApiError> {

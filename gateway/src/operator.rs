@@ -12,9 +12,12 @@
 //! - A resource's status is patched every few seconds: replicas by state,
 //!   revisions with their traffic, conditions.
 //! - A new `spec.checkpoint` on a `ServingApp` is promoted (canary and
-//!   automatic rollback, as `warmgate promote`). Any other spec change,
-//!   and any resource added or deleted, restarts the leader's gateway on
-//!   the new set (the replica pods are recreated).
+//!   automatic rollback, as `warmgate promote`). Any other change (a
+//!   resource added, changed or deleted) is applied to the running gateway
+//!   as `warmgate apply` applies a file: unchanged resources keep their
+//!   pods, autoscaling and queue settings apply in place, other changes
+//!   roll to new pods, deleted ones drain. A resource refused after an
+//!   edit keeps running as it was.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -415,30 +418,76 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
-    let generations: BTreeMap<String, Option<i64>> = apps
-        .iter()
-        .map(|a| (format!("app/{}", a.name_any()), a.metadata.generation))
-        .chain(
-            pools
-                .iter()
-                .map(|p| (format!("pool/{}", p.name_any()), p.metadata.generation)),
-        )
-        .collect();
-    let checkpoints: BTreeMap<String, Option<String>> = apps
-        .iter()
-        .map(|a| (a.name_any(), a.spec.checkpoint.clone()))
-        .collect();
-    crate::cli::serve_with(config, Arc::new(backend), listener, move |gw| async move {
+    // The resources are the whole truth: changes an earlier leader made
+    // through the API are not laid over them.
+    forget_api_changes(&config);
+    let resources = Resources {
+        apps: apps.into_iter().map(|a| (a.name_any(), a)).collect(),
+        pools: pools.into_iter().map(|p| (p.name_any(), p)).collect(),
+        refused,
+    };
+    let backend = Arc::new(backend);
+    let settings = base_settings(&config);
+    crate::cli::serve_with(config, backend.clone(), listener, move |gw| async move {
         let reason = tokio::select! {
             r = leading.wait_for(|l| !*l) => match r {
                 Ok(_) => "lost the leader lease".to_string(),
                 Err(_) => "the lease manager stopped".to_string(),
             },
-            r = reconcile(gw, apps_api, pools_api, generations, checkpoints, refused) => r,
+            r = reconcile(gw, settings, backend, apps_api, pools_api, resources) => r,
         };
         reason
     })
     .await
+}
+
+/// Drops the changes made through the API from the state store.
+fn forget_api_changes(config: &Config) {
+    let db = config.state_dir.join("state.db");
+    if !db.exists() {
+        return;
+    }
+    if let Err(e) = warmgate_deploy::store::Store::open(&db).and_then(|mut s| s.clear_overlay()) {
+        tracing::warn!(error = %e, "could not drop the changes made through the API");
+    }
+}
+
+/// The running config without its apps and pools: what `config_from`
+/// builds the resources on.
+fn base_settings(config: &Config) -> Config {
+    let mut base = config.clone();
+    base.apps.clear();
+    base.pools.clear();
+    base
+}
+
+/// The resources the leader serves, as last seen, and those refused.
+struct Resources {
+    apps: BTreeMap<String, ServingApp>,
+    pools: BTreeMap<String, WarmPool>,
+    refused: Vec<Refusal>,
+}
+
+impl Resources {
+    /// Each resource's `metadata.generation`, by `app/<name>` or
+    /// `pool/<name>`.
+    fn generations(&self) -> BTreeMap<String, Option<i64>> {
+        generations_of(&self.apps, &self.pools)
+    }
+}
+
+fn generations_of(
+    apps: &BTreeMap<String, ServingApp>,
+    pools: &BTreeMap<String, WarmPool>,
+) -> BTreeMap<String, Option<i64>> {
+    apps.iter()
+        .map(|(n, a)| (format!("app/{n}"), a.metadata.generation))
+        .chain(
+            pools
+                .iter()
+                .map(|(n, p)| (format!("pool/{n}"), p.metadata.generation)),
+        )
+        .collect()
 }
 
 /// Answers `/healthz` 200 and `/readyz` 503 while this replica stands by.
@@ -483,15 +532,15 @@ async fn clean_previous_pods(client: &kube::Client, ns: &str, instance: &str) {
     }
 }
 
-/// Writes statuses, promotes new checkpoints, and returns when the set of
-/// resources changes in a way that needs a restart.
+/// Writes statuses, and applies every change to the resources to the
+/// running gateway. Returns only when the resource watch ends.
 async fn reconcile(
     gw: Arc<crate::Gateway>,
+    base: Config,
+    backend: Arc<KubeBackend>,
     apps: Api<ServingApp>,
     pools: Api<WarmPool>,
-    mut generations: BTreeMap<String, Option<i64>>,
-    mut checkpoints: BTreeMap<String, Option<String>>,
-    refused: Vec<Refusal>,
+    mut seen: Resources,
 ) -> String {
     use kube::runtime::watcher;
     let app_events = watcher(apps.clone(), watcher::Config::default()).boxed();
@@ -501,9 +550,13 @@ async fn reconcile(
         pool_events.map(|e| e.map(|e| map_event(e, Kind::Pool))),
     );
     let mut tick = tokio::time::interval(STATUS_INTERVAL);
+    // A re-list (the first, or after the watch restarted): what it holds
+    // replaces what was seen once it is done, since a resource deleted
+    // meanwhile has no event of its own.
+    let mut relist: Option<Relist> = None;
     loop {
         tokio::select! {
-            _ = tick.tick() => write_statuses(&gw, &apps, &pools, &generations, &refused).await,
+            _ = tick.tick() => write_statuses(&gw, &apps, &pools, &seen.generations(), &seen.refused).await,
             ev = events.next() => {
                 let Some(ev) = ev else { return "the resource watch ended".into() };
                 let ev = match ev {
@@ -513,44 +566,156 @@ async fn reconcile(
                         continue;
                     }
                 };
-                match ev {
-                    watcher::Event::Apply(Kind::App(a)) | watcher::Event::InitApply(Kind::App(a)) => {
-                        let key = format!("app/{}", a.name_any());
-                        let Some(seen) = generations.get(&key) else {
-                            return format!("ServingApp {} was added", a.name_any());
-                        };
-                        if *seen == a.metadata.generation {
-                            continue;
-                        }
-                        // Only the checkpoint changed: promote it.
-                        let old = checkpoints.get(&a.name_any()).cloned().flatten();
-                        if let Some(new) = a.spec.checkpoint.clone().filter(|c| Some(c) != old.as_ref())
-                            && only_checkpoint_changed(&gw, &a)
-                        {
-                            match gw.promote_checkpoint(&a.name_any(), &new).await {
-                                Ok(rev) => tracing::info!(app = %a.name_any(), revision = %rev, "promoting the new checkpoint"),
-                                Err(e) => tracing::warn!(app = %a.name_any(), error = %e.message, "could not promote the new checkpoint"),
+                let changed = match ev {
+                    watcher::Event::Init => {
+                        relist = Some(Relist::default());
+                        false
+                    }
+                    watcher::Event::InitApply(k) => {
+                        if let Some(r) = &mut relist {
+                            match k {
+                                Kind::App(x) => {
+                                    r.apps.insert(x.name_any(), *x);
+                                }
+                                Kind::Pool(x) => {
+                                    r.pools.insert(x.name_any(), *x);
+                                }
                             }
-                            checkpoints.insert(a.name_any(), Some(new));
-                            generations.insert(key, a.metadata.generation);
-                            continue;
                         }
-                        return format!("ServingApp {} changed", a.name_any());
+                        false
                     }
-                    watcher::Event::Apply(Kind::Pool(p)) | watcher::Event::InitApply(Kind::Pool(p)) => {
-                        match generations.get(&format!("pool/{}", p.name_any())) {
-                            Some(seen) if *seen == p.metadata.generation => continue,
-                            Some(_) => return format!("WarmPool {} changed", p.name_any()),
-                            None => return format!("WarmPool {} was added", p.name_any()),
+                    watcher::Event::InitDone => match relist.take() {
+                        Some(r) => {
+                            let changed = generations_of(&r.apps, &r.pools) != seen.generations();
+                            seen.apps = r.apps;
+                            seen.pools = r.pools;
+                            changed
+                        }
+                        None => false,
+                    },
+                    watcher::Event::Apply(Kind::App(a)) => {
+                        let name = a.name_any();
+                        let same = seen.apps.get(&name).map(|o| o.metadata.generation)
+                            == Some(a.metadata.generation);
+                        seen.apps.insert(name, *a);
+                        !same
+                    }
+                    watcher::Event::Apply(Kind::Pool(p)) => {
+                        let name = p.name_any();
+                        let same = seen.pools.get(&name).map(|o| o.metadata.generation)
+                            == Some(p.metadata.generation);
+                        seen.pools.insert(name, *p);
+                        !same
+                    }
+                    watcher::Event::Delete(Kind::App(a)) => seen.apps.remove(&a.name_any()).is_some(),
+                    watcher::Event::Delete(Kind::Pool(p)) => seen.pools.remove(&p.name_any()).is_some(),
+                };
+                if changed {
+                    for a in seen.apps.values() {
+                        if let Some(o) = owner_of(a) {
+                            backend.set_owner(&a.name_any(), o);
                         }
                     }
-                    watcher::Event::Delete(Kind::App(a)) => return format!("ServingApp {} was deleted", a.name_any()),
-                    watcher::Event::Delete(Kind::Pool(p)) => return format!("WarmPool {} was deleted", p.name_any()),
-                    watcher::Event::Init | watcher::Event::InitDone => {}
+                    for p in seen.pools.values() {
+                        if let Some(o) = owner_of(p) {
+                            backend.set_owner(&p.name_any(), o);
+                        }
+                    }
+                    seen.refused = apply_resources(&gw, &base, &seen).await;
                 }
             }
         }
     }
+}
+
+/// The resources a re-list has delivered so far.
+#[derive(Default)]
+struct Relist {
+    apps: BTreeMap<String, ServingApp>,
+    pools: BTreeMap<String, WarmPool>,
+}
+
+/// Makes the gateway serve `seen`: a checkpoint-only change is promoted,
+/// everything else applied as `warmgate apply` does. A refused resource
+/// that runs keeps running as it was. Returns the refusals.
+async fn apply_resources(
+    gw: &Arc<crate::Gateway>,
+    base: &Config,
+    seen: &Resources,
+) -> Vec<Refusal> {
+    let apps: Vec<ServingApp> = seen.apps.values().cloned().collect();
+    let pools: Vec<WarmPool> = seen.pools.values().cloned().collect();
+    let (mut config, refused) = match config_from(base.clone(), &apps, &pools) {
+        Ok(c) => c,
+        Err((key, message)) => {
+            tracing::error!(%key, %message, "the operator's own config is not valid; nothing applied");
+            return seen.refused.clone();
+        }
+    };
+    let running = gw.desired_config();
+    keep_refused_running(&mut config, &running, &refused);
+    for spec in &mut config.apps {
+        let Some((old, new)) = checkpoint_only_change(spec, &running) else {
+            continue;
+        };
+        match gw.promote_checkpoint(&spec.name, &new).await {
+            Ok(rev) => {
+                tracing::info!(app = %spec.name, revision = %rev, "promoting the new checkpoint");
+                // The app's spec names it now, so the apply below finds
+                // the app unchanged, and so does the next event.
+                gw.adopt_checkpoint(&spec.name, &new);
+            }
+            Err(e) => {
+                tracing::warn!(app = %spec.name, error = %e.message, "could not promote the new checkpoint");
+                // Left as it runs; the next change to the resource tries
+                // again.
+                spec.checkpoint = old;
+            }
+        }
+    }
+    for change in gw.apply_file(config).await {
+        match &change.outcome {
+            Ok(what) if what == "unchanged" => tracing::debug!("{change}"),
+            Ok(_) => tracing::info!("{change}"),
+            Err(_) => tracing::error!("{change}"),
+        }
+    }
+    refused
+}
+
+/// Puts back, as they run, the refused resources that run: an edit that
+/// is refused does not take a working app or pool away.
+fn keep_refused_running(config: &mut Config, running: &Config, refused: &[Refusal]) {
+    for r in refused {
+        match r.kind {
+            ResourceKind::App => {
+                if let Some(a) = running.apps.iter().find(|a| a.name == r.name) {
+                    config.apps.push(a.clone());
+                }
+            }
+            ResourceKind::Pool => {
+                if let Some(p) = running.pools.iter().find(|p| p.name == r.name) {
+                    config.pools.push(p.clone());
+                }
+            }
+        }
+    }
+}
+
+/// When `spec` differs from the running app of its name in its checkpoint
+/// only: the running checkpoint and the new one, to promote.
+fn checkpoint_only_change(
+    spec: &warmgate_deploy::AppSpec,
+    running: &Config,
+) -> Option<(Option<String>, String)> {
+    let old = running.apps.iter().find(|a| a.name == spec.name)?;
+    let new = spec
+        .checkpoint
+        .clone()
+        .filter(|c| Some(c) != old.checkpoint.as_ref())?;
+    let mut rest = spec.clone();
+    rest.checkpoint = old.checkpoint.clone();
+    (rest == *old).then(|| (old.checkpoint.clone(), new))
 }
 
 fn map_event<K>(
@@ -570,17 +735,6 @@ fn map_event<K>(
 enum Kind {
     App(Box<ServingApp>),
     Pool(Box<WarmPool>),
-}
-
-/// Whether `a`'s spec differs from the running one in its checkpoint only.
-fn only_checkpoint_changed(gw: &crate::Gateway, a: &ServingApp) -> bool {
-    let Some(running) = gw.config().apps.iter().find(|x| x.name == a.name_any()) else {
-        return false;
-    };
-    let mut incoming = a.spec.clone();
-    incoming.name = running.name.clone();
-    incoming.checkpoint = running.checkpoint.clone();
-    incoming == *running
 }
 
 async fn write_statuses(
@@ -661,6 +815,84 @@ mod tests {
             "spec": spec,
         }))
         .expect("a ServingApp")
+    }
+
+    #[test]
+    fn a_checkpoint_only_edit_is_a_promotion_and_other_edits_are_applied() {
+        let dir = tempfile::tempdir().expect("dir");
+        for v in ["1", "2"] {
+            std::fs::create_dir_all(dir.path().join("ck").join(v)).expect("mkdir");
+        }
+        let ck = |v: &str| format!("file://{}/ck/{v}", dir.path().display());
+        let mut base = Config::default();
+        base.weights.allowed_prefixes = Some(vec![format!("file://{}/ck", dir.path().display())]);
+        let running = config_from(
+            base.clone(),
+            &[app("m", json!({"image": "r/m:1", "checkpoint": ck("1")}))],
+            &[],
+        )
+        .expect("valid")
+        .0;
+        // Only the checkpoint: promoted, from the running one.
+        let (edited, _) = config_from(
+            base.clone(),
+            &[app("m", json!({"image": "r/m:1", "checkpoint": ck("2")}))],
+            &[],
+        )
+        .expect("valid");
+        assert_eq!(
+            checkpoint_only_change(&edited.apps[0], &running),
+            Some((Some(ck("1")), ck("2")))
+        );
+        // The checkpoint and the image: a roll, not a promotion.
+        let (edited, _) = config_from(
+            base.clone(),
+            &[app("m", json!({"image": "r/m:2", "checkpoint": ck("2")}))],
+            &[],
+        )
+        .expect("valid");
+        assert_eq!(checkpoint_only_change(&edited.apps[0], &running), None);
+        // Unchanged, or a new app: nothing to promote.
+        assert_eq!(checkpoint_only_change(&running.apps[0], &running), None);
+        let (other, _) =
+            config_from(base, &[app("n", json!({"image": "r/n:1"}))], &[]).expect("valid");
+        assert_eq!(checkpoint_only_change(&other.apps[0], &running), None);
+    }
+
+    #[test]
+    fn an_edit_that_is_refused_leaves_the_resource_running_as_it_was() {
+        let base = Config::default();
+        let (running, _) = config_from(
+            base.clone(),
+            &[
+                app("m", json!({"image": "r/m:1"})),
+                app("n", json!({"image": "r/n:1"})),
+            ],
+            &[],
+        )
+        .expect("valid");
+        // m now asks for a gate command, which the operator does not allow.
+        let (mut next, refused) = config_from(
+            base,
+            &[
+                app(
+                    "m",
+                    json!({"image": "r/m:2", "promotion": {"gate_command": ["sh"]}}),
+                ),
+                app("n", json!({"image": "r/n:1"})),
+            ],
+            &[],
+        )
+        .expect("valid");
+        assert_eq!(refused.len(), 1);
+        assert_eq!(next.apps.len(), 1);
+        keep_refused_running(&mut next, &running, &refused);
+        let m = next.apps.iter().find(|a| a.name == "m").expect("m kept");
+        assert_eq!(m.image.as_deref(), Some("r/m:1"));
+        // A refused resource that never ran stays out.
+        let mut fresh = Config::default();
+        keep_refused_running(&mut fresh, &Config::default(), &refused);
+        assert!(fresh.apps.is_empty());
     }
 
     #[test]
