@@ -3,7 +3,6 @@
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -14,10 +13,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use warmgate_deploy::Config;
-use warmgate_pool::LocalBackend;
-
-use crate::http::router;
-use crate::server::Gateway;
 
 /// Exit code for a bad config or bad usage (`EX_USAGE` from sysexits.h).
 pub const EXIT_USAGE: i32 = 64;
@@ -402,7 +397,7 @@ fn serve(
             return 1;
         }
     };
-    match rt.block_on(serve_async(config, path)) {
+    match rt.block_on(crate::runtime::serve_async(config, path)) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -440,215 +435,6 @@ fn raise_open_file_limit() {
         Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
     }
 }
-
-async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("listen on {}", config.listen))?;
-    let backend = backend_for(&config).await?;
-    serve_with(config, backend, listener, move |gw| {
-        reload_on_hangup(gw, path)
-    })
-    .await
-}
-
-/// On every SIGHUP, re-reads the config file and applies its apps and
-/// pools as `warmgate apply` does, logging each change. A file that does
-/// not load changes nothing. Settings other than apps and pools need a
-/// restart; a change to them is logged. Runs until the gateway stops.
-async fn reload_on_hangup(gw: Arc<Gateway>, path: PathBuf) -> String {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = match signal(SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGHUP; reload with `warmgate apply`");
-            return std::future::pending().await;
-        }
-    };
-    while hup.recv().await.is_some() {
-        let file = match Config::load(&path) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(file = %path.display(), error = %e, "SIGHUP: the config file does not load; nothing changed");
-                continue;
-            }
-        };
-        if gw.other_settings_differ(&file) {
-            tracing::warn!(file = %path.display(), "SIGHUP: settings other than [[apps]] and [[pools]] changed; they take effect at the next restart");
-        }
-        tracing::info!(file = %path.display(), "SIGHUP: applying the config file's apps and pools");
-        for change in gw.apply_file(file).await {
-            match &change.outcome {
-                Ok(_) => tracing::info!("{change}"),
-                Err(_) => tracing::error!("{change}"),
-            }
-        }
-    }
-    std::future::pending().await
-}
-
-/// The backend the config names: local processes (after stopping any a
-/// crashed run left), or pods through the kubeconfig or in-cluster
-/// credentials.
-async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::Backend>> {
-    match config.backend.kind {
-        warmgate_deploy::BackendKind::Local => {
-            let logs = config.state_dir.join("logs");
-            // Owner only, like the state folder itself (replica logs can
-            // hold what workers print).
-            {
-                use std::os::unix::fs::DirBuilderExt as _;
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&logs)
-                    .with_context(|| format!("create the state folder {}", logs.display()))?;
-            }
-            let backend = LocalBackend::new(logs)
-                .with_run_dir(config.state_dir.join("run"))
-                .with_pass_env(config.backend.pass_env.clone());
-            // A previous run killed with `kill -9` left its replicas
-            // running: stop them before anything starts, so GPUs and ports
-            // are free again.
-            let orphans = backend.reap_orphans();
-            if !orphans.is_empty() {
-                let names: Vec<&str> = orphans.iter().map(|o| o.replica.as_str()).collect();
-                tracing::warn!(count = orphans.len(), replicas = ?names, "stopped replicas a previous run left running");
-            }
-            ORPHANS.store(orphans.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            Ok(Arc::new(backend))
-        }
-        warmgate_deploy::BackendKind::Kubernetes => {
-            let client = kube::Client::try_default().await.map_err(|e| {
-                anyhow::anyhow!(
-                    "cannot reach the Kubernetes API (no in-cluster config, and no KUBECONFIG): {e}"
-                )
-            })?;
-            let namespace = config
-                .backend
-                .kubernetes
-                .namespace
-                .clone()
-                .unwrap_or_else(|| client.default_namespace().to_string());
-            Ok(Arc::new(warmgate_pool::kubernetes::KubeBackend::new(
-                client,
-                warmgate_pool::kubernetes::KubeSettings {
-                    namespace,
-                    instance: std::env::var("WARMGATE_INSTANCE")
-                        .unwrap_or_else(|_| "warmgate".into()),
-                    config: config.backend.kubernetes.clone(),
-                    stop_grace: config.backend.stop_grace,
-                },
-            )))
-        }
-    }
-}
-
-/// Orphans stopped at start, counted once metrics are installed.
-static ORPHANS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Runs the gateway on `listener` with `backend` until SIGTERM, or until
-/// `side` (given the gateway) returns a reason to stop; then drains.
-pub(crate) async fn serve_with<F, Fut>(
-    config: Config,
-    backend: Arc<dyn warmgate_pool::Backend>,
-    listener: tokio::net::TcpListener,
-    side: F,
-) -> anyhow::Result<()>
-where
-    F: FnOnce(Arc<Gateway>) -> Fut,
-    Fut: Future<Output = String> + Send + 'static,
-{
-    let addr = listener.local_addr().context("read the listen address")?;
-    let metrics = install_metrics();
-    metrics::counter!("warmgate_orphans_stopped_total")
-        .increment(ORPHANS.load(std::sync::atomic::Ordering::Relaxed));
-    let grace = config.backend.stop_grace;
-    let conn_limits = crate::listener::ConnLimits::from(&config.limits);
-    let gw = Gateway::new(config, backend, metrics, addr)?;
-    let autoscaler = gw.spawn_autoscaler();
-    let mut side = tokio::spawn(side(gw.clone()));
-
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let server = crate::listener::serve(listener, router(gw.clone()), conn_limits, async move {
-        let _ = stop_rx.wait_for(|s| *s).await;
-    });
-    let mut server = tokio::spawn(server);
-    tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
-    println!("warmgate listening on http://{addr}");
-    let _ = std::io::stdout().flush();
-
-    tokio::select! {
-        r = &mut server => {
-            autoscaler.abort();
-            gw.shutdown().await;
-            return r.context("the server task failed");
-        }
-        _ = shutdown_signal() => {}
-        reason = &mut side => {
-            tracing::warn!(reason = %reason.unwrap_or_else(|e| e.to_string()), "stopping the gateway");
-        }
-    }
-    side.abort();
-    tracing::info!(grace = ?grace, "shutting down: finishing requests in flight");
-    gw.start_draining();
-    autoscaler.abort();
-    let _ = stop_tx.send(true);
-    if tokio::time::timeout(grace, &mut server).await.is_err() {
-        tracing::warn!(grace = ?grace, "requests still in flight after the grace period; closing them");
-        server.abort();
-    }
-    tracing::info!("stopping replicas");
-    gw.shutdown().await;
-    tracing::info!("stopped");
-    Ok(())
-}
-
-fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    let builder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Suffix("_seconds".into()),
-            &[
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0, 60.0, 120.0,
-            ],
-        )
-        .ok()?;
-    match builder.install_recorder() {
-        Ok(handle) => {
-            let h = handle.clone();
-            tokio::spawn(async move {
-                let mut t = tokio::time::interval(Duration::from_secs(5));
-                loop {
-                    t.tick().await;
-                    h.run_upkeep();
-                }
-            });
-            Some(handle)
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "metrics are off");
-            None
-        }
-    }
-}
-
-pub(crate) async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot listen for SIGTERM");
-            return std::future::pending().await;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-}
-
 // === simulate ===
 
 fn simulate(

@@ -160,11 +160,23 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Marks a body that broke the size limit, so the proxy can answer 413.
+#[derive(Debug)]
+pub struct BodyTooLarge(pub u64);
+
+impl std::fmt::Display for BodyTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the request body is larger than {} bytes", self.0)
+    }
+}
+
+impl std::error::Error for BodyTooLarge {}
+
 /// The error for a request body that could not be read.
 pub(crate) fn body_error(e: &axum::Error, limit: u64) -> ApiError {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
-        if err.is::<crate::proxy::BodyTooLarge>() || err.is::<http_body_util::LengthLimitError>() {
+        if err.is::<BodyTooLarge>() || err.is::<http_body_util::LengthLimitError>() {
             return too_large(limit);
         }
         cur = err.source();

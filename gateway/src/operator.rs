@@ -366,7 +366,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     while !*leading.borrow_and_update() {
         tokio::select! {
             r = leading.changed() => r.context("the lease manager stopped")?,
-            () = crate::cli::shutdown_signal() => {
+            () = crate::runtime::shutdown_signal() => {
                 standby.abort();
                 return Ok(());
             }
@@ -428,7 +428,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     };
     let backend = Arc::new(backend);
     let settings = base_settings(&config);
-    crate::cli::serve_with(config, backend.clone(), listener, move |gw| async move {
+    crate::runtime::serve_with(config, backend.clone(), listener, move |gw| async move {
         let reason = tokio::select! {
             r = leading.wait_for(|l| !*l) => match r {
                 Ok(_) => "lost the leader lease".to_string(),

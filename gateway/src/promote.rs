@@ -318,6 +318,26 @@ impl Gateway {
         Ok(id)
     }
 
+    /// Promotes `checkpoint` on app `name` with the app's own promotion
+    /// settings (what `warmgate promote` does without flags). Returns the
+    /// new revision's id.
+    pub async fn promote_checkpoint(
+        self: &Arc<Self>,
+        name: &str,
+        checkpoint: &str,
+    ) -> Result<String, ApiError> {
+        let app = self.app(name)?;
+        self.promote(
+            &app,
+            PromoteRequest {
+                checkpoint: checkpoint.to_string(),
+                canary: None,
+                bake: None,
+            },
+        )
+        .await
+    }
+
     /// Rolls the app onto a changed spec: a new revision made from it is
     /// started with as many replicas as the serving one has, takes all the
     /// traffic once they are ready, and the old revision is retired (at

@@ -113,17 +113,7 @@ impl Forward {
     }
 }
 
-/// Marks a body that broke the size limit, so the proxy can answer 413.
-#[derive(Debug)]
-pub struct BodyTooLarge(pub u64);
-
-impl std::fmt::Display for BodyTooLarge {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the request body is larger than {} bytes", self.0)
-    }
-}
-
-impl std::error::Error for BodyTooLarge {}
+pub use crate::error::BodyTooLarge;
 
 fn upstream_error(e: &hyper_util::client::legacy::Error, replica: &str, app: &str) -> ApiError {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);

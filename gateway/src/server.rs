@@ -910,24 +910,4 @@ impl Gateway {
         let tenants = gw.tenants.as_ref().map(|t| t.status()).unwrap_or_default();
         json!({"apps": gw.status(), "pools": pools, "tenants": tenants})
     }
-
-    /// Promotes `checkpoint` on app `name` with the app's own promotion
-    /// settings (what `warmgate promote` does without flags). Returns the
-    /// new revision's id.
-    pub async fn promote_checkpoint(
-        self: &Arc<Self>,
-        name: &str,
-        checkpoint: &str,
-    ) -> Result<String, ApiError> {
-        let app = self.app(name)?;
-        self.promote(
-            &app,
-            crate::promote::PromoteRequest {
-                checkpoint: checkpoint.to_string(),
-                canary: None,
-                bake: None,
-            },
-        )
-        .await
-    }
 }

@@ -10,8 +10,12 @@ use common::{Gateway, eventually, kind};
 use serde_json::{Value, json};
 
 const MIB: usize = 1024 * 1024;
-/// The bound the issue sets for the gateway under hostile bodies.
-const MAX_RSS_BYTES: u64 = 100 * MIB as u64;
+/// The bound the issue sets for the gateway under hostile bodies: 100 MB
+/// of resident memory for the release binary, which idles at about 36 MB.
+/// The debug build this test runs idles at about 60 MB (its larger code
+/// and debug sections), so what is held to the bound is the growth over
+/// the idle size: at most 64 MB, what the release binary may grow.
+const MAX_GROWTH_BYTES: u64 = (100 - 36) * MIB as u64;
 /// The defaults of `limits.max_body_bytes` and `limits.max_task_body_bytes`.
 const BODY_LIMIT: usize = 16 * MIB;
 const TASK_BODY_LIMIT: usize = 8 * MIB;
@@ -151,7 +155,7 @@ async fn hostile_bodies_on_every_json_route_keep_the_gateway_under_100_mb() {
                 let rss = rss_bytes(gw.pid());
                 peak = peak.max(rss);
                 assert!(
-                    rss < MAX_RSS_BYTES,
+                    rss.saturating_sub(baseline) < MAX_GROWTH_BYTES,
                     "round {round}, {path} with {shape} ({} bytes): RSS {} MB (at start {} MB)",
                     body.len(),
                     rss / MIB as u64,
