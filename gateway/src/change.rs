@@ -46,6 +46,25 @@ pub enum Changed {
 const MAX_DRAIN: Duration = Duration::from_secs(30 * 60);
 
 impl Gateway {
+    /// Refuses every change through the API from now on: under the
+    /// operator the resources are the truth, and a put could carry what
+    /// the operator refuses in a resource (a gate command).
+    pub fn refuse_api_changes(&self) {
+        self.api_changes
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// 409 when changes through the API are refused.
+    pub(crate) fn check_api_changes_allowed(&self) -> Result<(), ApiError> {
+        if self.api_changes.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            ErrorKind::Conflict,
+            "this gateway is run by `warmgate operator`: change its apps and pools through their ServingApp and WarmPool resources",
+        ))
+    }
+
     /// The specs served now, under the file's other settings.
     pub(crate) fn desired_config(&self) -> Config {
         let r = self.registry.load();
@@ -106,6 +125,14 @@ impl Gateway {
         // One registry change at a time: each is checked against the
         // state the one before it left.
         let _one = self.changes.lock().await;
+        if self.retiring_pools.lock().contains(&name) {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "a pool '{name}' was deleted and is still finishing its tasks; put the app once it is gone"
+                ),
+            ));
+        }
         let current = self
             .registry
             .load()
@@ -152,34 +179,49 @@ impl Gateway {
             return Ok(Changed::Created);
         };
         let old = app.spec();
-        if *old == spec {
+        if *old == spec && serves(&app, &spec) {
             return Ok(Changed::Unchanged);
         }
         self.refuse_if_promoting(&app)?;
-        let watch_changed = old.promotion.watch != spec.promotion.watch;
+        let old_json = serde_json::to_string(&*old).ok();
+        let watch_changed = old.promotion.watch != spec.promotion.watch
+            || old.promotion.marker != spec.promotion.marker
+            || old.promotion.watch_interval != spec.promotion.watch_interval;
         let mut tuned = (*old).clone();
         tuned.autoscale = spec.autoscale.clone();
         tuned.queue = spec.queue.clone();
         tuned.aliases = spec.aliases.clone();
         tuned.promotion = spec.promotion.clone();
-        let changed = if tuned == spec {
+        // The saved spec goes back to the running one when the change is
+        // not made, so a restart does not make it either.
+        let undo = |e: ApiError| {
+            let _ = self.record(SpecKind::App, &name, old_json.as_deref(), "");
+            e
+        };
+        let changed = if tuned == spec && serves(&app, &old) {
             self.record(
                 SpecKind::App,
                 &name,
                 Some(&json),
                 &format!("app {name} retuned through the API"),
             )?;
-            self.retune_app(&app, spec)?;
+            self.retune_app(&app, spec).map_err(undo)?;
             Changed::InPlace
         } else {
             self.record(SpecKind::App, &name, Some(&json), "")?;
-            let revision = self.roll(&app, spec, "the spec changed through the API")?;
+            let revision = self
+                .roll(&app, spec, "the spec changed through the API")
+                .map_err(undo)?;
             Changed::Rolled { revision }
         };
         // Aliases may have changed: the app is routed by its new ones.
         self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
-        if watch_changed && app.spec().promotion.watch.is_some() {
-            tokio::spawn(self.clone().watch(app.clone()));
+        if watch_changed {
+            // The running watcher sees a newer generation and stops.
+            app.next_watcher();
+            if app.spec().promotion.watch.is_some() {
+                tokio::spawn(self.clone().watch(app.clone()));
+            }
         }
         Ok(changed)
     }
@@ -245,9 +287,16 @@ impl Gateway {
             None,
             &format!("app {name} deleted through the API"),
         )?;
-        self.forget_spec(&app, "")?;
-        app.mark_removed();
+        if let Err(e) = self.forget_spec(&app, "") {
+            // A promotion began meanwhile: the app stays, and so does its
+            // saved spec.
+            if let Ok(json) = serde_json::to_string(&*app.spec()) {
+                let _ = self.record(SpecKind::App, name, Some(&json), "");
+            }
+            return Err(e);
+        }
         self.registry.rcu(|r| Arc::new(r.without_app(name)));
+        self.retiring_apps.lock().insert(name.to_string());
         let gw = self.clone();
         tokio::spawn(async move { gw.retire_app(app).await });
         Ok(())
@@ -272,10 +321,32 @@ impl Gateway {
             app.remove_live(&rev.revision);
             self.pool.scale(&rev.revision, 0);
         }
-        for rev in &revisions {
-            self.pool.remove_target(&rev.revision).await;
-            self.revisions.write().remove(&rev.revision);
+        // Every revision it ever started goes, the retired ones (kept at
+        // zero for a rollback) too; not those of an app of the same name
+        // put again meanwhile.
+        let again: Vec<String> = self
+            .registry
+            .load()
+            .app(&app.name)
+            .filter(|a| !Arc::ptr_eq(a, &app))
+            .map(|a| a.live().iter().map(|r| r.revision.clone()).collect())
+            .unwrap_or_default();
+        let all: Vec<String> = self
+            .revisions
+            .read()
+            .iter()
+            .filter(|(id, r)| r.name == app.name && !again.contains(id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &all {
+            self.weights.unregister(&app.name, id);
+            self.pool.scale(id, 0);
         }
+        for id in &all {
+            self.pool.remove_target(id).await;
+            self.revisions.write().remove(id);
+        }
+        self.retiring_apps.lock().remove(&app.name);
         tracing::info!(app = %app.name, "deleted app's replicas stopped");
     }
 
@@ -294,6 +365,14 @@ impl Gateway {
                 ),
             ));
         }
+        if self.retiring_apps.lock().contains(&name) {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "an app '{name}' was deleted and is still finishing its requests; put the pool once it is gone"
+                ),
+            ));
+        }
         if let Some(p) = self.registry.load().pool(&name) {
             if p.spec == spec {
                 return Ok(Changed::Unchanged);
@@ -302,6 +381,16 @@ impl Gateway {
                 ErrorKind::Conflict,
                 format!(
                     "pool '{name}' runs with another spec; changing a running pool is not supported yet: delete it, then put it again"
+                ),
+            ));
+        }
+        // A name a revision or target still holds (an app's retired
+        // revision kept for a rollback) would take that target's replicas.
+        if self.revisions.read().contains_key(&name) || self.pool.desired(&name).is_some() {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "name: '{name}' is the name of a running target (an app's revision); choose another"
                 ),
             ));
         }
@@ -344,9 +433,26 @@ impl Gateway {
         tokio::spawn(async move {
             // Told when the last task ends; checked now and then as well,
             // and given up on after MAX_DRAIN.
+            // Out of the registry, the autoscale tick no longer sees it:
+            // its tasks' timeouts and its replicas are looked after here.
             let started = tokio::time::Instant::now();
             while !pool.is_empty() && started.elapsed() < MAX_DRAIN {
                 let _ = tokio::time::timeout(Duration::from_millis(200), pool.drained()).await;
+                pool.expire(std::time::Instant::now());
+                gw.pool
+                    .scale(&pool.name, pool.desired(gw.starting(&pool.name)));
+            }
+            if !pool.is_empty() {
+                let err = ApiError::new(
+                    ErrorKind::ReplicaFailed,
+                    format!(
+                        "pool '{}' was deleted and its tasks did not finish within {}",
+                        pool.name,
+                        humantime::format_duration(MAX_DRAIN)
+                    ),
+                );
+                pool.fail_pending(&err);
+                pool.fail_fallback(&err);
             }
             let mut targets = vec![pool.name.clone()];
             targets.extend(pool.ondemand_target());
@@ -454,6 +560,17 @@ impl Gateway {
         out
     }
 
+    /// Drops the changes made through the API from the state store: the
+    /// config file is the whole truth again at the next start.
+    pub fn forget_api_changes(&self) -> Result<(), ApiError> {
+        self.store.lock().clear_overlay().map_err(|e| {
+            ApiError::new(
+                ErrorKind::Internal,
+                format!("could not drop the changes made through the API: {e}"),
+            )
+        })
+    }
+
     /// Whether `file` differs from the running config in anything but its
     /// apps and pools (which an apply does not change).
     pub fn other_settings_differ(&self, file: &Config) -> bool {
@@ -467,6 +584,28 @@ impl Gateway {
         };
         strip(file) != strip(&self.config)
     }
+}
+
+/// Whether the app's serving revision runs `spec` in what needs new
+/// replicas (its checkpoint aside, which promotions change): false after a
+/// roll to it failed, so the same put tries again.
+fn serves(app: &Served, spec: &AppSpec) -> bool {
+    let h = app.history.lock();
+    let Some(rev) = h.serving() else {
+        // Nothing serves (at zero with no revision yet): nothing to redo.
+        return true;
+    };
+    let Ok(mut running) = serde_json::from_str::<AppSpec>(&rev.spec) else {
+        return true;
+    };
+    // Only what needs new replicas counts: the rest is applied in place
+    // and not kept in the revision.
+    running.checkpoint = spec.checkpoint.clone();
+    running.autoscale = spec.autoscale.clone();
+    running.queue = spec.queue.clone();
+    running.aliases = spec.aliases.clone();
+    running.promotion = spec.promotion.clone();
+    running == *spec
 }
 
 /// Marks an app or pool as being changed while it lives.

@@ -428,15 +428,19 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     };
     let backend = Arc::new(backend);
     let settings = base_settings(&config);
-    crate::runtime::serve_with(config, backend.clone(), listener, move |gw| async move {
-        let reason = tokio::select! {
-            r = leading.wait_for(|l| !*l) => match r {
-                Ok(_) => "lost the leader lease".to_string(),
-                Err(_) => "the lease manager stopped".to_string(),
-            },
-            r = reconcile(gw, settings, backend, apps_api, pools_api, resources) => r,
-        };
-        reason
+    crate::runtime::serve_with(config, backend.clone(), listener, move |gw| {
+        // Before the listener opens.
+        gw.refuse_api_changes();
+        async move {
+            let reason = tokio::select! {
+                r = leading.wait_for(|l| !*l) => match r {
+                    Ok(_) => "lost the leader lease".to_string(),
+                    Err(_) => "the lease manager stopped".to_string(),
+                },
+                r = reconcile(gw, settings, backend, apps_api, pools_api, resources) => r,
+            };
+            reason
+        }
     })
     .await
 }

@@ -208,6 +208,11 @@ impl Gateway {
             if h.promoting() {
                 return Err(promoting_error(&app.name, &h));
             }
+            // Deleted meanwhile (its deletion holds this lock to mark it):
+            // nothing new may start for it.
+            if app.is_removed() {
+                return Err(removed_error(&app.name));
+            }
             let rev = new_revision(
                 &h,
                 &app.spec(),
@@ -288,6 +293,11 @@ impl Gateway {
             if h.promoting() {
                 return Err(promoting_error(&app.name, &h));
             }
+            // Deleted meanwhile (its deletion holds this lock to mark it):
+            // nothing new may start for it.
+            if app.is_removed() {
+                return Err(removed_error(&app.name));
+            }
             let prev = h.previous_good().cloned().ok_or_else(|| {
                 ApiError::new(
                     ErrorKind::Conflict,
@@ -357,6 +367,11 @@ impl Gateway {
             if h.promoting() {
                 return Err(promoting_error(&app.name, &h));
             }
+            // Deleted meanwhile (its deletion holds this lock to mark it):
+            // nothing new may start for it.
+            if app.is_removed() {
+                return Err(removed_error(&app.name));
+            }
             let rev = new_revision(&h, &spec, spec.checkpoint.clone(), None);
             let id = rev.id.clone();
             let from = h.serving().map(|r| r.id.clone());
@@ -393,6 +408,9 @@ impl Gateway {
     /// it is put again it starts from a new revision.
     pub(crate) fn forget_spec(&self, app: &Served, note: &str) -> Result<(), ApiError> {
         let mut h = app.history.lock();
+        if h.promoting() {
+            return Err(promoting_error(&app.name, &h));
+        }
         let mut next = h.clone();
         next.config = None;
         for r in &mut next.revisions {
@@ -405,6 +423,9 @@ impl Gateway {
             ));
         }
         *h = next;
+        // Under the history lock: a promotion or roll that takes it after
+        // this sees the app deleted and starts nothing.
+        app.mark_removed();
         Ok(())
     }
 
@@ -633,10 +654,11 @@ impl Gateway {
                 return;
             }
         };
+        let generation = app.watcher();
         loop {
-            if app.is_removed() || app.spec().promotion.watch.as_deref() != Some(uri.as_str()) {
-                // Deleted, or changed to watch elsewhere (a new watcher
-                // took over) or nothing.
+            if app.is_removed() || app.watcher() != generation {
+                // Deleted, or its watch settings changed (a new watcher
+                // took over, if it still watches).
                 return;
             }
             match newest_complete(&source, &marker).await {
@@ -813,6 +835,10 @@ fn canary(
         }
     }
     (since.elapsed() >= p.plan.bake).then_some(Event::BakeElapsed)
+}
+
+fn removed_error(app: &str) -> ApiError {
+    ApiError::new(ErrorKind::NotFound, format!("app '{app}' was deleted"))
 }
 
 fn promoting_error(app: &str, h: &History) -> ApiError {

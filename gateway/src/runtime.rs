@@ -57,6 +57,11 @@ async fn reload_on_hangup(gw: Arc<Gateway>, path: PathBuf) -> String {
                 Err(_) => tracing::error!("{change}"),
             }
         }
+        // The file is the truth now: a later edit of it is not overridden
+        // at the next start by what the API (or this apply) saved.
+        if let Err(e) = gw.forget_api_changes() {
+            tracing::error!(error = %e.message, "SIGHUP: the file was applied, but the saved API changes remain");
+        }
     }
     std::future::pending().await
 }

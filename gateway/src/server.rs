@@ -79,6 +79,11 @@ pub struct Gateway {
     pub(crate) busy: parking_lot::Mutex<std::collections::HashSet<String>>,
     /// Deleted pools still finishing their tasks.
     pub(crate) retiring_pools: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// Deleted apps still finishing their requests.
+    pub(crate) retiring_apps: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// Cleared under the operator: apps and pools come from resources, and
+    /// the API may not change them.
+    pub(crate) api_changes: AtomicBool,
 }
 
 /// The admin token from the environment, when set and not empty.
@@ -242,21 +247,33 @@ impl Gateway {
             .overlay()
             .context("read the changes made through the API")?;
         let mut config = config;
-        if !overlay.is_empty() {
-            let names: Vec<String> = overlay
-                .apps
-                .keys()
-                .map(|n| format!("app {n}"))
-                .chain(overlay.pools.keys().map(|n| format!("pool {n}")))
-                .collect();
-            overlay.apply_to(&mut config);
-            config.validate().map_err(|(key, message)| {
-                anyhow::anyhow!(
-                    "the changes made through the API ({}) do not fit the config file: {key}: {message}",
-                    names.join(", ")
-                )
-            })?;
-            tracing::info!(changes = %names.join(", "), "applying the changes made through the API over the config file");
+        // One change at a time, each kept only if the config it makes is
+        // valid: a change that no longer fits the file (an edited alias,
+        // narrowed prefixes) is skipped with a warning, not a failed start.
+        let mut changes: Vec<(String, warmgate_deploy::store::Overlay)> = Vec::new();
+        for (name, spec) in &overlay.apps {
+            let mut one = warmgate_deploy::store::Overlay::default();
+            one.apps.insert(name.clone(), spec.clone());
+            changes.push((format!("app {name}"), one));
+        }
+        for (name, spec) in &overlay.pools {
+            let mut one = warmgate_deploy::store::Overlay::default();
+            one.pools.insert(name.clone(), spec.clone());
+            changes.push((format!("pool {name}"), one));
+        }
+        for (what, one) in changes {
+            let mut candidate = config.clone();
+            one.apply_to(&mut candidate);
+            match candidate.validate() {
+                Ok(()) => {
+                    tracing::info!(change = %what, "applying a change made through the API over the config file");
+                    config = candidate;
+                }
+                Err((key, message)) => tracing::warn!(
+                    change = %what, %key, %message,
+                    "a change made through the API no longer fits the config file; skipped (SIGHUP re-reads the file and drops such changes)"
+                ),
+            }
         }
         let tasks = Arc::new(crate::pools::TaskStore::new(crate::pools::StoreLimits {
             max_pending_bytes: config.limits.max_pending_task_bytes,
@@ -303,6 +320,8 @@ impl Gateway {
             changes: tokio::sync::Mutex::new(()),
             busy: parking_lot::Mutex::default(),
             retiring_pools: parking_lot::Mutex::default(),
+            retiring_apps: parking_lot::Mutex::default(),
+            api_changes: AtomicBool::new(true),
         });
         for spec in &gw.config.pools {
             gw.start_pool(spec.clone())?;

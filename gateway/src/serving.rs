@@ -30,6 +30,9 @@ pub struct Served {
     pub watch_scans: std::sync::atomic::AtomicU64,
     /// Deleted: its watcher stops and nothing new starts for it.
     removed: std::sync::atomic::AtomicBool,
+    /// Which checkpoint watcher may run: one that started under an older
+    /// generation stops.
+    watcher: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -51,7 +54,21 @@ impl Served {
             rollback: Mutex::new(None),
             watch_scans: std::sync::atomic::AtomicU64::new(0),
             removed: std::sync::atomic::AtomicBool::new(false),
+            watcher: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// The current watcher generation.
+    pub fn watcher(&self) -> u64 {
+        self.watcher.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Retires the running watcher (its settings changed); returns the
+    /// generation of the next one.
+    pub fn next_watcher(&self) -> u64 {
+        self.watcher
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+            + 1
     }
 
     /// Marks it deleted.

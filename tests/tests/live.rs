@@ -475,8 +475,16 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_applies_the_edited_config_file() {
-    let gw = Gateway::start(CONFIG);
+    let mut gw = Gateway::start(CONFIG);
     gw.wait_ready("a", 1).await;
+    // A change through the API, which the file does not have.
+    let (status, _) = put(
+        &gw,
+        "/v1/apps/g",
+        &json!({"command": [common::test_worker()]}),
+    )
+    .await;
+    assert_eq!(status, 201);
     let a_pids = sorted(gw.replica_pids("a").await);
     let path = gw.dir.path().join("warmgate.toml");
     let text = std::fs::read_to_string(&path).expect("config");
@@ -485,6 +493,7 @@ async fn sighup_applies_the_edited_config_file() {
             "\n[[apps]]\nname = \"f\"\ncommand = [\"{}\"]\n",
             common::test_worker()
         );
+    let edited_text = edited.clone();
     std::fs::write(&path, edited).expect("write");
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(gw.pid()),
@@ -495,7 +504,10 @@ async fn sighup_applies_the_edited_config_file() {
         let s = gw.json("/v1/status").await;
         let apps = s["apps"].as_array()?;
         let b = apps.iter().find(|a| a["name"] == "b")?;
-        (b["max"] == 5 && apps.iter().any(|a| a["name"] == "f")).then_some(())
+        (b["max"] == 5
+            && apps.iter().any(|a| a["name"] == "f")
+            && !apps.iter().any(|a| a["name"] == "g"))
+        .then_some(())
     })
     .await;
     let r = gw.http.get(gw.at("/apps/f/hello")).send().await.expect("f");
@@ -518,6 +530,19 @@ async fn sighup_applies_the_edited_config_file() {
     .await;
     let s = gw.json("/v1/status").await;
     assert_eq!(s["apps"].as_array().map(Vec::len), Some(4), "{s}");
+    // The file is the truth after SIGHUP: a restart on the edited file
+    // (fixed again) brings back neither g nor anything the API saved.
+    std::fs::write(&path, &edited_text).expect("write");
+    gw.restart();
+    let s = gw.json("/v1/status").await;
+    let names: Vec<&str> = s["apps"]
+        .as_array()
+        .expect("apps")
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(names, ["a", "b", "e", "f"], "{s}");
+    assert_eq!(gw.json("/v1/apps/b").await["max"].as_u64(), Some(5));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -578,5 +603,74 @@ async fn a_change_while_the_app_rolls_is_refused() {
     assert_eq!((status, kind(&body)), (409, "conflict"), "{body}");
     // The old revision serves meanwhile.
     let r = gw.http.get(gw.at("/apps/e/hello")).send().await.expect("e");
+    assert_eq!(r.status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roll_that_failed_is_tried_again_by_the_same_put() {
+    let gw = Gateway::start(CONFIG);
+    gw.wait_ready("e", 1).await;
+    let worker = common::test_worker();
+    let broken = json!({"command": [worker], "env": {"GENERATION": "2", "TEST_WORKER_EXIT_AT_START": "3"}, "autoscale": {"min": 1, "max": 1}, "startup_timeout": "2s"});
+    let (status, body) = put(&gw, "/v1/apps/e", &broken).await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("rolled")),
+        "{body}"
+    );
+    let first = body["revision"].as_str().expect("revision").to_string();
+    eventually(
+        "the broken roll ends and the old revision serves",
+        || async {
+            let e = gw.json("/v1/apps/e").await;
+            (e["promotion"]["to"] == first.as_str()
+                && e["promotion"]["phase"] == "failed"
+                && e["revision"] != first.as_str())
+            .then_some(())
+        },
+    )
+    .await;
+    let r = gw.http.get(gw.at("/apps/e/hello")).send().await.expect("e");
+    assert_eq!(r.status().as_u16(), 200);
+    // The same put again is not "unchanged": nothing runs it yet.
+    let (status, body) = put(&gw, "/v1/apps/e", &broken).await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("rolled")),
+        "{body}"
+    );
+    assert_ne!(body["revision"].as_str(), Some(first.as_str()), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_may_not_move_between_a_pool_and_an_app_while_the_old_one_drains() {
+    let gw = Gateway::start(CONFIG);
+    pool_ready(&gw, "d").await;
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/d/tasks?async=true"))
+        .json(&json!({"input": {"sleep_ms": 2000}}))
+        .send()
+        .await
+        .expect("submit");
+    assert_eq!(r.status().as_u16(), 202);
+    eventually("d's task runs", || async {
+        let s = gw.json("/v1/pools/d").await;
+        (s["inflight"].as_u64() == Some(1)).then_some(())
+    })
+    .await;
+    let (status, body) = delete(&gw, "/v1/pools/d").await;
+    assert_eq!(status, 200, "{body}");
+    let spec = json!({"command": [common::test_worker()]});
+    let (status, body) = put(&gw, "/v1/apps/d", &spec).await;
+    assert_eq!((status, kind(&body)), (409, "conflict"), "{body}");
+    // Once the pool is gone, the name is free.
+    let body = eventually("the app d may be put once the pool is gone", || async {
+        let (status, body) = put(&gw, "/v1/apps/d", &spec).await;
+        (status == 201).then_some(body)
+    })
+    .await;
+    assert_eq!(body["change"], "created");
+    let r = gw.http.get(gw.at("/apps/d/hello")).send().await.expect("d");
     assert_eq!(r.status().as_u16(), 200);
 }

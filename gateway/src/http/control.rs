@@ -117,6 +117,7 @@ pub(crate) async fn put_app(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         check_path_name(&name, "app")?;
+        gw.check_api_changes_allowed()?;
         let (_, bytes) = read_body(req, &gw.config.limits).await?;
         let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
         name_from_path(&mut spec.name, &name, "app")?;
@@ -141,6 +142,7 @@ pub(crate) async fn delete_app(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         check_path_name(&name, "app")?;
+        gw.check_api_changes_allowed()?;
         gw.delete_app(&name).await?;
         Ok(axum::Json(json!({"app": name, "change": "deleted"})).into_response())
     }
@@ -182,6 +184,7 @@ pub(crate) async fn put_pool(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         check_path_name(&name, "pool")?;
+        gw.check_api_changes_allowed()?;
         let (_, bytes) = read_body(req, &gw.config.limits).await?;
         let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
         name_from_path(&mut spec.name, &name, "pool")?;
@@ -206,6 +209,7 @@ pub(crate) async fn delete_pool(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         check_path_name(&name, "pool")?;
+        gw.check_api_changes_allowed()?;
         gw.delete_pool(&name).await?;
         Ok(axum::Json(json!({"pool": name, "change": "deleted"})).into_response())
     }
