@@ -199,7 +199,7 @@ impl Gateway {
             ));
         }
         let fingerprint = fingerprint(&listing.items);
-        let (id, fx) = {
+        {
             // One lock from the check to the save: the new revision and
             // its first step are saved before anything starts, and a
             // failed save leaves the history (and the replicas) as they
@@ -235,23 +235,39 @@ impl Gateway {
             );
             let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
             self.commit(app, &mut h, Some(rev.clone()), &p, &fx, &note)?;
-            if let Err(e) = self.materialize(app, &rev) {
-                // Saved, but it cannot run: the promotion fails for good,
-                // which is saved too (or, failing that, retried by the
-                // driver).
-                drop(h);
-                let why = e.message.clone();
-                if let Ok((next, fx)) = p.on(Event::StartFailed(why.clone())) {
-                    let _ = self.step(app, &p, &next, fx, &format!("{id} failed to start: {why}"));
-                }
-                tokio::spawn(self.clone().drive(app.clone()));
-                return Err(e);
+            self.launch(app, h, &rev, &p, fx)
+        }
+    }
+
+    /// Starts a revision just saved with its promotion's first step, then
+    /// the driver that takes the promotion on. `h`, the history's lock
+    /// held since the checks, is let go before acting. Returns the
+    /// revision's id.
+    fn launch(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        h: parking_lot::MutexGuard<'_, History>,
+        rev: &Revision,
+        p: &Promotion,
+        fx: Vec<Effect>,
+    ) -> Result<String, ApiError> {
+        let started = self.materialize(app, rev);
+        drop(h);
+        if let Err(e) = started {
+            // Saved, but it cannot run: the promotion fails for good,
+            // which is saved too (or, failing that, retried by the
+            // driver).
+            let why = e.message.clone();
+            if let Ok((next, fx)) = p.on(Event::StartFailed(why.clone())) {
+                let note = format!("{} failed to start: {why}", rev.id);
+                let _ = self.step(app, p, &next, fx, &note);
             }
-            (id, fx)
-        };
+            tokio::spawn(self.clone().drive(app.clone()));
+            return Err(e);
+        }
         self.act(app, &fx);
         tokio::spawn(self.clone().drive(app.clone()));
-        Ok(id)
+        Ok(rev.id.clone())
     }
 
     /// Rolls back: ends a running promotion in favour of the old revision,
@@ -362,7 +378,7 @@ impl Gateway {
         let config = serde_json::to_string(&spec).map_err(|e| {
             ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
         })?;
-        let (id, fx) = {
+        {
             let mut h = app.history.lock();
             if h.promoting() {
                 return Err(promoting_error(&app.name, &h));
@@ -387,20 +403,8 @@ impl Gateway {
             let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
             self.commit_spec(app, &mut h, Some(rev.clone()), Some(config), &p, &fx, &note)?;
             app.set_spec(spec);
-            if let Err(e) = self.materialize(app, &rev) {
-                drop(h);
-                let why = e.message.clone();
-                if let Ok((next, fx)) = p.on(Event::StartFailed(why.clone())) {
-                    let _ = self.step(app, &p, &next, fx, &format!("{id} failed to start: {why}"));
-                }
-                tokio::spawn(self.clone().drive(app.clone()));
-                return Err(e);
-            }
-            (id, fx)
-        };
-        self.act(app, &fx);
-        tokio::spawn(self.clone().drive(app.clone()));
-        Ok(id)
+            self.launch(app, h, &rev, &p, fx)
+        }
     }
 
     /// Forgets which spec the app's revisions were made from and takes

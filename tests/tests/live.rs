@@ -87,6 +87,32 @@ fn load(
         .collect()
 }
 
+/// Stops the load and asserts that every app got requests and none failed.
+async fn stop_load(stop: &AtomicBool, loads: Vec<AppLoad>) {
+    stop.store(true, Ordering::Relaxed);
+    for (app, tally, loops) in loads {
+        for l in loops {
+            l.await.expect("load loop");
+        }
+        let (sent, failed) = (
+            tally.sent.load(Ordering::Relaxed),
+            tally.failed.load(Ordering::Relaxed),
+        );
+        eprintln!("{app}: {sent} requests, {failed} failed");
+        assert!(sent > 0, "no request reached {app}");
+        assert_eq!(failed, 0, "{failed} of {sent} requests to {app} failed");
+    }
+}
+
+/// Asserts that `app` runs on the very processes it ran on before.
+async fn same_replicas(gw: &Gateway, app: &str, before: &[i32]) {
+    assert_eq!(
+        sorted(gw.replica_pids(app).await),
+        before,
+        "{app}'s replicas changed"
+    );
+}
+
 async fn put(gw: &Gateway, path: &str, body: &Value) -> (u16, Value) {
     let r = gw
         .http
@@ -233,29 +259,9 @@ async fn apps_and_pools_change_at_runtime_without_touching_the_rest() {
     })
     .await;
 
-    stop.store(true, Ordering::Relaxed);
-    for (app, tally, loops) in loads {
-        for l in loops {
-            l.await.expect("load loop");
-        }
-        let (sent, failed) = (
-            tally.sent.load(Ordering::Relaxed),
-            tally.failed.load(Ordering::Relaxed),
-        );
-        eprintln!("{app}: {sent} requests, {failed} failed");
-        assert!(sent > 0, "no request reached {app}");
-        assert_eq!(failed, 0, "{failed} of {sent} requests to {app} failed");
-    }
-    assert_eq!(
-        sorted(gw.replica_pids("a").await),
-        a_pids,
-        "a's replicas changed"
-    );
-    assert_eq!(
-        sorted(gw.replica_pids("b").await),
-        b_pids,
-        "b's replicas changed"
-    );
+    stop_load(&stop, loads).await;
+    same_replicas(&gw, "a", &a_pids).await;
+    same_replicas(&gw, "b", &b_pids).await;
     eventually("the deleted pool is gone from status", || async {
         let s = gw.json("/v1/status").await;
         s["pools"]
@@ -438,24 +444,9 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
     }
     let r = gw.http.get(gw.at("/apps/c/hello")).send().await.expect("c");
     assert_eq!(r.status().as_u16(), 200);
-    stop.store(true, Ordering::Relaxed);
-    for (app, tally, loops) in loads {
-        for l in loops {
-            l.await.expect("load loop");
-        }
-        let failed = tally.failed.load(Ordering::Relaxed);
-        assert_eq!(failed, 0, "{failed} requests to {app} failed");
-    }
-    assert_eq!(
-        sorted(gw.replica_pids("a").await),
-        a_pids,
-        "a's replicas changed"
-    );
-    assert_eq!(
-        sorted(gw.replica_pids("b").await),
-        b_pids,
-        "b's replicas changed"
-    );
+    stop_load(&stop, loads).await;
+    same_replicas(&gw, "a", &a_pids).await;
+    same_replicas(&gw, "b", &b_pids).await;
     assert_eq!(gw.json("/v1/apps/b").await["max"].as_u64(), Some(4));
     // Applying the same file again changes nothing.
     let again = tokio::process::Command::new(common::bin("warmgate"))
@@ -512,11 +503,7 @@ async fn sighup_applies_the_edited_config_file() {
     .await;
     let r = gw.http.get(gw.at("/apps/f/hello")).send().await.expect("f");
     assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(
-        sorted(gw.replica_pids("a").await),
-        a_pids,
-        "a's replicas changed"
-    );
+    same_replicas(&gw, "a", &a_pids).await;
     // A file that does not load changes nothing, and the gateway stays up.
     std::fs::write(&path, "[[apps]]\nname = 7\n").expect("write");
     nix::sys::signal::kill(
