@@ -560,7 +560,20 @@ async fn reconcile(
     let mut relist: Option<Relist> = None;
     loop {
         tokio::select! {
-            _ = tick.tick() => write_statuses(&gw, &apps, &pools, &seen.generations(), &seen.refused).await,
+            _ = tick.tick() => {
+                // A change the gateway refused (during a promotion, say)
+                // is tried again until it goes through.
+                // A pool's is not: changing a running pool is refused
+                // until its resource changes again.
+                if seen
+                    .refused
+                    .iter()
+                    .any(|r| r.key == "(change)" && r.kind == ResourceKind::App)
+                {
+                    seen.refused = apply_resources(&gw, &base, &seen).await;
+                }
+                write_statuses(&gw, &apps, &pools, &seen.generations(), &seen.refused).await
+            }
             ev = events.next() => {
                 let Some(ev) = ev else { return "the resource watch ended".into() };
                 let ev = match ev {
@@ -677,11 +690,27 @@ async fn apply_resources(
             }
         }
     }
+    let mut refused = refused;
     for change in gw.apply_file(config).await {
         match &change.outcome {
             Ok(what) if what == "unchanged" => tracing::debug!("{change}"),
             Ok(_) => tracing::info!("{change}"),
-            Err(_) => tracing::error!("{change}"),
+            Err(e) => {
+                tracing::error!("{change}");
+                // Shown on the resource, and tried again on the next tick
+                // (a change refused during a promotion goes through after
+                // it).
+                refused.push(Refusal {
+                    kind: if change.kind == "pool" {
+                        ResourceKind::Pool
+                    } else {
+                        ResourceKind::App
+                    },
+                    name: change.name.clone(),
+                    key: "(change)".into(),
+                    message: e.message.clone(),
+                });
+            }
         }
     }
     refused
