@@ -179,7 +179,9 @@ pub(crate) fn duration_value(v: &Scalar<'_>, key: &str) -> Result<Option<Duratio
         Scalar::Number(n) => n
             .as_f64()
             .filter(|s| *s > 0.0)
-            .and_then(|s| Duration::try_from_secs_f64(s).ok()),
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            // Above 0 but below a nanosecond is no time at all.
+            .filter(|d| !d.is_zero()),
         Scalar::Str(s) => humantime::parse_duration(s).ok().filter(|d| !d.is_zero()),
         Scalar::Other => None,
     };

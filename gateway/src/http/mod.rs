@@ -396,6 +396,17 @@ mod tests {
         h
     }
 
+    #[test]
+    fn a_timeout_below_a_nanosecond_is_refused_not_zero() {
+        // Found by `task_bodies_never_panic`: above 0, but no time at all
+        // once a Duration.
+        let body = br#"{"input":null,"timeout":4.272414105715504e-284}"#;
+        read_task_like(body);
+        let b = parse_json::<TaskBody<'_>>(body, "a task").expect("a task body");
+        let err = duration_value(&b.timeout, "timeout").expect_err("refused");
+        assert_eq!(err.kind, ErrorKind::BadRequest);
+    }
+
     /// Every way a task or sync body can be read, as the handlers read it.
     fn read_task_like(bytes: &[u8]) {
         if let Ok(b) = parse_json::<TaskBody<'_>>(bytes, "a task") {
