@@ -984,7 +984,7 @@ impl Config {
                     ),
                 ));
             }
-            let ondemand = format!("{}-ondemand", pool.name);
+            let ondemand = crate::TargetId::OnDemand(pool.name.clone()).to_string();
             if pool.kubernetes.interruptible
                 && (self
                     .apps

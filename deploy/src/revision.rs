@@ -82,9 +82,16 @@ pub struct Revision {
     pub served: bool,
 }
 
+impl Revision {
+    /// The target whose replicas run it.
+    pub fn target(&self) -> crate::TargetId {
+        crate::TargetId::revision(&self.app, self.seq)
+    }
+}
+
 /// The id of an app's `seq`-th revision.
 pub fn revision_id(app: &str, seq: u32) -> String {
-    format!("{app}-{seq:05}")
+    crate::TargetId::revision(app, seq).to_string()
 }
 
 /// How a promotion moves traffic.

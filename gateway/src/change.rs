@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use warmgate_deploy::store::SpecKind;
-use warmgate_deploy::{AppSpec, Config, PoolSpec};
+use warmgate_deploy::{AppSpec, Config, PoolSpec, TargetId};
 
 use crate::error::{ApiError, ErrorKind};
 use crate::server::Gateway;
@@ -319,19 +319,19 @@ impl Gateway {
             rev.hold(0);
             self.weights.unregister(&app.name, &rev.revision);
             app.remove_live(&rev.revision);
-            self.pool.scale(&rev.revision, 0);
+            self.pool.scale(&rev.target, 0);
         }
         // Every revision it ever started goes, the retired ones (kept at
         // zero for a rollback) too; not those of an app of the same name
         // put again meanwhile.
-        let again: Vec<String> = self
+        let again: Vec<TargetId> = self
             .registry
             .load()
             .app(&app.name)
             .filter(|a| !Arc::ptr_eq(a, &app))
-            .map(|a| a.live().iter().map(|r| r.revision.clone()).collect())
+            .map(|a| a.live().iter().map(|r| r.target.clone()).collect())
             .unwrap_or_default();
-        let all: Vec<String> = self
+        let all: Vec<TargetId> = self
             .revisions
             .read()
             .iter()
@@ -339,7 +339,7 @@ impl Gateway {
             .map(|(id, _)| id.clone())
             .collect();
         for id in &all {
-            self.weights.unregister(&app.name, id);
+            self.weights.unregister(&app.name, &id.to_string());
             self.pool.scale(id, 0);
         }
         for id in &all {
@@ -386,7 +386,7 @@ impl Gateway {
         }
         // A name a revision or target still holds (an app's retired
         // revision kept for a rollback) would take that target's replicas.
-        if self.revisions.read().contains_key(&name) || self.pool.desired(&name).is_some() {
+        if self.pool.has_target_named(&name) {
             return Err(ApiError::new(
                 ErrorKind::BadRequest,
                 format!(
@@ -439,8 +439,8 @@ impl Gateway {
             while !pool.is_empty() && started.elapsed() < MAX_DRAIN {
                 let _ = tokio::time::timeout(Duration::from_millis(200), pool.drained()).await;
                 pool.expire(std::time::Instant::now());
-                gw.pool
-                    .scale(&pool.name, pool.desired(gw.starting(&pool.name)));
+                let target = pool.target();
+                gw.pool.scale(&target, pool.desired(gw.starting(&target)));
             }
             if !pool.is_empty() {
                 let err = ApiError::new(
@@ -454,7 +454,7 @@ impl Gateway {
                 pool.fail_pending(&err);
                 pool.fail_fallback(&err);
             }
-            let mut targets = vec![pool.name.clone()];
+            let mut targets = vec![pool.target()];
             targets.extend(pool.ondemand_target());
             for t in &targets {
                 gw.pool.scale(t, 0);

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
-use warmgate_deploy::AppSpec;
+use warmgate_deploy::{AppSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
 
 use crate::error::{ApiError, ErrorKind};
@@ -26,7 +26,9 @@ const QUEUE_FULL_RETRY_SECS: u64 = 1;
 pub struct App {
     /// The app's name.
     pub name: String,
-    /// The revision traffic goes to.
+    /// The revision's target in the pool manager.
+    pub target: TargetId,
+    /// The revision traffic goes to, as users see it (`target` shown).
     pub revision: String,
     /// Its spec; [`App::retune`] swaps in new autoscaling and queue
     /// settings.
@@ -131,11 +133,13 @@ pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
 
 impl App {
     /// The data-plane state of an app at zero replicas.
-    pub fn new(spec: AppSpec, revision: String) -> Self {
+    pub fn new(spec: AppSpec, target: TargetId) -> Self {
+        let revision = target.to_string();
         let scaling = scaling_config(&spec);
         let now = Instant::now();
         App {
             name: spec.name.clone(),
+            target,
             revision,
             slots: Mutex::new(Slots {
                 replicas: Vec::new(),
@@ -622,13 +626,13 @@ mod tests {
             ..AppSpec::default()
         };
         spec.queue.max_pending = max_pending;
-        Arc::new(App::new(spec, "a-00001".into()))
+        Arc::new(App::new(spec, TargetId::revision("a", 1)))
     }
 
     fn replica(id: &str, concurrency: u32) -> Arc<ReplicaHandle> {
         Arc::new(ReplicaHandle::new(
             id.into(),
-            "a".into(),
+            TargetId::revision("a", 1),
             "a-00001".into(),
             "127.0.0.1:1".parse().expect("addr"),
             concurrency,

@@ -16,15 +16,12 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::{BodyExt, Limited};
 use parking_lot::Mutex;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{Notify, oneshot};
-use warmgate_deploy::{Fairness, PoolSpec};
+use warmgate_deploy::{Fairness, PoolSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
 
 use crate::error::{ApiError, ErrorKind};
@@ -43,8 +40,6 @@ const MAX_FINISHED: usize = 100_000;
 const MAX_OUTPUT_BYTES: usize = 64 * 1024 * 1024;
 /// First delay before retrying a task that failed in user code.
 const RETRY_BASE: Duration = Duration::from_millis(100);
-/// Suffix of the target of an interruptible pool's on-demand replicas.
-pub const ONDEMAND_SUFFIX: &str = "-ondemand";
 /// Tenant of tasks without `X-Warmgate-Tenant`.
 pub const DEFAULT_TENANT: &str = "default";
 
@@ -252,7 +247,7 @@ pub struct Submit {
 }
 
 /// Replaces a replica through the pool manager: `(replica, reason)`.
-pub type Replacer = Box<dyn Fn(&str, &str) + Send + Sync>;
+pub type Replacer = Box<dyn Fn(&ReplicaHandle, &str) + Send + Sync>;
 
 /// One warm pool.
 pub struct Pool {
@@ -263,7 +258,8 @@ pub struct Pool {
     state: Mutex<PoolState>,
     wake: Notify,
     store: Arc<TaskStore>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    /// The gateway's one upstream client.
+    client: crate::proxy::Proxy,
     ids: AtomicU64,
     replacer: OnceLock<Replacer>,
     /// Asks for an on-demand replica (an interruptible pool's fallback).
@@ -297,9 +293,7 @@ struct PoolState {
 
 impl Pool {
     /// A pool at zero replicas.
-    pub fn new(spec: PoolSpec, store: Arc<TaskStore>) -> Arc<Self> {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
+    pub fn new(spec: PoolSpec, store: Arc<TaskStore>, client: crate::proxy::Proxy) -> Arc<Self> {
         Arc::new(Pool {
             name: spec.name.clone(),
             state: Mutex::new(PoolState {
@@ -319,7 +313,7 @@ impl Pool {
             spec,
             wake: Notify::new(),
             store,
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client,
             ids: AtomicU64::new(0),
             replacer: OnceLock::new(),
             wants_ondemand: OnceLock::new(),
@@ -361,11 +355,16 @@ impl Pool {
     /// The pool-manager target of an interruptible pool's on-demand
     /// replicas: a task's last try, after it lost replicas to preemption,
     /// runs there, so it cannot be preempted forever.
-    pub fn ondemand_target(&self) -> Option<String> {
+    pub fn ondemand_target(&self) -> Option<TargetId> {
         self.spec
             .kubernetes
             .interruptible
-            .then(|| format!("{}{ONDEMAND_SUFFIX}", self.name))
+            .then(|| TargetId::OnDemand(self.name.clone()))
+    }
+
+    /// The target of its own replicas.
+    pub fn target(&self) -> TargetId {
+        TargetId::Pool(self.name.clone())
     }
 
     /// How the pool asks for an on-demand replica (set once, at start).
@@ -376,12 +375,15 @@ impl Pool {
     /// How many on-demand replicas the pool wants: enough for the tasks on
     /// their last try, and idle ones kept for `idle_ttl`.
     pub fn ondemand_desired(&self, starting: u32) -> u32 {
-        let Some(target) = self.ondemand_target() else {
+        if self.ondemand_target().is_none() {
             return 0;
-        };
+        }
         let st = self.state.lock();
-        let ours: Vec<&Arc<ReplicaHandle>> =
-            st.replicas.iter().filter(|r| r.target == target).collect();
+        let ours: Vec<&Arc<ReplicaHandle>> = st
+            .replicas
+            .iter()
+            .filter(|r| matches!(r.target, TargetId::OnDemand(_)))
+            .collect();
         let idle: Vec<Duration> = ours
             .iter()
             .filter(|r| r.is_routable())
@@ -618,7 +620,11 @@ impl Pool {
     /// Whether more tasks wait than the ready replicas have free slots.
     pub fn queued_beyond_free_slots(&self) -> bool {
         let st = self.state.lock();
-        let spot = st.replicas.iter().filter(|r| r.target == self.name).count();
+        let spot = st
+            .replicas
+            .iter()
+            .filter(|r| matches!(r.target, TargetId::Pool(_)))
+            .count();
         let slots = spot as u64 * u64::from(self.spec.concurrency);
         st.queue.pending() as u64 > slots.saturating_sub(u64::from(st.inflight))
     }
@@ -632,7 +638,7 @@ impl Pool {
         let idle: Vec<Duration> = st
             .replicas
             .iter()
-            .filter(|r| r.is_routable() && r.target == self.name)
+            .filter(|r| r.is_routable() && matches!(r.target, TargetId::Pool(_)))
             .map(|r| r.idle_for())
             .collect();
         let cfg = warmgate_autoscaler::pool::PoolScaling {
@@ -797,7 +803,7 @@ impl Pool {
                 r.set_unroutable();
                 if let Some(replace) = self.replacer.get() {
                     replace(
-                        &r.id,
+                        r,
                         &format!("weight sync to version {version} failed: {why}"),
                     );
                 }
@@ -842,11 +848,11 @@ impl Pool {
             .map_err(|e| e.to_string())?;
         let req = http::Request::post(format!("http://{}/weights", r.addr))
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
+            .body(axum::body::Body::from(body))
             .map_err(|e| e.to_string())?;
         let resp = self
             .client
-            .request(req)
+            .send(req)
             .await
             .map_err(|e| format!("the worker did not answer POST /weights: {e}"))?;
         let status = resp.status();
@@ -929,7 +935,7 @@ impl Pool {
                 .iter()
                 .filter(|r| {
                     r.is_routable()
-                        && r.target == self.name
+                        && matches!(r.target, TargetId::Pool(_))
                         && r.has_free_slot()
                         && !st.syncing.contains(&r.id)
                         && r.weights_version.load(Ordering::Relaxed) >= need
@@ -945,7 +951,7 @@ impl Pool {
 
     /// A task on its last try and an on-demand replica with room for it.
     fn next_fallback(&self) -> Option<(Task, Arc<ReplicaHandle>)> {
-        let target = self.ondemand_target()?;
+        self.ondemand_target()?;
         let mut st = self.state.lock();
         let head = st.fallback.front()?;
         let need = head.min_version;
@@ -953,7 +959,7 @@ impl Pool {
             .replicas
             .iter()
             .filter(|r| {
-                r.target == target
+                matches!(r.target, TargetId::OnDemand(_))
                     && r.is_routable()
                     && r.has_free_slot()
                     && !st.syncing.contains(&r.id)
@@ -1073,11 +1079,11 @@ impl Pool {
             .header("x-warmgate-task-id", task.id.as_str())
             .header("x-warmgate-attempt", task.attempts)
             .header(crate::trace::TRACEPARENT, task.traceparent.as_str())
-            .body(Full::new(task.input.clone()))
+            .body(axum::body::Body::from(task.input.clone()))
             .map_err(|e| Failure::User(format!("bad request: {e}")))?;
         let resp = self
             .client
-            .request(req)
+            .send(req)
             .await
             .map_err(|e| Failure::System(format!("replica {}: {e}", replica.id)))?;
         let status = resp.status();
@@ -1178,7 +1184,7 @@ mod tests {
     fn replica(id: &str, version: u64) -> Arc<ReplicaHandle> {
         let r = ReplicaHandle::new(
             id.into(),
-            "p".into(),
+            TargetId::Pool("p".into()),
             "p-00001".into(),
             "127.0.0.1:9".parse().expect("addr"),
             1,
@@ -1211,7 +1217,11 @@ mod tests {
             max_staleness: Some(1),
             ..PoolSpec::default()
         };
-        let pool = Pool::new(spec, Arc::new(TaskStore::default()));
+        let pool = Pool::new(
+            spec,
+            Arc::new(TaskStore::default()),
+            crate::proxy::Proxy::new(),
+        );
         for (id, v) in [("old", 0), ("behind", 2), ("latest", 3)] {
             pool.add_replica(replica(id, v));
         }

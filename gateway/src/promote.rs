@@ -9,11 +9,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use warmgate_deploy::AppSpec;
 use warmgate_deploy::revision::{
     Effect, Event, History, Phase, Plan, Promotion, Revision, RevisionState, revision_id,
 };
 use warmgate_deploy::store::unix_now;
+use warmgate_deploy::{AppSpec, TargetId};
 use warmgate_pool::TargetSpec;
 
 use crate::dispatch::App;
@@ -112,14 +112,15 @@ impl Gateway {
     /// weights, made routable by pinning. Reused when it exists already
     /// (a rollback to a revision that served before).
     pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
-        if let Some(a) = self.revisions.read().get(&rev.id).cloned() {
+        let target = rev.target();
+        if let Some(a) = self.revisions.read().get(&target).cloned() {
             // Its weights went when it was retired, with its replicas'
             // tokens: served again, new replicas get new tokens.
             if let Some(uri) = &rev.checkpoint
                 && self.weights.uri(&app.name, &rev.id).is_none()
             {
                 let vars = self.serve_weights(&app.name, &rev.id, uri)?;
-                self.pool.update_target(&rev.id, |t| t.env.extend(vars));
+                self.pool.update_target(&target, |t| t.env.extend(vars));
             }
             app.add_live(a.clone());
             return Ok(a);
@@ -132,8 +133,7 @@ impl Gateway {
             env.extend(self.serve_weights(&app.name, &rev.id, uri)?);
         }
         self.pool.add_target(TargetSpec {
-            name: rev.id.clone(),
-            app: app.name.clone(),
+            id: target.clone(),
             revision: rev.id.clone(),
             command: spec.command.clone(),
             env,
@@ -145,13 +145,12 @@ impl Gateway {
             stop_grace: self.config.backend.stop_grace,
             image: spec.image.clone(),
             pod: spec.kubernetes.clone(),
-            pool: false,
         });
         let min = spec.autoscale.min;
-        let a = Arc::new(App::new(spec, rev.id.clone()));
-        self.revisions.write().insert(rev.id.clone(), a.clone());
+        let a = Arc::new(App::new(spec, target.clone()));
+        self.revisions.write().insert(target.clone(), a.clone());
         app.add_live(a.clone());
-        self.pool.scale(&rev.id, min);
+        self.pool.scale(&target, min);
         Ok(a)
     }
 
@@ -224,7 +223,7 @@ impl Gateway {
             let plan = Plan {
                 canary: req.canary.or(app.spec().promotion.canary),
                 bake: req.bake.unwrap_or(app.spec().promotion.bake),
-                at_zero: self.at_zero(from.as_deref()),
+                at_zero: self.at_zero(h.serving().map(Revision::target)),
             };
             let note = format!(
                 "promote {id} from {} ({}{})",
@@ -324,7 +323,7 @@ impl Gateway {
             let plan = Plan {
                 canary: None,
                 bake: Duration::ZERO,
-                at_zero: self.at_zero(from.as_deref()),
+                at_zero: self.at_zero(h.serving().map(Revision::target)),
             };
             let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
             self.commit(
@@ -394,7 +393,7 @@ impl Gateway {
             let plan = Plan {
                 canary: None,
                 bake: Duration::ZERO,
-                at_zero: self.at_zero(from.as_deref()),
+                at_zero: self.at_zero(h.serving().map(Revision::target)),
             };
             let note = match &from {
                 Some(from) => format!("{why}: {id} replaces {from}"),
@@ -441,13 +440,23 @@ impl Gateway {
         Ok(())
     }
 
+    /// The pool-manager target of an app's revision, by its id, once it
+    /// has been materialized.
+    fn target_of(&self, app: &Served, id: &str) -> Option<TargetId> {
+        self.revisions
+            .read()
+            .values()
+            .find(|a| a.name == app.name && a.revision == id)
+            .map(|a| a.target.clone())
+    }
+
     /// Whether the serving revision has no replicas at all.
-    fn at_zero(&self, serving: Option<&str>) -> bool {
+    fn at_zero(&self, serving: Option<TargetId>) -> bool {
         serving.is_none_or(|id| {
-            self.pool.desired(id).unwrap_or(0) == 0
+            self.pool.desired(&id).unwrap_or(0) == 0
                 && self
                     .pool
-                    .health(id)
+                    .health(&id)
                     .is_none_or(|h| h.ready == 0 && h.starting == 0)
         })
     }
@@ -541,7 +550,9 @@ impl Gateway {
                     if let Some(a) = app.revision(id) {
                         a.hold(n);
                     }
-                    self.pool.scale(id, n);
+                    if let Some(target) = self.target_of(app, id) {
+                        self.pool.scale(&target, n);
+                    }
                 }
                 Effect::Traffic(split) => app.set_split(split),
                 Effect::State(..) => {}
@@ -553,7 +564,9 @@ impl Gateway {
                     // honoured; a rollback to it serves them again.
                     self.weights.unregister(&app.name, id);
                     app.remove_live(id);
-                    self.pool.scale(id, 0);
+                    if let Some(target) = self.target_of(app, id) {
+                        self.pool.scale(&target, 0);
+                    }
                 }
             }
         }
@@ -746,7 +759,7 @@ impl Gateway {
                     "openai_base": format!("http://{}/v1", self.reach),
                     "headers": {"X-Warmgate-Revision": rev},
                 });
-                let status = crate::proxy::post_json(url, &body).await?;
+                let status = self.proxy.post_json(url, &body).await?;
                 if !(200..300).contains(&status) {
                     return Err(format!("{url} answered {status}"));
                 }
@@ -765,7 +778,7 @@ impl Gateway {
 
     /// During warming: ready, failed, or not yet.
     fn warming(&self, app: &Served, p: &Promotion, since: Instant) -> Option<Event> {
-        let h = self.pool.health(&p.to)?;
+        let h = self.pool.health(&self.target_of(app, &p.to)?)?;
         if h.ready > 0 {
             return Some(Event::Ready);
         }

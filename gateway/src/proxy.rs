@@ -76,7 +76,7 @@ impl Proxy {
         let resp = match self.client.request(req).await {
             Ok(r) => r,
             Err(e) => {
-                let err = upstream_error(&e, &replica.id, &replica.target);
+                let err = upstream_error(&e, &replica.id, replica.target.owner());
                 return Err(if e.is_connect() {
                     Forward::Refused(err)
                 } else {
@@ -291,17 +291,23 @@ impl HttpBody for LimitedBody {
     }
 }
 
-/// `POST url` with a JSON body (for hooks); returns the status code.
-pub async fn post_json(url: &str, body: &serde_json::Value) -> Result<u16, String> {
-    let client: Client<HttpConnector, http_body_util::Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let req = Request::post(url)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| format!("bad hook URL {url}: {e}"))?;
-    let resp = client
-        .request(req)
-        .await
-        .map_err(|e| format!("{url}: {e}"))?;
-    Ok(resp.status().as_u16())
+impl Proxy {
+    /// Sends a request of the gateway's own (a task to `/invoke`, weights
+    /// to `/weights`) through the same pooled client as forwarded traffic.
+    pub async fn send(
+        &self,
+        req: Request<Body>,
+    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+        self.client.request(req).await
+    }
+
+    /// `POST url` with a JSON body (for hooks); returns the status code.
+    pub async fn post_json(&self, url: &str, body: &serde_json::Value) -> Result<u16, String> {
+        let req = Request::post(url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .map_err(|e| format!("bad hook URL {url}: {e}"))?;
+        let resp = self.send(req).await.map_err(|e| format!("{url}: {e}"))?;
+        Ok(resp.status().as_u16())
+    }
 }

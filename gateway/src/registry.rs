@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use warmgate_deploy::TargetId;
 
 use crate::pools::Pool;
 use crate::serving::Served;
@@ -25,7 +26,7 @@ pub struct Registry {
     /// Pools by name.
     pools: BTreeMap<String, Arc<Pool>>,
     /// Pools by pool-manager target: their own and their on-demand one.
-    by_target: HashMap<String, Arc<Pool>>,
+    by_target: HashMap<TargetId, Arc<Pool>>,
 }
 
 impl Registry {
@@ -53,7 +54,7 @@ impl Registry {
 
     fn insert_pool(&mut self, pool: Arc<Pool>) {
         self.by_target.retain(|_, p| p.name != pool.name);
-        self.by_target.insert(pool.name.clone(), pool.clone());
+        self.by_target.insert(pool.target(), pool.clone());
         if let Some(od) = pool.ondemand_target() {
             self.by_target.insert(od, pool.clone());
         }
@@ -137,7 +138,7 @@ impl Registry {
 
     /// The pool a pool-manager target belongs to (its own or its on-demand
     /// fallback).
-    pub fn pool_of_target(&self, target: &str) -> Option<&Arc<Pool>> {
+    pub fn pool_of_target(&self, target: &TargetId) -> Option<&Arc<Pool>> {
         self.by_target.get(target)
     }
 }

@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use serde::Serialize;
 use serde_json::json;
 use tokio::task::JoinHandle;
-use warmgate_deploy::Config;
+use warmgate_deploy::{Config, TargetId};
 use warmgate_pool::{
     Backend, PoolManager, ReplicaHandle, ReplicaSink, TargetHealth, TargetSpec, TargetStatus,
 };
@@ -94,7 +94,7 @@ pub fn admin_token() -> Option<String> {
 }
 
 /// App revisions by id, shared with the replica sink.
-pub(crate) type Revisions = Arc<parking_lot::RwLock<HashMap<String, Arc<App>>>>;
+pub(crate) type Revisions = Arc<parking_lot::RwLock<HashMap<TargetId, Arc<App>>>>;
 
 /// Tells apps and pools about replicas as the pool manager starts and
 /// stops them.
@@ -109,13 +109,13 @@ impl ReplicaSink for Sink {
     /// A pool replica may read every weight version of its pool (it syncs
     /// in place); an app replica with a checkpoint, its revision's.
     fn replica_env(&self, spec: &TargetSpec, replica: &str) -> BTreeMap<String, String> {
-        let grant = if spec.pool {
+        let grant = if spec.id.is_pool() {
             crate::weights::Grant::Pool {
-                target: spec.app.clone(),
+                target: spec.id.owner().to_string(),
             }
         } else if spec.checkpoint.is_some() {
             crate::weights::Grant::Revision {
-                target: spec.app.clone(),
+                target: spec.id.owner().to_string(),
                 revision: spec.revision.clone(),
             }
         } else {
@@ -154,7 +154,7 @@ impl ReplicaSink for Sink {
         }
     }
 
-    fn start_failed(&self, target: &str, error: &warmgate_pool::Error, health: &TargetHealth) {
+    fn start_failed(&self, target: &TargetId, error: &warmgate_pool::Error, health: &TargetHealth) {
         if health.ready > 0 || health.starting > 0 {
             return;
         }
@@ -169,7 +169,7 @@ impl ReplicaSink for Sink {
                 ErrorKind::ReplicaFailed,
                 format!("pool '{target}' failed to start a replica: {error}"),
             );
-            if pool.ondemand_target().as_deref() == Some(target) {
+            if matches!(target, TargetId::OnDemand(_)) {
                 pool.fail_fallback(&err);
             } else {
                 pool.fail_pending(&err);
@@ -340,7 +340,7 @@ impl Gateway {
         self: &Arc<Self>,
         spec: warmgate_deploy::PoolSpec,
     ) -> anyhow::Result<Arc<crate::pools::Pool>> {
-        let p = crate::pools::Pool::new(spec, self.tasks.clone());
+        let p = crate::pools::Pool::new(spec, self.tasks.clone(), self.proxy.clone());
         let revision = format!("{}-00001", p.name);
         let mut env = p.spec.env.clone();
         if let Some(uri) = &p.spec.checkpoint {
@@ -361,8 +361,7 @@ impl Gateway {
         self.registry.rcu(|r| Arc::new(r.with_pool(p.clone())));
         let pool = &self.pool;
         let spot = TargetSpec {
-            name: p.name.clone(),
-            app: p.name.clone(),
+            id: p.target(),
             revision,
             command: p.spec.command.clone(),
             env,
@@ -374,12 +373,11 @@ impl Gateway {
             stop_grace: self.config.backend.stop_grace,
             image: p.spec.image.clone(),
             pod: p.spec.kubernetes.clone(),
-            pool: true,
         };
         let od = p.ondemand_target();
         if let Some(od) = &od {
             let mut spec = spot.clone();
-            spec.name = od.clone();
+            spec.id = od.clone();
             spec.pod.interruptible = false;
             pool.add_target(spec);
             let (manager, pool_ref, od) = (pool.clone(), Arc::downgrade(&p), od.clone());
@@ -397,17 +395,12 @@ impl Gateway {
         }
         pool.add_target(spot);
         let manager = pool.clone();
-        let name = p.name.clone();
         p.set_replacer(Box::new(move |replica, reason| {
-            let target = match &od {
-                Some(od) if replica.starts_with(&format!("{od}-")) => od.as_str(),
-                _ => name.as_str(),
-            };
-            if !manager.replace(target, replica, reason) {
-                tracing::error!(pool = %name, %replica, "could not ask for the replica to be replaced");
+            if !manager.replace(&replica.target, &replica.id, reason) {
+                tracing::error!(target_name = %replica.target, replica = %replica.id, "could not ask for the replica to be replaced");
             }
         }));
-        pool.scale(&p.name, p.spec.replicas[0]);
+        pool.scale(&p.target(), p.spec.replicas[0]);
         tokio::spawn(p.clone().run());
         Ok(p)
     }
@@ -461,7 +454,7 @@ impl Gateway {
                     let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
                     for app in served.live() {
                         app.tick(now, |n| {
-                            gw.pool.scale(&app.revision, n);
+                            gw.pool.scale(&app.target, n);
                             desired += n;
                         });
                         let (i, q) = app.load();
@@ -478,8 +471,9 @@ impl Gateway {
                 let instant = Instant::now();
                 for p in registry.pools() {
                     p.expire(instant);
-                    let desired = p.desired(gw.starting(&p.name));
-                    gw.pool.scale(&p.name, desired);
+                    let target = p.target();
+                    let desired = p.desired(gw.starting(&target));
+                    gw.pool.scale(&target, desired);
                     if let Some(od) = p.ondemand_target() {
                         gw.pool.scale(&od, p.ondemand_desired(gw.starting(&od)));
                     }
@@ -646,8 +640,8 @@ impl Gateway {
                 if cold {
                     let pool = &self.pool;
                     app.wake(self.now(), |n| {
-                        if pool.desired(&app.revision).unwrap_or(0) < n {
-                            pool.scale(&app.revision, n);
+                        if pool.desired(&app.target).unwrap_or(0) < n {
+                            pool.scale(&app.target, n);
                         }
                     });
                 }
@@ -677,7 +671,7 @@ impl Gateway {
     /// With no replica ready and the last starts failing, a new request is
     /// refused at once instead of waiting out the crash-loop backoff.
     pub(crate) fn refuse_if_failing(&self, app: &App) -> Result<(), ApiError> {
-        let Some(h) = self.pool.health(&app.revision) else {
+        let Some(h) = self.pool.health(&app.target) else {
             return Ok(());
         };
         if h.ready == 0
@@ -718,15 +712,16 @@ impl Gateway {
         if !pool.queued_beyond_free_slots() {
             return Ok(out);
         }
-        let desired = pool.desired(self.starting(&pool.name));
-        if self.pool.desired(&pool.name).unwrap_or(0) < desired {
-            self.pool.scale(&pool.name, desired);
+        let target = pool.target();
+        let desired = pool.desired(self.starting(&target));
+        if self.pool.desired(&target).unwrap_or(0) < desired {
+            self.pool.scale(&target, desired);
         }
         Ok(out)
     }
 
     /// Replicas of a target started and not ready yet (or waiting for GPUs).
-    pub(crate) fn starting(&self, target: &str) -> u32 {
+    pub(crate) fn starting(&self, target: &TargetId) -> u32 {
         self.pool
             .health(target)
             .map_or(0, |h| (h.starting + h.pending) as u32)
@@ -920,7 +915,7 @@ impl Gateway {
                 let mut v = p.status();
                 v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
                 if let Some(od) = p.ondemand_target() {
-                    v["ondemand"] = json!(targets.iter().find(|t| t.name == od));
+                    v["ondemand"] = json!(targets.iter().find(|t| t.id == od));
                 }
                 v
             })

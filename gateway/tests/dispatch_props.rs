@@ -48,7 +48,7 @@ proptest! {
             ..AppSpec::default()
         };
         spec.queue.max_pending = max_pending;
-        let app = Arc::new(App::new(spec, "p-00001".into()));
+        let app = Arc::new(App::new(spec, warmgate_deploy::TargetId::revision("p", 1)));
         let mut replicas: Vec<Arc<ReplicaHandle>> = Vec::new();
         let mut routed: Vec<Arc<ReplicaHandle>> = Vec::new();
         let mut running: Vec<SlotGuard> = Vec::new();
@@ -88,7 +88,7 @@ proptest! {
                     next_id += 1;
                     let r = Arc::new(ReplicaHandle::new(
                         format!("p-{next_id}"),
-                        "p".into(),
+                        warmgate_deploy::TargetId::revision("p", 1),
                         "p-00001".into(),
                         "127.0.0.1:9".parse().expect("addr"),
                         concurrency,

@@ -15,6 +15,7 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
+use warmgate_deploy::TargetId;
 
 use crate::Error;
 use crate::backend::{Backend, Launch, Process};
@@ -40,7 +41,7 @@ pub trait ReplicaSink: Send + Sync + 'static {
     /// A replica must take no new traffic (it is draining, or gone).
     fn replica_removed(&self, replica: &Arc<ReplicaHandle>);
     /// A replica failed to start; `health` is the target's state after it.
-    fn start_failed(&self, target: &str, error: &Error, health: &TargetHealth);
+    fn start_failed(&self, target: &TargetId, error: &Error, health: &TargetHealth);
     /// Environment of one replica's own, added to its target's `env` as it
     /// launches (a credential minted for that replica alone).
     fn replica_env(&self, _spec: &TargetSpec, _replica: &str) -> BTreeMap<String, String> {
@@ -54,10 +55,9 @@ pub trait ReplicaSink: Send + Sync + 'static {
 /// How to run the replicas of one app or pool.
 #[derive(Debug, Clone)]
 pub struct TargetSpec {
-    /// Target name: a pool's name, or an app revision's id.
-    pub name: String,
-    /// The app or pool it belongs to (`WARMGATE_TARGET` for its workers).
-    pub app: String,
+    /// Which replicas these are; `id.owner()` is `WARMGATE_TARGET` for
+    /// its workers.
+    pub id: TargetId,
     /// Revision its replicas serve.
     pub revision: String,
     /// Program and arguments.
@@ -80,8 +80,6 @@ pub struct TargetSpec {
     pub image: Option<String>,
     /// Pod placement and resources (kubernetes backend).
     pub pod: warmgate_deploy::PodSpec,
-    /// A pool, not an app revision.
-    pub pool: bool,
 }
 
 /// A target's replicas in brief: what the gateway needs to decide whether a
@@ -122,6 +120,9 @@ pub struct ColdStart {
 /// One target in a status report.
 #[derive(Debug, Clone, Serialize)]
 pub struct TargetStatus {
+    /// Which target.
+    #[serde(skip)]
+    pub id: TargetId,
     /// Target name: a pool's name, or an app revision's id.
     pub name: String,
     /// The app or pool it belongs to.
@@ -152,7 +153,7 @@ struct Inner {
     gpus: Mutex<GpuInventory>,
     gpu_freed: Notify,
     prober: Prober,
-    targets: RwLock<HashMap<String, Target>>,
+    targets: RwLock<HashMap<TargetId, Target>>,
 }
 
 struct Target {
@@ -248,7 +249,7 @@ impl PoolManager {
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let (ev_tx, ev_rx) = mpsc::channel(EVENT_QUEUE);
         let ev_tx_for_target = ev_tx.clone();
-        let name = spec.name.clone();
+        let name = spec.id.clone();
         let shared = Arc::new(Mutex::new(Shared {
             spec: Arc::new(spec),
             desired: 0,
@@ -284,7 +285,7 @@ impl PoolManager {
     }
 
     /// Asks for `n` replicas of `target`. Returns false for an unknown target.
-    pub fn scale(&self, target: &str, n: u32) -> bool {
+    pub fn scale(&self, target: &TargetId, n: u32) -> bool {
         match self.inner.targets.read().get(target) {
             Some(t) => {
                 t.desired.send_if_modified(|cur| {
@@ -301,7 +302,7 @@ impl PoolManager {
     /// Changes how the target's *next* replicas start (their environment,
     /// checkpoint or revision); running replicas are left alone. Returns
     /// false for an unknown target.
-    pub fn update_target(&self, target: &str, f: impl FnOnce(&mut TargetSpec)) -> bool {
+    pub fn update_target(&self, target: &TargetId, f: impl FnOnce(&mut TargetSpec)) -> bool {
         let targets = self.inner.targets.read();
         let Some(t) = targets.get(target) else {
             return false;
@@ -316,7 +317,7 @@ impl PoolManager {
     /// Stops one replica (drain, SIGTERM, grace, SIGKILL) and starts a fresh
     /// one in its place, from the target's current spec. Returns false when
     /// the target is unknown or its actor is too busy to take the request.
-    pub fn replace(&self, target: &str, replica: &str, reason: &str) -> bool {
+    pub fn replace(&self, target: &TargetId, replica: &str, reason: &str) -> bool {
         let targets = self.inner.targets.read();
         let Some(t) = targets.get(target) else {
             return false;
@@ -332,7 +333,7 @@ impl PoolManager {
     /// Stops every replica of `target` (drain, SIGTERM, grace, SIGKILL)
     /// and forgets the target. Returns once they are gone; false for an
     /// unknown target.
-    pub async fn remove_target(&self, target: &str) -> bool {
+    pub async fn remove_target(&self, target: &TargetId) -> bool {
         let task = {
             let Some(t) = self.inner.targets.write().remove(target) else {
                 return false;
@@ -348,8 +349,18 @@ impl PoolManager {
         true
     }
 
+    /// Whether a target, of any kind, is shown under `name`: its replicas'
+    /// ids and pods would collide with another's of the same name.
+    pub fn has_target_named(&self, name: &str) -> bool {
+        self.inner
+            .targets
+            .read()
+            .keys()
+            .any(|t| t.to_string() == name)
+    }
+
     /// The replica count last asked for.
-    pub fn desired(&self, target: &str) -> Option<u32> {
+    pub fn desired(&self, target: &TargetId) -> Option<u32> {
         self.inner
             .targets
             .read()
@@ -358,7 +369,7 @@ impl PoolManager {
     }
 
     /// A target's health in brief.
-    pub fn health(&self, target: &str) -> Option<TargetHealth> {
+    pub fn health(&self, target: &TargetId) -> Option<TargetHealth> {
         let targets = self.inner.targets.read();
         let t = targets.get(target)?;
         let s = t.shared.lock();
@@ -461,8 +472,9 @@ impl Shared {
             })
             .collect();
         TargetStatus {
-            name: self.spec.name.clone(),
-            app: self.spec.app.clone(),
+            id: self.spec.id.clone(),
+            name: self.spec.id.to_string(),
+            app: self.spec.id.owner().to_string(),
             revision: self.spec.revision.clone(),
             desired: self.desired,
             replicas,
@@ -519,7 +531,7 @@ impl Actor {
                 _ = sleep_until_opt(wake_at), if wake_at.is_some() => {}
             }
         }
-        tracing::debug!(target_name = %self.shared.lock().spec.name, "all replicas stopped");
+        tracing::debug!(target_name = %self.shared.lock().spec.id, "all replicas stopped");
     }
 
     /// Brings the replica set toward the desired count. Returns when to look
@@ -575,7 +587,7 @@ impl Actor {
             for _ in current..desired {
                 let seq = self.next_seq;
                 self.next_seq += 1;
-                let id = format!("{}-{seq}", shared.spec.name);
+                let id = format!("{}-{seq}", shared.spec.id);
                 shared.replicas.insert(
                     seq,
                     Slot {
@@ -633,7 +645,7 @@ impl Actor {
         env.extend(self.inner.sink.replica_env(&spec, &slot.id));
         let launch = Launch {
             replica: slot.id.clone(),
-            target: spec.app.clone(),
+            target: spec.id.owner().to_string(),
             revision: spec.revision.clone(),
             command: spec.command.clone(),
             env,
@@ -643,7 +655,7 @@ impl Actor {
             image: spec.image.clone(),
             pod: spec.pod.clone(),
             gpu_count: spec.gpus,
-            pool: spec.pool,
+            pool: spec.id.is_pool(),
         };
         let ctx = ReplicaTask {
             seq,
@@ -686,7 +698,7 @@ impl Actor {
 
     fn on_event(&mut self, ev: Event) {
         let mut shared = self.shared.lock();
-        let name = shared.spec.name.clone();
+        let name = shared.spec.id.clone();
         match ev {
             Event::Launched {
                 seq,
@@ -726,12 +738,12 @@ impl Actor {
                     "replica ready"
                 );
                 if let Some(w) = weights {
-                    metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "weights")
+                    metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.id.owner().to_string(), "phase" => "weights")
                         .record(w.as_secs_f64());
                 }
-                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "spawn")
+                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.id.owner().to_string(), "phase" => "spawn")
                     .record(spawn.as_secs_f64());
-                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.app.clone(), "phase" => "ready")
+                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.id.owner().to_string(), "phase" => "ready")
                     .record(ready.as_secs_f64());
                 shared.last_failure_at_start = false;
                 shared.backoff_until = None;
@@ -964,7 +976,7 @@ impl ReplicaTask {
         let handle = Arc::new(
             ReplicaHandle::new(
                 launch.replica.clone(),
-                self.spec.name.clone(),
+                self.spec.id.clone(),
                 self.spec.revision.clone(),
                 addr,
                 self.spec.concurrency,

@@ -80,8 +80,8 @@ impl ReplicaState {
 pub struct ReplicaHandle {
     /// Unique id, e.g. `minilm-3`.
     pub id: String,
-    /// The app or pool it belongs to.
-    pub target: String,
+    /// The target it belongs to.
+    pub target: warmgate_deploy::TargetId,
     /// The revision it serves.
     pub revision: String,
     /// Where it listens.
@@ -108,7 +108,7 @@ impl ReplicaHandle {
     /// A handle for a replica that just became ready.
     pub fn new(
         id: String,
-        target: String,
+        target: warmgate_deploy::TargetId,
         revision: String,
         addr: SocketAddr,
         concurrency: u32,
@@ -276,7 +276,7 @@ mod tests {
     async fn wait_idle_returns_when_the_last_request_ends() {
         let h = std::sync::Arc::new(ReplicaHandle::new(
             "a-1".into(),
-            "a".into(),
+            warmgate_deploy::TargetId::Pool("a".into()),
             "a-00001".into(),
             "127.0.0.1:1".parse().expect("addr"),
             2,

@@ -412,7 +412,7 @@ pub(crate) async fn sync_weights(
         // now on, and the ones synced in place, read this one.
         gw.weights.retain_only(&pool.name, &revision);
         let checkpoint = body.checkpoint.clone();
-        for target in std::iter::once(pool.name.clone()).chain(pool.ondemand_target()) {
+        for target in std::iter::once(pool.target()).chain(pool.ondemand_target()) {
             gw.pool.update_target(&target, |t| {
                 t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
                 t.env
