@@ -22,7 +22,7 @@ use warmgate_deploy::{AppSpec, Config, PoolSpec, TargetId};
 
 use crate::error::{ApiError, ErrorKind};
 use crate::server::Gateway;
-use crate::serving::Served;
+use crate::serving::served::Served;
 
 /// What a put did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -480,7 +480,7 @@ fn simulate(
     };
     let a = &spec.autoscale;
     let target = spec.target();
-    let scaling = crate::dispatch::scaling_config(spec);
+    let scaling = crate::serving::dispatch::scaling_config(spec);
     // The baselines get the same per-replica capacity and target; without
     // an explicit target, Knative's own utilisation default (70%) applies.
     let baseline_target = a.target.unwrap_or(

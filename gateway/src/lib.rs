@@ -6,25 +6,22 @@
 
 pub mod change;
 pub mod cli;
-pub mod dispatch;
 pub mod error;
 pub mod http;
-pub mod journal;
 pub mod listener;
 pub mod operator;
-pub mod pools;
 pub mod promote;
-pub mod proxy;
 pub mod registry;
 pub mod runtime;
 pub mod server;
 pub mod serving;
 pub mod simplot;
-pub mod task;
-pub mod taskqueue;
+pub mod status;
+pub mod tasks;
 pub mod telemetry;
 pub mod tenants;
 pub mod trace;
+pub mod upstream;
 pub mod weights;
 
 pub use error::{ApiError, ErrorKind};

@@ -28,13 +28,16 @@ use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt as _};
-use serde_json::{Value, json};
+use serde_json::json;
 use warmgate_deploy::crd::{
     Condition, ReplicaCounts, RevisionTraffic, ServingApp, ServingAppStatus, WarmPool,
     WarmPoolStatus,
 };
 use warmgate_deploy::{BackendKind, Config};
 use warmgate_pool::kubernetes::{INSTANCE, KubeBackend, KubeSettings, MANAGED_BY};
+use warmgate_pool::{ReplicaState, TargetStatus};
+
+use crate::status::{AppStatus, PoolStatus};
 
 /// How often statuses are written.
 const STATUS_INTERVAL: Duration = Duration::from_secs(5);
@@ -197,51 +200,52 @@ fn refused_conditions(r: &Refusal, now: &str) -> Vec<Condition> {
 }
 
 /// The status of an app, from the gateway's `/v1/status` entry for it.
-pub fn app_status(app: &Value, generation: Option<i64>, now: &str) -> ServingAppStatus {
-    let counts = counts(app);
-    let revisions: Vec<RevisionTraffic> = app["revisions"]
-        .as_array()
-        .into_iter()
-        .flatten()
+pub fn app_status(app: &AppStatus, generation: Option<i64>, now: &str) -> ServingAppStatus {
+    let target = app.pool.as_ref();
+    let counts = counts(target);
+    let revisions: Vec<RevisionTraffic> = app
+        .revisions
+        .iter()
         .map(|r| RevisionTraffic {
-            id: r["id"].as_str().unwrap_or("").to_string(),
+            id: r.id.clone(),
             checkpoint: None,
-            traffic: r["traffic"].as_u64().unwrap_or(0).min(100) as u8,
-            ready: r["ready"].as_u64().unwrap_or(0) as u32,
+            traffic: r.traffic.min(100),
+            ready: r.ready as u32,
         })
         .collect();
     ServingAppStatus {
-        conditions: conditions(&counts, app, now),
+        conditions: conditions(&counts, target, now),
         replicas: counts,
-        revision: app["revision"].as_str().map(str::to_string),
+        revision: Some(app.revision.clone()).filter(|r| !r.is_empty()),
         revisions,
         observed_generation: generation,
     }
 }
 
 /// The status of a pool, from the gateway's `/v1/status` entry for it.
-pub fn pool_status(pool: &Value, generation: Option<i64>, now: &str) -> WarmPoolStatus {
-    let counts = counts(pool);
+pub fn pool_status(pool: &PoolStatus, generation: Option<i64>, now: &str) -> WarmPoolStatus {
+    let target = pool.pool.as_ref();
+    let counts = counts(target);
     WarmPoolStatus {
-        conditions: conditions(&counts, pool, now),
+        conditions: conditions(&counts, target, now),
         replicas: counts,
-        weights_version: pool["weights_version"].as_u64().unwrap_or(0),
-        pending_tasks: pool["pending"].as_u64().unwrap_or(0),
+        weights_version: pool.weights_version,
+        pending_tasks: pool.pending as u64,
         observed_generation: generation,
     }
 }
 
-fn counts(v: &Value) -> ReplicaCounts {
+fn counts(target: Option<&TargetStatus>) -> ReplicaCounts {
     let mut c = ReplicaCounts {
-        desired: v["pool"]["desired"].as_u64().unwrap_or(0) as u32,
+        desired: target.map_or(0, |t| t.desired),
         ..ReplicaCounts::default()
     };
-    for r in v["pool"]["replicas"].as_array().into_iter().flatten() {
-        match r["state"].as_str() {
-            Some("ready") => c.ready += 1,
-            Some("starting") => c.starting += 1,
-            Some("pending") => c.pending += 1,
-            _ => {}
+    for r in target.iter().flat_map(|t| &t.replicas) {
+        match r.state {
+            ReplicaState::Ready => c.ready += 1,
+            ReplicaState::Starting => c.starting += 1,
+            ReplicaState::Pending { .. } => c.pending += 1,
+            ReplicaState::Draining | ReplicaState::Stopped => {}
         }
     }
     c
@@ -249,7 +253,7 @@ fn counts(v: &Value) -> ReplicaCounts {
 
 /// `Ready`, and `Unschedulable` while the scheduler cannot place a
 /// replica (with its reason): an app waiting for GPUs is not failed.
-fn conditions(c: &ReplicaCounts, v: &Value, now: &str) -> Vec<Condition> {
+fn conditions(c: &ReplicaCounts, target: Option<&TargetStatus>, now: &str) -> Vec<Condition> {
     let cond = |type_: &str, ok: bool, reason: &str, message: String| Condition {
         type_: type_.to_string(),
         status: if ok { "True" } else { "False" }.to_string(),
@@ -274,12 +278,13 @@ fn conditions(c: &ReplicaCounts, v: &Value, now: &str) -> Vec<Condition> {
     } else {
         cond("Ready", false, "Starting", "no replica is ready yet".into())
     };
-    let reasons: Vec<String> = v["pool"]["replicas"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|r| r["state"] == "pending")
-        .filter_map(|r| r["reason"].as_str().map(str::to_string))
+    let reasons: Vec<&str> = target
+        .iter()
+        .flat_map(|t| &t.replicas)
+        .filter_map(|r| match &r.state {
+            ReplicaState::Pending { reason } => Some(reason.as_str()),
+            _ => None,
+        })
         .collect();
     let mut out = vec![ready];
     if let Some(first) = reasons.first() {
@@ -809,20 +814,16 @@ async fn write_statuses(
             tracing::warn!(name = %r.name, error = %e, "could not write a refused resource's status");
         }
     }
-    let status = gw.status_json();
-    for a in status["apps"].as_array().into_iter().flatten() {
-        let Some(name) = a["name"].as_str() else {
-            continue;
-        };
+    let status = gw.status_report();
+    for a in &status.apps {
+        let name = a.name.as_str();
         let g = generations.get(&format!("app/{name}")).copied().flatten();
         if let Err(e) = patch_status(apps, name, &app_status(a, g, &now)).await {
             tracing::warn!(app = %name, error = %e, "could not write the ServingApp status");
         }
     }
-    for p in status["pools"].as_array().into_iter().flatten() {
-        let Some(name) = p["name"].as_str() else {
-            continue;
-        };
+    for p in &status.pools {
+        let name = p.name.as_str();
         let g = generations.get(&format!("pool/{name}")).copied().flatten();
         if let Err(e) = patch_status(pools, name, &pool_status(p, g, &now)).await {
             tracing::warn!(pool = %name, error = %e, "could not write the WarmPool status");
@@ -840,6 +841,7 @@ mod tests {
     use bytes::Bytes;
     use http::{Request, Response};
     use http_body_util::Full;
+    use serde_json::Value;
 
     fn app(name: &str, spec: Value) -> ServingApp {
         serde_json::from_value(json!({
@@ -1115,16 +1117,63 @@ mod tests {
         );
     }
 
-    fn gateway_app_status() -> Value {
-        json!({
-            "name": "minilm", "revision": "minilm-00002",
-            "revisions": [{"id": "minilm-00002", "traffic": 90, "ready": 1}, {"id": "minilm-00001", "traffic": 10, "ready": 1}],
-            "pool": {"desired": 3, "replicas": [
-                {"id": "minilm-00002-1", "state": "ready"},
-                {"id": "minilm-00002-2", "state": "starting"},
-                {"id": "minilm-00002-3", "state": "pending", "reason": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
-            ]}
-        })
+    fn target(desired: u32, replicas: &[(&str, ReplicaState)]) -> TargetStatus {
+        TargetStatus {
+            id: warmgate_deploy::TargetId::revision("minilm", 2),
+            name: "minilm-00002".into(),
+            app: "minilm".into(),
+            revision: "minilm-00002".into(),
+            desired,
+            replicas: replicas
+                .iter()
+                .map(|(id, state)| warmgate_pool::ReplicaStatus {
+                    id: (*id).into(),
+                    state: state.clone(),
+                    revision: "minilm-00002".into(),
+                    addr: None,
+                    pid: None,
+                    gpus: Vec::new(),
+                    inflight: 0,
+                    concurrency: 1,
+                    idle_seconds: None,
+                    age_seconds: 0.0,
+                    weights_version: None,
+                    log: None,
+                })
+                .collect(),
+            restarts: 0,
+            health: Default::default(),
+            last_cold_start: None,
+        }
+    }
+
+    fn gateway_app_status() -> AppStatus {
+        let revision = |id: &str, traffic| crate::status::RevisionStatus {
+            id: id.into(),
+            traffic,
+            ready: 1,
+            ..Default::default()
+        };
+        AppStatus {
+            name: "minilm".into(),
+            revision: "minilm-00002".into(),
+            revisions: vec![revision("minilm-00002", 90), revision("minilm-00001", 10)],
+            pool: Some(target(
+                3,
+                &[
+                    ("minilm-00002-1", ReplicaState::Ready),
+                    ("minilm-00002-2", ReplicaState::Starting),
+                    (
+                        "minilm-00002-3",
+                        ReplicaState::Pending {
+                            reason: "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+                                .into(),
+                        },
+                    ),
+                ],
+            )),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -1162,7 +1211,11 @@ mod tests {
         );
         // Scaled to zero is ready, not failed.
         let zero = app_status(
-            &json!({"name": "m", "pool": {"desired": 0, "replicas": []}}),
+            &AppStatus {
+                name: "m".into(),
+                pool: Some(target(0, &[])),
+                ..Default::default()
+            },
             None,
             "t",
         );

@@ -16,10 +16,10 @@ use warmgate_deploy::store::unix_now;
 use warmgate_deploy::{AppSpec, TargetId};
 use warmgate_pool::TargetSpec;
 
-use crate::dispatch::App;
 use crate::error::{ApiError, ErrorKind};
 use crate::server::Gateway;
-use crate::serving::Served;
+use crate::serving::dispatch::App;
+use crate::serving::served::Served;
 
 /// How often a running promotion looks at its new revision.
 const STEP: Duration = Duration::from_millis(100);
@@ -759,7 +759,7 @@ impl Gateway {
                     "openai_base": format!("http://{}/v1", self.reach),
                     "headers": {"X-Warmgate-Revision": rev},
                 });
-                let status = self.proxy.post_json(url, &body).await?;
+                let status = self.upstream.post_json(url, &body).await?;
                 if !(200..300).contains(&status) {
                     return Err(format!("{url} answered {status}"));
                 }

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use warmgate_deploy::TargetId;
 
-use crate::pools::Pool;
-use crate::serving::Served;
+use crate::serving::served::Served;
+use crate::tasks::pool::Pool;
 
 /// One snapshot of what is served.
 #[derive(Default, Clone)]

@@ -5,43 +5,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::body::Body;
-use axum::extract::Request;
-use axum::response::Response;
-use bytes::Bytes;
-use http::HeaderValue;
-use http_body_util::BodyExt;
-use serde::Serialize;
-use serde_json::json;
-use tokio::task::JoinHandle;
 use warmgate_deploy::{Config, TargetId};
 use warmgate_pool::{
     Backend, PoolManager, ReplicaHandle, ReplicaSink, TargetHealth, TargetSpec, TargetStatus,
 };
 
-use crate::dispatch::{Acquire, App};
-use crate::error::{ApiError, ErrorKind, body_error};
-use crate::proxy::Proxy;
-use crate::serving::Served;
-
-/// How often the autoscaler looks at demand. One second resolves the 6 s
-/// panic window into six samples, as Knative's 2 s tick does for its window,
-/// and keeps the policy cheap.
-pub const AUTOSCALE_TICK: Duration = Duration::from_secs(1);
+use crate::error::{ApiError, ErrorKind};
+use crate::serving::dispatch::App;
+use crate::serving::served::Served;
+use crate::status::{AppStatus, GatewayStatus, PoolStatus, RevisionStatus};
+use crate::upstream::Upstream;
 
 pub(crate) const X_REQUEST_ID: &str = "x-request-id";
-pub(crate) const X_REPLICA: &str = "x-warmgate-replica";
-pub(crate) const X_REVISION: &str = "x-warmgate-revision";
-pub(crate) const X_QUEUED_MS: &str = "x-warmgate-queued-ms";
-pub(crate) const X_COLD_START: &str = "x-warmgate-cold-start";
 pub(crate) const X_TENANT: &str = "x-warmgate-tenant";
-/// Request bodies up to this size are kept so that a request refused by a
-/// dying replica can go to another; larger ones stream through once.
-pub(crate) const MAX_REPLAY_BYTES: u64 = 64 * 1024;
-/// Tries of a request whose replicas refuse the connection.
-pub(crate) const MAX_CONNECT_ATTEMPTS: u32 = 3;
-/// Pause before the next try, times the tries so far.
-pub(crate) const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
 /// The longest timeout a client may ask for: past it, deadline arithmetic
 /// could overflow, and no task or sync should wait a month.
 pub(crate) const MAX_CLIENT_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -56,12 +32,14 @@ pub struct Gateway {
     /// Every app revision ever started, by id (for replica events).
     pub(crate) revisions: Revisions,
     pub(crate) pool: PoolManager,
-    pub(crate) proxy: Proxy,
+    pub(crate) upstream: Upstream,
+    /// A request's way from the traffic split to a replica.
+    pub(crate) serving: crate::serving::pipeline::Pipeline,
     pub(crate) started: Instant,
     pub(crate) draining: AtomicBool,
     pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub(crate) weights: Arc<crate::weights::Weights>,
-    pub(crate) tasks: Arc<crate::pools::TaskStore>,
+    pub(crate) tasks: Arc<crate::tasks::pool::TaskStore>,
     /// Where workers reach the gateway.
     pub(crate) reach: String,
     /// The workers' working directory.
@@ -275,12 +253,14 @@ impl Gateway {
                 ),
             }
         }
-        let tasks = Arc::new(crate::pools::TaskStore::new(crate::pools::StoreLimits {
-            max_pending_bytes: config.limits.max_pending_task_bytes,
-            max_results_bytes: config.limits.max_task_results_bytes,
-        }));
+        let tasks = Arc::new(crate::tasks::pool::TaskStore::new(
+            crate::tasks::pool::StoreLimits {
+                max_pending_bytes: config.limits.max_pending_task_bytes,
+                max_results_bytes: config.limits.max_task_results_bytes,
+            },
+        ));
         let (journal, recovered) =
-            crate::journal::Journal::open(&db, config.limits.max_journal_bytes)
+            crate::tasks::journal::Journal::open(&db, config.limits.max_journal_bytes)
                 .with_context(|| format!("open the task journal in {}", db.display()))?;
         if recovered.failed > 0 {
             tracing::warn!(
@@ -301,13 +281,20 @@ impl Gateway {
                 weights: weights.clone(),
             }),
         );
+        let (upstream, started) = (Upstream::new(), Instant::now());
         let gw = Arc::new(Gateway {
+            serving: crate::serving::pipeline::Pipeline::new(
+                upstream.clone(),
+                pool.clone(),
+                started,
+                config.limits.max_body_bytes,
+            ),
             config: Arc::new(config),
             registry,
             revisions,
             pool,
-            proxy: Proxy::new(),
-            started: Instant::now(),
+            upstream,
+            started,
             draining: AtomicBool::new(false),
             metrics,
             weights,
@@ -339,8 +326,8 @@ impl Gateway {
     pub(crate) fn start_pool(
         self: &Arc<Self>,
         spec: warmgate_deploy::PoolSpec,
-    ) -> anyhow::Result<Arc<crate::pools::Pool>> {
-        let p = crate::pools::Pool::new(spec, self.tasks.clone(), self.proxy.clone());
+    ) -> anyhow::Result<Arc<crate::tasks::pool::Pool>> {
+        let p = crate::tasks::pool::Pool::new(spec, self.tasks.clone(), self.upstream.clone());
         let revision = format!("{}-00001", p.name);
         let mut env = p.spec.env.clone();
         if let Some(uri) = &p.spec.checkpoint {
@@ -437,59 +424,6 @@ impl Gateway {
         self.started.elapsed()
     }
 
-    /// Runs the autoscaler every [`AUTOSCALE_TICK`] until aborted.
-    pub fn spawn_autoscaler(self: &Arc<Self>) -> JoinHandle<()> {
-        let gw = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(AUTOSCALE_TICK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                if gw.draining.load(Ordering::Acquire) {
-                    return;
-                }
-                let now = gw.now();
-                let registry = gw.registry.load_full();
-                for served in registry.apps() {
-                    let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
-                    for app in served.live() {
-                        app.tick(now, |n| {
-                            gw.pool.scale(&app.target, n);
-                            desired += n;
-                        });
-                        let (i, q) = app.load();
-                        inflight += i;
-                        queued += q;
-                    }
-                    let name = served.name.clone();
-                    metrics::gauge!("warmgate_replicas_desired", "app" => name.clone())
-                        .set(f64::from(desired));
-                    metrics::gauge!("warmgate_inflight", "app" => name.clone())
-                        .set(f64::from(inflight));
-                    metrics::gauge!("warmgate_queued", "app" => name).set(queued as f64);
-                }
-                let instant = Instant::now();
-                for p in registry.pools() {
-                    p.expire(instant);
-                    let target = p.target();
-                    let desired = p.desired(gw.starting(&target));
-                    gw.pool.scale(&target, desired);
-                    if let Some(od) = p.ondemand_target() {
-                        gw.pool.scale(&od, p.ondemand_desired(gw.starting(&od)));
-                    }
-                    let (pending, inflight, _) = p.load();
-                    metrics::gauge!("warmgate_tasks_pending", "pool" => p.name.clone())
-                        .set(pending as f64);
-                    metrics::gauge!("warmgate_tasks_inflight", "pool" => p.name.clone())
-                        .set(f64::from(inflight));
-                    metrics::gauge!("warmgate_replicas_desired", "app" => p.name.clone())
-                        .set(f64::from(desired));
-                }
-                record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
-            }
-        })
-    }
-
     /// Stops taking traffic: `/readyz` fails and the autoscaler stops.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
@@ -501,207 +435,15 @@ impl Gateway {
         self.pool.shutdown().await;
     }
 
-    /// Serves one request of `served` on the revision the split (or a
-    /// pinning `X-Warmgate-Revision`) picks, and counts the answer for
-    /// that revision's health unless it was pinned.
-    pub(crate) async fn serve(
-        self: &Arc<Self>,
-        served: &Served,
-        mut req: Request,
-        path_and_query: &str,
-    ) -> (Option<Arc<App>>, Result<Response, ApiError>) {
-        use tracing::Instrument as _;
-        let traceparent = crate::trace::ensure_traceparent(req.headers_mut());
-        let span = tracing::info_span!(
-            "request",
-            app = %served.name,
-            trace_id = %crate::trace::trace_id(&traceparent),
-            revision = tracing::field::Empty,
-            replica = tracing::field::Empty,
-            queued_ms = tracing::field::Empty,
-            status = tracing::field::Empty,
-        );
-        crate::telemetry::set_parent(&span, req.headers());
-        let pinned = req
-            .headers()
-            .get(X_REVISION)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        let app = match served.pick(pinned.as_deref()) {
-            Ok(a) => a,
-            Err(e) => return (None, Err(e)),
-        };
-        span.record("revision", app.revision.as_str());
-        let t0 = Instant::now();
-        let result = self
-            .serve_app(&app, req, path_and_query)
-            .instrument(span.clone())
-            .await;
-        match &result {
-            Ok(r) => {
-                let h = r.headers();
-                let text = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
-                span.record("replica", text(X_REPLICA));
-                span.record("queued_ms", text(X_QUEUED_MS));
-                span.record("status", r.status().as_u16());
-            }
-            Err(e) => {
-                span.record("status", e.kind.as_str());
-            }
-        }
-        tracing::debug!(parent: &span, took_ms = t0.elapsed().as_secs_f64() * 1e3, "request done");
-        let failed = match &result {
-            Ok(r) => r.status().is_server_error(),
-            Err(e) => matches!(
-                e.kind,
-                ErrorKind::ReplicaFailed | ErrorKind::Timeout | ErrorKind::NoCapacity
-            ),
-        };
-        // Only traffic the split routed judges a revision's health: a
-        // client pinning a revision (an evaluation, or anyone who can
-        // reach the data plane) must not be able to fail a canary, nor to
-        // make a bad one look healthy.
-        if pinned.is_none() {
-            app.answered(failed, t0.elapsed());
-        }
-        (Some(app), result)
-    }
-
-    /// Serves one request with `app`: a slot now, or a wait in the hold
-    /// queue, then the forward.
-    pub(crate) async fn serve_app(
-        self: &Arc<Self>,
-        app: &Arc<App>,
-        req: Request,
-        path_and_query: &str,
-    ) -> Result<Response, ApiError> {
-        // A replica that refuses the connection (killed a moment ago, not
-        // yet seen to exit) was sent nothing, so the request may try
-        // another one, if its body can be sent again.
-        let (parts, body) = req.into_parts();
-        let bytes = match http_body::Body::size_hint(&body).exact() {
-            Some(0) => Bytes::new(),
-            Some(n) if n <= MAX_REPLAY_BYTES => body
-                .collect()
-                .await
-                .map_err(|e| body_error(&e, self.config.limits.max_body_bytes))?
-                .to_bytes(),
-            _ => {
-                let req = Request::from_parts(parts, body);
-                return self.serve_once(app, req, path_and_query).await;
-            }
-        };
-        let mut attempt = 1;
-        loop {
-            // What the proxy uses of the request; its extensions stay behind.
-            let mut req = Request::new(Body::from(bytes.clone()));
-            *req.method_mut() = parts.method.clone();
-            *req.uri_mut() = parts.uri.clone();
-            *req.version_mut() = parts.version;
-            *req.headers_mut() = parts.headers.clone();
-            match self.serve_once_or_refused(app, req, path_and_query).await {
-                Err(crate::proxy::Forward::Refused(e)) if attempt < MAX_CONNECT_ATTEMPTS => {
-                    metrics::counter!("warmgate_connect_retries_total").increment(1);
-                    tracing::debug!(attempt, error = %e.message, "retrying on another replica");
-                    // The pool manager sees a dead process within
-                    // milliseconds; give it that long to drop the replica.
-                    tokio::time::sleep(CONNECT_RETRY_PAUSE * attempt).await;
-                    attempt += 1;
-                }
-                other => return other.map_err(crate::proxy::Forward::into_error),
-            }
-        }
-    }
-
-    pub(crate) async fn serve_once(
-        self: &Arc<Self>,
-        app: &Arc<App>,
-        req: Request,
-        path_and_query: &str,
-    ) -> Result<Response, ApiError> {
-        self.serve_once_or_refused(app, req, path_and_query)
-            .await
-            .map_err(crate::proxy::Forward::into_error)
-    }
-
-    pub(crate) async fn serve_once_or_refused(
-        self: &Arc<Self>,
-        app: &Arc<App>,
-        req: Request,
-        path_and_query: &str,
-    ) -> Result<Response, crate::proxy::Forward> {
-        use crate::proxy::Forward::Failed;
-        if app.ready_replicas() == 0 {
-            self.refuse_if_failing(app).map_err(Failed)?;
-        }
-        let (slot, queued, cold) = match app.acquire().map_err(Failed)? {
-            Acquire::Ready(slot) => (slot, Duration::ZERO, false),
-            Acquire::Held { pending, cold } => {
-                if cold {
-                    let pool = &self.pool;
-                    app.wake(self.now(), |n| {
-                        if pool.desired(&app.target).unwrap_or(0) < n {
-                            pool.scale(&app.target, n);
-                        }
-                    });
-                }
-                let (slot, waited) = pending
-                    .wait(app.spec().queue.timeout)
-                    .await
-                    .map_err(Failed)?;
-                (slot, waited, cold)
-            }
-        };
-        let replica = slot.replica().clone();
-        let mut resp = self.proxy.forward(req, path_and_query, slot).await?;
-        let h = resp.headers_mut();
-        if let Ok(v) = HeaderValue::from_str(&replica.id) {
-            h.insert(X_REPLICA, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&replica.revision) {
-            h.insert(X_REVISION, v);
-        }
-        h.insert(X_QUEUED_MS, HeaderValue::from(queued.as_millis() as u64));
-        if cold {
-            h.insert(X_COLD_START, HeaderValue::from_static("true"));
-        }
-        Ok(resp)
-    }
-
-    /// With no replica ready and the last starts failing, a new request is
-    /// refused at once instead of waiting out the crash-loop backoff.
-    pub(crate) fn refuse_if_failing(&self, app: &App) -> Result<(), ApiError> {
-        let Some(h) = self.pool.health(&app.target) else {
-            return Ok(());
-        };
-        if h.ready == 0
-            && h.starting == 0
-            && h.failing_to_start
-            && let Some(retry) = h.retry_in
-        {
-            let secs = retry.as_secs_f64().ceil() as u64;
-            return Err(ApiError::new(
-                ErrorKind::NoCapacity,
-                format!(
-                    "app '{}' is failing to start ({}); next attempt in {secs}s",
-                    app.name,
-                    h.last_error.as_deref().unwrap_or("unknown error")
-                ),
-            )
-            .retry_after(secs));
-        }
-        Ok(())
-    }
-
     /// Queues a task and wakes its pool at once if it needs more replicas.
     pub(crate) fn enqueue(
         &self,
-        pool: &crate::pools::Pool,
-        submit: crate::pools::Submit,
+        pool: &crate::tasks::pool::Pool,
+        submit: crate::tasks::pool::Submit,
     ) -> Result<
         (
             String,
-            tokio::sync::oneshot::Receiver<crate::pools::Outcome>,
+            tokio::sync::oneshot::Receiver<crate::tasks::pool::Outcome>,
         ),
         ApiError,
     > {
@@ -746,7 +488,7 @@ impl Gateway {
             let (i, q) = app.load();
             inflight += i;
             queued += q;
-            let t = targets.iter().find(|t| t.name == app.revision);
+            let t = targets.iter().find(|t| t.id == app.target);
             revisions.push(RevisionStatus {
                 id: app.revision.clone(),
                 traffic: shares
@@ -765,7 +507,7 @@ impl Gateway {
             Some(a) => (
                 a.revision.clone(),
                 a.ready_replicas(),
-                targets.iter().find(|t| t.name == a.revision),
+                targets.iter().find(|t| t.id == a.target),
                 a.last_handoff(),
             ),
             None => (String::new(), 0, None, None),
@@ -787,7 +529,7 @@ impl Gateway {
             handoff_ms: handoff.map(|d| d.as_secs_f64() * 1e3),
             pool: target.cloned(),
             revisions,
-            promotion: promotion.map(|p| json!(p)),
+            promotion,
             watch_scans: spec
                 .promotion
                 .watch
@@ -807,92 +549,6 @@ impl Gateway {
     }
 }
 
-/// Replicas by state, and replica-seconds (the GPU bill: every replica that
-/// exists, starting ones included), per app.
-pub(crate) fn record_replica_metrics(targets: &[TargetStatus], tick: Duration) {
-    for t in targets {
-        let mut by_state = [0u32; 4];
-        for r in &t.replicas {
-            let i = match r.state.name() {
-                "pending" => 0,
-                "starting" => 1,
-                "ready" => 2,
-                "draining" => 3,
-                _ => continue,
-            };
-            by_state[i] += 1;
-        }
-        for (i, state) in ["pending", "starting", "ready", "draining"]
-            .iter()
-            .enumerate()
-        {
-            metrics::gauge!("warmgate_replicas", "app" => t.app.clone(), "state" => *state)
-                .set(f64::from(by_state[i]));
-        }
-        let live = by_state[1] + by_state[2] + by_state[3];
-        metrics::counter!("warmgate_replica_seconds_total", "app" => t.app.clone())
-            .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
-    }
-}
-
-/// One app in `/v1/status`.
-#[derive(Debug, Clone, Serialize)]
-pub struct AppStatus {
-    /// Name.
-    pub name: String,
-    /// Other `model` names.
-    pub aliases: Vec<String>,
-    /// Revision served.
-    pub revision: String,
-    /// Replicas asked for.
-    pub desired: u32,
-    /// Replicas taking traffic.
-    pub ready: usize,
-    /// Requests in flight.
-    pub inflight: u32,
-    /// Requests held.
-    pub queued: usize,
-    /// Ready replicas × concurrency.
-    pub capacity: u32,
-    /// Per-replica limit.
-    pub concurrency: u32,
-    /// Queue bound.
-    pub max_pending: u32,
-    /// Fewest replicas.
-    pub min: u32,
-    /// Most replicas.
-    pub max: u32,
-    /// The gateway's share of the last cold start, in milliseconds.
-    pub handoff_ms: Option<f64>,
-    /// Replicas and their lifecycle (the serving revision's).
-    pub pool: Option<TargetStatus>,
-    /// Every live revision, with its share of the traffic.
-    pub revisions: Vec<RevisionStatus>,
-    /// The last promotion.
-    pub promotion: Option<serde_json::Value>,
-    /// Times the checkpoint watcher has looked (when it is on).
-    pub watch_scans: Option<u64>,
-}
-
-/// One live revision in `/v1/status`.
-#[derive(Debug, Clone, Serialize)]
-pub struct RevisionStatus {
-    /// Revision id.
-    pub id: String,
-    /// Percent of the app's traffic.
-    pub traffic: u8,
-    /// Replicas taking traffic.
-    pub ready: usize,
-    /// Replicas asked for.
-    pub desired: u32,
-    /// Requests in flight.
-    pub inflight: u32,
-    /// Requests held.
-    pub queued: usize,
-    /// Its replicas.
-    pub replicas: Vec<warmgate_pool::ReplicaStatus>,
-}
-
 impl Gateway {
     /// An app by name or alias, or 404.
     pub fn app(&self, name: &str) -> Result<Arc<Served>, ApiError> {
@@ -904,24 +560,31 @@ impl Gateway {
     }
 
     /// The `/v1/status` document: apps, pools and tenants.
-    pub fn status_json(&self) -> serde_json::Value {
-        let gw = self;
-        let targets = gw.pool.status();
-        let mut pools: Vec<serde_json::Value> = gw
+    pub fn status_report(&self) -> GatewayStatus {
+        let targets = self.pool.status();
+        let mut pools: Vec<PoolStatus> = self
             .registry
             .load()
             .pools()
             .map(|p| {
-                let mut v = p.status();
-                v["pool"] = json!(targets.iter().find(|t| t.name == p.name));
+                let mut s = p.status();
+                let target = p.target();
+                s.pool = targets.iter().find(|t| t.id == target).cloned();
                 if let Some(od) = p.ondemand_target() {
-                    v["ondemand"] = json!(targets.iter().find(|t| t.id == od));
+                    s.ondemand = targets.iter().find(|t| t.id == od).cloned();
                 }
-                v
+                s
             })
             .collect();
-        pools.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
-        let tenants = gw.tenants.as_ref().map(|t| t.status()).unwrap_or_default();
-        json!({"apps": gw.status(), "pools": pools, "tenants": tenants})
+        pools.sort_by(|a, b| a.name.cmp(&b.name));
+        GatewayStatus {
+            apps: self.status(),
+            pools,
+            tenants: self
+                .tenants
+                .as_ref()
+                .map(|t| t.status())
+                .unwrap_or_default(),
+        }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use proptest::prelude::*;
 use warmgate_deploy::AppSpec;
 use warmgate_gateway::ErrorKind;
-use warmgate_gateway::dispatch::{Acquire, App, PendingSlot, SlotGuard};
+use warmgate_gateway::serving::dispatch::{Acquire, App, PendingSlot, SlotGuard};
 use warmgate_pool::ReplicaHandle;
 
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use super::prelude::*;
 #[utoipa::path(get, path = "/v1/status", tag = "control",
     responses((status = 200, description = "Apps (with revisions and replicas) and pools", body = Object)))]
 pub(crate) async fn status(State(gw): State<Arc<Gateway>>) -> Response {
-    axum::Json(gw.status_json()).into_response()
+    axum::Json(gw.status_report()).into_response()
 }
 
 #[utoipa::path(get, path = "/v1/apps", tag = "control",
@@ -155,14 +155,11 @@ pub(crate) async fn delete_app(
     params(("pool" = String, Path, description = "Pool name")),
     responses((status = 200, description = "The pool's status", body = Object), (status = 404, description = "Unknown pool", body = ErrorBody)))]
 pub(crate) async fn get_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
-    let status = gw.status_json();
-    let found = status["pools"]
-        .as_array()
-        .and_then(|ps| {
-            ps.iter()
-                .find(|p| p["name"].as_str() == Some(name.as_str()))
-        })
-        .cloned();
+    let found = gw
+        .status_report()
+        .pools
+        .into_iter()
+        .find(|p| p.name == name);
     match found {
         Some(p) => axum::Json(p).into_response(),
         None => {

@@ -19,7 +19,7 @@ pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Resp
     within_deadline(&gw, async {
         match read_model(&gw, req).await {
             Ok((served, req)) => {
-                let (app, result) = gw.serve(&served, req, &path).await;
+                let (app, result) = gw.serving.serve(&served, req, &path).await;
                 finish(app.as_deref(), result)
             }
             Err(e) => finish(None, Err(e)),
@@ -119,7 +119,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
     }
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
     within_deadline(&gw, async {
-        let (app, result) = gw.serve(&app, req, &target).await;
+        let (app, result) = gw.serving.serve(&app, req, &target).await;
         finish(app.as_deref(), result)
     })
     .await

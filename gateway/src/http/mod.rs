@@ -34,11 +34,11 @@ pub(crate) mod prelude {
     pub(crate) use http_body_util::{BodyExt, Limited};
     pub(crate) use serde_json::json;
 
-    pub(crate) use crate::dispatch::App;
     pub(crate) use crate::error::{ApiError, ErrorKind, body_error, too_large, too_large_for};
-    pub(crate) use crate::proxy::LimitedBody;
     pub(crate) use crate::server::*;
-    pub(crate) use crate::serving::Served;
+    pub(crate) use crate::serving::dispatch::App;
+    pub(crate) use crate::serving::proxy::LimitedBody;
+    pub(crate) use crate::serving::served::Served;
     pub(crate) use crate::tenants::Tenant;
 
     pub(crate) use super::body::*;

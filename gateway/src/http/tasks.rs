@@ -11,7 +11,7 @@ pub(crate) async fn pool_request(
     name: &str,
     req: Request,
     which: BodyLimit,
-) -> Result<(Arc<crate::pools::Pool>, http::HeaderMap, Bytes), ApiError> {
+) -> Result<(Arc<crate::tasks::pool::Pool>, http::HeaderMap, Bytes), ApiError> {
     let pool =
         gw.registry.load().pool(name).cloned().ok_or_else(|| {
             ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
@@ -76,10 +76,10 @@ pub(crate) async fn submit_task(
         let id = match journal {
             Some(j) => {
                 let id = pool.new_id();
-                let record = crate::pools::TaskRecord {
+                let record = crate::tasks::pool::TaskRecord {
                     id: id.clone(),
                     pool: pool.name.clone(),
-                    state: crate::pools::TaskState::Pending,
+                    state: crate::tasks::pool::TaskState::Pending,
                     output: None,
                     error: None,
                     attempts: 0,
@@ -99,7 +99,7 @@ pub(crate) async fn submit_task(
             }
             None => None,
         };
-        let submit = crate::pools::Submit {
+        let submit = crate::tasks::pool::Submit {
             input,
             priority,
             tenant,
@@ -168,7 +168,7 @@ pub(crate) fn task_options(
     };
     let tenant = header("x-warmgate-tenant")
         .filter(|t| !t.is_empty())
-        .unwrap_or(crate::pools::DEFAULT_TENANT)
+        .unwrap_or(crate::tasks::pool::DEFAULT_TENANT)
         .to_string();
     Ok((priority, tenant, parsed))
 }
@@ -327,13 +327,13 @@ pub(crate) struct BatchTask {
 
 pub(crate) async fn batch_one(
     gw: &Gateway,
-    pool: &crate::pools::Pool,
+    pool: &crate::tasks::pool::Pool,
     input: Bytes,
     o: BatchTask,
-) -> Result<crate::pools::TaskRecord, ApiError> {
+) -> Result<crate::tasks::pool::TaskRecord, ApiError> {
     let (_, rx) = gw.enqueue(
         pool,
-        crate::pools::Submit {
+        crate::tasks::pool::Submit {
             input,
             priority: o.priority,
             tenant: o.tenant,

@@ -1,8 +1,8 @@
-//! Forwarding a request to a replica and streaming the answer back.
+//! Forwarding a request to a replica and streaming the answer back,
+//! the slot held until the answer's body ends.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -10,88 +10,54 @@ use http::header::{self, HeaderMap, HeaderName};
 use http::{Request, Response, Uri};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
-use crate::dispatch::SlotGuard;
+use super::dispatch::SlotGuard;
 use crate::error::{ApiError, ErrorKind};
+use crate::upstream::Upstream;
 
-/// Idle upstream connections are kept this long: about as long as a burst
-/// of traffic lasts, shorter than a typical worker's keep-alive timeout.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Idle connections kept per replica; enough for a replica's concurrency.
-const POOL_MAX_IDLE_PER_HOST: usize = 256;
-
-/// A pooled HTTP/1 client to replicas.
-#[derive(Clone)]
-pub struct Proxy {
-    client: Client<HttpConnector, Body>,
-}
-
-impl Default for Proxy {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Proxy {
-    /// A client with keep-alive connections and Nagle off.
-    pub fn new() -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
-            .build(connector);
-        Proxy { client }
-    }
-
-    /// Sends `req` to the slot's replica at `path_and_query`. The answer's
-    /// body holds the slot until it has been streamed to the end.
-    pub async fn forward(
-        &self,
-        mut req: Request<Body>,
-        path_and_query: &str,
-        slot: SlotGuard,
-    ) -> Result<Response<Body>, Forward> {
-        let replica = slot.replica().clone();
-        let uri = Uri::builder()
-            .scheme(http::uri::Scheme::HTTP)
-            .authority(replica.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
-            .map_err(|_| {
-                Forward::Failed(ApiError::new(
-                    ErrorKind::BadRequest,
-                    "the request path is not valid",
-                ))
-            })?;
-        *req.uri_mut() = uri;
-        *req.version_mut() = http::Version::HTTP_11;
-        strip_hop_by_hop(req.headers_mut());
-        req.headers_mut().remove(header::HOST);
-        slot.note_forward();
-        let resp = match self.client.request(req).await {
-            Ok(r) => r,
-            Err(e) => {
-                let err = upstream_error(&e, &replica.id, replica.target.owner());
-                return Err(if e.is_connect() {
-                    Forward::Refused(err)
-                } else {
-                    Forward::Failed(err)
-                });
-            }
-        };
-        let (mut parts, body) = resp.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
-        let body = Body::new(GuardedBody {
-            inner: body,
-            slot: Some(slot),
-        });
-        Ok(Response::from_parts(parts, body))
-    }
+/// Sends `req` to the slot's replica at `path_and_query`. The answer's
+/// body holds the slot until it has been streamed to the end.
+pub async fn forward(
+    upstream: &Upstream,
+    mut req: Request<Body>,
+    path_and_query: &str,
+    slot: SlotGuard,
+) -> Result<Response<Body>, Forward> {
+    let replica = slot.replica().clone();
+    let uri = Uri::builder()
+        .scheme(http::uri::Scheme::HTTP)
+        .authority(replica.authority.clone())
+        .path_and_query(path_and_query)
+        .build()
+        .map_err(|_| {
+            Forward::Failed(ApiError::new(
+                ErrorKind::BadRequest,
+                "the request path is not valid",
+            ))
+        })?;
+    *req.uri_mut() = uri;
+    *req.version_mut() = http::Version::HTTP_11;
+    strip_hop_by_hop(req.headers_mut());
+    req.headers_mut().remove(header::HOST);
+    slot.note_forward();
+    let resp = match upstream.send(req).await {
+        Ok(r) => r,
+        Err(e) => {
+            let err = upstream_error(&e, &replica.id, replica.target.owner());
+            return Err(if e.is_connect() {
+                Forward::Refused(err)
+            } else {
+                Forward::Failed(err)
+            });
+        }
+    };
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let body = Body::new(GuardedBody {
+        inner: body,
+        slot: Some(slot),
+    });
+    Ok(Response::from_parts(parts, body))
 }
 
 /// Why a forward failed.
@@ -288,26 +254,5 @@ impl HttpBody for LimitedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-impl Proxy {
-    /// Sends a request of the gateway's own (a task to `/invoke`, weights
-    /// to `/weights`) through the same pooled client as forwarded traffic.
-    pub async fn send(
-        &self,
-        req: Request<Body>,
-    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
-        self.client.request(req).await
-    }
-
-    /// `POST url` with a JSON body (for hooks); returns the status code.
-    pub async fn post_json(&self, url: &str, body: &serde_json::Value) -> Result<u16, String> {
-        let req = Request::post(url)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(body.to_string()))
-            .map_err(|e| format!("bad hook URL {url}: {e}"))?;
-        let resp = self.send(req).await.map_err(|e| format!("{url}: {e}"))?;
-        Ok(resp.status().as_u16())
     }
 }

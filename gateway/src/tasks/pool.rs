@@ -24,8 +24,8 @@ use tokio::sync::{Notify, oneshot};
 use warmgate_deploy::{Fairness, PoolSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
 
+use super::queue::{Limits, Refused, TaskQueue};
 use crate::error::{ApiError, ErrorKind};
-use crate::taskqueue::{Limits, Refused, TaskQueue};
 
 /// Replicas lost under one task before it fails for good.
 pub const MAX_SYSTEM_RETRIES: u32 = 5;
@@ -43,7 +43,7 @@ const RETRY_BASE: Duration = Duration::from_millis(100);
 /// Tenant of tasks without `X-Warmgate-Tenant`.
 pub const DEFAULT_TENANT: &str = "default";
 
-pub use crate::task::{Output, TaskRecord, TaskState};
+pub use super::record::{Output, TaskRecord, TaskState};
 
 /// A finished task, as the synchronous API answers it.
 pub type Outcome = Result<TaskRecord, ApiError>;
@@ -73,7 +73,7 @@ impl Default for StoreLimits {
 #[derive(Default)]
 pub struct TaskStore {
     inner: Mutex<StoreInner>,
-    journal: OnceLock<Arc<crate::journal::Journal>>,
+    journal: OnceLock<Arc<super::journal::Journal>>,
     limits: StoreLimits,
     /// Input bytes charged by live tasks (see [`InputCharge`]).
     pending_bytes: Arc<AtomicU64>,
@@ -144,12 +144,12 @@ impl TaskStore {
     }
 
     /// Where async tasks are journaled (set once, at start).
-    pub fn set_journal(&self, j: Arc<crate::journal::Journal>) {
+    pub fn set_journal(&self, j: Arc<super::journal::Journal>) {
         let _ = self.journal.set(j);
     }
 
     /// The journal, if any.
-    pub fn journal(&self) -> Option<&Arc<crate::journal::Journal>> {
+    pub fn journal(&self) -> Option<&Arc<super::journal::Journal>> {
         self.journal.get()
     }
 
@@ -259,7 +259,7 @@ pub struct Pool {
     wake: Notify,
     store: Arc<TaskStore>,
     /// The gateway's one upstream client.
-    client: crate::proxy::Proxy,
+    client: crate::upstream::Upstream,
     ids: AtomicU64,
     replacer: OnceLock<Replacer>,
     /// Asks for an on-demand replica (an interruptible pool's fallback).
@@ -293,7 +293,11 @@ struct PoolState {
 
 impl Pool {
     /// A pool at zero replicas.
-    pub fn new(spec: PoolSpec, store: Arc<TaskStore>, client: crate::proxy::Proxy) -> Arc<Self> {
+    pub fn new(
+        spec: PoolSpec,
+        store: Arc<TaskStore>,
+        client: crate::upstream::Upstream,
+    ) -> Arc<Self> {
         Arc::new(Pool {
             name: spec.name.clone(),
             state: Mutex::new(PoolState {
@@ -567,21 +571,23 @@ impl Pool {
     }
 
     /// Status for `/v1/status`.
-    pub fn status(&self) -> serde_json::Value {
+    pub fn status(&self) -> crate::status::PoolStatus {
         let st = self.state.lock();
-        serde_json::json!({
-            "name": self.name,
-            "pending": st.queue.pending(),
-            "inflight": st.inflight,
-            "ready": st.replicas.len(),
-            "min": self.spec.replicas[0],
-            "max": self.spec.replicas[1],
-            "concurrency": self.spec.concurrency,
-            "weights_version": st.latest_version,
-            "syncing_to": st.syncing_to,
-            "max_staleness": self.spec.max_staleness,
-            "ondemand_waiting": st.fallback.len(),
-        })
+        crate::status::PoolStatus {
+            name: self.name.clone(),
+            pending: st.queue.pending(),
+            inflight: st.inflight,
+            ready: st.replicas.len(),
+            min: self.spec.replicas[0],
+            max: self.spec.replicas[1],
+            concurrency: self.spec.concurrency,
+            weights_version: st.latest_version,
+            syncing_to: st.syncing_to,
+            max_staleness: self.spec.max_staleness,
+            ondemand_waiting: st.fallback.len(),
+            pool: None,
+            ondemand: None,
+        }
     }
 
     /// Fails the waiting tasks whose timeout has passed, so a task never
@@ -1220,7 +1226,7 @@ mod tests {
         let pool = Pool::new(
             spec,
             Arc::new(TaskStore::default()),
-            crate::proxy::Proxy::new(),
+            crate::upstream::Upstream::new(),
         );
         for (id, v) in [("old", 0), ("behind", 2), ("latest", 3)] {
             pool.add_replica(replica(id, v));

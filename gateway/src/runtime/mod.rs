@@ -3,6 +3,8 @@
 //! and an orderly stop (drain, then stop every replica). `warmgate serve`
 //! and the operator's leader both run a gateway through here.
 
+pub mod autoscale;
+
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -145,7 +147,7 @@ where
     let grace = config.backend.stop_grace;
     let conn_limits = crate::listener::ConnLimits::from(&config.limits);
     let gw = Gateway::new(config, backend, metrics, addr)?;
-    let autoscaler = gw.spawn_autoscaler();
+    let autoscaler = autoscale::spawn(&gw);
     let mut side = tokio::spawn(side(gw.clone()));
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);

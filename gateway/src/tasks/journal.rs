@@ -21,7 +21,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
-use crate::task::{TaskRecord, TaskState};
+use super::record::{TaskRecord, TaskState};
 
 /// Ended tasks kept in the journal; older rows are pruned.
 const KEEP: i64 = 100_000;
@@ -309,7 +309,7 @@ mod tests {
             pool: "p".into(),
             state,
             output: (state == TaskState::Succeeded)
-                .then(|| crate::task::Output::parse(br#"{"x": 1}"#).expect("json")),
+                .then(|| crate::tasks::record::Output::parse(br#"{"x": 1}"#).expect("json")),
             error: None,
             attempts: 1,
             replica: None,
@@ -356,7 +356,7 @@ mod tests {
         let big = format!("\"{}\"", "x".repeat(1000));
         for i in 0..100 {
             let mut r = record(&format!("t{i}"), TaskState::Succeeded);
-            r.output = Some(crate::task::Output::parse(big.as_bytes()).expect("json"));
+            r.output = Some(crate::tasks::record::Output::parse(big.as_bytes()).expect("json"));
             j.end(&r);
         }
         // The writer works in order: once two later accepts are committed,

@@ -1,5 +1,5 @@
 //! An app as users see it: a name, its revisions, and the traffic split
-//! between them. Each revision is a [`dispatch::App`](crate::dispatch::App)
+//! between them. Each revision is a [`dispatch::App`](crate::serving::dispatch::App)
 //! with its own replicas, hold queue and autoscaler, as Knative gives each
 //! revision its own KPA.
 
@@ -10,7 +10,7 @@ use parking_lot::{Mutex, RwLock};
 use warmgate_deploy::AppSpec;
 use warmgate_deploy::revision::History;
 
-use crate::dispatch::App;
+use super::dispatch::App;
 use crate::error::{ApiError, ErrorKind};
 
 /// One app: its revisions and their traffic.

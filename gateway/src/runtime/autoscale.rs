@@ -1,0 +1,98 @@
+//! The autoscale tick: once a second, every app revision's autoscaler and
+//! every pool's policy are asked for a replica count, and the pool manager
+//! is told; the gauges users chart are set on the way.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+use warmgate_pool::TargetStatus;
+
+use crate::server::Gateway;
+
+/// How often the autoscaler looks at demand. One second resolves the 6 s
+/// panic window into six samples, as Knative's 2 s tick does for its window,
+/// and keeps the policy cheap.
+pub const AUTOSCALE_TICK: Duration = Duration::from_secs(1);
+
+/// Runs the autoscaler every [`AUTOSCALE_TICK`] until aborted.
+pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
+    let gw = gw.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(AUTOSCALE_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if gw.draining.load(Ordering::Acquire) {
+                return;
+            }
+            let now = gw.now();
+            let registry = gw.registry.load_full();
+            for served in registry.apps() {
+                let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
+                for app in served.live() {
+                    app.tick(now, |n| {
+                        gw.pool.scale(&app.target, n);
+                        desired += n;
+                    });
+                    let (i, q) = app.load();
+                    inflight += i;
+                    queued += q;
+                }
+                let name = served.name.clone();
+                metrics::gauge!("warmgate_replicas_desired", "app" => name.clone())
+                    .set(f64::from(desired));
+                metrics::gauge!("warmgate_inflight", "app" => name.clone())
+                    .set(f64::from(inflight));
+                metrics::gauge!("warmgate_queued", "app" => name).set(queued as f64);
+            }
+            let instant = Instant::now();
+            for p in registry.pools() {
+                p.expire(instant);
+                let target = p.target();
+                let desired = p.desired(gw.starting(&target));
+                gw.pool.scale(&target, desired);
+                if let Some(od) = p.ondemand_target() {
+                    gw.pool.scale(&od, p.ondemand_desired(gw.starting(&od)));
+                }
+                let (pending, inflight, _) = p.load();
+                metrics::gauge!("warmgate_tasks_pending", "pool" => p.name.clone())
+                    .set(pending as f64);
+                metrics::gauge!("warmgate_tasks_inflight", "pool" => p.name.clone())
+                    .set(f64::from(inflight));
+                metrics::gauge!("warmgate_replicas_desired", "app" => p.name.clone())
+                    .set(f64::from(desired));
+            }
+            record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
+        }
+    })
+}
+
+/// Replicas by state, and replica-seconds (the GPU bill: every replica that
+/// exists, starting ones included), per app.
+fn record_replica_metrics(targets: &[TargetStatus], tick: Duration) {
+    for t in targets {
+        let mut by_state = [0u32; 4];
+        for r in &t.replicas {
+            let i = match r.state.name() {
+                "pending" => 0,
+                "starting" => 1,
+                "ready" => 2,
+                "draining" => 3,
+                _ => continue,
+            };
+            by_state[i] += 1;
+        }
+        for (i, state) in ["pending", "starting", "ready", "draining"]
+            .iter()
+            .enumerate()
+        {
+            metrics::gauge!("warmgate_replicas", "app" => t.app.clone(), "state" => *state)
+                .set(f64::from(by_state[i]));
+        }
+        let live = by_state[1] + by_state[2] + by_state[3];
+        metrics::counter!("warmgate_replica_seconds_total", "app" => t.app.clone())
+            .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
+    }
+}

@@ -1,0 +1,10 @@
+//! The app data plane: an app as users see it (its revisions and traffic
+//! split), one revision's slots and hold queue, and the pipeline that
+//! takes a request from the split to a replica and back.
+
+pub mod dispatch;
+pub mod pipeline;
+pub mod proxy;
+pub mod served;
+
+pub use served::Served;

@@ -1,0 +1,257 @@
+//! A request's way through an app: the revision the split picks, a slot
+//! on a ready replica (or a wait in the hold queue, which wakes an app at
+//! zero), the forward, and a retry on another replica when one refuses the
+//! connection.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::Bytes;
+use http::HeaderValue;
+use http_body_util::BodyExt;
+use warmgate_pool::PoolManager;
+
+use super::dispatch::{Acquire, App};
+use super::proxy::Forward;
+use super::served::Served;
+use crate::error::{ApiError, ErrorKind, body_error};
+use crate::upstream::Upstream;
+
+/// The replica that answered.
+pub const X_REPLICA: &str = "x-warmgate-replica";
+/// The revision that answered; on a request, pins one.
+pub const X_REVISION: &str = "x-warmgate-revision";
+/// Milliseconds the request waited for a slot.
+pub const X_QUEUED_MS: &str = "x-warmgate-queued-ms";
+/// Set when the request woke its app from zero.
+pub const X_COLD_START: &str = "x-warmgate-cold-start";
+/// Request bodies up to this size are kept so that a request refused by a
+/// dying replica can go to another; larger ones stream through once.
+const MAX_REPLAY_BYTES: u64 = 64 * 1024;
+/// Tries of a request whose replicas refuse the connection.
+const MAX_CONNECT_ATTEMPTS: u32 = 3;
+/// Pause before the next try, times the tries so far.
+const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
+
+/// What serving a request needs: the upstream client, the pool manager
+/// (to wake an app at zero and to see a failing one), and the clock the
+/// autoscaler runs on.
+#[derive(Clone)]
+pub struct Pipeline {
+    upstream: Upstream,
+    pool: PoolManager,
+    started: Instant,
+    max_body_bytes: u64,
+}
+
+impl Pipeline {
+    /// A pipeline over these parts; `started` is the autoscaler's clock.
+    pub fn new(
+        upstream: Upstream,
+        pool: PoolManager,
+        started: Instant,
+        max_body_bytes: u64,
+    ) -> Self {
+        Pipeline {
+            upstream,
+            pool,
+            started,
+            max_body_bytes,
+        }
+    }
+
+    /// Serves one request of `served` on the revision the split (or a
+    /// pinning `X-Warmgate-Revision`) picks, and counts the answer for
+    /// that revision's health unless it was pinned.
+    pub async fn serve(
+        &self,
+        served: &Served,
+        mut req: Request,
+        path_and_query: &str,
+    ) -> (Option<Arc<App>>, Result<Response, ApiError>) {
+        use tracing::Instrument as _;
+        let traceparent = crate::trace::ensure_traceparent(req.headers_mut());
+        let span = tracing::info_span!(
+            "request",
+            app = %served.name,
+            trace_id = %crate::trace::trace_id(&traceparent),
+            revision = tracing::field::Empty,
+            replica = tracing::field::Empty,
+            queued_ms = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
+        crate::telemetry::set_parent(&span, req.headers());
+        let pinned = req
+            .headers()
+            .get(X_REVISION)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let app = match served.pick(pinned.as_deref()) {
+            Ok(a) => a,
+            Err(e) => return (None, Err(e)),
+        };
+        span.record("revision", app.revision.as_str());
+        let t0 = Instant::now();
+        let result = self
+            .serve_app(&app, req, path_and_query)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(r) => {
+                let h = r.headers();
+                let text = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+                span.record("replica", text(X_REPLICA));
+                span.record("queued_ms", text(X_QUEUED_MS));
+                span.record("status", r.status().as_u16());
+            }
+            Err(e) => {
+                span.record("status", e.kind.as_str());
+            }
+        }
+        tracing::debug!(parent: &span, took_ms = t0.elapsed().as_secs_f64() * 1e3, "request done");
+        let failed = match &result {
+            Ok(r) => r.status().is_server_error(),
+            Err(e) => matches!(
+                e.kind,
+                ErrorKind::ReplicaFailed | ErrorKind::Timeout | ErrorKind::NoCapacity
+            ),
+        };
+        // Only traffic the split routed judges a revision's health: a
+        // client pinning a revision (an evaluation, or anyone who can
+        // reach the data plane) must not be able to fail a canary, nor to
+        // make a bad one look healthy.
+        if pinned.is_none() {
+            app.answered(failed, t0.elapsed());
+        }
+        (Some(app), result)
+    }
+
+    /// Serves one request with `app`: a slot now, or a wait in the hold
+    /// queue, then the forward.
+    pub(crate) async fn serve_app(
+        &self,
+        app: &Arc<App>,
+        req: Request,
+        path_and_query: &str,
+    ) -> Result<Response, ApiError> {
+        // A replica that refuses the connection (killed a moment ago, not
+        // yet seen to exit) was sent nothing, so the request may try
+        // another one, if its body can be sent again.
+        let (parts, body) = req.into_parts();
+        let bytes = match http_body::Body::size_hint(&body).exact() {
+            Some(0) => Bytes::new(),
+            Some(n) if n <= MAX_REPLAY_BYTES => body
+                .collect()
+                .await
+                .map_err(|e| body_error(&e, self.max_body_bytes))?
+                .to_bytes(),
+            _ => {
+                let req = Request::from_parts(parts, body);
+                return self.serve_once(app, req, path_and_query).await;
+            }
+        };
+        let mut attempt = 1;
+        loop {
+            // What the proxy uses of the request; its extensions stay behind.
+            let mut req = Request::new(Body::from(bytes.clone()));
+            *req.method_mut() = parts.method.clone();
+            *req.uri_mut() = parts.uri.clone();
+            *req.version_mut() = parts.version;
+            *req.headers_mut() = parts.headers.clone();
+            match self.serve_once_or_refused(app, req, path_and_query).await {
+                Err(Forward::Refused(e)) if attempt < MAX_CONNECT_ATTEMPTS => {
+                    metrics::counter!("warmgate_connect_retries_total").increment(1);
+                    tracing::debug!(attempt, error = %e.message, "retrying on another replica");
+                    // The pool manager sees a dead process within
+                    // milliseconds; give it that long to drop the replica.
+                    tokio::time::sleep(CONNECT_RETRY_PAUSE * attempt).await;
+                    attempt += 1;
+                }
+                other => return other.map_err(Forward::into_error),
+            }
+        }
+    }
+
+    pub(crate) async fn serve_once(
+        &self,
+        app: &Arc<App>,
+        req: Request,
+        path_and_query: &str,
+    ) -> Result<Response, ApiError> {
+        self.serve_once_or_refused(app, req, path_and_query)
+            .await
+            .map_err(Forward::into_error)
+    }
+
+    pub(crate) async fn serve_once_or_refused(
+        &self,
+        app: &Arc<App>,
+        req: Request,
+        path_and_query: &str,
+    ) -> Result<Response, Forward> {
+        use Forward::Failed;
+        if app.ready_replicas() == 0 {
+            self.refuse_if_failing(app).map_err(Failed)?;
+        }
+        let (slot, queued, cold) = match app.acquire().map_err(Failed)? {
+            Acquire::Ready(slot) => (slot, Duration::ZERO, false),
+            Acquire::Held { pending, cold } => {
+                if cold {
+                    let pool = &self.pool;
+                    app.wake(self.started.elapsed(), |n| {
+                        if pool.desired(&app.target).unwrap_or(0) < n {
+                            pool.scale(&app.target, n);
+                        }
+                    });
+                }
+                let (slot, waited) = pending
+                    .wait(app.spec().queue.timeout)
+                    .await
+                    .map_err(Failed)?;
+                (slot, waited, cold)
+            }
+        };
+        let replica = slot.replica().clone();
+        let mut resp = super::proxy::forward(&self.upstream, req, path_and_query, slot).await?;
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&replica.id) {
+            h.insert(X_REPLICA, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&replica.revision) {
+            h.insert(X_REVISION, v);
+        }
+        h.insert(X_QUEUED_MS, HeaderValue::from(queued.as_millis() as u64));
+        if cold {
+            h.insert(X_COLD_START, HeaderValue::from_static("true"));
+        }
+        Ok(resp)
+    }
+
+    /// With no replica ready and the last starts failing, a new request is
+    /// refused at once instead of waiting out the crash-loop backoff.
+    pub(crate) fn refuse_if_failing(&self, app: &App) -> Result<(), ApiError> {
+        let Some(h) = self.pool.health(&app.target) else {
+            return Ok(());
+        };
+        if h.ready == 0
+            && h.starting == 0
+            && h.failing_to_start
+            && let Some(retry) = h.retry_in
+        {
+            let secs = retry.as_secs_f64().ceil() as u64;
+            return Err(ApiError::new(
+                ErrorKind::NoCapacity,
+                format!(
+                    "app '{}' is failing to start ({}); next attempt in {secs}s",
+                    app.name,
+                    h.last_error.as_deref().unwrap_or("unknown error")
+                ),
+            )
+            .retry_after(secs));
+        }
+        Ok(())
+    }
+}
