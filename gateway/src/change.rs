@@ -70,7 +70,7 @@ impl Gateway {
         let r = self.registry.load();
         let mut c = (*self.config).clone();
         c.apps = r.apps().iter().map(|a| (*a.spec()).clone()).collect();
-        c.pools = r.pools().map(|p| p.spec.clone()).collect();
+        c.pools = r.pools().map(|p| (*p.spec()).clone()).collect();
         c
     }
 
@@ -158,9 +158,7 @@ impl Gateway {
         if let Some(uri) = &spec.promotion.watch {
             self.weights.open(uri)?;
         }
-        let json = serde_json::to_string(&spec).map_err(|e| {
-            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
-        })?;
+        let json = encode_spec(&spec)?;
         let Some(app) = current else {
             self.record(
                 SpecKind::App,
@@ -240,9 +238,7 @@ impl Gateway {
     /// Applies a spec that differs only in settings the running replicas
     /// can take: every live revision takes its autoscaling and queue.
     fn retune_app(&self, app: &Arc<Served>, spec: AppSpec) -> Result<(), ApiError> {
-        let config = serde_json::to_string(&spec).map_err(|e| {
-            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
-        })?;
+        let config = encode_spec(&spec)?;
         {
             // Saved as the spec its revisions come from, so a restart does
             // not take it for a change that needs a new revision.
@@ -373,16 +369,8 @@ impl Gateway {
                 ),
             ));
         }
-        if let Some(p) = self.registry.load().pool(&name) {
-            if p.spec == spec {
-                return Ok(Changed::Unchanged);
-            }
-            return Err(ApiError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "pool '{name}' runs with another spec; changing a running pool is not supported yet: delete it, then put it again"
-                ),
-            ));
+        if let Some(p) = self.registry.load().pool(&name).cloned() {
+            return self.change_pool(&p, spec);
         }
         // A name a revision or target still holds (an app's retired
         // revision kept for a rollback) would take that target's replicas.
@@ -400,9 +388,7 @@ impl Gateway {
         if let Some(uri) = &spec.checkpoint {
             self.weights.open(uri)?;
         }
-        let json = serde_json::to_string(&spec).map_err(|e| {
-            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
-        })?;
+        let json = encode_spec(&spec)?;
         self.record(SpecKind::Pool, &name, Some(&json), "")?;
         if let Err(e) = self.start_pool(spec) {
             let _ = self.store.lock().forget_spec(SpecKind::Pool, &name);
@@ -412,6 +398,65 @@ impl Gateway {
             ));
         }
         Ok(Changed::Created)
+    }
+
+    /// A running pool put again: nothing for the same spec; in place for
+    /// settings that need no new replica; refused (409) otherwise.
+    fn change_pool(&self, pool: &crate::tasks::Pool, spec: PoolSpec) -> Result<Changed, ApiError> {
+        let name = spec.name.clone();
+        let old = pool.spec();
+        if *old == spec {
+            return Ok(Changed::Unchanged);
+        }
+        let mut tuned = (*old).clone();
+        tuned.replicas = spec.replicas;
+        tuned.idle_ttl = spec.idle_ttl;
+        tuned.buffer = spec.buffer;
+        tuned.retries = spec.retries;
+        tuned.task_timeout = spec.task_timeout;
+        tuned.max_staleness = spec.max_staleness;
+        tuned.weight_sync_timeout = spec.weight_sync_timeout;
+        tuned.startup_timeout = spec.startup_timeout;
+        tuned.queue.max_pending = spec.queue.max_pending;
+        tuned.queue.tenant_quota = spec.queue.tenant_quota;
+        tuned.queue.tenant_weights = spec.queue.tenant_weights.clone();
+        if tuned != spec {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{name}': changing its command, image, env, checkpoint, concurrency, gpus, queue fairness or pod settings needs new replicas, which a running pool does not roll to yet: delete it, then put it again (replica bounds, idle_ttl, buffer, retries, timeouts, max_staleness and queue bounds change in place)"
+                ),
+            ));
+        }
+        let mut candidate = self.desired_config();
+        let at = candidate
+            .pools
+            .iter()
+            .position(|p| p.name == name)
+            .unwrap_or(candidate.pools.len());
+        if at == candidate.pools.len() {
+            candidate.pools.push(spec.clone());
+        } else {
+            candidate.pools[at] = spec.clone();
+        }
+        self.check(&candidate, &format!("pools[{at}]"))?;
+        let json = encode_spec(&spec)?;
+        self.record(
+            SpecKind::Pool,
+            &name,
+            Some(&json),
+            &format!("pool {name} retuned through the API"),
+        )?;
+        pool.retune(&spec);
+        let startup = spec.startup_timeout;
+        for target in std::iter::once(pool.target()).chain(pool.ondemand_target()) {
+            self.pool
+                .update_target(&target, |t| t.startup_timeout = startup);
+        }
+        let target = pool.target();
+        self.pool
+            .scale(&target, pool.desired(self.starting(&target)));
+        Ok(Changed::InPlace)
     }
 
     /// Deletes a pool: it takes no new task at once; the tasks it holds
@@ -618,4 +663,10 @@ impl Drop for BusyGuard<'_> {
     fn drop(&mut self) {
         self.gw.busy.lock().remove(&self.what);
     }
+}
+
+/// A spec as saved in `state.db`.
+fn encode_spec(spec: &impl serde::Serialize) -> Result<String, ApiError> {
+    serde_json::to_string(spec)
+        .map_err(|e| ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}")))
 }

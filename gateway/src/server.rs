@@ -329,8 +329,8 @@ impl Gateway {
     ) -> anyhow::Result<Arc<crate::tasks::pool::Pool>> {
         let p = crate::tasks::pool::Pool::new(spec, self.tasks.clone(), self.upstream.clone());
         let revision = format!("{}-00001", p.name);
-        let mut env = p.spec.env.clone();
-        if let Some(uri) = &p.spec.checkpoint {
+        let mut env = p.spec().env.clone();
+        if let Some(uri) = &p.spec().checkpoint {
             // Opened here so a bad URI fails at start, not at first use.
             let src = self
                 .weights
@@ -350,16 +350,16 @@ impl Gateway {
         let spot = TargetSpec {
             id: p.target(),
             revision,
-            command: p.spec.command.clone(),
+            command: p.spec().command.clone(),
             env,
-            checkpoint: p.spec.checkpoint.clone(),
+            checkpoint: p.spec().checkpoint.clone(),
             workdir: self.workdir.clone(),
-            concurrency: p.spec.concurrency,
-            gpus: p.spec.gpus,
-            startup_timeout: p.spec.startup_timeout,
+            concurrency: p.spec().concurrency,
+            gpus: p.spec().gpus,
+            startup_timeout: p.spec().startup_timeout,
             stop_grace: self.config.backend.stop_grace,
-            image: p.spec.image.clone(),
-            pod: p.spec.kubernetes.clone(),
+            image: p.spec().image.clone(),
+            pod: p.spec().kubernetes.clone(),
         };
         let od = p.ondemand_target();
         if let Some(od) = &od {
@@ -387,7 +387,7 @@ impl Gateway {
                 tracing::error!(target_name = %replica.target, replica = %replica.id, "could not ask for the replica to be replaced");
             }
         }));
-        pool.scale(&p.target(), p.spec.replicas[0]);
+        pool.scale(&p.target(), p.spec().replicas[0]);
         tokio::spawn(p.clone().run());
         Ok(p)
     }

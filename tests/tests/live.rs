@@ -661,3 +661,71 @@ async fn a_name_may_not_move_between_a_pool_and_an_app_while_the_old_one_drains(
     let r = gw.http.get(gw.at("/apps/d/hello")).send().await.expect("d");
     assert_eq!(r.status().as_u16(), 200);
 }
+
+/// The pids of a pool's replicas.
+async fn pool_pids(gw: &Gateway, pool: &str) -> Vec<i32> {
+    let p = gw.json(&format!("/v1/pools/{pool}")).await;
+    sorted(
+        p["pool"]["replicas"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["state"] == "ready")
+            .filter_map(|r| r["pid"].as_i64())
+            .map(|p| p as i32)
+            .collect(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_changes_in_place_keeps_its_replicas_and_the_change_survives_a_restart() {
+    let mut gw = Gateway::start(CONFIG);
+    pool_ready(&gw, "d").await;
+    let before = pool_pids(&gw, "d").await;
+    assert_eq!(before.len(), 1, "{before:?}");
+    let worker = common::test_worker();
+    // More replicas and a smaller queue: no new replica is needed for the
+    // one running, which keeps its process.
+    let spec = json!({"command": [worker], "replicas": [2, 3], "concurrency": 2,
+        "queue": {"max_pending": 3}, "retries": 1});
+    let (status, body) = put(&gw, "/v1/pools/d", &spec).await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("in_place")),
+        "{body}"
+    );
+    let both = eventually("pool d runs two replicas", || async {
+        let pids = pool_pids(&gw, "d").await;
+        (pids.len() == 2).then_some(pids)
+    })
+    .await;
+    assert!(both.contains(&before[0]), "{before:?} -> {both:?}");
+    let d = gw.json("/v1/pools/d").await;
+    assert_eq!(
+        (d["min"].as_u64(), d["max"].as_u64()),
+        (Some(2), Some(3)),
+        "{d}"
+    );
+    // The same spec again changes nothing.
+    let (status, body) = put(&gw, "/v1/pools/d", &spec).await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("unchanged")),
+        "{body}"
+    );
+    // A change that needs new replicas is refused and changes nothing.
+    let mut other = spec.clone();
+    other["env"] = json!({"GENERATION": "2"});
+    let (status, body) = put(&gw, "/v1/pools/d", &other).await;
+    assert_eq!((status, kind(&body)), (409, "conflict"), "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("new replicas"), "{message}");
+    assert_eq!(sorted(pool_pids(&gw, "d").await), both);
+    // Kept across a restart of serve.
+    gw.restart();
+    eventually("pool d comes back with its new bounds", || async {
+        let d = gw.json("/v1/pools/d").await;
+        (d["min"] == 2 && d["max"] == 3).then_some(())
+    })
+    .await;
+}

@@ -168,12 +168,13 @@ pub(crate) async fn get_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<St
     }
 }
 
-/// `PUT /v1/pools/{pool}`: creates a pool (the same spec again changes
-/// nothing; another spec for a running pool is refused).
+/// `PUT /v1/pools/{pool}`: creates a pool, or changes a running one in
+/// place (replica bounds, idle TTL, buffer, retries, timeouts, staleness,
+/// queue bounds); a change that needs new replicas is refused with 409.
 #[utoipa::path(put, path = "/v1/pools/{pool}", tag = "control",
     params(("pool" = String, Path, description = "Pool name")),
     request_body(content = Object, description = "A `[[pools]]` entry of the config file, as JSON"),
-    responses((status = 201, description = "Created: `{pool, change}`", body = Object), (status = 200, description = "`{pool, change: \"unchanged\"}`", body = Object), (status = 400, description = "Bad name or spec; the key is named", body = ErrorBody), (status = 409, description = "Another change to this pool is running, or it runs with another spec", body = ErrorBody)))]
+    responses((status = 201, description = "Created: `{pool, change}`", body = Object), (status = 200, description = "`{pool, change}`: `unchanged` or `in_place`", body = Object), (status = 400, description = "Bad name or spec; the key is named", body = ErrorBody), (status = 409, description = "Another change to this pool is running, or the change needs new replicas", body = ErrorBody)))]
 pub(crate) async fn put_pool(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,

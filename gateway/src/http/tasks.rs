@@ -268,7 +268,7 @@ pub(crate) async fn submit_batch(
                 format!("the body must be {shape} (inputs is not an array)"),
             )
         })?;
-        let window = (pool.spec.replicas[1] * pool.spec.concurrency * 2).clamp(1, 1024) as usize;
+        let window = (pool.spec().replicas[1] * pool.spec().concurrency * 2).clamp(1, 1024) as usize;
         let retries = body.retries;
         let min_version = body.min_weights_version;
         let traceparent = traceparent(&headers);
@@ -383,7 +383,7 @@ pub(crate) async fn sync_weights(
             "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
         )?;
         let timeout =
-            duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec.weight_sync_timeout);
+            duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec().weight_sync_timeout);
         let ready = pool.load().2;
         let max_unavailable = max_unavailable(&body.max_unavailable, ready)?;
         let version = body.version;

@@ -254,7 +254,7 @@ pub struct Pool {
     /// Name.
     pub name: String,
     /// Spec.
-    pub spec: PoolSpec,
+    spec: arc_swap::ArcSwap<PoolSpec>,
     state: Mutex<PoolState>,
     wake: Notify,
     store: Arc<TaskStore>,
@@ -314,7 +314,7 @@ impl Pool {
                 syncing: HashSet::new(),
                 fallback: VecDeque::new(),
             }),
-            spec,
+            spec: arc_swap::ArcSwap::from_pointee(spec),
             wake: Notify::new(),
             store,
             client,
@@ -360,10 +360,43 @@ impl Pool {
     /// replicas: a task's last try, after it lost replicas to preemption,
     /// runs there, so it cannot be preempted forever.
     pub fn ondemand_target(&self) -> Option<TargetId> {
-        self.spec
+        self.spec()
             .kubernetes
             .interruptible
             .then(|| TargetId::OnDemand(self.name.clone()))
+    }
+
+    /// Its spec now ([`Pool::retune`] swaps in new settings).
+    pub fn spec(&self) -> Arc<PoolSpec> {
+        self.spec.load_full()
+    }
+
+    /// Takes the settings of `spec` that need no new replica (replica
+    /// bounds, idle TTL, buffer, retries, timeouts, staleness, queue
+    /// bounds and weights), keeping its replicas, queue and weights.
+    pub fn retune(&self, spec: &PoolSpec) {
+        let mut next = (*self.spec()).clone();
+        next.replicas = spec.replicas;
+        next.idle_ttl = spec.idle_ttl;
+        next.buffer = spec.buffer;
+        next.retries = spec.retries;
+        next.task_timeout = spec.task_timeout;
+        next.max_staleness = spec.max_staleness;
+        next.weight_sync_timeout = spec.weight_sync_timeout;
+        next.startup_timeout = spec.startup_timeout;
+        next.queue.max_pending = spec.queue.max_pending;
+        next.queue.tenant_quota = spec.queue.tenant_quota;
+        next.queue.tenant_weights = spec.queue.tenant_weights.clone();
+        {
+            let mut st = self.state.lock();
+            st.queue.set_limits(Limits {
+                max_pending: next.queue.max_pending as usize,
+                tenant_quota: next.queue.tenant_quota.map(|q| q as usize),
+            });
+            st.queue.set_weights(next.queue.tenant_weights.clone());
+        }
+        self.spec.store(Arc::new(next));
+        self.wake.notify_one();
     }
 
     /// The target of its own replicas.
@@ -397,9 +430,9 @@ impl Pool {
         warmgate_autoscaler::pool::pool_desired(
             &warmgate_autoscaler::pool::PoolScaling {
                 min: 0,
-                max: self.spec.replicas[1].max(1),
-                concurrency: self.spec.concurrency,
-                idle_ttl: self.spec.idle_ttl,
+                max: self.spec().replicas[1].max(1),
+                concurrency: self.spec().concurrency,
+                idle_ttl: self.spec().idle_ttl,
                 buffer: 0,
             },
             &warmgate_autoscaler::pool::PoolLoad {
@@ -457,7 +490,7 @@ impl Pool {
             .retry_after(1)
         })?;
         let (tx, rx) = oneshot::channel();
-        let tenant = match self.spec.queue.fairness {
+        let tenant = match self.spec().queue.fairness {
             Fairness::Tenant => s.tenant.clone(),
             Fairness::None => DEFAULT_TENANT.to_string(),
         };
@@ -474,8 +507,8 @@ impl Pool {
             input: s.input,
             accepted: Instant::now(),
             dispatched: None,
-            deadline: Instant::now() + s.timeout.unwrap_or(self.spec.task_timeout),
-            retries_left: s.retries.unwrap_or(self.spec.retries),
+            deadline: Instant::now() + s.timeout.unwrap_or(self.spec().task_timeout),
+            retries_left: s.retries.unwrap_or(self.spec().retries),
             system_failures: 0,
             attempts: 0,
             waiter: Some(tx),
@@ -549,7 +582,7 @@ impl Pool {
         if let Some((url, version)) = catch_up {
             let pool = self.clone();
             tokio::spawn(async move {
-                let deadline = Instant::now() + pool.spec.weight_sync_timeout;
+                let deadline = Instant::now() + pool.spec().weight_sync_timeout;
                 let result = pool.sync_replica(&r, &url, version, deadline).await;
                 tracing::info!(pool = %pool.name, replica = %r.id, version, ok = result.ok, "caught up a replica that started behind");
                 pool.state.lock().syncing.remove(&r.id);
@@ -578,12 +611,12 @@ impl Pool {
             pending: st.queue.pending(),
             inflight: st.inflight,
             ready: st.replicas.len(),
-            min: self.spec.replicas[0],
-            max: self.spec.replicas[1],
-            concurrency: self.spec.concurrency,
+            min: self.spec().replicas[0],
+            max: self.spec().replicas[1],
+            concurrency: self.spec().concurrency,
             weights_version: st.latest_version,
             syncing_to: st.syncing_to,
-            max_staleness: self.spec.max_staleness,
+            max_staleness: self.spec().max_staleness,
             ondemand_waiting: st.fallback.len(),
             pool: None,
             ondemand: None,
@@ -631,7 +664,7 @@ impl Pool {
             .iter()
             .filter(|r| matches!(r.target, TargetId::Pool(_)))
             .count();
-        let slots = spot as u64 * u64::from(self.spec.concurrency);
+        let slots = spot as u64 * u64::from(self.spec().concurrency);
         st.queue.pending() as u64 > slots.saturating_sub(u64::from(st.inflight))
     }
 
@@ -648,11 +681,11 @@ impl Pool {
             .map(|r| r.idle_for())
             .collect();
         let cfg = warmgate_autoscaler::pool::PoolScaling {
-            min: self.spec.replicas[0],
-            max: self.spec.replicas[1],
-            concurrency: self.spec.concurrency,
-            idle_ttl: self.spec.idle_ttl,
-            buffer: self.spec.buffer,
+            min: self.spec().replicas[0],
+            max: self.spec().replicas[1],
+            concurrency: self.spec().concurrency,
+            idle_ttl: self.spec().idle_ttl,
+            buffer: self.spec().buffer,
         };
         warmgate_autoscaler::pool::pool_desired(
             &cfg,
@@ -921,7 +954,7 @@ impl Pool {
         loop {
             let mut st = self.state.lock();
             let floor = self
-                .spec
+                .spec()
                 .max_staleness
                 .map_or(0, |s| st.latest_version.saturating_sub(s));
             let (deadline, min_version) = {

@@ -74,8 +74,19 @@ impl<T> TaskQueue<T> {
 
     /// Gives tenants more than one task per turn.
     pub fn with_weights(mut self, weights: impl IntoIterator<Item = (String, u32)>) -> Self {
-        self.weights = weights.into_iter().filter(|(_, w)| *w > 1).collect();
+        self.set_weights(weights);
         self
+    }
+
+    /// Changes the tenants' turns per round from the next turn on.
+    pub fn set_weights(&mut self, weights: impl IntoIterator<Item = (String, u32)>) {
+        self.weights = weights.into_iter().filter(|(_, w)| *w > 1).collect();
+    }
+
+    /// Changes the bounds for tasks pushed from now on; tasks already
+    /// queued stay, even beyond a lower bound.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
     }
 
     /// The task [`TaskQueue::pop`] would return next.
