@@ -136,6 +136,10 @@ pub struct ScalingConfig {
     /// Scale for the demand one cold start ahead, from its trend over the
     /// panic window, so replicas are ready when a ramp arrives (opt-in).
     pub predictive: bool,
+    /// After the whole app has been idle this long, even `min` replicas
+    /// stop, until the next request wakes it (Union's environment
+    /// `idle_ttl`). `None`: `min` replicas run for ever.
+    pub suspend_after: Option<Duration>,
 }
 
 impl Default for ScalingConfig {
@@ -152,6 +156,7 @@ impl Default for ScalingConfig {
             max_scale_down_rate: DEFAULT_MAX_SCALE_DOWN_RATE,
             scale_down_delay: DEFAULT_SCALE_DOWN_DELAY,
             predictive: false,
+            suspend_after: None,
         }
     }
 }
@@ -203,6 +208,9 @@ pub struct Autoscaler {
     panic_until: Option<Duration>,
     /// Latest time with concurrency > 0 or a wake; `None` = never active.
     last_active: Option<Duration>,
+    /// The first observation: idle time counts from here until the first
+    /// activity.
+    first_seen: Option<Duration>,
     /// Bound on `samples.len()`: [`MAX_SAMPLES`], lowered only by unit tests.
     sample_cap: usize,
     /// Recent recommendations, for the scale-down delay.
@@ -228,6 +236,7 @@ impl Autoscaler {
             desired,
             panic_until: None,
             last_active: None,
+            first_seen: None,
             sample_cap: MAX_SAMPLES,
             recommendations: VecDeque::new(),
             cold_start: None,
@@ -383,6 +392,19 @@ impl Autoscaler {
         }
 
         self.desired = self.clamp(desired);
+        let since = *self.first_seen.get_or_insert(now);
+        let quiet = now.saturating_sub(self.last_active.unwrap_or(since).max(since));
+        if concurrency == 0.0
+            && self
+                .config
+                .suspend_after
+                .is_some_and(|after| quiet >= after)
+        {
+            // Suspended: below `min`, until a request wakes it.
+            self.desired = 0;
+            panicking = false;
+            self.panic_until = None;
+        }
         Decision {
             desired: self.desired,
             panicking,
@@ -542,6 +564,47 @@ mod tests {
         assert_eq!(sanitize_concurrency(-3.0), 0.0);
         assert_eq!(sanitize_concurrency(f64::INFINITY), MAX_CONCURRENCY);
         assert_eq!(sanitize_concurrency(2.5), 2.5);
+    }
+
+    #[test]
+    fn an_app_with_suspend_after_stops_its_min_replicas_when_idle_and_a_request_wakes_it() {
+        let mut a = Autoscaler::new(ScalingConfig {
+            min: 2,
+            max: 4,
+            target: 1.0,
+            suspend_after: Some(Duration::from_secs(600)),
+            ..ScalingConfig::default()
+        });
+        let at = |a: &mut Autoscaler, s: u64, c: f64| {
+            a.observe(Observation {
+                now: Duration::from_secs(s),
+                concurrency: c,
+                ready: 2,
+            })
+            .desired
+        };
+        // Warm at start, and through idleness shorter than suspend_after.
+        assert_eq!(at(&mut a, 0, 0.0), 2);
+        assert_eq!(at(&mut a, 599, 0.0), 2);
+        // A request in flight restarts the count.
+        assert_eq!(at(&mut a, 300 + 299, 1.0), 2);
+        assert_eq!(at(&mut a, 1198, 0.0), 2);
+        // Idle for the whole period: below min, to zero.
+        assert_eq!(at(&mut a, 1199, 0.0), 0);
+        assert_eq!(at(&mut a, 5000, 0.0), 0);
+        // A request wakes it to min at once, and min holds again after.
+        assert_eq!(a.wake(Duration::from_secs(5001)), 2);
+        assert_eq!(at(&mut a, 5002, 0.0), 2);
+        assert_eq!(at(&mut a, 5600, 0.0), 2);
+        // Without suspend_after, min runs for ever.
+        let mut b = Autoscaler::new(ScalingConfig {
+            min: 2,
+            max: 4,
+            target: 1.0,
+            ..ScalingConfig::default()
+        });
+        assert_eq!(at(&mut b, 0, 0.0), 2);
+        assert_eq!(at(&mut b, 100_000, 0.0), 2);
     }
 
     #[test]

@@ -68,9 +68,49 @@ pub fn pool_desired(cfg: &PoolScaling, load: &PoolLoad<'_>) -> u32 {
     desired.min(u64::from(max)) as u32
 }
 
+/// Whether a pool that stops entirely after `suspend_after` of idleness
+/// is suspended now: nothing waiting or running, and either it already
+/// was, or every ready replica has been idle that long (none starting).
+/// Any work ends a suspension.
+pub fn suspended(suspend_after: Option<Duration>, was: bool, load: &PoolLoad<'_>) -> bool {
+    let Some(after) = suspend_after else {
+        return false;
+    };
+    if load.pending > 0 || load.inflight > 0 {
+        return false;
+    }
+    was || (load.starting == 0 && !load.idle.is_empty() && load.idle.iter().all(|d| *d >= after))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_suspends_after_the_whole_pool_is_idle_and_work_wakes_it() {
+        let after = Some(secs(600));
+        let load = |pending, inflight, idle: &'static [Duration]| PoolLoad {
+            pending,
+            inflight,
+            starting: 0,
+            idle,
+        };
+        const YOUNG: &[Duration] = &[Duration::from_secs(600), Duration::from_secs(599)];
+        const OLD: &[Duration] = &[Duration::from_secs(600), Duration::from_secs(601)];
+        // Off unless set.
+        assert!(!suspended(None, false, &load(0, 0, OLD)));
+        // Every replica must have been idle that long.
+        assert!(!suspended(after, false, &load(0, 0, YOUNG)));
+        assert!(suspended(after, false, &load(0, 0, OLD)));
+        // Suspended, it stays so with no replica left...
+        assert!(suspended(after, true, &load(0, 0, &[])));
+        // ...until a task waits or runs.
+        assert!(!suspended(after, true, &load(1, 0, &[])));
+        assert!(!suspended(after, true, &load(0, 1, &[])));
+        // Never with work, nor at start before any replica is ready.
+        assert!(!suspended(after, false, &load(0, 1, OLD)));
+        assert!(!suspended(after, false, &load(0, 0, &[])));
+    }
 
     fn cfg() -> PoolScaling {
         PoolScaling {

@@ -54,6 +54,7 @@ fn config() -> impl Strategy<Value = ScalingConfig> {
                     max_scale_down_rate: down,
                     scale_down_delay: Duration::from_secs(delay),
                     predictive,
+                    suspend_after: None,
                 }
             },
         )
@@ -269,6 +270,7 @@ proptest! {
             max_scale_down_rate: rates.1,
             scale_down_delay: Duration::from_secs(windows.0),
             predictive: true,
+            suspend_after: None,
         };
         let mut a = Autoscaler::new(config);
         a.observe_cold_start(Duration::from_secs(windows.1));

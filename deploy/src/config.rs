@@ -45,6 +45,16 @@ pub mod defaults {
     pub const CONCURRENCY: u32 = 8;
     /// Loading multi-GB weights onto a GPU can take minutes.
     pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(300);
+    /// The worker contract's health path.
+    pub const HEALTH_PATH: &str = "/healthz";
+    /// Kubernetes' default liveness period is 10 s; 2 s finds a hung
+    /// worker within seconds, and one probe costs the worker microseconds.
+    pub const HEALTH_PERIOD: Duration = Duration::from_secs(2);
+    /// A healthy worker answers its health path in milliseconds.
+    pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Kubernetes' default: three failures in a row, so one slow answer
+    /// does not replace a replica.
+    pub const HEALTH_FAILURES: u32 = 3;
     /// Scale to zero by default: idle GPUs are the bill.
     pub const MIN: u32 = 0;
     /// A small cap, so a traffic spike cannot take every GPU on the box.
@@ -413,6 +423,8 @@ pub struct AppSpec {
     #[serde(with = "bounded")]
     #[schemars(with = "String")]
     pub startup_timeout: Duration,
+    /// How its readiness and liveness are probed.
+    pub health: HealthSpec,
     /// Scaling policy.
     pub autoscale: AutoscaleSpec,
     /// The hold queue for requests that find no free slot.
@@ -421,6 +433,85 @@ pub struct AppSpec {
     pub promotion: PromotionSpec,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
+}
+
+/// How the gateway asks a worker whether it is ready and alive: the
+/// worker contract's `GET /healthz`, adjustable for stock servers (vLLM
+/// and TGI answer `/health`, Triton `/v2/health/ready`).
+///
+/// Readiness is probed from the start until `startup_timeout` (the startup
+/// grace; a startup probe on Kubernetes); once ready, the path is probed
+/// every `period`, and `failure_threshold` failures in a row (an answer
+/// not in `ready_statuses`, or none within `timeout`) replace the replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSpec {
+    /// The path probed, with its query if any.
+    pub path: String,
+    /// Statuses that count as ready and alive.
+    pub ready_statuses: Vec<u16>,
+    /// Time between liveness probes of a ready replica.
+    #[serde(with = "bounded")]
+    #[schemars(with = "String")]
+    pub period: Duration,
+    /// How long one probe may take.
+    #[serde(with = "bounded")]
+    #[schemars(with = "String")]
+    pub timeout: Duration,
+    /// Liveness failures in a row that replace a replica.
+    pub failure_threshold: u32,
+}
+
+impl Default for HealthSpec {
+    fn default() -> Self {
+        HealthSpec {
+            path: defaults::HEALTH_PATH.to_string(),
+            ready_statuses: vec![200],
+            period: defaults::HEALTH_PERIOD,
+            timeout: defaults::HEALTH_TIMEOUT,
+            failure_threshold: defaults::HEALTH_FAILURES,
+        }
+    }
+}
+
+impl HealthSpec {
+    /// Whether `status` counts as ready.
+    pub fn is_ready(&self, status: u16) -> bool {
+        self.ready_statuses.contains(&status)
+    }
+
+    /// The key (under `health.`) and the reason, when it is not usable.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let p = &self.path;
+        if !p.starts_with('/')
+            || p.len() > 1024
+            || !p.chars().all(|c| c.is_ascii_graphic() && c != '#')
+        {
+            return Err((
+                "path",
+                format!(
+                    "{p:?} must start with / and hold visible ASCII only, up to 1024 bytes, no #"
+                ),
+            ));
+        }
+        if self.ready_statuses.is_empty()
+            || self.ready_statuses.iter().any(|s| !(100..=599).contains(s))
+        {
+            return Err((
+                "ready_statuses",
+                "must list HTTP statuses (100 to 599)".into(),
+            ));
+        }
+        for (key, d) in [("period", self.period), ("timeout", self.timeout)] {
+            if d.is_zero() || d > Duration::from_secs(3600) {
+                return Err((key, "must be more than 0s and at most 1h".into()));
+            }
+        }
+        if !(1..=1000).contains(&self.failure_threshold) {
+            return Err(("failure_threshold", "must be from 1 to 1000".into()));
+        }
+        Ok(())
+    }
 }
 
 /// How an app's new revisions take over.
@@ -537,6 +628,12 @@ pub struct PoolSpec {
     #[serde(with = "bounded")]
     #[schemars(with = "String")]
     pub idle_ttl: Duration,
+    /// After the whole pool has been idle this long (no task waiting or
+    /// running), even `min` replicas stop; the next task wakes it (Union's
+    /// environment `idle_ttl`). Unset: `min` replicas run for ever.
+    #[serde(with = "bounded::option")]
+    #[schemars(with = "Option<String>")]
+    pub suspend_after: Option<Duration>,
     /// Spare replicas kept warm beyond what the tasks need, so a burst
     /// finds capacity (Modal's `buffer_containers`).
     pub buffer: u32,
@@ -544,6 +641,8 @@ pub struct PoolSpec {
     #[serde(with = "bounded")]
     #[schemars(with = "String")]
     pub startup_timeout: Duration,
+    /// How its readiness and liveness are probed.
+    pub health: HealthSpec,
     /// Retries of a task that fails in user code (a task may override it).
     pub retries: u32,
     /// How long a task may take, queueing included (a task may override it).
@@ -630,6 +729,12 @@ pub struct AutoscaleSpec {
     pub scale_down_delay: Duration,
     /// Scale for the demand one measured cold start ahead when it rises.
     pub predictive: bool,
+    /// After the whole app has been idle this long, even `min` replicas
+    /// stop; the next request wakes it (Union's environment `idle_ttl`).
+    /// Unset: `min` replicas run for ever.
+    #[serde(with = "bounded::option")]
+    #[schemars(with = "Option<String>")]
+    pub suspend_after: Option<Duration>,
 }
 
 /// An app's hold queue.
@@ -883,6 +988,14 @@ impl Config {
             if app.startup_timeout.is_zero() {
                 return Err((at("startup_timeout"), "must be more than 0s".into()));
             }
+            if let Err((key, why)) = app.health.check() {
+                return Err((at(&format!("health.{key}")), why));
+            }
+            for (n, word) in app.command.iter().enumerate() {
+                if let Err(e) = crate::expand::check(word) {
+                    return Err((at(&format!("command[{n}]")), e.to_string()));
+                }
+            }
             let a = &app.autoscale;
             if a.max == 0 {
                 return Err((at("autoscale.max"), "must be at least 1".into()));
@@ -1065,6 +1178,14 @@ impl Config {
             }
             if pool.task_timeout.is_zero() || pool.startup_timeout.is_zero() {
                 return Err((at("task_timeout"), "timeouts must be more than 0s".into()));
+            }
+            if let Err((key, why)) = pool.health.check() {
+                return Err((at(&format!("health.{key}")), why));
+            }
+            for (n, word) in pool.command.iter().enumerate() {
+                if let Err(e) = crate::expand::check(word) {
+                    return Err((at(&format!("command[{n}]")), e.to_string()));
+                }
             }
             if pool.queue.tenant_quota == Some(0) {
                 return Err((at("queue.tenant_quota"), "must be at least 1".into()));
@@ -1297,6 +1418,7 @@ impl Default for AppSpec {
             concurrency: defaults::CONCURRENCY,
             gpus: 0,
             startup_timeout: defaults::STARTUP_TIMEOUT,
+            health: HealthSpec::default(),
             autoscale: AutoscaleSpec::default(),
             queue: QueueSpec::default(),
             promotion: PromotionSpec::default(),
@@ -1328,8 +1450,10 @@ impl Default for PoolSpec {
             concurrency: defaults::POOL_CONCURRENCY,
             gpus: 0,
             idle_ttl: defaults::IDLE_TTL,
+            suspend_after: None,
             buffer: 0,
             startup_timeout: defaults::STARTUP_TIMEOUT,
+            health: HealthSpec::default(),
             retries: defaults::TASK_RETRIES,
             task_timeout: defaults::TASK_TIMEOUT,
             queue: PoolQueueSpec::default(),
@@ -1368,6 +1492,7 @@ impl Default for AutoscaleSpec {
             max_scale_down_rate: defaults::MAX_SCALE_DOWN_RATE,
             scale_down_delay: Duration::ZERO,
             predictive: false,
+            suspend_after: None,
         }
     }
 }
@@ -1694,6 +1819,38 @@ mod tests {
                 "apps[0].image",
             ),
             ("[backend]\ngpus = [0, 0]", "backend.gpus[1]"),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\", \"--port\", \"${PORT\"]",
+                "apps[0].command[2]",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.health]\npath = \"health\"",
+                "apps[0].health.path",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.health]\npath = \"/a b\"",
+                "apps[0].health.path",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.health]\nready_statuses = []",
+                "apps[0].health.ready_statuses",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.health]\nready_statuses = [200, 700]",
+                "apps[0].health.ready_statuses",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.health]\nfailure_threshold = 0",
+                "apps[0].health.failure_threshold",
+            ),
+            (
+                "[[pools]]\nname = \"p\"\ncommand = [\"x\"]\n[pools.health]\ntimeout = \"0s\"",
+                "pools[0].health.timeout",
+            ),
+            (
+                "[[apps]]\nname = \"a\"\ncommand = [\"x\"]\n[apps.health]\npaht = \"/h\"",
+                "apps[0].health.paht",
+            ),
         ];
         for (text, key) in cases {
             let err = parse(text).unwrap_err();

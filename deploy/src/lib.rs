@@ -9,14 +9,15 @@
 
 mod config;
 pub mod crd;
+pub mod expand;
 pub mod revision;
 pub mod store;
 mod target;
 
 pub use config::{
-    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, KubeBackendConfig,
-    LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec,
-    TenantSpec, Toleration, WeightsConfig, check_dns_label, defaults,
+    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
+    KubeBackendConfig, LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec,
+    PromotionSpec, QueueSpec, TenantSpec, Toleration, WeightsConfig, check_dns_label, defaults,
 };
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 

@@ -134,6 +134,7 @@ impl Gateway {
         }
         self.pool.add_target(TargetSpec {
             id: target.clone(),
+            health: spec.health.clone(),
             revision: rev.id.clone(),
             command: spec.command.clone(),
             env,

@@ -349,6 +349,7 @@ impl Gateway {
         let pool = &self.pool;
         let spot = TargetSpec {
             id: p.target(),
+            health: p.spec().health.clone(),
             revision,
             command: p.spec().command.clone(),
             env,

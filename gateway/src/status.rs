@@ -101,6 +101,9 @@ pub struct PoolStatus {
     pub max_staleness: Option<u64>,
     /// Tasks on their last try waiting for an on-demand replica.
     pub ondemand_waiting: usize,
+    /// Stopped entirely after `suspend_after` of idleness; the next task
+    /// wakes it.
+    pub suspended: bool,
     /// Its replicas and their lifecycle.
     pub pool: Option<TargetStatus>,
     /// The on-demand fallback's replicas (interruptible pools only).

@@ -40,6 +40,10 @@ pub struct Launch {
     pub gpu_count: u32,
     /// A pool's replica, not an app's.
     pub pool: bool,
+    /// Its health probes (kubernetes backend: the pod's probes).
+    pub health: warmgate_deploy::HealthSpec,
+    /// Time allowed to become ready (kubernetes backend: the startup probe).
+    pub startup_timeout: std::time::Duration,
 }
 
 /// A running replica process.
@@ -236,28 +240,38 @@ impl Backend for LocalBackend {
             path: log_path.clone(),
             reason: e.to_string(),
         })?;
-        let program = launch.command.first().ok_or_else(|| Error::SpawnFailed {
+        // The worker's whole environment, later entries winning: what the
+        // gateway passes on, the spec's, then the contract's.
+        let mut vars: BTreeMap<String, String> = inherited(std::env::vars_os(), &self.pass_env)
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect();
+        vars.extend(launch.env.clone());
+        vars.insert("PORT".into(), port.to_string());
+        vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
+        vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
+        vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
+        vars.insert("CUDA_VISIBLE_DEVICES".into(), gpu_list(&launch.gpus));
+        if let Some(c) = &launch.checkpoint {
+            vars.insert("WARMGATE_CHECKPOINT".into(), c.clone());
+        }
+        let command =
+            expand_command(&launch.command, &vars).map_err(|reason| Error::SpawnFailed {
+                program: launch.command.first().cloned().unwrap_or_default(),
+                reason,
+            })?;
+        let program = command.first().ok_or_else(|| Error::SpawnFailed {
             program: String::new(),
             reason: "the command is empty".into(),
         })?;
         let mut cmd = tokio::process::Command::new(program);
-        cmd.args(&launch.command[1..])
+        cmd.args(&command[1..])
             .env_clear()
-            .envs(inherited(std::env::vars_os(), &self.pass_env))
-            .envs(&launch.env)
-            .env("PORT", port.to_string())
-            .env("WARMGATE_REPLICA", &launch.replica)
-            .env("WARMGATE_TARGET", &launch.target)
-            .env("WARMGATE_REVISION", &launch.revision)
-            .env("CUDA_VISIBLE_DEVICES", gpu_list(&launch.gpus))
+            .envs(&vars)
             .stdin(Stdio::null())
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err_file))
             .process_group(0)
             .kill_on_drop(true);
-        if let Some(c) = &launch.checkpoint {
-            cmd.env("WARMGATE_CHECKPOINT", c);
-        }
         if let Some(dir) = &launch.workdir {
             cmd.current_dir(dir);
         }
@@ -290,6 +304,21 @@ pub fn inherited<'a>(
         };
         BASE_ENV.contains(&name) || name.starts_with("LC_") || pass_env.iter().any(|p| p == name)
     })
+}
+
+/// The command with `$VAR` and `${VAR}` replaced from the worker's
+/// environment, with no shell: a stock server takes `--port $PORT`.
+pub fn expand_command(
+    command: &[String],
+    env: &BTreeMap<String, String>,
+) -> std::result::Result<Vec<String>, String> {
+    command
+        .iter()
+        .map(|word| {
+            warmgate_deploy::expand::expand(word, |name| env.get(name).map(String::as_str))
+                .map_err(|e| format!("cannot expand the command: {e}"))
+        })
+        .collect()
 }
 
 /// `CUDA_VISIBLE_DEVICES` for these GPUs. Empty hides every GPU, so a
@@ -457,6 +486,8 @@ mod tests {
             pod: warmgate_deploy::PodSpec::default(),
             gpu_count: 2,
             pool: false,
+            health: warmgate_deploy::HealthSpec::default(),
+            startup_timeout: std::time::Duration::from_secs(60),
         }
     }
 

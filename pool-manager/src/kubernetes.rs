@@ -5,10 +5,10 @@
 //! pod and the scheduler's reason). Nothing polls the API server.
 //!
 //! The gateway reaches replicas at their pod IPs directly (no Service in
-//! between), and probes `/healthz` itself as for local replicas, so the
-//! same readiness and liveness rules hold on both backends. The pod also
-//! carries a Kubernetes readiness probe on `/healthz`, so `kubectl get
-//! pods` agrees with `warmgate status`.
+//! between), and probes their health path itself as for local replicas,
+//! so the same readiness and liveness rules hold on both backends. The pod
+//! also carries Kubernetes readiness and startup probes on that path, so
+//! `kubectl get pods` agrees with `warmgate status`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -328,7 +328,9 @@ fn port_of(launch: &Launch) -> u16 {
 /// The pod for one replica: image and command, the worker contract's
 /// environment, GPUs as `nvidia.com/gpu` with the GPU model as a node
 /// selector, spot placement for interruptible replicas, tolerations, a
-/// readiness probe on `/healthz`, labels, and the owner reference.
+/// readiness and startup probes on the health path, labels, and the owner
+/// reference. `$PORT` and `${VAR}` in the command are expanded from the
+/// pod's own variables.
 ///
 /// A worker runs code from its image and serves clients, so its pod gets
 /// no Kubernetes API token (`automountServiceAccountToken: false`), runs
@@ -367,6 +369,15 @@ pub fn pod_for(
         if launch.pool { POOL } else { APP }.to_string(),
         launch.target.clone(),
     );
+    let mut vars = launch.env.clone();
+    vars.insert("PORT".into(), port.to_string());
+    vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
+    vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
+    vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
+    if let Some(c) = &launch.checkpoint {
+        vars.insert("WARMGATE_CHECKPOINT".into(), c.clone());
+    }
+    let command = crate::backend::expand_command(&launch.command, &vars)?;
     let mut env: Vec<EnvVar> = launch.env.iter().map(|(k, v)| env_var(k, v)).collect();
     env.push(env_var("PORT", &port.to_string()));
     env.push(env_var("WARMGATE_REPLICA", &launch.replica));
@@ -417,7 +428,7 @@ pub fn pod_for(
         name: "worker".to_string(),
         image: Some(image),
         image_pull_policy: settings.config.image_pull_policy.clone(),
-        command: (!launch.command.is_empty()).then(|| launch.command.clone()),
+        command: (!command.is_empty()).then_some(command),
         env: Some(env),
         ports: Some(vec![ContainerPort {
             container_port: i32::from(port),
@@ -426,14 +437,24 @@ pub fn pod_for(
         }]),
         resources,
         readiness_probe: Some(Probe {
-            http_get: Some(HTTPGetAction {
-                path: Some("/healthz".to_string()),
-                port: IntOrString::Int(i32::from(port)),
-                ..HTTPGetAction::default()
-            }),
-            period_seconds: Some(2),
-            failure_threshold: Some(3),
-            ..Probe::default()
+            period_seconds: Some(whole_seconds(launch.health.period)),
+            timeout_seconds: Some(whole_seconds(launch.health.timeout)),
+            failure_threshold: Some(launch.health.failure_threshold as i32),
+            ..health_get(&launch.health.path, port)
+        }),
+        // Readiness is not judged until the worker has had its
+        // startup_timeout to load: the startup grace.
+        startup_probe: Some(Probe {
+            period_seconds: Some(STARTUP_PROBE_PERIOD_SECONDS),
+            timeout_seconds: Some(whole_seconds(launch.health.timeout)),
+            failure_threshold: Some(
+                (launch
+                    .startup_timeout
+                    .as_secs()
+                    .div_ceil(STARTUP_PROBE_PERIOD_SECONDS as u64))
+                .clamp(1, i32::MAX as u64) as i32,
+            ),
+            ..health_get(&launch.health.path, port)
         }),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
@@ -478,6 +499,27 @@ pub fn pod_for(
         }),
         status: None,
     })
+}
+
+/// The startup probe's period: a worker is seen ready within a second or
+/// two of answering.
+const STARTUP_PROBE_PERIOD_SECONDS: i32 = 2;
+
+/// A probe that gets the health path on the worker's port.
+fn health_get(path: &str, port: u16) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_string()),
+            port: IntOrString::Int(i32::from(port)),
+            ..HTTPGetAction::default()
+        }),
+        ..Probe::default()
+    }
+}
+
+/// Seconds for a probe field (Kubernetes counts whole seconds, at least 1).
+fn whole_seconds(d: std::time::Duration) -> i32 {
+    d.as_secs_f64().ceil().clamp(1.0, f64::from(i32::MAX)) as i32
 }
 
 fn env_var(name: &str, value: &str) -> EnvVar {

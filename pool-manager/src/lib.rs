@@ -75,11 +75,14 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
-    /// The worker did not answer `/healthz` with 200 within `startup_timeout`.
-    #[error("the worker did not become ready within {after:?} (log: {log})")]
+    /// The worker did not answer its health path with a ready status
+    /// within `startup_timeout`.
+    #[error("the worker did not become ready within {after:?}; last probe: {last} (log: {log})")]
     StartupTimeout {
         /// The startup timeout.
         after: Duration,
+        /// What the last probe of the health path saw.
+        last: String,
         /// Where its output is.
         log: String,
     },

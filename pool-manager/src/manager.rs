@@ -20,7 +20,7 @@ use warmgate_deploy::TargetId;
 use crate::Error;
 use crate::backend::{Backend, Launch, Process};
 use crate::gpu::GpuInventory;
-use crate::probe::{HealthRule, LIVENESS_INTERVAL, ProbeResult, Prober, readiness_delay};
+use crate::probe::{HealthRule, ProbeResult, Prober, readiness_delay};
 use crate::replica::{ReplicaHandle, ReplicaState, ReplicaStatus, Transition};
 
 /// A replica that stayed ready this long before it crashed resets the
@@ -58,6 +58,8 @@ pub struct TargetSpec {
     /// Which replicas these are; `id.owner()` is `WARMGATE_TARGET` for
     /// its workers.
     pub id: TargetId,
+    /// How readiness and liveness are probed.
+    pub health: warmgate_deploy::HealthSpec,
     /// Revision its replicas serve.
     pub revision: String,
     /// Program and arguments.
@@ -656,6 +658,8 @@ impl Actor {
             pod: spec.pod.clone(),
             gpu_count: spec.gpus,
             pool: spec.id.is_pool(),
+            health: spec.health.clone(),
+            startup_timeout: spec.startup_timeout,
         };
         let ctx = ReplicaTask {
             seq,
@@ -827,6 +831,7 @@ impl Actor {
                         .as_ref()
                         .map_or(Duration::ZERO, |h| h.ready_at.elapsed());
                     self.stop_replica(&mut shared, seq);
+                    shared.restarts += 1;
                     shared.record_failure(
                         format!("replica {id} is unhealthy: {reason}"),
                         false,
@@ -942,10 +947,12 @@ impl ReplicaTask {
         // Readiness: probe fast, back off to a small cap.
         let deadline = tokio::time::Instant::from_std(t0 + self.spec.startup_timeout);
         let mut attempt = 0u32;
+        let mut last = String::from("no probe answered yet");
+        let health = &self.spec.health;
         let (weights_version, weights_ms) = loop {
             let probe = async {
                 tokio::time::sleep(readiness_delay(attempt)).await;
-                self.inner.prober.probe(addr).await
+                self.inner.prober.probe(addr, health).await
             };
             tokio::select! {
                 biased;
@@ -962,13 +969,16 @@ impl ReplicaTask {
                 _ = tokio::time::sleep_until(deadline) => {
                     proc.kill();
                     proc.wait().await;
-                    let error = Error::StartupTimeout { after: self.spec.startup_timeout, log: proc.log() };
+                    let error = Error::StartupTimeout { after: self.spec.startup_timeout, last, log: proc.log() };
                     self.send(Event::StartFailed { seq, error }).await;
                     return;
                 }
                 r = probe => match r {
                     ProbeResult::Healthy { weights_version, weights_ms } => break (weights_version, weights_ms),
-                    ProbeResult::Unhealthy(_) => attempt = attempt.saturating_add(1),
+                    ProbeResult::Unhealthy(why) => {
+                        last = why;
+                        attempt = attempt.saturating_add(1);
+                    }
                 }
             }
         };
@@ -998,12 +1008,12 @@ impl ReplicaTask {
         .await;
 
         // Liveness, until it exits or is asked to stop.
-        let mut rule = HealthRule::new(HealthRule::DEFAULT_FAILURES);
+        let mut rule = HealthRule::new(health.failure_threshold);
         let mut reported = false;
         loop {
             let probe = async {
-                tokio::time::sleep(LIVENESS_INTERVAL).await;
-                self.inner.prober.probe(addr).await
+                tokio::time::sleep(health.period).await;
+                self.inner.prober.probe(addr, health).await
             };
             tokio::select! {
                 biased;

@@ -1,6 +1,6 @@
 //! Health probes, kept apart from the decision they feed.
 //!
-//! [`Prober::probe`] only reports what one `GET /healthz` saw. [`HealthRule`]
+//! [`Prober::probe`] only reports what one `GET` of the health path saw. [`HealthRule`]
 //! is a pure rule with hysteresis that turns a run of reports into a decision,
 //! so one slow answer does not take a replica out of rotation.
 
@@ -12,6 +12,7 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use warmgate_deploy::HealthSpec;
 
 /// The first readiness probe goes out this soon after the process starts: a
 /// worker that binds its port at once is seen within milliseconds.
@@ -19,17 +20,17 @@ pub const FIRST_PROBE_DELAY: Duration = Duration::from_millis(2);
 /// Readiness probes back off up to this interval. A refused connect costs
 /// microseconds, so a small cap keeps cold starts from waiting on the prober.
 pub const MAX_PROBE_INTERVAL: Duration = Duration::from_millis(20);
-/// Interval of liveness probes on ready replicas.
-pub const LIVENESS_INTERVAL: Duration = Duration::from_secs(2);
-/// How long one probe may take before it counts as failed.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Idle probe connections are kept this long (a few liveness periods).
+const PROBE_POOL_IDLE: Duration = Duration::from_secs(6);
+/// A probe's connect gives up after this long, within its own timeout.
+const PROBE_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// A `/healthz` body larger than this is not parsed.
 const MAX_HEALTH_BODY: usize = 64 * 1024;
 
 /// What one probe saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProbeResult {
-    /// 200, with the weights version if the body named one.
+    /// A ready status, with the weights version if the body named one.
     Healthy {
         /// `weights_version` from the JSON body.
         weights_version: Option<u64>,
@@ -58,17 +59,18 @@ impl Prober {
     pub fn new() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(PROBE_TIMEOUT));
+        connector.set_connect_timeout(Some(PROBE_CONNECT_TIMEOUT));
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(LIVENESS_INTERVAL * 3)
+            .pool_idle_timeout(PROBE_POOL_IDLE)
             .pool_max_idle_per_host(1)
             .build(connector);
         Prober { client }
     }
 
-    /// Probes `addr` once.
-    pub async fn probe(&self, addr: SocketAddr) -> ProbeResult {
-        let uri = format!("http://{addr}/healthz");
+    /// Probes `addr` once, as `health` says.
+    pub async fn probe(&self, addr: SocketAddr, health: &HealthSpec) -> ProbeResult {
+        let path = health.path.as_str();
+        let uri = format!("http://{addr}{path}");
         let req = match http::Request::get(uri).body(Empty::new()) {
             Ok(r) => r,
             Err(e) => return ProbeResult::Unhealthy(format!("bad probe request: {e}")),
@@ -78,25 +80,31 @@ impl Prober {
                 .client
                 .request(req)
                 .await
-                .map_err(|e| format!("GET /healthz failed: {}", error_chain(&e)))?;
+                .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?;
             let status = resp.status();
             let body = Limited::new(resp.into_body(), MAX_HEALTH_BODY)
                 .collect()
                 .await
                 .map(|c| c.to_bytes())
                 .unwrap_or_default();
-            if status != http::StatusCode::OK {
-                return Err(format!("GET /healthz answered {status}"));
+            if !health.is_ready(status.as_u16()) {
+                let text = String::from_utf8_lossy(&body[..body.len().min(200)]);
+                let text = text.trim();
+                return Err(if text.is_empty() {
+                    format!("GET {path} answered {status}")
+                } else {
+                    format!("GET {path} answered {status}: {text}")
+                });
             }
             Ok(parse_health(&body))
         };
-        match tokio::time::timeout(PROBE_TIMEOUT, fut).await {
+        match tokio::time::timeout(health.timeout, fut).await {
             Ok(Ok((weights_version, weights_ms))) => ProbeResult::Healthy {
                 weights_version,
                 weights_ms,
             },
             Ok(Err(e)) => ProbeResult::Unhealthy(e),
-            Err(_) => ProbeResult::Unhealthy(format!("GET /healthz took over {PROBE_TIMEOUT:?}")),
+            Err(_) => ProbeResult::Unhealthy(format!("GET {path} took over {:?}", health.timeout)),
         }
     }
 }
@@ -225,7 +233,7 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr");
         drop(l);
-        match Prober::new().probe(addr).await {
+        match Prober::new().probe(addr, &HealthSpec::default()).await {
             ProbeResult::Unhealthy(msg) => assert!(msg.contains("/healthz"), "{msg}"),
             other => panic!("expected unhealthy, got {other:?}"),
         }

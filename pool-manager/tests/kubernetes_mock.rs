@@ -59,6 +59,14 @@ fn launch(replica: &str) -> Launch {
         },
         gpu_count: 2,
         pool: false,
+        health: warmgate_deploy::HealthSpec {
+            path: "/v2/health/ready".into(),
+            period: Duration::from_secs(5),
+            timeout: Duration::from_millis(1500),
+            failure_threshold: 4,
+            ..warmgate_deploy::HealthSpec::default()
+        },
+        startup_timeout: Duration::from_secs(600),
     }
 }
 
@@ -251,8 +259,27 @@ fn the_pod_carries_the_worker_contract_gpus_placement_and_labels() {
         assert_eq!(c["resources"]["requests"][r], q, "{r} request");
     }
     assert_eq!(c["ports"][0]["containerPort"], 8080);
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/healthz");
-    assert_eq!(c["readinessProbe"]["httpGet"]["port"], 8080);
+    // The probes are the spec's: Triton's path, its period, timeout and
+    // threshold; the startup probe gives the worker its startup_timeout.
+    let ready = &c["readinessProbe"];
+    assert_eq!(ready["httpGet"]["path"], "/v2/health/ready");
+    assert_eq!(ready["httpGet"]["port"], 8080);
+    assert_eq!(
+        (
+            &ready["periodSeconds"],
+            &ready["timeoutSeconds"],
+            &ready["failureThreshold"]
+        ),
+        (&json!(5), &json!(2), &json!(4))
+    );
+    let startup = &c["startupProbe"];
+    assert_eq!(startup["httpGet"]["path"], "/v2/health/ready");
+    assert_eq!(
+        startup["periodSeconds"].as_i64().unwrap_or(0)
+            * startup["failureThreshold"].as_i64().unwrap_or(0),
+        600,
+        "{startup}"
+    );
     let env: BTreeMap<String, String> = c["env"]
         .as_array()
         .expect("env")
@@ -529,4 +556,35 @@ fn preemption_and_node_loss_are_named_as_disruptions() {
         Some("exited with status 137 (OOMKilled)")
     );
     assert_eq!(ended(json!({"phase": "Running"})), None);
+}
+
+#[test]
+fn the_command_takes_its_port_and_variables_without_a_shell() {
+    let mut l = launch("llm-00002-1");
+    l.command = [
+        "vllm",
+        "serve",
+        "${MODEL}",
+        "--port",
+        "$PORT",
+        "--served-model-name=$WARMGATE_TARGET",
+    ]
+    .map(String::from)
+    .to_vec();
+    l.env.insert("MODEL".into(), "Qwen/Qwen2.5-0.5B".into());
+    let v = serde_json::to_value(pod_for(&l, &settings(), None).expect("pod")).expect("json");
+    assert_eq!(
+        v["spec"]["containers"][0]["command"],
+        json!([
+            "vllm",
+            "serve",
+            "Qwen/Qwen2.5-0.5B",
+            "--port",
+            "8080",
+            "--served-model-name=llm"
+        ])
+    );
+    l.command = vec!["serve".into(), "--model".into(), "$MODLE".into()];
+    let err = pod_for(&l, &settings(), None).expect_err("an unset variable");
+    assert!(err.contains("$MODLE"), "{err}");
 }

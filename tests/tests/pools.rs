@@ -313,3 +313,35 @@ async fn a_burst_scales_the_pool_up_and_idle_replicas_go_one_by_one_down_to_the_
     let s = gw.json("/v1/status").await;
     assert_eq!(s["pools"][0]["pool"]["desired"], 1, "{s}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_with_suspend_after_stops_its_min_replicas_when_idle_and_a_task_wakes_it() {
+    let gw = Gateway::start(&pool("suspend_after = \"2s\"\nidle_ttl = \"1s\""));
+    let replicas = |s: &Value| {
+        s["pool"]["replicas"]
+            .as_array()
+            .map_or(0, |r| r.iter().filter(|r| r["state"] != "stopped").count())
+    };
+    // Warm at start: min is 1.
+    eventually("the pool's min replica is up", || async {
+        let s = gw.json("/v1/pools/rollouts").await;
+        (s["ready"] == 1).then_some(())
+    })
+    .await;
+    // Idle for suspend_after: even the min replica stops.
+    let s = eventually("the idle pool suspends to zero", || async {
+        let s = gw.json("/v1/pools/rollouts").await;
+        (s["suspended"] == true && replicas(&s) == 0).then_some(s)
+    })
+    .await;
+    assert_eq!(s["pool"]["desired"], 0, "{s}");
+    // The next task wakes it and is served.
+    let (status, body) = task(&gw, json!({"input": "wake"})).await;
+    assert_eq!(
+        (status, &body["output"]["echo"]),
+        (200, &json!("wake")),
+        "{body}"
+    );
+    let s = gw.json("/v1/pools/rollouts").await;
+    assert_eq!(s["suspended"], false, "{s}");
+}

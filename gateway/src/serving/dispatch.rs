@@ -126,6 +126,7 @@ pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
         max_scale_down_rate: a.max_scale_down_rate,
         scale_down_delay: a.scale_down_delay,
         predictive: a.predictive,
+        suspend_after: a.suspend_after,
     }
 }
 

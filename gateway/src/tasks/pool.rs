@@ -283,6 +283,9 @@ struct PoolState {
     syncing_to: Option<u64>,
     /// Replicas taken out of dispatch while they swap weights.
     syncing: HashSet<String>,
+    /// Stopped entirely after `suspend_after` of idleness, until a task
+    /// comes.
+    suspended: bool,
     /// Tasks on their last try after losing replicas to preemption, for
     /// the on-demand replicas of an interruptible pool (FIFO). They already
     /// count as running in `queue`.
@@ -313,6 +316,7 @@ impl Pool {
                 syncing_to: None,
                 syncing: HashSet::new(),
                 fallback: VecDeque::new(),
+                suspended: false,
             }),
             spec: arc_swap::ArcSwap::from_pointee(spec),
             wake: Notify::new(),
@@ -546,6 +550,8 @@ impl Pool {
                     )
                     .retry_after(1),
                 })?;
+            // A task ends a suspension: `min` holds again.
+            st.suspended = false;
         }
         self.store.insert(TaskRecord {
             id: id.clone(),
@@ -618,6 +624,7 @@ impl Pool {
             syncing_to: st.syncing_to,
             max_staleness: self.spec().max_staleness,
             ondemand_waiting: st.fallback.len(),
+            suspended: st.suspended,
             pool: None,
             ondemand: None,
         }
@@ -673,29 +680,37 @@ impl Pool {
     /// stopped after `idle_ttl`, never below `min`. `starting` counts the
     /// replicas started and not ready yet.
     pub fn desired(&self, starting: u32) -> u32 {
-        let st = self.state.lock();
+        let mut st = self.state.lock();
         let idle: Vec<Duration> = st
             .replicas
             .iter()
             .filter(|r| r.is_routable() && matches!(r.target, TargetId::Pool(_)))
             .map(|r| r.idle_for())
             .collect();
+        let spec = self.spec();
         let cfg = warmgate_autoscaler::pool::PoolScaling {
-            min: self.spec().replicas[0],
-            max: self.spec().replicas[1],
-            concurrency: self.spec().concurrency,
-            idle_ttl: self.spec().idle_ttl,
-            buffer: self.spec().buffer,
+            min: spec.replicas[0],
+            max: spec.replicas[1],
+            concurrency: spec.concurrency,
+            idle_ttl: spec.idle_ttl,
+            buffer: spec.buffer,
         };
-        warmgate_autoscaler::pool::pool_desired(
-            &cfg,
-            &warmgate_autoscaler::pool::PoolLoad {
-                pending: st.queue.pending(),
-                inflight: st.inflight,
-                starting,
-                idle: &idle,
-            },
-        )
+        let load = warmgate_autoscaler::pool::PoolLoad {
+            pending: st.queue.pending(),
+            inflight: st.inflight,
+            starting,
+            idle: &idle,
+        };
+        let suspended =
+            warmgate_autoscaler::pool::suspended(spec.suspend_after, st.suspended, &load);
+        if suspended && !st.suspended {
+            tracing::info!(pool = %self.name, after = ?spec.suspend_after, "pool idle: stopping every replica until a task comes");
+        }
+        st.suspended = suspended;
+        if suspended {
+            return 0;
+        }
+        warmgate_autoscaler::pool::pool_desired(&cfg, &load)
     }
 
     /// Starts a weight sync to `version`, whose files workers fetch from
