@@ -1,0 +1,36 @@
+"""Streams a checkpoint with the worker kit and reports what a test or a
+benchmark needs: peak RSS, time and bytes at the first tensor, total time,
+and a digest of every tensor's bytes in file order.
+
+    python3 stream_probe.py URL [TOKEN]
+"""
+
+import hashlib
+import json
+import os
+import resource
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from warmgate_worker import stream_checkpoint  # noqa: E402
+
+
+def main():
+    url = sys.argv[1]
+    token = sys.argv[2] if len(sys.argv) > 2 else None
+    digest = hashlib.sha256()
+    held = []
+
+    def on_tensor(t):
+        digest.update(t.raw)
+        held.append(t)  # kept, as a model keeps its weights
+
+    stats = stream_checkpoint(url, token, on_tensor)
+    stats["sha256"] = digest.hexdigest()
+    stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stats["held"] = sum(len(t.raw) for t in held)
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()

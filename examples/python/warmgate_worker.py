@@ -1,0 +1,385 @@
+"""The warmgate worker contract for any Python server, standard library only.
+
+Two parts, usable apart:
+
+``stream_checkpoint(url, token, on_tensor)``
+    Streams a checkpoint from the gateway (``WARMGATE_WEIGHTS_URL``) tensor
+    by tensor. Each safetensors tensor is read straight into its own
+    preallocated buffer (a ``bytearray``, or a numpy array when numpy is
+    installed) and handed to ``on_tensor`` as soon as its last byte has
+    arrived, while the rest still downloads: peak memory is one copy of the
+    weights, and loading overlaps the download. Sizes, the safetensors
+    header and, when the checkpoint has a ``SHA256SUMS``, every file's
+    digest are checked; a short, corrupted or truncated stream raises
+    ``WeightsError`` and nothing already loaded is swapped in by
+    ``Worker``.
+
+``Worker``
+    A small HTTP server that follows the contract: ``GET /healthz`` with
+    ``weights_version`` and ``weights_seconds``, ``POST /invoke`` (JSON in
+    and out, for pools), ``POST /weights {"url", "version"}`` (new weights
+    without a restart: loaded aside, swapped only when whole), listening on
+    ``$PORT``, and SIGTERM (stop taking connections, finish what is in
+    flight, exit). Subclass it and override ``invoke`` and ``load``.
+
+Run ``python3 warmgate_worker.py`` for a demo worker that loads its
+checkpoint and answers with what it loaded.
+"""
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+try:  # numpy is used when present, never required
+    import numpy as _np
+except ImportError:  # pragma: no cover - depends on the environment
+    _np = None
+
+# The largest safetensors header accepted (the gateway refuses larger ones).
+MAX_HEADER = 100 * 1024 * 1024
+# Bytes asked of the socket at once while filling a tensor.
+CHUNK = 1 << 20
+
+_NUMPY_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+}
+
+
+class WeightsError(Exception):
+    """A checkpoint that could not be streamed whole and intact."""
+
+
+class Tensor:
+    """One tensor as it arrived: its name, dtype, shape and bytes.
+
+    ``data`` is a numpy array of that dtype and shape when numpy is
+    installed and knows the dtype (bfloat16 stays bytes), else a
+    ``bytearray``; ``raw`` is always a memoryview of the same bytes.
+    """
+
+    __slots__ = ("name", "dtype", "shape", "data", "raw", "file")
+
+    def __init__(self, name, dtype, shape, data, raw, file):
+        self.name, self.dtype, self.shape = name, dtype, shape
+        self.data, self.raw, self.file = data, raw, file
+
+
+def _open(url, token, timeout):
+    """A GET of ``url`` with the worker's token; the response, unread."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https"):
+        raise WeightsError(f"{url}: only http(s) weights URLs are streamed")
+    conn_type = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(u.hostname, u.port, timeout=timeout)
+    path = u.path + (f"?{u.query}" if u.query else "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    conn.request("GET", path, headers=headers)
+    resp = conn.getresponse()
+    if resp.status != 200:
+        body = resp.read(2048).decode("utf-8", "replace")
+        conn.close()
+        raise WeightsError(f"GET {url} answered {resp.status}: {body}")
+    return conn, resp
+
+
+def _read_exact(resp, view, what, digest):
+    """Fills ``view`` from ``resp``; raises on a short body."""
+    got = 0
+    n = len(view)
+    while got < n:
+        k = resp.readinto(view[got:min(n, got + CHUNK)])
+        if not k:
+            raise WeightsError(f"{what}: the stream ended after {got} of {n} bytes")
+        got += k
+    if digest is not None:
+        digest.update(view)
+
+
+def _buffer(dtype, shape, nbytes):
+    """A zeroed buffer for one tensor, and a writable byte view of it."""
+    if _np is not None and dtype in _NUMPY_DTYPES:
+        arr = _np.empty(shape if shape else (), dtype=_NUMPY_DTYPES[dtype])
+        if arr.nbytes == nbytes:
+            return arr, memoryview(arr.reshape(-1).view(_np.uint8))
+    buf = bytearray(nbytes)
+    return buf, memoryview(buf)
+
+
+def _check_header(header, data_len, file):
+    """Tensors in file order; raises unless they tile the data exactly."""
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = info["data_offsets"]
+            dtype, shape = info["dtype"], list(info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightsError(f"{file}: tensor {name!r} has a bad header entry: {e}") from None
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+            raise WeightsError(f"{file}: tensor {name!r} has bad offsets {start}..{end}")
+        tensors.append((start, end, name, dtype, shape))
+    tensors.sort()
+    at = 0
+    for start, end, name, _, _ in tensors:
+        if start != at:
+            raise WeightsError(f"{file}: tensor {name!r} starts at {start}, expected {at}")
+        at = end
+    if at != data_len:
+        raise WeightsError(f"{file}: the tensors cover {at} bytes but the file holds {data_len}")
+    return tensors
+
+
+def _sha256sums(text):
+    sums = {}
+    for line in text.splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2:
+            sums[parts[1].lstrip("*").lstrip("./")] = parts[0].lower()
+    return sums
+
+
+def stream_checkpoint(url, token=None, on_tensor=None, timeout=60.0):
+    """Streams every ``.safetensors`` file of the checkpoint at ``url``.
+
+    Calls ``on_tensor(Tensor)`` for each tensor as soon as it is whole, in
+    file order, and returns ``{"tensors", "bytes", "first_tensor_s",
+    "first_tensor_bytes", "seconds", "files"}`` (``first_tensor_bytes``:
+    bytes downloaded when the first tensor was handed on). Raises ``WeightsError`` on anything short,
+    malformed or not matching ``SHA256SUMS``.
+    """
+    token = token if token is not None else os.environ.get("WARMGATE_WEIGHTS_TOKEN")
+    t0 = time.monotonic()
+    conn, resp = _open(url, token, timeout)
+    try:
+        manifest = json.loads(resp.read(16 * 1024 * 1024))
+    except ValueError as e:
+        raise WeightsError(f"{url}: the manifest is not JSON: {e}") from None
+    finally:
+        conn.close()
+    files = manifest.get("files") or []
+    names = {f.get("name") for f in files}
+    sums = {}
+    if "SHA256SUMS" in names:
+        conn, resp = _open(f"{url}/SHA256SUMS", token, timeout)
+        try:
+            sums = _sha256sums(resp.read(1024 * 1024).decode("utf-8", "replace"))
+        finally:
+            conn.close()
+    stats = {"tensors": 0, "bytes": 0, "first_tensor_s": None, "files": []}
+    for f in files:
+        name, size = f.get("name", ""), int(f.get("size", 0))
+        if not name.endswith(".safetensors"):
+            continue
+        _stream_file(f"{url}/{urllib.parse.quote(name)}", name, size, token, timeout,
+                     sums.get(name), on_tensor, stats, t0)
+        stats["files"].append(name)
+    stats["seconds"] = time.monotonic() - t0
+    return stats
+
+
+def _stream_file(url, name, size, token, timeout, expected, on_tensor, stats, t0):
+    conn, resp = _open(url, token, timeout)
+    try:
+        length = resp.getheader("content-length")
+        if length is not None and int(length) != size:
+            raise WeightsError(f"{name}: the manifest says {size} bytes, the answer {length}")
+        digest = hashlib.sha256() if expected else None
+        head = bytearray(8)
+        _read_exact(resp, memoryview(head), f"{name} header length", digest)
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            raise WeightsError(f"{name}: a header of {hlen} bytes does not fit a file of {size}")
+        hbuf = bytearray(hlen)
+        _read_exact(resp, memoryview(hbuf), f"{name} header", digest)
+        try:
+            header = json.loads(hbuf)
+        except ValueError as e:
+            raise WeightsError(f"{name}: the header is not JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise WeightsError(f"{name}: the header is not a JSON object")
+        for start, end, tname, dtype, shape in _check_header(header, size - 8 - hlen, name):
+            data, view = _buffer(dtype, shape, end - start)
+            _read_exact(resp, view, f"{name}: tensor {tname!r}", digest)
+            stats["tensors"] += 1
+            stats["bytes"] += end - start
+            if stats["first_tensor_s"] is None:
+                # How far the download was when the first tensor was whole:
+                # the rest streams while the caller loads this one.
+                stats["first_tensor_s"] = time.monotonic() - t0
+                stats["first_tensor_bytes"] = 8 + hlen + end
+            if on_tensor is not None:
+                on_tensor(Tensor(tname, dtype, shape, data, view, name))
+        if resp.read(1):
+            raise WeightsError(f"{name}: bytes follow the last tensor")
+        if expected and digest.hexdigest() != expected:
+            raise WeightsError(f"{name}: sha256 {digest.hexdigest()} does not match SHA256SUMS ({expected})")
+    except (OSError, http.client.HTTPException) as e:
+        raise WeightsError(f"{name}: the download failed: {e}") from None
+    finally:
+        conn.close()
+
+
+class Worker:
+    """A worker that follows warmgate's contract. Override ``load`` (turn a
+    dict of ``Tensor`` into your model) and ``invoke`` (one task), or
+    ``handle`` for routes of your own."""
+
+    def __init__(self):
+        self.model = None
+        self.weights_version = 0
+        self.weights_seconds = None
+        self.last_error = None
+        self._swap = threading.Lock()
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self.server = None
+
+    # --- override these ---------------------------------------------------
+
+    def load(self, tensors, version):
+        """Builds the model from ``{name: Tensor}``; the default keeps them."""
+        return tensors
+
+    def invoke(self, payload):
+        """Runs one task (``POST /invoke``); the default echoes it."""
+        return {"echo": payload}
+
+    def handle(self, method, path, payload):
+        """Other routes: return ``(status, json)`` or ``None`` for 404."""
+        return None
+
+    # --- the contract -------------------------------------------------------
+
+    def load_weights(self, url, version):
+        """Streams and loads a checkpoint aside, then swaps it in; on any
+        error the old model stays and the error is kept for ``/healthz``."""
+        t0 = time.monotonic()
+        tensors = {}
+        try:
+            stream_checkpoint(url, on_tensor=lambda t: tensors.__setitem__(t.name, t))
+            model = self.load(tensors, version)
+        except Exception as e:
+            self.last_error = f"weights version {version}: {e}"
+            raise
+        with self._swap:
+            self.model, self.weights_version = model, version
+            self.weights_seconds = time.monotonic() - t0
+            self.last_error = None
+
+    def health(self):
+        body = {"status": "ok", "weights_version": self.weights_version}
+        if self.weights_seconds is not None:
+            body["weights_seconds"] = round(self.weights_seconds, 3)
+        if self.last_error:
+            body["last_error"] = self.last_error
+        return body
+
+    def serve(self, port=None, host="127.0.0.1"):
+        """Loads ``WARMGATE_WEIGHTS_URL`` if set, then serves until SIGTERM."""
+        url = os.environ.get("WARMGATE_WEIGHTS_URL")
+        if url:
+            self.load_weights(url, int(os.environ.get("WARMGATE_WEIGHTS_VERSION", "0")))
+        worker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):
+                pass
+
+            def _reply(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _payload(self):
+                n = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                return json.loads(raw) if raw else None
+
+            def _route(self, method):
+                with worker._idle:
+                    worker._inflight += 1
+                try:
+                    if method == "GET" and self.path == "/healthz":
+                        return self._reply(200, worker.health())
+                    try:
+                        payload = self._payload() if method == "POST" else None
+                    except ValueError as e:
+                        return self._reply(400, {"error": f"the body is not JSON: {e}"})
+                    if method == "POST" and self.path == "/invoke":
+                        return self._reply(200, worker.invoke(payload))
+                    if method == "POST" and self.path == "/weights":
+                        if not isinstance(payload, dict) or "url" not in payload:
+                            return self._reply(400, {"error": "expected {\"url\", \"version\"}"})
+                        version = int(payload.get("version", 0))
+                        try:
+                            worker.load_weights(payload["url"], version)
+                        except Exception as e:
+                            return self._reply(500, {"error": str(e),
+                                                     "weights_version": worker.weights_version})
+                        return self._reply(200, {"weights_version": worker.weights_version})
+                    out = worker.handle(method, self.path, payload)
+                    if out is None:
+                        return self._reply(404, {"error": f"no route {method} {self.path}"})
+                    return self._reply(*out)
+                finally:
+                    with worker._idle:
+                        worker._inflight -= 1
+                        worker._idle.notify_all()
+
+            def do_GET(self):
+                self._route("GET")
+
+            def do_POST(self):
+                self._route("POST")
+
+        port = int(port if port is not None else os.environ.get("PORT", "8000"))
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+
+        def stop(*_):
+            # Stop taking connections, let in-flight requests finish.
+            threading.Thread(target=self.server.shutdown, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, stop)
+        self.server.serve_forever()
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout=60)
+        self.server.server_close()
+
+
+class _Demo(Worker):
+    """Loads its checkpoint and answers with what it holds: tensor count,
+    bytes, and a digest of every tensor's bytes in file order."""
+
+    def load(self, tensors, version):
+        digest = hashlib.sha256()
+        total = 0
+        for t in tensors.values():
+            digest.update(t.raw)
+            total += len(t.raw)
+        return {"tensors": len(tensors), "bytes": total, "sha256": digest.hexdigest()}
+
+    def invoke(self, payload):
+        return {"model": self.model, "echo": payload}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--demo":
+        sys.argv.pop(1)
+    _Demo().serve()
