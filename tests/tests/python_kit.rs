@@ -45,7 +45,7 @@ fn checkpoint(dir: &Path, count: usize, each: usize, sums: Sums) -> (u64, String
         );
     }
     let mut head = serde_json::to_vec(&Value::Object(header)).expect("header");
-    while head.len() % 8 != 0 {
+    while !head.len().is_multiple_of(8) {
         head.push(b' ');
     }
     let path = dir.join("model.safetensors");
