@@ -114,6 +114,161 @@ impl Fetcher {
     }
 }
 
+/// One tensor of a streamed safetensors file, whole.
+pub struct StreamedTensor {
+    /// Its name.
+    pub name: String,
+    /// Element type.
+    pub dtype: safetensors::Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Its bytes, in a buffer of exactly its size.
+    pub data: Vec<u8>,
+}
+
+/// How a streamed file arrived.
+#[derive(Debug, Clone, Default)]
+pub struct StreamReport {
+    /// Tensors handed on.
+    pub tensors: usize,
+    /// The file's size.
+    pub bytes: u64,
+    /// From the request to the first tensor handed on.
+    pub first_tensor: Option<std::time::Duration>,
+    /// Bytes received when the first tensor was handed on.
+    pub first_tensor_bytes: u64,
+    /// From the request to the last byte.
+    pub total: std::time::Duration,
+}
+
+impl Fetcher {
+    /// Streams a safetensors file tensor by tensor: the header is read and
+    /// checked first, then each tensor's bytes go from the socket into one
+    /// buffer of its size, and `on_tensor` gets it as soon as it is whole,
+    /// while the rest still downloads. A short, long or malformed body is
+    /// an error; the caller keeps nothing of a failed stream.
+    pub async fn stream_safetensors(
+        &self,
+        url: &str,
+        mut on_tensor: impl FnMut(StreamedTensor) -> anyhow::Result<()>,
+    ) -> anyhow::Result<StreamReport> {
+        use warmgate_pool::weights::header;
+        let t0 = std::time::Instant::now();
+        let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+        let mut req = hyper::Request::get(uri);
+        if let Some(token) = &self.token {
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let req = req
+            .body(Empty::new())
+            .with_context(|| format!("GET {url}"))?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        let status = resp.status();
+        if !status.is_success() {
+            let body = resp.into_body().collect().await.map(|b| b.to_bytes());
+            let text = body
+                .as_deref()
+                .map(String::from_utf8_lossy)
+                .unwrap_or_default();
+            bail!("GET {url}: {status}: {text}");
+        }
+        let size: u64 = resp
+            .headers()
+            .get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .with_context(|| format!("GET {url}: no Content-Length"))?;
+        let mut body = resp.into_body();
+        let mut report = StreamReport {
+            bytes: size,
+            ..StreamReport::default()
+        };
+        // The prefix and the JSON header, then each tensor in file order.
+        let mut head: Vec<u8> = Vec::new();
+        let mut want_head = header::LEN_PREFIX as usize;
+        let mut plan: Option<std::vec::IntoIter<warmgate_pool::weights::TensorEntry>> = None;
+        let mut current: Option<(warmgate_pool::weights::TensorEntry, Vec<u8>)> = None;
+        let mut received = 0u64;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.with_context(|| format!("read {url}"))?;
+            let Ok(mut chunk) = frame.into_data() else {
+                continue;
+            };
+            received += chunk.len() as u64;
+            if received > size {
+                bail!("{url}: the body is longer than its Content-Length");
+            }
+            while !chunk.is_empty() {
+                if plan.is_none() {
+                    let take = (want_head - head.len()).min(chunk.len());
+                    head.extend_from_slice(&chunk.split_to(take));
+                    if head.len() < want_head {
+                        continue;
+                    }
+                    if want_head == header::LEN_PREFIX as usize {
+                        let n = header::json_len(&head, size, header::MAX_HEADER_BYTES)
+                            .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+                        want_head += n as usize;
+                        head.reserve_exact(n as usize);
+                        continue;
+                    }
+                    let parsed = header::parse(&head[header::LEN_PREFIX as usize..], size)
+                        .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+                    plan = Some(parsed.tensors.into_iter());
+                    continue;
+                }
+                if current.is_none() {
+                    let Some(next) = plan.as_mut().and_then(Iterator::next) else {
+                        bail!("{url}: bytes follow the last tensor");
+                    };
+                    let len = (next.end - next.start) as usize;
+                    current = Some((next, Vec::with_capacity(len)));
+                }
+                if let Some((entry, buf)) = current.as_mut() {
+                    let want = (entry.end - entry.start) as usize - buf.len();
+                    buf.extend_from_slice(&chunk.split_to(want.min(chunk.len())));
+                }
+                if let Some((entry, buf)) =
+                    current.take_if(|(e, b)| b.len() as u64 == e.end - e.start)
+                {
+                    if report.first_tensor.is_none() {
+                        report.first_tensor = Some(t0.elapsed());
+                        report.first_tensor_bytes = received - chunk.len() as u64;
+                    }
+                    report.tensors += 1;
+                    on_tensor(StreamedTensor {
+                        name: entry.name,
+                        dtype: entry.dtype,
+                        shape: entry.shape,
+                        data: buf,
+                    })?;
+                }
+            }
+        }
+        if received != size {
+            bail!("{url}: the stream ended after {received} of {size} bytes");
+        }
+        // Zero-sized tensors at the end take no bytes.
+        for entry in plan.into_iter().flatten() {
+            if entry.end != entry.start {
+                bail!("{url}: tensor {} never arrived", entry.name);
+            }
+            report.tensors += 1;
+            on_tensor(StreamedTensor {
+                name: entry.name,
+                dtype: entry.dtype,
+                shape: entry.shape,
+                data: Vec::new(),
+            })?;
+        }
+        report.total = t0.elapsed();
+        Ok(report)
+    }
+}
+
 /// Resolves on SIGTERM or Ctrl-C: the worker contract's stop signal.
 pub async fn shutdown_signal() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -203,5 +358,127 @@ pub mod plot {
         }
         root.present()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of three tensors (one empty) and the tensors'
+    /// bytes in file order.
+    fn file() -> (Vec<u8>, Vec<(String, Vec<u8>)>) {
+        let a: Vec<u8> = (0..=255u8).cycle().take(4 * 1000).collect();
+        let b: Vec<u8> = (0..=250u8).rev().cycle().take(2 * 333).collect();
+        let views = [
+            (
+                "a",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1000], &a),
+            ),
+            (
+                "b",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![333], &b),
+            ),
+            (
+                "c",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![0], &[]),
+            ),
+        ];
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = views
+            .into_iter()
+            .map(|(n, v)| (n, v.expect("view")))
+            .collect();
+        let bytes = safetensors::serialize(views, None).expect("serialize");
+        (
+            bytes,
+            vec![("a".into(), a), ("b".into(), b), ("c".into(), Vec::new())],
+        )
+    }
+
+    /// Serves `body` in chunks of `chunk` bytes, claiming `length`.
+    async fn serve(body: Vec<u8>, chunk: usize, length: usize) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = axum::Router::new().route(
+            "/model.safetensors",
+            axum::routing::get(move || {
+                let parts: Vec<Result<Bytes, std::io::Error>> = body
+                    .chunks(chunk)
+                    .map(|c| Ok(Bytes::copy_from_slice(c)))
+                    .collect();
+                async move {
+                    axum::response::Response::builder()
+                        .header("content-length", length)
+                        .body(axum::body::Body::from_stream(futures_util::stream::iter(
+                            parts,
+                        )))
+                        .expect("response")
+                }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}/model.safetensors")
+    }
+
+    async fn stream(url: &str) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+        let mut got = Vec::new();
+        Fetcher::default()
+            .stream_safetensors(url, |t| {
+                assert_eq!(t.data.capacity(), t.data.len(), "one buffer of its size");
+                got.push((t.name, t.data));
+                Ok(())
+            })
+            .await?;
+        Ok(got)
+    }
+
+    #[tokio::test]
+    async fn tensors_arrive_whole_in_order_whatever_the_chunking() {
+        let (bytes, want) = file();
+        // Compared by name (the empty tensor's place among equal offsets is
+        // the header's), without printing megabytes on a failure.
+        let brief = |mut v: Vec<(String, Vec<u8>)>| {
+            v.sort();
+            v.into_iter()
+                .map(|(n, d)| (n, d.len(), d.iter().map(|b| u64::from(*b)).sum::<u64>()))
+                .collect::<Vec<_>>()
+        };
+        for chunk in [1, 7, 64, 4096, bytes.len()] {
+            let url = serve(bytes.clone(), chunk, bytes.len()).await;
+            let got = stream(&url).await.expect("stream");
+            let same = {
+                let (mut g, mut w) = (got.clone(), want.clone());
+                g.sort();
+                w.sort();
+                g == w
+            };
+            assert!(
+                same,
+                "chunk {chunk}: {:?} != {:?}",
+                brief(got),
+                brief(want.clone())
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn short_long_and_malformed_bodies_fail() {
+        let (bytes, _) = file();
+        // Truncated: the server claims the full length and sends less.
+        let url = serve(bytes[..bytes.len() - 10].to_vec(), 100, bytes.len()).await;
+        assert!(stream(&url).await.is_err());
+        // A header that claims more than the file holds.
+        let mut lying = bytes.clone();
+        lying[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let url = serve(lying, 100, bytes.len()).await;
+        let err = stream(&url).await.expect_err("lying header").to_string();
+        assert!(err.contains("header"), "{err}");
+        // Not JSON.
+        let mut garbled = bytes.clone();
+        garbled[8] = b'#';
+        let url = serve(garbled, 100, bytes.len()).await;
+        assert!(stream(&url).await.is_err());
     }
 }

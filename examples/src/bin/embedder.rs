@@ -4,12 +4,15 @@
 //!
 //! At start it streams its checkpoint (`config.json`, `tokenizer.json`,
 //! `model.safetensors`) from `$WARMGATE_WEIGHTS_URL`, which warmgate serves
-//! from its node-local cache, builds the model with candle, and only then
+//! from its node-local cache, the weights tensor by tensor (each a candle
+//! tensor as soon as its bytes are in, so loading overlaps the download and
+//! the weights are held once), builds the model, and only then
 //! listens on `$PORT`, so `GET /healthz` answering means it is ready. It
 //! serves OpenAI-compatible `POST /v1/embeddings`, pooled as
 //! sentence-transformers does: mean over the attention mask, then L2
 //! normalisation.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,6 +24,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use bytes::Bytes;
+use candle_core::safetensors::Load as _;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
@@ -54,16 +58,31 @@ async fn setup() -> anyhow::Result<Router> {
     let http = warmgate_examples::Fetcher::default();
     let config = http.get(&format!("{url}/config.json")).await?;
     let tokenizer = http.get(&format!("{url}/tokenizer.json")).await?;
-    let weights = http.get(&format!("{url}/model.safetensors")).await?;
+    // Tensor by tensor: each becomes a candle tensor as soon as its bytes
+    // are in, while the rest downloads, and its buffer goes at once.
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    let report = http
+        .stream_safetensors(&format!("{url}/model.safetensors"), |t| {
+            let view = safetensors::tensor::TensorView::new(t.dtype, t.shape, &t.data)
+                .map_err(|e| anyhow::anyhow!("tensor {}: {e}", t.name))?;
+            let tensor = view
+                .load(&Device::Cpu)
+                .with_context(|| format!("tensor {}", t.name))?;
+            tensors.insert(t.name, tensor);
+            Ok(())
+        })
+        .await?;
     let streamed = t0.elapsed();
-    let bytes = weights.len();
-    let model = tokio::task::spawn_blocking(move || build(&config, &tokenizer, weights))
+    let model = tokio::task::spawn_blocking(move || build(&config, &tokenizer, tensors))
         .await
         .context("the model build task failed")??;
     eprintln!(
-        "embedder: weights streamed in {:.3}s ({:.1} MB), model ready in {:.3}s",
+        "embedder: {} tensors ({:.1} MB) streamed in {:.3}s, the first after {:.3}s ({:.1} MB in), model ready in {:.3}s",
+        report.tensors,
+        report.bytes as f64 / 1e6,
         streamed.as_secs_f64(),
-        bytes as f64 / 1e6,
+        report.first_tensor.unwrap_or_default().as_secs_f64(),
+        report.first_tensor_bytes as f64 / 1e6,
         t0.elapsed().as_secs_f64()
     );
     let state = Arc::new(model);
@@ -78,7 +97,11 @@ async fn setup() -> anyhow::Result<Router> {
         .with_state(state))
 }
 
-fn build(config: &[u8], tokenizer: &[u8], weights: Bytes) -> anyhow::Result<Model> {
+fn build(
+    config: &[u8],
+    tokenizer: &[u8],
+    tensors: HashMap<String, Tensor>,
+) -> anyhow::Result<Model> {
     let config: Config = serde_json::from_slice(config).context("parse config.json")?;
     let mut tokenizer = Tokenizer::from_bytes(tokenizer)
         .map_err(|e| anyhow::anyhow!("parse tokenizer.json: {e}"))?;
@@ -89,8 +112,7 @@ fn build(config: &[u8], tokenizer: &[u8], weights: Bytes) -> anyhow::Result<Mode
             ..Default::default()
         }))
         .map_err(|e| anyhow::anyhow!("set truncation: {e}"))?;
-    let vb = VarBuilder::from_buffered_safetensors(weights.to_vec(), DType::F32, &Device::Cpu)
-        .context("read model.safetensors")?;
+    let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
     let bert = BertModel::load(vb, &config).context("build the BERT model")?;
     let name = std::env::var("WARMGATE_TARGET").unwrap_or_else(|_| "embedder".into());
     Ok(Model {
