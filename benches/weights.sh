@@ -2,8 +2,9 @@
 # Weight streaming: the streamer against one sequential GET and raw parallel
 # ranges, served by nginx with a per-connection rate limit (object stores cap
 # each connection; that is why parallel ranges win), then through warmgate's
-# /v1/weights endpoint cold and from the cache, then the embedder's cold
-# start split into phases from a cold and a warm cache.
+# /v1/weights endpoint cold and from the cache, then tensor-by-tensor
+# loading (the Python kit and the embedder's loader) from the cache, then
+# the embedder's cold start split into phases from a cold and a warm cache.
 #
 # Usage: benches/weights.sh   (env SIZE_MIB=2048, RATE=100m per connection)
 set -euo pipefail
@@ -80,6 +81,33 @@ GW=$(sed -n 's/^warmgate listening on //p' "$WORK/gw.out")
   "$BIN/weights-bench" run --url "$URL" --gateway-url "$GW/v1/weights/ck/ck-00001/model.safetensors" \
     --cache-dir "$WORK/state/cache"
 } | tee "$OUT/weights.md"
+
+# Tensor by tensor from the gateway's cache: the Python kit and the
+# embedder's loader against a plain download of the same file. "First
+# tensor" is when the first tensor was whole and handed on, and how much of
+# the file had arrived then; the rest of the download overlaps the load.
+GWF="$GW/v1/weights/ck/ck-00001/model.safetensors"
+PLAIN=$(curl -s -o /dev/null -w '%{time_total}' -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GWF")
+KIT=$(python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")
+RUST=$(WARMGATE_WEIGHTS_TOKEN="$WARMGATE_ADMIN_TOKEN" "$BIN/weights-bench" stream --url "$GWF")
+{
+  echo
+  echo "## Tensor by tensor from the gateway's cache (${SIZE_MIB} MiB, 64 MiB tensors)"
+  echo
+  echo "| reader | total (s) | vs plain download | first tensor (s) | bytes in at first tensor | peak RSS / size |"
+  echo "|---|---:|---:|---:|---:|---:|"
+  python3 - "$PLAIN" "$KIT" "$RUST" <<'PY'
+import json, sys
+plain = float(sys.argv[1])
+print(f"| plain download (curl, discarded) | {plain:.2f} | 1.00 | — | — | — |")
+for name, raw in (("Python kit (`stream_checkpoint`)", sys.argv[2]), ("embedder loader (`Fetcher::stream_safetensors`)", sys.argv[3])):
+    s = json.loads(raw)
+    rss = s.get("peak_rss_bytes")
+    rss = f"{rss / s['bytes']:.2f}" if rss else "—"
+    print(f"| {name} | {s['seconds']:.2f} | {s['seconds'] / plain:.2f} | {s['first_tensor_s']:.3f} | "
+          f"{100 * s['first_tensor_bytes'] / s['bytes']:.1f}% | {rss} |")
+PY
+} | tee -a "$OUT/weights.md"
 
 # The embedder's cold start, from a cold and from a warm cache.
 if [ -f checkpoints/minilm/model.safetensors ]; then

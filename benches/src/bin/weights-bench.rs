@@ -53,6 +53,13 @@ enum Cmd {
         #[arg(long)]
         cache_dir: Option<std::path::PathBuf>,
     },
+    /// Stream `--url` (a gateway weights file) tensor by tensor as the
+    /// embedder does, keeping every tensor, and print one JSON line: time
+    /// and bytes at the first tensor, and the total.
+    Stream {
+        #[arg(long)]
+        url: String,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -69,7 +76,31 @@ fn main() -> anyhow::Result<()> {
             gateway_url,
             cache_dir,
         } => rt.block_on(run(url, concurrency, part_mib, gateway_url, cache_dir)),
+        Cmd::Stream { url } => rt.block_on(stream_tensors(&url)),
     }
+}
+
+/// The embedder's loader (`Fetcher::stream_safetensors`) on one file.
+async fn stream_tensors(url: &str) -> anyhow::Result<()> {
+    let mut held = Vec::new();
+    let report = warmgate_examples::Fetcher::default()
+        .stream_safetensors(url, |t| {
+            held.push(t.data);
+            Ok(())
+        })
+        .await?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "tensors": report.tensors,
+            "bytes": report.bytes,
+            "first_tensor_s": report.first_tensor.map(|d| d.as_secs_f64()),
+            "first_tensor_bytes": report.first_tensor_bytes,
+            "seconds": report.total.as_secs_f64(),
+            "held": held.iter().map(Vec::len).sum::<usize>(),
+        })
+    );
+    Ok(())
 }
 
 fn gen_checkpoint(out: &std::path::Path, size_mib: u64) -> anyhow::Result<()> {
