@@ -311,7 +311,8 @@ async fn run(
             .await?,
         );
     }
-    if let Some(f) = largest {
+    // The cache may have replaced or evicted the file meanwhile.
+    if let Some(f) = largest.filter(|f| f.exists()) {
         rows.push(
             measure(
                 "disk read of the cache file (baseline)".into(),
