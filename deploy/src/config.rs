@@ -1438,6 +1438,30 @@ impl AppSpec {
 
 // === impl PoolSpec ===
 
+impl PoolSpec {
+    /// This spec with `other`'s settings that need no new replica: replica
+    /// bounds, idle TTL, suspension, buffer, retries, timeouts, staleness,
+    /// queue bounds and weights. A running pool takes such a change in
+    /// place; `spec.retuned(&other) == other` says whether that is all
+    /// that changed.
+    pub fn retuned(&self, other: &PoolSpec) -> PoolSpec {
+        let mut next = self.clone();
+        next.replicas = other.replicas;
+        next.idle_ttl = other.idle_ttl;
+        next.suspend_after = other.suspend_after;
+        next.buffer = other.buffer;
+        next.retries = other.retries;
+        next.task_timeout = other.task_timeout;
+        next.max_staleness = other.max_staleness;
+        next.weight_sync_timeout = other.weight_sync_timeout;
+        next.startup_timeout = other.startup_timeout;
+        next.queue.max_pending = other.queue.max_pending;
+        next.queue.tenant_quota = other.queue.tenant_quota;
+        next.queue.tenant_weights = other.queue.tenant_weights.clone();
+        next
+    }
+}
+
 impl Default for PoolSpec {
     fn default() -> Self {
         PoolSpec {

@@ -85,8 +85,9 @@ impl Default for Fetcher {
 }
 
 impl Fetcher {
-    /// `GET url`, whole; a non-2xx answer is an error naming the URL.
-    pub async fn get(&self, url: &str) -> anyhow::Result<Bytes> {
+    /// `GET url` with the worker's token; a non-2xx answer is an error
+    /// naming the URL and quoting the answer.
+    async fn send(&self, url: &str) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
         let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
         let mut req = hyper::Request::get(uri);
         if let Some(token) = &self.token {
@@ -101,16 +102,27 @@ impl Fetcher {
             .await
             .with_context(|| format!("GET {url}"))?;
         let status = resp.status();
-        let body = resp
+        if !status.is_success() {
+            let body = resp.into_body().collect().await.map(|b| b.to_bytes());
+            let text = body
+                .as_deref()
+                .map(String::from_utf8_lossy)
+                .unwrap_or_default();
+            bail!("GET {url}: {status}: {text}");
+        }
+        Ok(resp)
+    }
+
+    /// `GET url`, whole.
+    pub async fn get(&self, url: &str) -> anyhow::Result<Bytes> {
+        Ok(self
+            .send(url)
+            .await?
             .into_body()
             .collect()
             .await
             .with_context(|| format!("read {url}"))?
-            .to_bytes();
-        if !status.is_success() {
-            bail!("GET {url}: {status}: {}", String::from_utf8_lossy(&body));
-        }
-        Ok(body)
+            .to_bytes())
     }
 }
 
@@ -154,28 +166,7 @@ impl Fetcher {
     ) -> anyhow::Result<StreamReport> {
         use warmgate_pool::weights::header;
         let t0 = std::time::Instant::now();
-        let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
-        let mut req = hyper::Request::get(uri);
-        if let Some(token) = &self.token {
-            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
-        }
-        let req = req
-            .body(Empty::new())
-            .with_context(|| format!("GET {url}"))?;
-        let resp = self
-            .client
-            .request(req)
-            .await
-            .with_context(|| format!("GET {url}"))?;
-        let status = resp.status();
-        if !status.is_success() {
-            let body = resp.into_body().collect().await.map(|b| b.to_bytes());
-            let text = body
-                .as_deref()
-                .map(String::from_utf8_lossy)
-                .unwrap_or_default();
-            bail!("GET {url}: {status}: {text}");
-        }
+        let resp = self.send(url).await?;
         let size: u64 = resp
             .headers()
             .get(hyper::header::CONTENT_LENGTH)

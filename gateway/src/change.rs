@@ -408,23 +408,11 @@ impl Gateway {
         if *old == spec {
             return Ok(Changed::Unchanged);
         }
-        let mut tuned = (*old).clone();
-        tuned.replicas = spec.replicas;
-        tuned.idle_ttl = spec.idle_ttl;
-        tuned.buffer = spec.buffer;
-        tuned.retries = spec.retries;
-        tuned.task_timeout = spec.task_timeout;
-        tuned.max_staleness = spec.max_staleness;
-        tuned.weight_sync_timeout = spec.weight_sync_timeout;
-        tuned.startup_timeout = spec.startup_timeout;
-        tuned.queue.max_pending = spec.queue.max_pending;
-        tuned.queue.tenant_quota = spec.queue.tenant_quota;
-        tuned.queue.tenant_weights = spec.queue.tenant_weights.clone();
-        if tuned != spec {
+        if old.retuned(&spec) != spec {
             return Err(ApiError::new(
                 ErrorKind::Conflict,
                 format!(
-                    "pool '{name}': changing its command, image, env, checkpoint, concurrency, gpus, queue fairness or pod settings needs new replicas, which a running pool does not roll to yet: delete it, then put it again (replica bounds, idle_ttl, buffer, retries, timeouts, max_staleness and queue bounds change in place)"
+                    "pool '{name}': changing its command, image, env, checkpoint, concurrency, gpus, queue fairness or pod settings needs new replicas, which a running pool does not roll to yet: delete it, then put it again (replica bounds, idle_ttl, suspend_after, buffer, retries, timeouts, max_staleness and queue bounds change in place)"
                 ),
             ));
         }

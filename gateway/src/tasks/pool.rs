@@ -375,22 +375,10 @@ impl Pool {
         self.spec.load_full()
     }
 
-    /// Takes the settings of `spec` that need no new replica (replica
-    /// bounds, idle TTL, buffer, retries, timeouts, staleness, queue
-    /// bounds and weights), keeping its replicas, queue and weights.
+    /// Takes the settings of `spec` that need no new replica
+    /// ([`PoolSpec::retuned`]), keeping its replicas, queue and weights.
     pub fn retune(&self, spec: &PoolSpec) {
-        let mut next = (*self.spec()).clone();
-        next.replicas = spec.replicas;
-        next.idle_ttl = spec.idle_ttl;
-        next.buffer = spec.buffer;
-        next.retries = spec.retries;
-        next.task_timeout = spec.task_timeout;
-        next.max_staleness = spec.max_staleness;
-        next.weight_sync_timeout = spec.weight_sync_timeout;
-        next.startup_timeout = spec.startup_timeout;
-        next.queue.max_pending = spec.queue.max_pending;
-        next.queue.tenant_quota = spec.queue.tenant_quota;
-        next.queue.tenant_weights = spec.queue.tenant_weights.clone();
+        let next = self.spec().retuned(spec);
         {
             let mut st = self.state.lock();
             st.queue.set_limits(Limits {
