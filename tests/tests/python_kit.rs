@@ -153,6 +153,18 @@ async fn a_one_gib_checkpoint_streams_tensor_by_tensor_with_one_copy_in_memory()
     assert!(first < size / 20, "first tensor at byte {first} of {size}");
 }
 
+/// `POST url` with a JSON body: the status and the JSON answer.
+async fn post(http: &reqwest::Client, url: String, body: Value) -> (u16, Value) {
+    let r = http.post(url).json(&body).send().await.expect("post");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+/// `GET url` as JSON.
+async fn get(http: &reqwest::Client, url: String) -> Value {
+    let r = http.get(url).send().await.expect("get");
+    r.json().await.expect("json")
+}
+
 /// A free loopback port for a worker run outside the gateway.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -210,36 +222,16 @@ async fn a_corrupted_checkpoint_is_refused_and_the_worker_keeps_its_weights() {
     })
     .await;
     assert_eq!(health["weights_version"], 1, "{health}");
-    let answer: Value = http
-        .post(at("/invoke"))
-        .json(&json!({"x": 1}))
-        .send()
-        .await
-        .expect("invoke")
-        .json()
-        .await
-        .expect("json");
+    let (_, answer) = post(&http, at("/invoke"), json!({"x": 1})).await;
     assert_eq!(
         answer["model"]["sha256"].as_str(),
         Some(good_sha.as_str()),
         "{answer}"
     );
     // ...refuses the corrupted ones, keeping its own and saying why...
-    let r = http
-        .post(at("/weights"))
-        .json(&json!({"url": bad_url, "version": 2}))
-        .send()
-        .await
-        .expect("weights");
-    assert_eq!(r.status().as_u16(), 500);
-    let health: Value = http
-        .get(at("/healthz"))
-        .send()
-        .await
-        .expect("health")
-        .json()
-        .await
-        .expect("json");
+    let (status, _) = post(&http, at("/weights"), json!({"url": bad_url, "version": 2})).await;
+    assert_eq!(status, 500);
+    let health = get(&http, at("/healthz")).await;
     assert_eq!(health["weights_version"], 1, "{health}");
     assert!(
         health["last_error"]
@@ -247,32 +239,17 @@ async fn a_corrupted_checkpoint_is_refused_and_the_worker_keeps_its_weights() {
             .is_some_and(|e| e.contains("version 2")),
         "{health}"
     );
-    let answer: Value = http
-        .post(at("/invoke"))
-        .json(&json!({}))
-        .send()
-        .await
-        .expect("invoke")
-        .json()
-        .await
-        .expect("json");
+    let (_, answer) = post(&http, at("/invoke"), json!({})).await;
     assert_eq!(answer["model"]["sha256"].as_str(), Some(good_sha.as_str()));
     // ...and takes good ones in place.
-    let r = http
-        .post(at("/weights"))
-        .json(&json!({"url": gw.at("/v1/weights/good/good-00001"), "version": 3}))
-        .send()
-        .await
-        .expect("weights");
-    assert_eq!(r.status().as_u16(), 200);
-    let health: Value = http
-        .get(at("/healthz"))
-        .send()
-        .await
-        .expect("health")
-        .json()
-        .await
-        .expect("json");
+    let (status, _) = post(
+        &http,
+        at("/weights"),
+        json!({"url": gw.at("/v1/weights/good/good-00001"), "version": 3}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let health = get(&http, at("/healthz")).await;
     assert_eq!(health["weights_version"], 3, "{health}");
     // SIGTERM: it stops.
     nix::sys::signal::kill(
