@@ -29,8 +29,11 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+mod aware;
 pub mod pool;
 pub mod sim;
+
+pub use aware::{BURST_PERSISTENCE, HOLD_COLD_STARTS, MAX_STANDBY_COLD_STARTS};
 
 // === defaults ===
 
@@ -140,6 +143,13 @@ pub struct ScalingConfig {
     /// stop, until the next request wakes it (Union's environment
     /// `idle_ttl`). `None`: `min` replicas run for ever.
     pub suspend_after: Option<Duration>,
+    /// Requests one replica serves at once (the hard limit); the
+    /// cold-start-aware decisions measure drain rates with it. `0`: unknown,
+    /// `target` stands in.
+    pub concurrency: u32,
+    /// Decide with the measured cold start and the work waiting (see
+    /// [`Autoscaler::observe`]); off, the windowed policy alone decides.
+    pub cold_start_aware: bool,
 }
 
 impl Default for ScalingConfig {
@@ -157,6 +167,8 @@ impl Default for ScalingConfig {
             scale_down_delay: DEFAULT_SCALE_DOWN_DELAY,
             predictive: false,
             suspend_after: None,
+            concurrency: 0,
+            cold_start_aware: true,
         }
     }
 }
@@ -164,7 +176,10 @@ impl Default for ScalingConfig {
 // === Observation / Decision ===
 
 /// One tick's worth of input from the gateway.
-#[derive(Debug, Clone, Copy, PartialEq)]
+///
+/// The fields after `ready` feed the cold-start-aware decisions; a caller
+/// that leaves them at zero gets the windowed policy alone.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Observation {
     /// Current time since the caller's epoch. Expected to be non-decreasing;
     /// if it goes backwards, samples "from the future" are discarded.
@@ -175,6 +190,16 @@ pub struct Observation {
     /// Replicas currently ready to serve; used to measure capacity for the
     /// panic decision.
     pub ready: u32,
+    /// Requests waiting for a slot now.
+    pub queued: u32,
+    /// Requests that arrived since the last observation.
+    pub arrivals: u32,
+    /// Requests that finished since the last observation.
+    pub completions: u32,
+    /// Slot-seconds spent serving since the last observation (the area
+    /// under the in-flight count); with `completions` it measures the
+    /// service time.
+    pub busy: f64,
 }
 
 /// The policy's answer to one [`Observation`].
@@ -217,6 +242,12 @@ pub struct Autoscaler {
     recommendations: VecDeque<(Duration, u32)>,
     /// Moving average of measured cold starts.
     cold_start: Option<Duration>,
+    /// What the cold-start-aware rules measure.
+    aware: aware::Aware,
+    /// Replicas asked for that are not all ready yet, and since when: the
+    /// count never drops below it until they are (a start is never taken
+    /// back before it is ready).
+    committed: Option<(u32, Duration)>,
 }
 
 // === impl Autoscaler ===
@@ -240,6 +271,8 @@ impl Autoscaler {
             sample_cap: MAX_SAMPLES,
             recommendations: VecDeque::new(),
             cold_start: None,
+            aware: aware::Aware::default(),
+            committed: None,
         }
     }
 
@@ -283,48 +316,54 @@ impl Autoscaler {
 
     /// Records one tick's observation and returns the new decision.
     ///
-    /// Steps, in order: update the sample window, compute stable and panic
-    /// averages, decide on panic mode, pick the count (panic only raises),
-    /// apply scale-to-zero / keep-one-alive, never return 0 while requests
-    /// are in flight, and finally clamp to `[min, max]`.
+    /// Steps, in order: update the windows and the service-time estimate;
+    /// pick the count, with the cold-start-aware rules when they can be
+    /// measured ([`Autoscaler::aware`]) and the windowed KPA rules
+    /// otherwise; apply the rate limits and the scale-down delay; keep
+    /// every start that is not ready yet; apply scale-to-zero /
+    /// keep-one-alive (never 0 while requests are in flight); clamp to
+    /// `[min, max]`.
     pub fn observe(&mut self, obs: Observation) -> Decision {
         let now = obs.now;
         let concurrency = sanitize_concurrency(obs.concurrency);
         self.record(now, concurrency);
-        if concurrency > 0.0 {
+        if concurrency > 0.0 || obs.arrivals > 0 || obs.queued > 0 {
             self.mark_active(now);
+        }
+        // All asked-for replicas are ready: nothing is committed any more.
+        if self.committed.is_some_and(|(n, _)| obs.ready >= n) {
+            self.committed = None;
         }
 
         let target = self.target();
         let stable_concurrency = self.window_mean(now, self.config.stable_window);
         let panic_concurrency = self.window_mean(now, self.config.panic_window);
-        let stable_desired = replicas_for(stable_concurrency, target);
-        let panic_desired = replicas_for(panic_concurrency, target);
 
-        // Panic needs ready capacity to compare against: demand at zero ready
-        // replicas is a cold start (wake), not a burst.
-        let triggered = obs.ready > 0
-            && panic_concurrency / (f64::from(obs.ready) * target) >= self.config.panic_threshold;
-        if triggered {
-            self.panic_until = Some(now.saturating_add(self.config.stable_window));
-        }
-        let mut panicking = triggered || self.panic_until.is_some_and(|until| now < until);
-        if !panicking {
-            self.panic_until = None;
-        }
-
-        let mut desired = if panicking {
-            // Panic only ever raises the count: replicas added for a burst
-            // stay until the burst has been quiet for a whole stable window.
-            self.desired.max(panic_desired).max(stable_desired)
-        } else if obs.ready == 0 && concurrency > 0.0 {
-            // Cold start with work waiting: nothing is ready to measure a
-            // burst against, so follow the short window, never lowering
-            // what is already starting; a queue that builds during the
-            // start then gets its replicas together, not one at a time.
-            self.desired.max(panic_desired).max(stable_desired)
-        } else {
-            stable_desired
+        let aware = self.config.cold_start_aware.then(|| aware::Inputs {
+            now,
+            ready: obs.ready,
+            queued: obs.queued,
+            arrivals: obs.arrivals,
+            completions: obs.completions,
+            busy: obs.busy,
+            cold: self.cold_start,
+            target,
+            slots: if self.config.concurrency > 0 {
+                f64::from(self.config.concurrency)
+            } else {
+                target
+            },
+            stable_window: self.config.stable_window,
+            panic_window: self.config.panic_window,
+            desired: self.desired,
+        });
+        let decided = aware.and_then(|inputs| self.aware.decide(&inputs, self.sample_cap));
+        let (mut desired, mut panicking) = match decided {
+            Some(d) => {
+                self.panic_until = None;
+                d
+            }
+            None => self.windowed(&obs, stable_concurrency, panic_concurrency),
         };
 
         // Predictive: a replica started now is ready one cold start from
@@ -376,6 +415,7 @@ impl Autoscaler {
         // window averages, so a long stable window cannot keep a replica
         // alive past `scale_to_zero_after`. In-flight requests are never idle.
         let idle = concurrency == 0.0
+            && obs.queued == 0
             && self
                 .last_active
                 .is_none_or(|last| now.saturating_sub(last) >= self.config.scale_to_zero_after);
@@ -391,20 +431,23 @@ impl Autoscaler {
             desired = desired.max(1);
         }
 
-        self.desired = self.clamp(desired);
         let since = *self.first_seen.get_or_insert(now);
         let quiet = now.saturating_sub(self.last_active.unwrap_or(since).max(since));
         if concurrency == 0.0
+            && obs.queued == 0
             && self
                 .config
                 .suspend_after
                 .is_some_and(|after| quiet >= after)
         {
             // Suspended: below `min`, until a request wakes it.
-            self.desired = 0;
+            desired = 0;
             panicking = false;
             self.panic_until = None;
+        } else {
+            desired = self.clamp(desired);
         }
+        self.desired = self.keep_commitments(now, obs.ready, desired);
         Decision {
             desired: self.desired,
             panicking,
@@ -412,6 +455,63 @@ impl Autoscaler {
             panic_concurrency,
             predicted_concurrency,
         }
+    }
+
+    /// Knative's KPA: the stable window's demand, or the panic window's
+    /// while a burst lasts (panic only raises the count).
+    fn windowed(&mut self, obs: &Observation, stable: f64, panic: f64) -> (u32, bool) {
+        let now = obs.now;
+        let target = self.target();
+        let stable_desired = replicas_for(stable, target);
+        let panic_desired = replicas_for(panic, target);
+        // Panic needs ready capacity to compare against: demand at zero ready
+        // replicas is a cold start (wake), not a burst.
+        let triggered =
+            obs.ready > 0 && panic / (f64::from(obs.ready) * target) >= self.config.panic_threshold;
+        if triggered {
+            self.panic_until = Some(now.saturating_add(self.config.stable_window));
+        }
+        let panicking = triggered || self.panic_until.is_some_and(|until| now < until);
+        if !panicking {
+            self.panic_until = None;
+        }
+        let desired = if panicking || (obs.ready == 0 && obs.concurrency > 0.0) {
+            // Panic only ever raises the count: replicas added for a burst
+            // stay until the burst has been quiet for a whole stable
+            // window. At zero ready with work waiting, follow the short
+            // window too, never lowering what is already starting, so a
+            // queue that builds during a cold start gets its replicas
+            // together, not one at a time.
+            self.desired.max(panic_desired).max(stable_desired)
+        } else {
+            stable_desired
+        };
+        (desired, panicking)
+    }
+
+    /// Keeps the replicas asked for until they are ready: returns
+    /// `desired`, raised to any count still starting, and remembers a new
+    /// commitment when `desired` asks for more than is ready. A commitment
+    /// lapses after three cold starts (or two minutes when none has been
+    /// measured), so a replica that never comes up cannot pin the count.
+    fn keep_commitments(&mut self, now: Duration, ready: u32, desired: u32) -> u32 {
+        let lapse = self
+            .cold_start
+            .map_or(Duration::from_secs(120), |c| c.saturating_mul(3));
+        let floor = match self.committed {
+            Some((n, since)) if now.saturating_sub(since) < lapse => n,
+            _ => {
+                self.committed = None;
+                0
+            }
+        };
+        let desired = desired.max(floor.min(self.config.max));
+        if desired > ready && desired > self.desired {
+            // New starts: they are kept until ready (a lapsed commitment
+            // is not renewed by asking for the same count again).
+            self.committed = Some((desired, now));
+        }
+        desired
     }
 
     /// Demand one cold start ahead, when it is rising: a least-squares
@@ -453,6 +553,9 @@ impl Autoscaler {
     pub fn wake(&mut self, now: Duration) -> u32 {
         self.mark_active(now);
         self.desired = self.clamp(self.desired.max(1));
+        if self.committed.is_none_or(|(n, _)| n < self.desired) {
+            self.committed = Some((self.desired, now));
+        }
         self.desired
     }
 
@@ -533,7 +636,7 @@ fn sanitize_concurrency(concurrency: f64) -> f64 {
 
 /// Replicas needed for `concurrency` at `target` per replica: rounds up,
 /// ignoring float noise, and asks for at least one for any demand > 0.
-fn replicas_for(concurrency: f64, target: f64) -> u32 {
+pub(crate) fn replicas_for(concurrency: f64, target: f64) -> u32 {
     if concurrency <= 0.0 {
         return 0;
     }
@@ -580,6 +683,7 @@ mod tests {
                 now: Duration::from_secs(s),
                 concurrency: c,
                 ready: 2,
+                ..Observation::default()
             })
             .desired
         };
@@ -620,6 +724,7 @@ mod tests {
                 now: Duration::from_secs(s),
                 concurrency: 6.0,
                 ready: 6,
+                ..Observation::default()
             })
             .desired
         };
@@ -665,6 +770,7 @@ mod tests {
                 now: Duration::from_micros(i),
                 concurrency: if i < 900 { 0.0 } else { 8.0 },
                 ready: 2,
+                ..Observation::default()
             });
             assert!(a.samples.len() <= 100);
             if i == 999 {
@@ -688,6 +794,7 @@ mod tests {
                 now: Duration::from_secs(s),
                 concurrency: 1.0,
                 ready: 1,
+                ..Observation::default()
             });
         }
         assert_eq!(a.samples.len(), 60);
@@ -700,6 +807,7 @@ mod tests {
             now: Duration::from_secs(s),
             concurrency: c,
             ready: 1,
+            ..Observation::default()
         };
         a.observe(at(100, 4.0));
         let d = a.observe(at(10, 0.0));

@@ -13,6 +13,7 @@ fn tick(a: &mut Autoscaler, s: u64, concurrency: f64, ready: u32) -> Decision {
         now: secs(s),
         concurrency,
         ready,
+        ..Observation::default()
     })
 }
 
@@ -191,6 +192,9 @@ fn panic_config() -> ScalingConfig {
 #[test]
 fn spike_panics_raises_at_once_never_lowers_and_ends_after_stable_window() {
     let mut a = Autoscaler::new(panic_config());
+    // Ready stays at 2 here: the panic's starts are never ready, and their
+    // commitment lapses after three cold starts, long before panic ends.
+    a.observe_cold_start(secs(5));
     for s in 0..60 {
         let d = tick(&mut a, s, 2.0, 2);
         assert_eq!(d.desired, 2);
@@ -239,6 +243,9 @@ fn scale_to_zero_ends_panic() {
         ..panic_config()
     };
     let mut a = Autoscaler::new(config);
+    // The replicas asked for in panic never come up here: their
+    // commitment lapses after three cold starts.
+    a.observe_cold_start(secs(5));
     let d = tick(&mut a, 0, 20.0, 1);
     assert!(d.panicking);
     for s in 1..30 {

@@ -55,6 +55,7 @@ fn config() -> impl Strategy<Value = ScalingConfig> {
                     scale_down_delay: Duration::from_secs(delay),
                     predictive,
                     suspend_after: None,
+                    ..ScalingConfig::default()
                 }
             },
         )
@@ -89,6 +90,7 @@ fn observe(a: &mut Autoscaler, s: u64, concurrency: f64, ready: u32) -> Decision
         now: Duration::from_secs(s),
         concurrency,
         ready,
+        ..Observation::default()
     })
 }
 
@@ -271,11 +273,14 @@ proptest! {
             scale_down_delay: Duration::from_secs(windows.0),
             predictive: true,
             suspend_after: None,
+            ..ScalingConfig::default()
         };
         let mut a = Autoscaler::new(config);
         a.observe_cold_start(Duration::from_secs(windows.1));
         for (s, &(concurrency, ready, wake)) in (0_u64..).zip(&steps) {
-            let d = a.observe(Observation { now: Duration::from_secs(s), concurrency, ready });
+            let d = a.observe(Observation { now: Duration::from_secs(s), concurrency, ready,
+    ..Observation::default()
+});
             prop_assert!(d.desired <= max);
             prop_assert!(d.desired >= min.min(max));
             if concurrency > 0.0 && max >= 1 {
@@ -284,6 +289,120 @@ proptest! {
             prop_assert!(d.stable_concurrency.is_finite() && d.panic_concurrency.is_finite());
             if wake {
                 prop_assert!(a.wake(Duration::from_secs(s)) <= max);
+            }
+        }
+    }
+}
+
+/// The cold-start-aware decisions, fed full observations (arrivals,
+/// completions, busy slot-seconds, the queue) from a random stream in
+/// which started replicas come up at random times.
+mod cold_start_aware {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
+
+    #[derive(Debug, Clone, Copy)]
+    struct Tick {
+        arrivals: u32,
+        queued: u32,
+        inflight: u32,
+        completions: u32,
+        /// Of the replicas asked for and not ready, how many come up.
+        come_up: u32,
+        wake: bool,
+    }
+
+    fn tick() -> impl Strategy<Value = Tick> {
+        (
+            prop_oneof![3 => Just(0_u32), 5 => 0_u32..10, 1 => 0_u32..200],
+            prop_oneof![3 => Just(0_u32), 2 => 0_u32..300],
+            0_u32..64,
+            0_u32..20,
+            0_u32..4,
+            prop::bool::weighted(0.05),
+        )
+            .prop_map(
+                |(arrivals, queued, inflight, completions, come_up, wake)| Tick {
+                    arrivals,
+                    queued,
+                    inflight,
+                    completions,
+                    come_up,
+                    wake,
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn starts_are_kept_until_ready_the_count_stays_in_bounds_and_work_wakes_the_app(
+            max in 1_u32..=20,
+            min in 0_u32..=2,
+            slots in 1_u32..=16,
+            cold in 1_u64..=90,
+            ticks in prop::collection::vec(tick(), 1..300),
+        ) {
+            let config = ScalingConfig {
+                min: min.min(max),
+                max,
+                target: f64::from(slots) * 0.7,
+                concurrency: slots,
+                ..ScalingConfig::default()
+            };
+            let mut a = Autoscaler::new(config);
+            a.observe_cold_start(Duration::from_secs(cold));
+            let lapse = Duration::from_secs(3 * cold);
+            let mut ready = 0_u32;
+            let mut prev = a.desired();
+            // The latest start: the count asked for and when.
+            let mut started: Option<(u32, Duration)> = None;
+            for (s, t) in (1_u64..).zip(&ticks) {
+                let now = Duration::from_secs(s);
+                // Some of the replicas asked for come up; replicas beyond
+                // the count stop.
+                ready = (ready + t.come_up).min(prev);
+                let inflight = t.inflight.min(ready * slots);
+                let d = a.observe(Observation {
+                    now,
+                    concurrency: f64::from(inflight + t.queued),
+                    ready,
+                    queued: t.queued,
+                    arrivals: t.arrivals,
+                    completions: t.completions,
+                    busy: f64::from(inflight),
+                }).desired;
+                prop_assert!(d <= max, "{} above max {}", d, max);
+                prop_assert!(d >= min.min(max));
+                if t.queued > 0 || inflight > 0 {
+                    prop_assert!(d >= 1, "work waits at zero");
+                }
+                if let Some((n, at)) = started {
+                    if ready >= n || now.saturating_sub(at) >= lapse {
+                        started = None;
+                    } else {
+                        prop_assert!(
+                            d >= n,
+                            "t={}: took back a start: {} asked at {:?}, {} ready, now {}",
+                            s, n, at, ready, d
+                        );
+                    }
+                }
+                if d > prev && d > ready {
+                    started = Some((d, now));
+                }
+                prev = d;
+                if t.wake {
+                    let w = a.wake(now);
+                    prop_assert!(w >= 1 && w <= max, "a request at zero wakes the app: {}", w);
+                    if w > prev && w > ready && started.is_none() {
+                        started = Some((w, now));
+                    }
+                    prev = w;
+                }
             }
         }
     }

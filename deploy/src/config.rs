@@ -735,6 +735,11 @@ pub struct AutoscaleSpec {
     #[serde(with = "bounded::option")]
     #[schemars(with = "Option<String>")]
     pub suspend_after: Option<Duration>,
+    /// Decide with the measured cold start and the work waiting: start
+    /// replicas only for work still waiting when they are ready, and keep
+    /// warm capacity through gaps shorter than a few cold starts
+    /// (`docs/autoscaling.md`). Off: Knative's windows alone.
+    pub cold_start_aware: bool,
 }
 
 /// An app's hold queue.
@@ -1516,6 +1521,7 @@ impl Default for AutoscaleSpec {
             max_scale_down_rate: defaults::MAX_SCALE_DOWN_RATE,
             scale_down_delay: Duration::ZERO,
             predictive: false,
+            cold_start_aware: true,
             suspend_after: None,
         }
     }

@@ -88,36 +88,51 @@ pub enum Command {
         #[command(subcommand)]
         command: WeightsCommand,
     },
-    /// Replay an arrival trace against the autoscaling policy and baselines
-    /// (Knative's and Ray Serve's defaults, always at peak); print replica-
-    /// seconds (the GPU bill), queueing delay, cold starts and rejections.
+    /// Replay arrival traces (Azure LLM format) or generated shapes against
+    /// the autoscaling policy, the warm-pool policy, the baselines
+    /// (Knative's and Ray Serve's defaults, always at peak) and the
+    /// clairvoyant bound; print replica-seconds (the GPU bill), queueing
+    /// delay, cold starts and failures.
     Simulate {
-        /// The trace (Azure LLM inference format:
-        /// TIMESTAMP,ContextTokens,GeneratedTokens).
+        /// A trace (Azure LLM inference format:
+        /// TIMESTAMP,ContextTokens,GeneratedTokens); repeat for several.
         #[arg(long)]
-        trace: PathBuf,
-        /// The config whose app supplies concurrency, target and knobs.
+        trace: Vec<PathBuf>,
+        /// Generated traffic, comma-separated: steady, bursts-short,
+        /// bursts-long, daily, spikes.
+        #[arg(long, value_delimiter = ',')]
+        shape: Vec<warmgate_autoscaler::sim::shapes::Shape>,
+        /// Seed for the generated shapes.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// The config whose app supplies concurrency, target and knobs
+        /// (default: the defaults, with concurrency 8 and max 20).
         #[arg(long, short)]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Which app of the config (default: the first).
         #[arg(long)]
         app: Option<String>,
-        /// Cold start(s) to simulate, comma-separated (e.g. 2s,20s,60s).
-        #[arg(long, value_delimiter = ',', default_value = "20s")]
+        /// Cold start(s) to simulate, comma-separated (default 20s, or
+        /// 2s,20s,60s with --sweep).
+        #[arg(long, value_delimiter = ',')]
         cold_start: Vec<humantime::Duration>,
         /// Service time: fixed overhead per request.
         #[arg(long, default_value = "20ms")]
         base: humantime::Duration,
-        /// Service time: prefill per prompt token, in microseconds.
-        #[arg(long, default_value_t = 100)]
-        prefill_us: u64,
-        /// Service time: decode per generated token, in milliseconds.
-        #[arg(long, default_value_t = 20)]
-        decode_ms: u64,
+        /// Service time: prefill per prompt token.
+        #[arg(long, default_value = "100us")]
+        prefill: humantime::Duration,
+        /// Service time: decode per generated token.
+        #[arg(long, default_value = "20ms")]
+        decode: humantime::Duration,
         /// Also draw replicas over time against demand, per policy, as SVG
-        /// (one file per cold start: PLOT-<cold start>.svg).
+        /// (PLOT-<cold start>.svg, with the workload's name when several).
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// Run every shape (and each --trace) at each cold start, and write
+        /// DIR/sweep.md (the table) and DIR/sweep.svg (the plot).
+        #[arg(long, value_name = "DIR")]
+        sweep: Option<PathBuf>,
     },
     /// Make a new revision from a checkpoint and shift traffic to it.
     Promote {
@@ -225,29 +240,37 @@ pub fn run(cli: Cli) -> i32 {
         } => status(&gateway, watch, interval),
         Command::Simulate {
             trace,
+            shape,
+            seed,
             config,
             app,
             cold_start,
             base,
-            prefill_us,
-            decode_ms,
+            prefill,
+            decode,
             plot,
-        } => {
-            let model = warmgate_autoscaler::sim::ServiceModel {
+            sweep,
+        } => match crate::simulate::run(crate::simulate::Args {
+            traces: trace,
+            shapes: shape,
+            seed,
+            config,
+            app,
+            colds: cold_start.into_iter().map(Into::into).collect(),
+            model: warmgate_autoscaler::sim::ServiceModel {
                 base: base.into(),
-                per_context_token: Duration::from_micros(prefill_us),
-                per_generated_token: Duration::from_millis(decode_ms),
-            };
-            let colds: Vec<Duration> = cold_start.into_iter().map(Into::into).collect();
-            simulate(
-                &trace,
-                &config,
-                app.as_deref(),
-                &colds,
-                model,
-                plot.as_deref(),
-            )
-        }
+                per_context_token: prefill.into(),
+                per_generated_token: decode.into(),
+            },
+            plot,
+            sweep,
+        }) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                EXIT_USAGE
+            }
+        },
         Command::Promote {
             app,
             checkpoint,
@@ -435,156 +458,6 @@ fn raise_open_file_limit() {
         Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
     }
 }
-// === simulate ===
-
-fn simulate(
-    trace: &std::path::Path,
-    config: &std::path::Path,
-    app: Option<&str>,
-    colds: &[Duration],
-    model: warmgate_autoscaler::sim::ServiceModel,
-    plot: Option<&std::path::Path>,
-) -> i32 {
-    use warmgate_autoscaler::sim::{
-        AlwaysPeak, Knative, Policy, RayServe, SimConfig, parse_azure_trace, peak_replicas,
-        simulate, warmgate,
-    };
-    let config = match Config::load(config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return EXIT_USAGE;
-        }
-    };
-    let spec = match app {
-        Some(name) => config.app(name),
-        None => config.apps.first(),
-    };
-    let Some(spec) = spec else {
-        eprintln!("error: no such app in the config (use --app NAME)");
-        return EXIT_USAGE;
-    };
-    let text = match std::fs::read_to_string(trace) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: {}: {e}", trace.display());
-            return EXIT_USAGE;
-        }
-    };
-    let requests = match parse_azure_trace(&text) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {}: {e}", trace.display());
-            return EXIT_USAGE;
-        }
-    };
-    let a = &spec.autoscale;
-    let target = spec.target();
-    let scaling = crate::serving::dispatch::scaling_config(spec);
-    // The baselines get the same per-replica capacity and target; without
-    // an explicit target, Knative's own utilisation default (70%) applies.
-    let baseline_target = a.target.unwrap_or(
-        (f64::from(spec.concurrency) * warmgate_deploy::defaults::TARGET_UTILIZATION).max(1.0),
-    );
-    let span = requests.last().map_or(0.0, |r| r.arrival.as_secs_f64());
-    println!(
-        "trace: {} ({} requests over {:.0} s); app '{}': concurrency {}, target {:.1} (baselines {:.1}), replicas {}..{}",
-        trace.display(),
-        requests.len(),
-        span,
-        spec.name,
-        spec.concurrency,
-        target,
-        baseline_target,
-        a.min,
-        a.max
-    );
-    println!(
-        "service time = {:?} + {:?}/prompt token + {:?}/generated token",
-        model.base, model.per_context_token, model.per_generated_token
-    );
-    let peak = peak_replicas(&requests, &model, baseline_target, a.max);
-    for cold in colds {
-        let sim = SimConfig {
-            cold_start: *cold,
-            concurrency: spec.concurrency,
-            tick: Duration::from_secs(1),
-            max_pending: spec.queue.max_pending as usize,
-            queue_timeout: spec.queue.timeout,
-        };
-        // The config's policy, and the same with the predictive option
-        // flipped, so the option is always measured against the plain one.
-        let flipped = warmgate_autoscaler::ScalingConfig {
-            predictive: !scaling.predictive,
-            ..scaling.clone()
-        };
-        let mut policies: Vec<Box<dyn Policy>> = vec![
-            Box::new(warmgate(scaling.clone())),
-            Box::new(warmgate(flipped)),
-            Box::new(Knative::new(baseline_target, a.min, a.max)),
-            Box::new(RayServe::new(baseline_target, a.min, a.max)),
-            Box::new(AlwaysPeak(peak)),
-        ];
-        let reports: Vec<_> = policies
-            .iter_mut()
-            .map(|p| simulate(&requests, &model, p.as_mut(), &sim))
-            .collect();
-        let knative = reports[2].replica_seconds.max(1e-9);
-        println!();
-        println!("cold start {}:", humantime::format_duration(*cold));
-        println!(
-            "| {:<22} | {:>15} | {:>10} | {:>8} | {:>8} | {:>8} | {:>11} | {:>8} | {:>9} |",
-            "policy",
-            "replica-seconds",
-            "vs Knative",
-            "p50 wait",
-            "p95 wait",
-            "p99 wait",
-            "cold starts",
-            "rejected",
-            "timed out"
-        );
-        println!(
-            "|{:-<24}|{:->17}|{:->12}|{:->10}|{:->10}|{:->10}|{:->13}|{:->10}|{:->11}|",
-            "", "", "", "", "", "", "", "", ""
-        );
-        for r in &reports {
-            println!(
-                "| {:<22} | {:>15.0} | {:>10.2} | {:>7.2}s | {:>7.2}s | {:>7.2}s | {:>11} | {:>8} | {:>9} |",
-                r.policy,
-                r.replica_seconds,
-                r.replica_seconds / knative,
-                r.queue_delay[0],
-                r.queue_delay[1],
-                r.queue_delay[2],
-                r.cold_starts,
-                r.rejected,
-                r.timed_out
-            );
-        }
-        if let Some(base) = plot {
-            let file = plot_file(base, *cold);
-            match crate::simplot::replicas_svg(&file, &reports, target, *cold) {
-                Ok(()) => println!("plot: {}", file.display()),
-                Err(e) => {
-                    eprintln!("error: cannot write the plot {}: {e:#}", file.display());
-                    return 1;
-                }
-            }
-        }
-    }
-    0
-}
-
-/// `base` with `-<cold start>.svg` for one cold start.
-fn plot_file(base: &std::path::Path, cold: Duration) -> PathBuf {
-    let stem = base
-        .file_stem()
-        .map_or_else(|| "simulate".into(), |s| s.to_string_lossy().into_owned());
-    let name = format!("{stem}-{}.svg", humantime::format_duration(cold));
-    base.with_file_name(name)
-}
-
 // === client commands ===
 
 fn weights_pull(

@@ -16,6 +16,7 @@ pub mod runtime;
 pub mod server;
 pub mod serving;
 pub mod simplot;
+pub mod simulate;
 pub mod status;
 pub mod tasks;
 pub mod telemetry;

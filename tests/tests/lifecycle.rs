@@ -211,14 +211,16 @@ fn simulate_prints_the_policy_table_for_each_cold_start() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("600 requests"), "{text}");
-    assert_eq!(text.matches("| warmgate  ").count(), 2, "{text}");
-    assert_eq!(
-        text.matches("| warmgate (predictive)").count(),
-        2,
-        "the predictive option is measured against the plain policy: {text}"
-    );
-    for name in ["Knative defaults", "Ray Serve defaults", "always at peak"] {
-        assert!(text.contains(name), "{text}");
+    assert_eq!(text.matches("| **warmgate** |").count(), 2, "{text}");
+    for name in [
+        "warmgate pool (tasks)",
+        "Knative defaults",
+        "Ray Serve defaults",
+        "always at peak",
+        "vs bound",
+        "dominated by",
+    ] {
+        assert!(text.contains(name), "{name}: {text}");
     }
     // One SVG per cold start, with every policy in its legend.
     for cold in ["2s", "1m"] {
@@ -226,13 +228,57 @@ fn simulate_prints_the_policy_table_for_each_cold_start() {
             .unwrap_or_else(|e| panic!("replicas-{cold}.svg: {e}\n{text}"));
         assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
         for name in [
-            "warmgate (predictive)",
+            "warmgate pool (tasks)",
             "Knative defaults",
             "demand / target",
         ] {
             assert!(svg.contains(name), "{name} missing from the plot");
         }
     }
+
+    // Generated shapes, swept: the table and the plot land in the folder.
+    let sweep = dir.path().join("sweep");
+    let out = Command::new(bin("warmgate"))
+        .args([
+            "simulate",
+            "--shape",
+            "spikes,bursts-short",
+            "--cold-start",
+            "20s",
+            "--sweep",
+        ])
+        .arg(&sweep)
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = std::fs::read_to_string(sweep.join("sweep.md")).expect("sweep.md");
+    for row in [
+        "| spikes | 20 s | **warmgate** |",
+        "| bursts-short | 20 s | **warmgate** |",
+    ] {
+        assert!(md.contains(row), "{row}: {md}");
+    }
+    assert!(md.contains("bursty goal"), "{md}");
+    let svg = std::fs::read_to_string(sweep.join("sweep.svg")).expect("sweep.svg");
+    assert!(svg.starts_with("<svg") && svg.contains("clairvoyant frontier"));
+
+    // Nothing to replay, or an unknown shape: usage errors.
+    let out = Command::new(bin("warmgate"))
+        .args(["simulate"])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to replay"));
+    let out = Command::new(bin("warmgate"))
+        .args(["simulate", "--shape", "tsunami"])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "clap's usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("known: steady"));
 
     // A bad trace is a clear usage error.
     std::fs::write(dir.path().join("bad.csv"), "TIMESTAMP,a,b\nyesterday,1,2\n").expect("write");

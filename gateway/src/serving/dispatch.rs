@@ -101,14 +101,29 @@ pub struct PendingSlot {
     since: Instant,
 }
 
-/// Time-weighted average of in-flight plus queued requests.
+/// Time-weighted average of in-flight plus queued requests, the busy
+/// slot-seconds, and the arrivals and completions between two ticks: what
+/// the autoscaler observes.
 #[derive(Debug)]
 struct Meter {
     value: u32,
+    inflight: u32,
     last: Instant,
     window_start: Instant,
     area: f64,
+    busy: f64,
     active: bool,
+    arrivals: u32,
+    completions: u32,
+}
+
+/// One tick's reading of a [`Meter`].
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    concurrency: f64,
+    busy: f64,
+    arrivals: u32,
+    completions: u32,
 }
 
 /// The autoscaler's knobs for an app, from its config.
@@ -127,6 +142,8 @@ pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
         scale_down_delay: a.scale_down_delay,
         predictive: a.predictive,
         suspend_after: a.suspend_after,
+        concurrency: spec.concurrency,
+        cold_start_aware: a.cold_start_aware,
     }
 }
 
@@ -149,10 +166,14 @@ impl App {
                 inflight: 0,
                 meter: Meter {
                     value: 0,
+                    inflight: 0,
                     last: now,
                     window_start: now,
                     area: 0.0,
+                    busy: 0.0,
                     active: false,
+                    arrivals: 0,
+                    completions: 0,
                 },
             }),
             scaler: Mutex::new(Autoscaler::new(scaling)),
@@ -198,6 +219,7 @@ impl App {
     pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
         let mut s = self.slots.lock();
         let now = Instant::now();
+        s.meter.arrivals = s.meter.arrivals.saturating_add(1);
         if s.live_waiters == 0
             && let Some(r) = pick(&s.replicas)
         {
@@ -307,16 +329,20 @@ impl App {
     /// started.
     pub fn tick(&self, now: Duration, apply: impl FnOnce(u32)) {
         let mut scaler = self.scaler.lock();
-        let (concurrency, ready) = {
+        let (reading, ready, queued) = {
             let mut s = self.slots.lock();
-            let c = s.meter.take(Instant::now());
-            (c, s.replicas.len() as u32)
+            let r = s.meter.take(Instant::now());
+            (r, s.replicas.len() as u32, s.live_waiters as u32)
         };
         let desired = scaler
             .observe(Observation {
                 now,
-                concurrency,
+                concurrency: reading.concurrency,
                 ready,
+                queued,
+                arrivals: reading.arrivals,
+                completions: reading.completions,
+                busy: reading.busy,
             })
             .desired;
         apply(desired.max(self.floor.load(Ordering::Relaxed)));
@@ -392,6 +418,7 @@ impl App {
         let mut s = self.slots.lock();
         replica.release();
         s.inflight -= 1;
+        s.meter.completions = s.meter.completions.saturating_add(1);
         if replica.is_routable() && s.live_waiters > 0 {
             s.dispatch();
         }
@@ -429,8 +456,8 @@ impl Slots {
     }
 
     fn update_meter(&mut self, now: Instant) {
-        let value = self.inflight + self.live_waiters as u32;
-        self.meter.set(now, value);
+        self.meter
+            .set(now, self.inflight, self.inflight + self.live_waiters as u32);
     }
 }
 
@@ -475,32 +502,44 @@ fn pick(replicas: &[Arc<ReplicaHandle>]) -> Option<Arc<ReplicaHandle>> {
 // === impl Meter ===
 
 impl Meter {
-    fn set(&mut self, now: Instant, value: u32) {
+    fn set(&mut self, now: Instant, inflight: u32, value: u32) {
         let dt = now.saturating_duration_since(self.last).as_secs_f64();
         self.area += f64::from(self.value) * dt;
+        self.busy += f64::from(self.inflight) * dt;
         self.last = now;
         if value > 0 {
             self.active = true;
         }
         self.value = value;
+        self.inflight = inflight;
     }
 
-    /// The average since the last call. Any activity in the interval counts,
-    /// however short, so a request between two ticks still keeps the app up.
-    fn take(&mut self, now: Instant) -> f64 {
-        let v = self.value;
-        self.set(now, v);
+    /// The reading since the last call. Any activity in the interval
+    /// counts, however short, so a request between two ticks still keeps
+    /// the app up.
+    fn take(&mut self, now: Instant) -> Reading {
+        let (v, i) = (self.value, self.inflight);
+        self.set(now, i, v);
         let span = now
             .saturating_duration_since(self.window_start)
             .as_secs_f64();
-        let mut avg = if span > 0.0 { self.area / span } else { 0.0 };
-        if self.active && avg <= 0.0 {
-            avg = f64::EPSILON;
+        let mut concurrency = if span > 0.0 { self.area / span } else { 0.0 };
+        if self.active && concurrency <= 0.0 {
+            concurrency = f64::EPSILON;
         }
+        let reading = Reading {
+            concurrency,
+            busy: self.busy,
+            arrivals: self.arrivals,
+            completions: self.completions,
+        };
         self.area = 0.0;
+        self.busy = 0.0;
+        self.arrivals = 0;
+        self.completions = 0;
         self.window_start = now;
         self.active = self.value > 0;
-        avg
+        reading
     }
 }
 
@@ -618,6 +657,39 @@ impl Drop for PendingSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_meter_reads_arrivals_completions_and_busy_slot_seconds_per_tick() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut m = Meter {
+            value: 0,
+            inflight: 0,
+            last: t0,
+            window_start: t0,
+            area: 0.0,
+            busy: 0.0,
+            active: false,
+            arrivals: 0,
+            completions: 0,
+        };
+        // Two requests arrive; one runs at once, one waits 500 ms; each
+        // runs a second.
+        m.arrivals += 2;
+        m.set(at(0), 1, 2);
+        m.set(at(500), 2, 2);
+        m.set(at(1000), 1, 1);
+        m.completions += 1;
+        let r = m.take(at(1000));
+        assert_eq!((r.arrivals, r.completions), (2, 1));
+        assert!((r.busy - 1.5).abs() < 1e-6, "{r:?}");
+        assert!((r.concurrency - 2.0).abs() < 1e-6, "{r:?}");
+        m.set(at(1500), 0, 0);
+        m.completions += 1;
+        let r = m.take(at(2000));
+        assert_eq!((r.arrivals, r.completions), (0, 1));
+        assert!((r.busy - 0.5).abs() < 1e-6, "{r:?}");
+    }
 
     fn app(concurrency: u32, max_pending: u32) -> Arc<App> {
         let mut spec = AppSpec {

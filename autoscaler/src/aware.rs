@@ -1,0 +1,351 @@
+//! Cold-start-aware decisions: what the windows alone cannot see.
+//!
+//! A replica started now helps only with work that is still there one
+//! cold start from now, and a replica stopped now costs a cold start (its
+//! replica-seconds and the waiting it causes) when demand comes back. The
+//! windowed policy (Knative's) knows neither. This module measures what it
+//! needs: the service time (from completions and busy slot-seconds), the
+//! arrival rate, the backlog, and the gaps between bursts, and turns them
+//! into three rules:
+//!
+//! - **Lasting demand** is the offered load: the stable window's arrival
+//!   rate times the service time. Unlike in-flight-plus-queued, it does not
+//!   grow while requests wait, so a backlog is not also taken for demand
+//!   that will last.
+//! - **A backlog** starts replicas only for the work still waiting when
+//!   they are ready: the queued work, plus what will arrive within a cold
+//!   start, minus what the ready replicas drain meanwhile. A burst is taken
+//!   to go on at today's rate for twice as long as it has lasted so far
+//!   (at most a cold start), then the rate before it resumes; so a spike
+//!   that stopped starts nothing, and one that goes on gets its replicas a
+//!   few seconds in. If the backlog will be gone first, nothing starts;
+//!   otherwise enough start for every request still waiting then to get a
+//!   slot at once.
+//! - **Warm capacity through gaps.** Replicas that recent demand needed are
+//!   kept for [`HOLD_COLD_STARTS`] cold starts, and after each burst the
+//!   fewest replicas that would have absorbed it stay on standby for as
+//!   long as renting them is cheaper than starting them again: the hold
+//!   minimises the expected cost over the gaps seen between recent bursts
+//!   (ski rental with a learned distribution).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::replicas_for;
+
+/// Replicas that recent demand needed are kept this many measured cold
+/// starts after it: a gap shorter than that is cheaper to ride out than to
+/// pay a cold start again. (`scale_to_zero_after` still takes the last
+/// replica when the app is idle that long.)
+pub const HOLD_COLD_STARTS: f64 = 3.0;
+
+/// The longest standby, in measured cold starts.
+pub const MAX_STANDBY_COLD_STARTS: f64 = 20.0;
+
+/// A burst is taken to go on for this many times its age so far.
+pub const BURST_PERSISTENCE: f64 = 3.0;
+
+/// Gaps between bursts remembered for the standby decision.
+const GAPS: usize = 32;
+
+/// Fewer gaps than this: hold for [`HOLD_COLD_STARTS`] cold starts.
+const MIN_GAPS: usize = 3;
+
+/// How long the service-time measurement remembers, in seconds.
+const SERVICE_MEMORY: f64 = 300.0;
+
+/// What the policy knows of the app at one observation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Inputs {
+    pub now: Duration,
+    pub ready: u32,
+    pub queued: u32,
+    pub arrivals: u32,
+    pub completions: u32,
+    pub busy: f64,
+    /// The measured cold start, once there is one.
+    pub cold: Option<Duration>,
+    /// In-flight requests per replica the policy aims at.
+    pub target: f64,
+    /// In-flight requests one replica takes at most.
+    pub slots: f64,
+    pub stable_window: Duration,
+    pub panic_window: Duration,
+    /// The last decision.
+    pub desired: u32,
+}
+
+/// The measured state behind the cold-start-aware rules.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Aware {
+    /// Decayed busy slot-seconds and completions: their ratio is the mean
+    /// service time (Little's law on the replicas).
+    busy: f64,
+    done: f64,
+    /// Arrivals per observation, newest last.
+    arrivals: VecDeque<(Duration, u32)>,
+    /// Demand per observation: in flight, plus the queue when it lasts.
+    demand: VecDeque<(Duration, f64)>,
+
+    last_now: Option<Duration>,
+    last_tick: Duration,
+    /// The lasting demand at the last observation.
+    prev_lasting: f64,
+    /// The backlog going on now: since when, and the lasting demand just
+    /// before it began.
+    backlog: Option<(Duration, f64)>,
+    /// Per observation, the replicas the recent rate needed at full slots.
+    recent_need: VecDeque<(Duration, u32)>,
+    /// The burst going on now.
+    burst: Option<Burst>,
+    last_burst_end: Option<Duration>,
+    /// Seconds between recent bursts.
+    gaps: VecDeque<f64>,
+    /// Replicas kept after a burst, until when.
+    standby: Option<(u32, Duration)>,
+}
+
+/// A stretch where recent demand needs more replicas (at full slots) than
+/// the lasting demand does (at the target).
+#[derive(Debug, Clone, Copy)]
+struct Burst {
+    start: Duration,
+    peak: u32,
+    arrived: u64,
+}
+
+impl Aware {
+    /// Records one observation and returns the count the rules ask for,
+    /// and whether a backlog is driving it; `None` until a request has
+    /// finished (no service time yet).
+    pub fn decide(&mut self, i: &Inputs, cap: usize) -> Option<(u32, bool)> {
+        let now = i.now;
+        let dt = self
+            .last_now
+            .map_or(Duration::ZERO, |l| now.saturating_sub(l));
+        self.last_now = Some(now);
+        if !dt.is_zero() {
+            self.last_tick = dt;
+        }
+        self.record(i, dt, cap);
+        let tau = self.service_time()?;
+        let cold = i.cold.map_or(0.0, |c| c.as_secs_f64());
+        let lasting = self.rate(now, i.stable_window) * tau;
+        let recent = self.rate(now, i.panic_window) * tau;
+        let current = self.rate(now, self.tick().saturating_mul(2)) * tau;
+
+        // Replicas recent demand needed are kept (never started) for a few
+        // cold starts.
+        let need = replicas_for(recent, i.slots);
+        let hold = i
+            .cold
+            .map_or(Duration::ZERO, |c| c.mul_f64(HOLD_COLD_STARTS));
+        push_bounded(&mut self.recent_need, (now, need), cap);
+        while self
+            .recent_need
+            .front()
+            .is_some_and(|&(t, _)| now.saturating_sub(t) >= hold || t > now)
+        {
+            self.recent_need.pop_front();
+        }
+        let held = self
+            .recent_need
+            .iter()
+            .map(|&(_, n)| n)
+            .max()
+            .unwrap_or(0)
+            .min(i.desired);
+
+        // A burst: recent demand needs more (at full slots) than the
+        // offered load does (at the target).
+        self.track_burst(i, need > replicas_for(lasting, i.target), need, tau, cold);
+
+        // The backlog: work still waiting one cold start from now.
+        let before = if i.queued > 0 {
+            self.backlog.get_or_insert((now, self.prev_lasting)).1
+        } else {
+            self.backlog = None;
+            lasting
+        };
+        self.prev_lasting = lasting;
+        let age = self.backlog.map_or(0.0, |(since, _)| {
+            (now.saturating_sub(since) + self.tick()).as_secs_f64()
+        });
+        let goes_on = (BURST_PERSISTENCE * age).min(cold);
+        let arriving = current * goes_on + before * (cold - goes_on);
+        let queued = f64::from(i.queued);
+        let left = queued * tau + arriving - f64::from(i.ready) * i.slots * cold;
+        let lasts = queued > 0.0 && left > 0.0;
+
+        // Demand as Knative measures it (in flight plus queued, over the
+        // stable window), except a queue the ready replicas drain before a
+        // cold start: that is not demand to scale for.
+        let tick = self.tick().as_secs_f64();
+        let inflight = if i.busy.is_finite() && i.busy > 0.0 {
+            i.busy / tick
+        } else {
+            0.0
+        };
+        let demand = inflight + if lasts { queued } else { 0.0 };
+        push_bounded(&mut self.demand, (now, demand.min(1e12)), cap);
+        while self
+            .demand
+            .front()
+            .is_some_and(|&(t, _)| now.saturating_sub(t) >= i.stable_window || t > now)
+        {
+            self.demand.pop_front();
+        }
+        let mean_demand =
+            self.demand.iter().map(|&(_, d)| d).sum::<f64>() / self.demand.len().max(1) as f64;
+        let lasting_need = replicas_for(lasting, i.target).max(replicas_for(mean_demand, i.target));
+
+        if self.standby.is_some_and(|(_, until)| now >= until) {
+            self.standby = None;
+        }
+        let standby = self.standby.map_or(0, |(n, _)| n);
+        let base = lasting_need.max(held).max(standby);
+        if lasts {
+            let burst = i.ready.saturating_add(replicas_for(left / tau, i.slots));
+            Some((base.max(burst), true))
+        } else {
+            Some((base, false))
+        }
+    }
+
+    /// The service time in seconds, once a request has finished.
+    fn service_time(&self) -> Option<f64> {
+        (self.done >= 1.0 && self.busy > 0.0).then(|| self.busy / self.done)
+    }
+
+    fn tick(&self) -> Duration {
+        if self.last_tick.is_zero() {
+            Duration::from_secs(1)
+        } else {
+            self.last_tick
+        }
+    }
+
+    fn record(&mut self, i: &Inputs, dt: Duration, cap: usize) {
+        let keep = (-dt.as_secs_f64() / SERVICE_MEMORY).exp();
+        let busy = if i.busy.is_finite() && i.busy > 0.0 {
+            i.busy.min(1e12)
+        } else {
+            0.0
+        };
+        self.busy = self.busy * keep + busy;
+        self.done = self.done * keep + f64::from(i.completions);
+        while self.arrivals.back().is_some_and(|&(t, _)| t > i.now) {
+            self.arrivals.pop_back();
+        }
+        let retention = i.stable_window.max(i.panic_window);
+        while self
+            .arrivals
+            .front()
+            .is_some_and(|&(t, _)| i.now.saturating_sub(t) >= retention)
+        {
+            self.arrivals.pop_front();
+        }
+        push_bounded(&mut self.arrivals, (i.now, i.arrivals), cap);
+    }
+
+    /// Arrivals per second over `window`, or over the time observed so far
+    /// if shorter.
+    fn rate(&self, now: Duration, window: Duration) -> f64 {
+        let tick = self.tick();
+        let mut count = 0u64;
+        let mut oldest = now;
+        for &(t, n) in self.arrivals.iter().rev() {
+            if now.saturating_sub(t) >= window {
+                break;
+            }
+            count += u64::from(n);
+            oldest = t;
+        }
+        // Each observation covers the tick before it.
+        let span = (now.saturating_sub(oldest) + tick)
+            .min(window.max(tick))
+            .as_secs_f64();
+        count as f64 / span
+    }
+
+    /// Follows bursts; when one ends, decides how long the fewest replicas
+    /// that would have absorbed it stay on standby.
+    fn track_burst(&mut self, i: &Inputs, active: bool, need: u32, tau: f64, cold: f64) {
+        let now = i.now;
+        match (&mut self.burst, active) {
+            (Some(b), true) => {
+                b.peak = b.peak.max(need);
+                b.arrived += u64::from(i.arrivals);
+            }
+            (None, true) => {
+                if let Some(end) = self.last_burst_end {
+                    if self.gaps.len() == GAPS {
+                        self.gaps.pop_front();
+                    }
+                    self.gaps.push_back(now.saturating_sub(end).as_secs_f64());
+                }
+                self.burst = Some(Burst {
+                    start: now,
+                    peak: need,
+                    arrived: u64::from(i.arrivals),
+                });
+            }
+            (Some(_), false) => {
+                let b = self.burst.take().expect("matched");
+                self.last_burst_end = Some(now);
+                if cold > 0.0 {
+                    self.standby = self.standby_after(&b, now, i.slots, tau, cold);
+                }
+            }
+            (None, false) => {}
+        }
+    }
+
+    /// Ski rental over the gaps seen: keeping `level` replicas through a
+    /// gap of `g` costs `level × g`; letting them go costs a restart when
+    /// the next burst comes (their cold starts, plus its first cold start
+    /// of arrivals waiting half a cold start on average, a waiting request
+    /// costing a slot). The hold that minimises the total over the gaps
+    /// seen wins.
+    fn standby_after(
+        &self,
+        b: &Burst,
+        now: Duration,
+        slots: f64,
+        tau: f64,
+        cold: f64,
+    ) -> Option<(u32, Duration)> {
+        let arrived = b.arrived as f64;
+        // Replicas that drain the burst within a cold start, at most its
+        // peak need.
+        let level = replicas_for(arrived * tau / cold, slots).min(b.peak).max(1);
+        let lasted = now.saturating_sub(b.start).as_secs_f64().max(1.0);
+        let waiting = arrived.min(arrived * cold / lasted) * (cold / 2.0) / slots;
+        let restart = f64::from(level) * cold + waiting;
+        let longest = cold * MAX_STANDBY_COLD_STARTS;
+        let hold = if self.gaps.len() < MIN_GAPS {
+            cold * HOLD_COLD_STARTS
+        } else {
+            let cost = |h: f64| -> f64 {
+                self.gaps
+                    .iter()
+                    .map(|&g| f64::from(level) * g.min(h) + if g > h { restart } else { 0.0 })
+                    .sum()
+            };
+            std::iter::once(0.0)
+                .chain(self.gaps.iter().copied())
+                .filter(|&h| h <= longest)
+                .map(|h| (cost(h), h))
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)))
+                .map_or(0.0, |(_, h)| h)
+        };
+        (hold > 0.0).then(|| (level, now.saturating_add(Duration::from_secs_f64(hold))))
+    }
+}
+
+fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
+    q.push_back(item);
+    while q.len() > cap.max(1) {
+        q.pop_front();
+    }
+}

@@ -1,0 +1,238 @@
+//! Every workload × cold start × policy, with the clairvoyant bound: the
+//! table `warmgate simulate --sweep` prints and `docs/autoscaling.md`
+//! reports.
+
+use std::time::Duration;
+
+use super::clairvoyant::{Frontier, frontier};
+use super::{
+    AlwaysPeak, Knative, Policy, PoolTasks, RayServe, ServiceModel, SimConfig, SimReport,
+    TraceRequest, peak_replicas, simulate, warmgate,
+};
+use crate::ScalingConfig;
+use crate::pool::PoolScaling;
+
+/// One trace to sweep.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Its name in the table.
+    pub name: String,
+    /// Whether the goals for bursty traffic apply to it.
+    pub bursty: bool,
+    /// The requests.
+    pub requests: Vec<TraceRequest>,
+}
+
+/// What every cell shares.
+#[derive(Debug, Clone)]
+pub struct SweepConfig {
+    /// warmgate's serving policy, as the config sets it.
+    pub scaling: ScalingConfig,
+    /// warmgate's warm-pool policy for the same replicas.
+    pub pool: PoolScaling,
+    /// The baselines' target per replica.
+    pub baseline_target: f64,
+    /// The platform (its cold start is set per cell).
+    pub sim: SimConfig,
+    /// The service-time model.
+    pub model: ServiceModel,
+}
+
+/// One policy's result in a cell.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// The report (its timeline dropped).
+    pub report: SimReport,
+    /// Replica-seconds against Knative's.
+    pub vs_knative: f64,
+    /// Replica-seconds against the clairvoyant bound at the same p99.
+    pub vs_bound: Option<f64>,
+}
+
+/// One workload at one cold start.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    /// The workload's name.
+    pub workload: String,
+    /// Whether it is bursty.
+    pub bursty: bool,
+    /// The cold start.
+    pub cold_start: Duration,
+    /// warmgate first, then the pool policy, Knative, Ray Serve and always
+    /// at peak.
+    pub rows: Vec<Row>,
+    /// The clairvoyant schedule's cost at each fraction.
+    pub frontier: Frontier,
+}
+
+/// Index of warmgate's serving policy in [`Cell::rows`].
+pub const WARMGATE: usize = 0;
+/// Index of Knative's in [`Cell::rows`].
+pub const KNATIVE: usize = 2;
+/// The baselines warmgate must not be dominated by.
+pub const BASELINES: [usize; 3] = [2, 3, 4];
+
+/// Runs one cell; `timelines` keeps each report's per-tick timeline (for
+/// a plot of replicas over time).
+pub fn run(w: &Workload, cfg: &SweepConfig, cold_start: Duration, timelines: bool) -> Cell {
+    let sim = SimConfig {
+        cold_start,
+        ..cfg.sim
+    };
+    let (min, max) = (cfg.scaling.min, cfg.scaling.max);
+    let peak = peak_replicas(&w.requests, &cfg.model, cfg.baseline_target, max);
+    let mut policies: Vec<Box<dyn Policy>> = vec![
+        Box::new(warmgate(cfg.scaling.clone())),
+        Box::new(PoolTasks {
+            scaling: cfg.pool.clone(),
+        }),
+        Box::new(Knative::new(cfg.baseline_target, min, max)),
+        Box::new(RayServe::new(cfg.baseline_target, min, max)),
+        Box::new(AlwaysPeak(peak)),
+    ];
+    let frontier = frontier(&w.requests, &cfg.model, &sim, max);
+    let reports: Vec<SimReport> = policies
+        .iter_mut()
+        .map(|p| {
+            let mut r = simulate(&w.requests, &cfg.model, p.as_mut(), &sim);
+            if !timelines {
+                r.timeline = Vec::new();
+            }
+            r
+        })
+        .collect();
+    let knative = reports[KNATIVE].replica_seconds.max(1e-9);
+    let rows = reports
+        .into_iter()
+        .map(|report| Row {
+            vs_knative: report.replica_seconds / knative,
+            vs_bound: frontier
+                .bound(report.p99())
+                .map(|b| report.replica_seconds / b.max(1e-9)),
+            report,
+        })
+        .collect();
+    Cell {
+        workload: w.name.clone(),
+        bursty: w.bursty,
+        cold_start,
+        rows,
+        frontier,
+    }
+}
+
+impl Cell {
+    /// The baselines that beat warmgate on both replica-seconds and p99.
+    pub fn dominated_by(&self) -> Vec<&str> {
+        let w = &self.rows[WARMGATE].report;
+        BASELINES
+            .iter()
+            .map(|&i| &self.rows[i].report)
+            .filter(|b| b.replica_seconds < w.replica_seconds && b.p99() < w.p99() - 1e-9)
+            .map(|b| b.policy.as_str())
+            .collect()
+    }
+
+    /// On bursty traffic: at most Knative's replica-seconds at an equal or
+    /// better p99, and at most 1.5× the clairvoyant bound. `None` when the
+    /// goal does not apply.
+    pub fn bursty_goal(&self) -> Option<bool> {
+        if !self.bursty {
+            return None;
+        }
+        let w = &self.rows[WARMGATE];
+        let k = &self.rows[KNATIVE].report;
+        Some(
+            w.vs_knative <= 1.0 + 1e-9
+                && w.report.p99() <= k.p99() + 1e-9
+                && w.vs_bound.is_some_and(|b| b <= 1.5),
+        )
+    }
+}
+
+/// The sweep as one Markdown table: per workload and cold start, each
+/// policy's replica-seconds (against Knative's and against the
+/// clairvoyant bound at the same p99), p99 wait and cold starts; then a
+/// verdict line per cell for warmgate's goals.
+pub fn markdown(cells: &[Cell]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| workload | cold start | policy | replica-s | vs Knative | vs bound | p99 wait | p95 wait | cold starts | failed |"
+    );
+    let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    for c in cells {
+        for (i, row) in c.rows.iter().enumerate() {
+            let r = &row.report;
+            let bound = row
+                .vs_bound
+                .map_or_else(|| "—".to_string(), |b| format!("{b:.2}×"));
+            let name = if i == WARMGATE {
+                format!("**{}**", r.policy)
+            } else {
+                r.policy.clone()
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {:.0} | {:.2}× | {} | {:.1} s | {:.1} s | {} | {} |",
+                c.workload,
+                fmt_secs(c.cold_start),
+                name,
+                r.replica_seconds,
+                row.vs_knative,
+                bound,
+                r.p99(),
+                r.queue_delay[1],
+                r.cold_starts,
+                r.rejected + r.timed_out,
+            );
+        }
+    }
+    out
+}
+
+/// One line per cell: whether warmgate's default meets the goals.
+pub fn verdicts(cells: &[Cell]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| workload | cold start | dominated by | bursty goal (≤ 1.0× Knative at ≤ its p99, ≤ 1.5× bound) |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|");
+    for c in cells {
+        let dom = c.dominated_by();
+        let dom = if dom.is_empty() {
+            "none".to_string()
+        } else {
+            dom.join(", ")
+        };
+        let w = &c.rows[WARMGATE];
+        let goal = match c.bursty_goal() {
+            None => "n/a".to_string(),
+            Some(ok) => format!(
+                "{} ({:.2}× Knative, p99 {:.1} s vs {:.1} s, {} bound)",
+                if ok { "met" } else { "**missed**" },
+                w.vs_knative,
+                w.report.p99(),
+                c.rows[KNATIVE].report.p99(),
+                w.vs_bound
+                    .map_or_else(|| "no".to_string(), |b| format!("{b:.2}×"))
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} |",
+            c.workload,
+            fmt_secs(c.cold_start),
+            dom,
+            goal
+        );
+    }
+    out
+}
+
+fn fmt_secs(d: Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}
