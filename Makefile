@@ -11,6 +11,7 @@ lint:
 # The README's test command. The end-to-end tests start the real binaries,
 # so build them first (the test build reuses every compiled dependency).
 test:
+	@command -v cargo-nextest >/dev/null || cargo install cargo-nextest --locked
 	cargo build --workspace --bins
 	cargo nextest run --workspace
 	cargo nextest run -p warmgate-gateway --features otlp --lib -E 'test(otlp)'

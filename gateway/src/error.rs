@@ -75,6 +75,40 @@ impl ErrorKind {
         }
     }
 
+    /// The OpenAI error `type` clients sort errors by.
+    pub fn openai_type(self) -> &'static str {
+        match self {
+            ErrorKind::BadRequest
+            | ErrorKind::NotFound
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::Conflict
+            | ErrorKind::TooLarge => "invalid_request_error",
+            ErrorKind::Unauthorized => "authentication_error",
+            ErrorKind::QueueFull | ErrorKind::QuotaExceeded => "rate_limit_error",
+            ErrorKind::ReplicaFailed
+            | ErrorKind::NoCapacity
+            | ErrorKind::Starting
+            | ErrorKind::Timeout
+            | ErrorKind::Internal => "server_error",
+        }
+    }
+
+    /// Whether trying the same request again can help. Where it cannot,
+    /// the answer says `x-should-retry: false`, which the OpenAI clients
+    /// obey (they retry 408, 409, 429 and 5xx twice otherwise): a request
+    /// that waited out `queue.timeout` would wait it out again.
+    pub fn retryable(self) -> bool {
+        !matches!(
+            self,
+            ErrorKind::BadRequest
+                | ErrorKind::Unauthorized
+                | ErrorKind::NotFound
+                | ErrorKind::MethodNotAllowed
+                | ErrorKind::TooLarge
+                | ErrorKind::Timeout
+        )
+    }
+
     /// The JSON `kind` and metric label.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -95,7 +129,9 @@ impl ErrorKind {
     }
 }
 
-/// An error answered to a client as `{"error": {"kind", "message"}}`.
+/// An error answered to a client as `{"error": {"kind", "message", "type",
+/// "code", "param"}}`: `kind` and `message` are warmgate's, `type`, `code`
+/// (= `kind`) and `param` are what OpenAI clients read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// What went wrong, from the fixed set.
@@ -104,6 +140,8 @@ pub struct ApiError {
     pub message: String,
     /// Seconds for `Retry-After`, when trying again later can work.
     pub retry_after: Option<u64>,
+    /// The request field at fault, when there is one (`model`).
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -113,7 +151,14 @@ impl ApiError {
             kind,
             message: message.into(),
             retry_after: None,
+            param: None,
         }
+    }
+
+    /// Names the request field at fault.
+    pub fn param(mut self, field: &'static str) -> Self {
+        self.param = Some(field);
+        self
     }
 
     /// Adds a `Retry-After` of at least one second.
@@ -140,6 +185,10 @@ struct Body<'a> {
 struct Inner<'a> {
     kind: &'static str,
     message: &'a str,
+    #[serde(rename = "type")]
+    kind_type: &'static str,
+    code: &'static str,
+    param: Option<&'static str>,
 }
 
 impl IntoResponse for ApiError {
@@ -148,9 +197,16 @@ impl IntoResponse for ApiError {
             error: Inner {
                 kind: self.kind.as_str(),
                 message: &self.message,
+                kind_type: self.kind.openai_type(),
+                code: self.kind.as_str(),
+                param: self.param,
             },
         };
         let mut resp = (self.kind.status(), Json(body)).into_response();
+        if !self.kind.retryable() {
+            resp.headers_mut()
+                .insert("x-should-retry", HeaderValue::from_static("false"));
+        }
         if let Some(secs) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));

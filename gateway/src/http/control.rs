@@ -219,6 +219,9 @@ pub(crate) async fn delete_pool(
 #[serde(deny_unknown_fields)]
 pub(crate) struct PromoteBody<'a> {
     checkpoint: String,
+    /// Percent of traffic to the new revision while it bakes;
+    /// `canary_percent` is the same (the name `INTERFACE.md` uses).
+    #[serde(alias = "canary_percent")]
     canary: Option<u8>,
     #[serde(borrow, default)]
     #[schema(value_type = Option<Object>)]
@@ -326,4 +329,26 @@ pub(crate) async fn revisions(
         .into_response())
     });
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PromoteBody;
+
+    #[test]
+    fn canary_percent_is_the_same_as_canary_and_both_at_once_is_refused() {
+        let b: PromoteBody<'_> =
+            serde_json::from_str(r#"{"checkpoint": "file:///c", "canary_percent": 10}"#)
+                .expect("parses");
+        assert_eq!(b.canary, Some(10));
+        let b: PromoteBody<'_> =
+            serde_json::from_str(r#"{"checkpoint": "file:///c", "canary": 20}"#).expect("parses");
+        assert_eq!(b.canary, Some(20));
+        assert!(
+            serde_json::from_str::<PromoteBody<'_>>(
+                r#"{"checkpoint": "file:///c", "canary": 20, "canary_percent": 10}"#
+            )
+            .is_err()
+        );
+    }
 }

@@ -35,25 +35,33 @@ pub(crate) async fn read_model(
     let (parts, bytes) = read_body(req, &gw.config.limits).await?;
     let model = model_field(&bytes)?;
     let registry = gw.registry.load();
-    let app = registry.app(model.as_ref()).cloned().ok_or_else(|| {
-        let mut names: Vec<&str> = registry.route_names().collect();
-        names.sort_unstable();
-        // A name can be as long as the body: echo only its start.
-        let shown: String = model.chars().take(MAX_ECHOED_CHARS).collect();
-        let more = if shown.len() < model.len() { "…" } else { "" };
-        ApiError::new(
-            ErrorKind::NotFound,
-            format!(
-                "model '{shown}{more}' not found; available models: {}",
-                if names.is_empty() {
-                    "none".to_string()
-                } else {
-                    names.join(", ")
-                }
-            ),
-        )
-    })?;
+    let app = registry
+        .app(model.as_ref())
+        .cloned()
+        .ok_or_else(|| model_not_found(gw, &model))?;
     Ok((app, Request::from_parts(parts, Body::from(bytes))))
+}
+
+/// 404 for a model no app answers to, listing those that do.
+fn model_not_found(gw: &Gateway, model: &str) -> ApiError {
+    let registry = gw.registry.load();
+    let mut names: Vec<&str> = registry.route_names().collect();
+    names.sort_unstable();
+    // A name can be as long as the body: echo only its start.
+    let shown: String = model.chars().take(MAX_ECHOED_CHARS).collect();
+    let more = if shown.len() < model.len() { "…" } else { "" };
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!(
+            "model '{shown}{more}' not found; available models: {}",
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(", ")
+            }
+        ),
+    )
+    .param("model")
 }
 
 /// The JSON `model` field, without parsing the rest of the body into
@@ -148,8 +156,25 @@ pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Response {
     let mut data = Vec::new();
     for app in gw.registry.load().apps() {
         for id in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
-            data.push(json!({"id": id, "object": "model", "created": 0, "owned_by": "warmgate"}));
+            data.push(model_object(id));
         }
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// One OpenAI model object.
+fn model_object(id: &str) -> serde_json::Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "warmgate"})
+}
+
+#[utoipa::path(get, path = "/v1/models/{model}", tag = "inference",
+    params(("model" = String, Path, description = "An app's name or alias (may contain '/')")),
+    responses((status = 200, description = "The model, as OpenAI's retrieve answers", body = Object),
+              (status = 404, description = "No app answers to that name", body = ErrorBody)))]
+pub(crate) async fn model(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Response {
+    if gw.registry.load().app(&id).is_some() {
+        axum::Json(model_object(&id)).into_response()
+    } else {
+        model_not_found(&gw, &id).into_response()
+    }
 }

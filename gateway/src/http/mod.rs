@@ -77,6 +77,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/completions", post(openai))
         .route("/v1/embeddings", post(openai))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
         .route("/apps/{*rest}", any(passthrough))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
@@ -207,6 +208,14 @@ pub(crate) struct ErrorDetail {
     kind: String,
     /// What went wrong, for people.
     message: String,
+    /// The OpenAI error type: `invalid_request_error`,
+    /// `authentication_error`, `rate_limit_error` or `server_error`.
+    #[schema(rename = "type")]
+    kind_type: String,
+    /// The same as `kind`, where OpenAI clients look for it.
+    code: String,
+    /// The request field at fault (`model`), or null.
+    param: Option<String>,
 }
 
 /// The HTTP API, generated from the handlers above.
@@ -217,6 +226,7 @@ pub(crate) struct ErrorDetail {
         openai,
         passthrough,
         models,
+        model,
         status,
         list_apps,
         get_app,

@@ -1,0 +1,86 @@
+//! The official `openai` Python client against the gateway: models list
+//! and retrieve (ids with a slash too), chat (plain and streamed) and
+//! completions, and each error class as the client sees it (`status_code`,
+//! `code`, `type`, `param`), with no retry where a retry cannot help.
+
+mod common;
+
+use common::Gateway;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_openai_client_lists_retrieves_chats_and_reads_errors() {
+    if !common::has_openai() {
+        return;
+    }
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        aliases = ["org/model-x"]
+        command = ["{worker}"]
+        [[apps]]
+        name = "stuck"
+        command = ["sleep", "600"]
+        [apps.queue]
+        timeout = "1s"
+        "#,
+    );
+    let script = r#"
+import sys, openai
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=2)
+ids = sorted(m.id for m in client.models.list())
+assert ids == ["m", "org/model-x", "stuck"], ids
+assert client.models.retrieve("m").id == "m"
+assert client.models.retrieve("org/model-x").id == "org/model-x"
+chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+assert chat.choices[0].message.content, chat
+streamed = list(client.chat.completions.create(
+    model="org/model-x", messages=[{"role": "user", "content": "hi"}], stream=True))
+assert len(streamed) >= 2, streamed
+# The test worker answers every completion route alike; the gateway routed
+# it by "model".
+text = client.completions.create(model="m", prompt="hi")
+assert text.model == "m" and text.choices, text
+
+def expect(call, cls, status, code, param=None):
+    try:
+        call()
+    except cls as e:
+        assert e.status_code == status, (e.status_code, e.body)
+        assert e.code == code, e.body
+        assert e.type in ("invalid_request_error", "authentication_error",
+                          "rate_limit_error", "server_error"), e.body
+        assert e.param == param, e.body
+        assert e.response.headers.get("x-should-retry") == "false", dict(e.response.headers)
+        print("ok", code, e.type)
+        return
+    raise AssertionError("no error")
+
+expect(lambda: client.models.retrieve("nope"), openai.NotFoundError, 404, "not_found", "model")
+expect(lambda: client.chat.completions.create(model="nope", messages=[]),
+       openai.NotFoundError, 404, "not_found", "model")
+expect(lambda: client.post("/chat/completions", body={"messages": []}, cast_to=object),
+       openai.BadRequestError, 400, "bad_request")
+# A request that waits out the queue timeout is not sent again.
+expect(lambda: client.chat.completions.create(model="stuck", messages=[]),
+       openai.InternalServerError, 504, "timeout")
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &gw.url])
+        .output()
+        .await
+        .expect("python3");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text.matches("ok ").count(), 4, "{text}");
+    // One timeout, not three: the client obeyed x-should-retry.
+    let timeouts = gw
+        .metric(r#"warmgate_requests_total{app="stuck",outcome="timeout"}"#)
+        .await;
+    assert_eq!(timeouts, 1.0);
+}
