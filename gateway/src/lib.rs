@@ -9,6 +9,7 @@ pub mod cli;
 pub mod error;
 pub mod http;
 pub mod listener;
+pub mod metric_catalog;
 pub mod operator;
 pub mod promote;
 pub mod registry;

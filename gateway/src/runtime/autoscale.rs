@@ -31,8 +31,9 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
             let registry = gw.registry.load_full();
             for served in registry.apps() {
                 let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
+                let mut panicking = false;
                 for app in served.live() {
-                    app.tick(now, |n| {
+                    panicking |= app.tick(now, |n| {
                         gw.pool.scale(&app.target, n);
                         desired += n;
                     });
@@ -45,7 +46,12 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                     .set(f64::from(desired));
                 metrics::gauge!("warmgate_inflight", "app" => name.clone())
                     .set(f64::from(inflight));
-                metrics::gauge!("warmgate_queued", "app" => name).set(queued as f64);
+                metrics::gauge!("warmgate_queued", "app" => name.clone()).set(queued as f64);
+                metrics::gauge!("warmgate_autoscaler_panicking", "app" => name).set(if panicking {
+                    1.0
+                } else {
+                    0.0
+                });
             }
             let instant = Instant::now();
             for p in registry.pools() {

@@ -187,17 +187,18 @@ where
 
 fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    let builder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Suffix("_seconds".into()),
-            &[
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0, 60.0, 120.0,
-            ],
-        )
-        .ok()?;
+    let mut builder = PrometheusBuilder::new();
+    for m in crate::metric_catalog::METRICS
+        .iter()
+        .filter(|m| !m.buckets.is_empty())
+    {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(m.name.into()), m.buckets)
+            .ok()?;
+    }
     match builder.install_recorder() {
         Ok(handle) => {
+            crate::metric_catalog::describe();
             let h = handle.clone();
             tokio::spawn(async move {
                 let mut t = tokio::time::interval(Duration::from_secs(5));

@@ -40,6 +40,8 @@ pub struct App {
     outcomes: Vec<metrics::Counter>,
     /// `warmgate_request_duration_seconds`: slot asked for to response done.
     duration: metrics::Histogram,
+    /// Arrival to the first byte of the answer's body.
+    ttfb: metrics::Histogram,
     /// `warmgate_request_queued_seconds`: time waiting for a slot.
     queued: metrics::Histogram,
     /// Replicas the autoscaler may not go below (held during a promotion).
@@ -189,6 +191,7 @@ impl App {
                 })
                 .collect(),
             duration: metrics::histogram!("warmgate_request_duration_seconds", "app" => spec.name.clone()),
+            ttfb: metrics::histogram!("warmgate_time_to_first_byte_seconds", "app" => spec.name.clone()),
             queued: metrics::histogram!("warmgate_request_queued_seconds", "app" => spec.name.clone()),
             floor: AtomicU32::new(0),
             answered: AtomicU64::new(0),
@@ -326,26 +329,25 @@ impl App {
     /// Runs the scaling policy for one tick and applies the desired count
     /// with `apply`, under the policy's lock so a concurrent wake cannot be
     /// overwritten by a stale decision. `now` is the time since the gateway
-    /// started.
-    pub fn tick(&self, now: Duration, apply: impl FnOnce(u32)) {
+    /// started. Returns whether the autoscaler is scaling for a burst.
+    pub fn tick(&self, now: Duration, apply: impl FnOnce(u32)) -> bool {
         let mut scaler = self.scaler.lock();
         let (reading, ready, queued) = {
             let mut s = self.slots.lock();
             let r = s.meter.take(Instant::now());
             (r, s.replicas.len() as u32, s.live_waiters as u32)
         };
-        let desired = scaler
-            .observe(Observation {
-                now,
-                concurrency: reading.concurrency,
-                ready,
-                queued,
-                arrivals: reading.arrivals,
-                completions: reading.completions,
-                busy: reading.busy,
-            })
-            .desired;
-        apply(desired.max(self.floor.load(Ordering::Relaxed)));
+        let decision = scaler.observe(Observation {
+            now,
+            concurrency: reading.concurrency,
+            ready,
+            queued,
+            arrivals: reading.arrivals,
+            completions: reading.completions,
+            busy: reading.busy,
+        });
+        apply(decision.desired.max(self.floor.load(Ordering::Relaxed)));
+        decision.panicking
     }
 
     /// Demand arrived with no replica ready: applies the count to scale to
@@ -546,6 +548,12 @@ impl Meter {
 // === impl SlotGuard ===
 
 impl SlotGuard {
+    /// Notes the first byte of the answer's body (or its end, when it has
+    /// none): the time to first byte, from the request's arrival.
+    pub fn first_byte(&self) {
+        self.app.ttfb.record(self.start.elapsed().as_secs_f64());
+    }
+
     /// The replica this slot is on.
     pub fn replica(&self) -> &Arc<ReplicaHandle> {
         &self.replica

@@ -56,6 +56,7 @@ pub async fn forward(
     let body = Body::new(GuardedBody {
         inner: body,
         slot: Some(slot),
+        first: true,
     });
     Ok(Response::from_parts(parts, body))
 }
@@ -169,6 +170,8 @@ fn kept_end_to_end(name: &HeaderName) -> bool {
 struct GuardedBody {
     inner: Incoming,
     slot: Option<SlotGuard>,
+    /// No byte of the body has passed yet.
+    first: bool,
 }
 
 impl HttpBody for GuardedBody {
@@ -180,6 +183,19 @@ impl HttpBody for GuardedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if self.first {
+            let first_byte = match &polled {
+                Poll::Ready(Some(Ok(frame))) => frame.data_ref().is_some_and(|d| !d.is_empty()),
+                Poll::Ready(None) => true,
+                _ => false,
+            };
+            if first_byte {
+                self.first = false;
+                if let Some(slot) = &self.slot {
+                    slot.first_byte();
+                }
+            }
+        }
         match &polled {
             Poll::Ready(None) | Poll::Ready(Some(Err(_))) => {
                 if let Poll::Ready(Some(Err(e))) = &polled

@@ -1,0 +1,340 @@
+//! Every series `/metrics` shows: its kind, labels, help text and, for a
+//! histogram, buckets that fit what it measures. The recorder is set up
+//! from this list, and `docs/observability.md`'s reference table is
+//! generated from it (a test keeps the two in step).
+
+/// What kind of series.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// A value now.
+    Gauge,
+    /// A distribution, in buckets.
+    Histogram,
+}
+
+impl Kind {
+    /// As Prometheus names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// One series.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric {
+    /// Its name.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: Kind,
+    /// Its label names.
+    pub labels: &'static [&'static str],
+    /// The `# HELP` text.
+    pub help: &'static str,
+    /// A histogram's bucket bounds, in seconds.
+    pub buckets: &'static [f64],
+}
+
+/// A request end to end, or waiting in the queue: up to the 300 s a
+/// request may run, and the queue timeout's 120 s default.
+const REQUEST: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+/// The first byte: a token streamed within milliseconds, or a whole
+/// answer after a cold start.
+const FIRST_BYTE: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+];
+/// Cold starts, tasks and weight syncs: seconds to ten minutes.
+const LONG: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+/// The gateway's own share of a cold start: down to 100 µs.
+const SHORT: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+const fn counter(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Metric {
+    Metric {
+        name,
+        kind: Kind::Counter,
+        labels,
+        help,
+        buckets: &[],
+    }
+}
+
+const fn gauge(name: &'static str, labels: &'static [&'static str], help: &'static str) -> Metric {
+    Metric {
+        name,
+        kind: Kind::Gauge,
+        labels,
+        help,
+        buckets: &[],
+    }
+}
+
+const fn histogram(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+    buckets: &'static [f64],
+) -> Metric {
+    Metric {
+        name,
+        kind: Kind::Histogram,
+        labels,
+        help,
+        buckets,
+    }
+}
+
+/// Every series, in the order the reference table lists them.
+pub const METRICS: &[Metric] = &[
+    counter(
+        "warmgate_requests_total",
+        &["app", "outcome"],
+        "Requests answered, by `ok` or error kind.",
+    ),
+    histogram(
+        "warmgate_request_duration_seconds",
+        &["app"],
+        "Requests end to end, until the answer's body ends.",
+        REQUEST,
+    ),
+    histogram(
+        "warmgate_request_queued_seconds",
+        &["app"],
+        "Time a request was held for a slot.",
+        REQUEST,
+    ),
+    histogram(
+        "warmgate_time_to_first_byte_seconds",
+        &["app"],
+        "From a request's arrival to the first byte of its answer's body (the first token of a stream).",
+        FIRST_BYTE,
+    ),
+    gauge(
+        "warmgate_inflight",
+        &["app"],
+        "Requests in flight on the app's replicas.",
+    ),
+    gauge("warmgate_queued", &["app"], "Requests held for a slot."),
+    gauge(
+        "warmgate_autoscaler_panicking",
+        &["app"],
+        "1 while the autoscaler scales for a burst (panic mode or a backlog that outlasts a cold start), else 0.",
+    ),
+    counter(
+        "warmgate_request_deadline_exceeded_total",
+        &[],
+        "Requests that ran past their deadline header.",
+    ),
+    counter(
+        "warmgate_connect_retries_total",
+        &[],
+        "Requests sent again to another replica after a refused connection.",
+    ),
+    counter(
+        "warmgate_connections_refused_total",
+        &[],
+        "Client connections refused at limits.max_connections.",
+    ),
+    counter(
+        "warmgate_tenant_rejected_total",
+        &["tenant"],
+        "Requests refused for a tenant's quota.",
+    ),
+    counter(
+        "warmgate_tasks_total",
+        &["pool", "outcome"],
+        "Tasks finished, by `ok` or error kind.",
+    ),
+    histogram(
+        "warmgate_task_duration_seconds",
+        &["pool"],
+        "Tasks from accepted to finished.",
+        LONG,
+    ),
+    histogram(
+        "warmgate_task_queued_seconds",
+        &["pool"],
+        "Tasks from accepted to first dispatch.",
+        LONG,
+    ),
+    gauge(
+        "warmgate_tasks_pending",
+        &["pool"],
+        "Tasks waiting for a replica.",
+    ),
+    gauge(
+        "warmgate_tasks_inflight",
+        &["pool"],
+        "Tasks running on the pool's replicas.",
+    ),
+    counter(
+        "warmgate_task_retries_total",
+        &["pool", "cause"],
+        "Task attempts tried again, by `user` or `system` cause.",
+    ),
+    counter(
+        "warmgate_task_ondemand_fallbacks_total",
+        &["pool"],
+        "Tasks whose last try ran on an on-demand replica.",
+    ),
+    counter(
+        "warmgate_tasks_failed_by_restart_total",
+        &[],
+        "Accepted tasks reported failed because the gateway restarted.",
+    ),
+    counter(
+        "warmgate_task_journal_dropped_total",
+        &[],
+        "Task records the journal could not keep.",
+    ),
+    counter(
+        "warmgate_task_results_evicted_total",
+        &[],
+        "Finished task results dropped to stay within the result store's bound.",
+    ),
+    gauge(
+        "warmgate_replicas",
+        &["app", "state"],
+        "Replicas by state (pending, starting, ready, draining), for apps and pools.",
+    ),
+    gauge(
+        "warmgate_replicas_desired",
+        &["app"],
+        "The replica count asked for, for apps and pools.",
+    ),
+    gauge(
+        "warmgate_replicas_unschedulable",
+        &["target"],
+        "Replicas the cluster cannot place (Kubernetes).",
+    ),
+    counter(
+        "warmgate_replica_seconds_total",
+        &["app"],
+        "Every live replica's seconds, starting ones included: the GPU bill.",
+    ),
+    counter(
+        "warmgate_replica_disruptions_total",
+        &["cause"],
+        "Replicas lost to a cause outside the gateway (crash, eviction, preemption).",
+    ),
+    counter(
+        "warmgate_orphans_stopped_total",
+        &[],
+        "Worker processes a crashed earlier run left, stopped at start.",
+    ),
+    histogram(
+        "warmgate_cold_start_seconds",
+        &["app", "phase"],
+        "Cold starts by phase: `spawn`, `ready` (weights and model load included) and `weights` when the worker reports it.",
+        LONG,
+    ),
+    histogram(
+        "warmgate_cold_start_handoff_seconds",
+        &["app"],
+        "From a replica ready to its first request forwarded: the gateway's own share of a cold start.",
+        SHORT,
+    ),
+    counter(
+        "warmgate_weights_store_bytes_total",
+        &[],
+        "Weight bytes read from the object store.",
+    ),
+    counter(
+        "warmgate_weights_cache_bytes_total",
+        &[],
+        "Weight bytes served from the node-local cache.",
+    ),
+    counter(
+        "warmgate_weight_syncs_total",
+        &["pool"],
+        "Weight syncs started.",
+    ),
+    counter(
+        "warmgate_weight_sync_replicas_total",
+        &["pool", "outcome"],
+        "Replicas through a weight sync, `synced` or `replaced`.",
+    ),
+    histogram(
+        "warmgate_weight_sync_seconds",
+        &["pool"],
+        "One replica's weight swap.",
+        LONG,
+    ),
+];
+
+/// Tells the recorder every series' help text.
+pub fn describe() {
+    for m in METRICS {
+        match m.kind {
+            Kind::Counter => metrics::describe_counter!(m.name, m.help),
+            Kind::Gauge => metrics::describe_gauge!(m.name, m.help),
+            Kind::Histogram => metrics::describe_histogram!(m.name, metrics::Unit::Seconds, m.help),
+        }
+    }
+}
+
+/// The Markdown reference table in `docs/observability.md`.
+pub fn reference_table() -> String {
+    let mut out = String::from("| metric | kind | labels | what |\n|---|---|---|---|\n");
+    for m in METRICS {
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} |\n",
+            m.name,
+            m.kind.as_str(),
+            m.labels.join(", "),
+            m.help
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_histograms_have_rising_buckets() {
+        let mut names: Vec<_> = METRICS.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), METRICS.len());
+        for m in METRICS {
+            assert!(m.name.starts_with("warmgate_"));
+            assert_eq!(
+                m.kind == Kind::Histogram,
+                !m.buckets.is_empty(),
+                "{}",
+                m.name
+            );
+            assert!(m.buckets.windows(2).all(|w| w[0] < w[1]), "{}", m.name);
+            if m.kind == Kind::Counter {
+                assert!(m.name.ends_with("_total"), "{}", m.name);
+            }
+        }
+    }
+
+    #[test]
+    fn the_docs_reference_table_is_the_catalog() {
+        let docs = include_str!("../../docs/observability.md");
+        assert!(
+            docs.contains(&reference_table()),
+            "docs/observability.md is out of date; paste:\n{}",
+            reference_table()
+        );
+    }
+}
