@@ -1,5 +1,5 @@
 # Mirrors CI (.ci/run): `make ci` runs what CI runs, after CI's installs.
-.PHONY: ci lint test bench fmt
+.PHONY: ci lint test bench fmt pictures
 
 ci: lint test
 
@@ -24,3 +24,14 @@ bench:
 
 fmt:
 	cargo fmt --all
+
+# The pictures in the README and docs/, each drawn by the project's own
+# code: the dashboard (headless Chromium), the CartPole return curve (the
+# RL example through the gateway) and the autoscaling sweep.
+pictures:
+	cargo build --workspace --bins
+	cargo nextest run --workspace -E 'test(the_dashboard_renders_apps_pools_and_replicas_in_chromium) | test(reinforce_through_the_gateway_solves_cartpole)'
+	cp target/tmp/dashboard/dashboard.png docs/img/dashboard.png
+	cp target/tmp/rl/cartpole-curve.png docs/img/cartpole-curve.png
+	./target/debug/warmgate simulate --sweep target/sweep --trace ../shared/data/azure-llm-inference-2023-conv.csv
+	cp target/sweep/sweep.svg docs/img/autoscaling-sweep.svg

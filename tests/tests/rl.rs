@@ -53,6 +53,15 @@ async fn reinforce_through_the_gateway_solves_cartpole() {
         gw.log()
     );
 
+    // Keep the curve for people to look at (`make pictures`).
+    let keep = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("rl");
+    std::fs::create_dir_all(&keep).expect("mkdir");
+    std::fs::copy(
+        gw.dir.path().join("curve.png"),
+        keep.join("cartpole-curve.png"),
+    )
+    .expect("the trainer saved its return curve");
+
     // The table: iteration, version, mean return, mean of the last 100.
     let rows: Vec<(u64, f64, f64)> = stdout
         .lines()
