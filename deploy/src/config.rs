@@ -97,6 +97,8 @@ pub mod defaults {
     /// Long enough to stream a large checkpoint over a slow link; short
     /// enough that a stuck replica is replaced within a training step.
     pub const WEIGHT_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
+    /// Share of a pool's slots its app's requests are sure of.
+    pub const INFERENCE_SHARE: f64 = 0.5;
     /// Large enough for a whole batch of rollouts.
     pub const POOL_MAX_PENDING: u32 = 100_000;
     /// A canary bakes for a minute: long enough to see errors at modest
@@ -433,6 +435,12 @@ pub struct AppSpec {
     pub promotion: PromotionSpec,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
+    /// Served by this warm pool's replicas instead of its own: requests go
+    /// to the same processes that run the pool's tasks, under the pool's
+    /// per-replica `concurrency`, on the pool's weights. Such an app has no
+    /// `command`, `image`, `checkpoint` or `promotion.watch` of its own;
+    /// the pool scales on both kinds of demand.
+    pub pool: Option<String>,
 }
 
 /// How the gateway asks a worker whether it is ready and alive: the
@@ -661,6 +669,12 @@ pub struct PoolSpec {
     pub weight_sync_timeout: Duration,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
+    /// When an app is served by this pool (`[[apps]] pool = ...`) and both
+    /// its requests and tasks wait: the share of each replica's slots its
+    /// requests are sure of (rounded up), the rest being the tasks'. A slot
+    /// the other kind does not want goes to whichever waits, so `1.0` gives
+    /// requests priority and `0.0` gives tasks priority.
+    pub inference_share: f64,
 }
 
 /// How a pool's tasks wait.
@@ -930,6 +944,10 @@ impl Config {
                         format!("the name {name:?} is already used by another app"),
                     ));
                 }
+            }
+            if let Some(pool) = &app.pool {
+                self.check_pool_served(i, app, pool)?;
+                continue;
             }
             match self.backend.kind {
                 BackendKind::Local if app.command.is_empty() => {
@@ -1206,6 +1224,78 @@ impl Config {
             if pool.weight_sync_timeout.is_zero() {
                 return Err((at("weight_sync_timeout"), "must be more than 0s".into()));
             }
+            if !(pool.inference_share.is_finite() && (0.0..=1.0).contains(&pool.inference_share)) {
+                return Err((
+                    at("inference_share"),
+                    "must be between 0 and 1 (0.5 means half of each replica's slots)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// An app served by a pool's replicas (`apps[i].pool`): the pool
+    /// exists, serves no other app, and the app sets nothing that only its
+    /// own replicas would use.
+    fn check_pool_served(
+        &self,
+        i: usize,
+        app: &AppSpec,
+        pool: &str,
+    ) -> std::result::Result<(), (String, String)> {
+        let at = |key: &str| format!("apps[{i}].{key}");
+        if !self.pools.iter().any(|p| p.name == pool) {
+            let known: Vec<&str> = self.pools.iter().map(|p| p.name.as_str()).collect();
+            return Err((
+                at("pool"),
+                if known.is_empty() {
+                    format!("names pool {pool:?}, but no pool is defined")
+                } else {
+                    format!(
+                        "names pool {pool:?}, which is not defined (pools: {})",
+                        known.join(", ")
+                    )
+                },
+            ));
+        }
+        if let Some(other) = self.apps[..i]
+            .iter()
+            .find(|a| a.pool.as_deref() == Some(pool))
+        {
+            return Err((
+                at("pool"),
+                format!(
+                    "pool {pool:?} already serves app {:?}; give that app an alias instead",
+                    other.name
+                ),
+            ));
+        }
+        let d = AppSpec::default();
+        let own: [(&str, bool); 11] = [
+            ("command", !app.command.is_empty()),
+            ("image", app.image.is_some()),
+            ("env", !app.env.is_empty()),
+            ("checkpoint", app.checkpoint.is_some()),
+            ("concurrency", app.concurrency != d.concurrency),
+            ("gpus", app.gpus != d.gpus),
+            ("startup_timeout", app.startup_timeout != d.startup_timeout),
+            ("health", app.health != d.health),
+            ("autoscale", app.autoscale != d.autoscale),
+            ("promotion", app.promotion != d.promotion),
+            ("kubernetes", app.kubernetes != d.kubernetes),
+        ];
+        if let Some((key, _)) = own.iter().find(|(_, set)| *set) {
+            return Err((
+                at(key),
+                format!(
+                    "an app served by pool {pool:?} runs on the pool's replicas, with the pool's \
+                     weights, limit and scaling: set {key} on the pool, or drop `pool` to give \
+                     the app replicas of its own"
+                ),
+            ));
+        }
+        if app.queue.timeout.is_zero() {
+            return Err((at("queue.timeout"), "must be more than 0s".into()));
         }
         Ok(())
     }
@@ -1428,6 +1518,7 @@ impl Default for AppSpec {
             queue: QueueSpec::default(),
             promotion: PromotionSpec::default(),
             kubernetes: PodSpec::default(),
+            pool: None,
         }
     }
 }
@@ -1463,6 +1554,7 @@ impl PoolSpec {
         next.queue.max_pending = other.queue.max_pending;
         next.queue.tenant_quota = other.queue.tenant_quota;
         next.queue.tenant_weights = other.queue.tenant_weights.clone();
+        next.inference_share = other.inference_share;
         next
     }
 }
@@ -1489,6 +1581,7 @@ impl Default for PoolSpec {
             max_staleness: None,
             weight_sync_timeout: defaults::WEIGHT_SYNC_TIMEOUT,
             kubernetes: PodSpec::default(),
+            inference_share: defaults::INFERENCE_SHARE,
         }
     }
 }
@@ -1769,6 +1862,55 @@ mod tests {
         )
         .expect_err("an app named like the pool's on-demand fallback");
         assert!(err.to_string().contains("on-demand"), "{err}");
+    }
+
+    #[test]
+    fn an_app_served_by_a_pool_names_one_and_sets_nothing_of_its_own() {
+        let pool = "[[pools]]\nname = \"policy\"\ncommand = [\"./p\"]\ninference_share = 0.25\n";
+        let c = parse(&format!(
+            "{pool}[[apps]]\nname = \"chat\"\npool = \"policy\"\naliases = [\"tiny\"]\n[apps.queue]\ntimeout = \"5s\"\n"
+        ))
+        .expect("an app on a pool needs no command");
+        assert_eq!(c.apps[0].pool.as_deref(), Some("policy"));
+        assert_eq!(c.pools[0].inference_share, 0.25);
+        let refused = |app: &str, key: &str| {
+            let err = parse(&format!("{pool}[[apps]]\nname = \"chat\"\n{app}"))
+                .expect_err(app)
+                .to_string();
+            assert!(err.contains(key), "{app}: {err}");
+        };
+        refused("pool = \"nope\"\n", "apps[0].pool");
+        refused(
+            "pool = \"policy\"\ncommand = [\"./w\"]\n",
+            "apps[0].command",
+        );
+        refused(
+            "pool = \"policy\"\ncheckpoint = \"file:///c\"\n",
+            "apps[0].checkpoint",
+        );
+        refused(
+            "pool = \"policy\"\n[apps.autoscale]\nmax = 3\n",
+            "apps[0].autoscale",
+        );
+        refused(
+            "pool = \"policy\"\nconcurrency = 9\n",
+            "apps[0].concurrency",
+        );
+        let err = parse(&format!(
+            "{pool}[[apps]]\nname = \"a\"\npool = \"policy\"\n[[apps]]\nname = \"b\"\npool = \"policy\"\n"
+        ))
+        .expect_err("two apps on one pool");
+        assert!(err.to_string().contains("apps[1].pool"), "{err}");
+        for share in ["1.5", "-0.1", "nan"] {
+            let err = parse(&format!(
+                "[[pools]]\nname = \"p\"\ncommand = [\"./p\"]\ninference_share = {share}\n"
+            ))
+            .expect_err(share);
+            assert!(
+                err.to_string().contains("inference_share"),
+                "{share}: {err}"
+            );
+        }
     }
 
     #[test]

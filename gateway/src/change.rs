@@ -177,6 +177,39 @@ impl Gateway {
             return Ok(Changed::Created);
         };
         let old = app.spec();
+        if old.pool != spec.pool {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "app '{name}' would move {} {}: delete it and put it again",
+                    old.pool
+                        .as_ref()
+                        .map_or("from its own replicas".to_string(), |p| format!(
+                            "from pool '{p}'"
+                        )),
+                    spec.pool
+                        .as_ref()
+                        .map_or("to replicas of its own".to_string(), |p| format!(
+                            "to pool '{p}'"
+                        )),
+                ),
+            ));
+        }
+        if spec.pool.is_some() {
+            // Nothing of its own runs: its names and queue change in place.
+            if *old == spec {
+                return Ok(Changed::Unchanged);
+            }
+            self.record(
+                SpecKind::App,
+                &name,
+                Some(&json),
+                &format!("app {name} retuned through the API"),
+            )?;
+            app.set_spec(spec);
+            self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
+            return Ok(Changed::InPlace);
+        }
         if *old == spec && serves(&app, &spec) {
             return Ok(Changed::Unchanged);
         }
@@ -412,7 +445,7 @@ impl Gateway {
             return Err(ApiError::new(
                 ErrorKind::Conflict,
                 format!(
-                    "pool '{name}': changing its command, image, env, checkpoint, concurrency, gpus, queue fairness or pod settings needs new replicas, which a running pool does not roll to yet: delete it, then put it again (replica bounds, idle_ttl, suspend_after, buffer, retries, timeouts, max_staleness and queue bounds change in place)"
+                    "pool '{name}': changing its command, image, env, checkpoint, concurrency, gpus, queue fairness or pod settings needs new replicas, which a running pool does not roll to yet: delete it, then put it again (replica bounds, idle_ttl, suspend_after, buffer, retries, timeouts, max_staleness, inference_share and queue bounds change in place)"
                 ),
             ));
         }
@@ -458,6 +491,21 @@ impl Gateway {
                 format!("pool '{name}' not found"),
             ));
         };
+        if let Some(app) = self
+            .registry
+            .load()
+            .apps()
+            .iter()
+            .find(|a| a.spec().pool.as_deref() == Some(name))
+        {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{name}' serves app '{}'; delete the app first",
+                    app.name
+                ),
+            ));
+        }
         self.record(SpecKind::Pool, name, None, "")?;
         pool.close();
         self.retiring_pools.lock().insert(name.to_string());
@@ -546,19 +594,7 @@ impl Gateway {
     pub async fn apply_file(self: &Arc<Self>, file: Config) -> Vec<Applied> {
         let mut out = Vec::new();
         let current = self.desired_config();
-        for p in &current.pools {
-            if !file.pools.iter().any(|f| f.name == p.name) {
-                let outcome = self
-                    .delete_pool(&p.name)
-                    .await
-                    .map(|()| "deleted".to_string());
-                out.push(Applied {
-                    kind: "pool",
-                    name: p.name.clone(),
-                    outcome,
-                });
-            }
-        }
+        // Apps first: a deleted pool may serve a deleted app.
         for a in &current.apps {
             if !file.apps.iter().any(|f| f.name == a.name) {
                 let outcome = self
@@ -568,6 +604,19 @@ impl Gateway {
                 out.push(Applied {
                     kind: "app",
                     name: a.name.clone(),
+                    outcome,
+                });
+            }
+        }
+        for p in &current.pools {
+            if !file.pools.iter().any(|f| f.name == p.name) {
+                let outcome = self
+                    .delete_pool(&p.name)
+                    .await
+                    .map(|()| "deleted".to_string());
+                out.push(Applied {
+                    kind: "pool",
+                    name: p.name.clone(),
                     outcome,
                 });
             }

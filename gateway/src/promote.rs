@@ -183,6 +183,7 @@ impl Gateway {
         app: &Arc<Served>,
         req: PromoteRequest,
     ) -> Result<String, ApiError> {
+        Self::refuse_if_pool_served(app)?;
         self.refuse_if_promoting(app)?;
         let source = self.weights.open(&req.checkpoint)?;
         // Listed under a scratch name first: the checkpoint must exist
@@ -278,6 +279,7 @@ impl Gateway {
     /// The rollback is saved and carried out before the answer: an error
     /// means nothing changed.
     pub(crate) fn rollback(self: &Arc<Self>, app: &Arc<Served>) -> Result<String, ApiError> {
+        Self::refuse_if_pool_served(app)?;
         let running = app
             .history
             .lock()
@@ -431,6 +433,22 @@ impl Gateway {
         // this sees the app deleted and starts nothing.
         app.mark_removed();
         Ok(())
+    }
+
+    /// An app served by a pool has no revisions of its own: its weights
+    /// move with the pool's syncs.
+    fn refuse_if_pool_served(app: &Served) -> Result<(), ApiError> {
+        match &app.spec().pool {
+            Some(pool) => Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "app '{}' runs on pool '{pool}' and takes its weights from the pool's syncs \
+                     (POST /v1/pools/{pool}/weights); it has no revisions to promote or roll back",
+                    app.name
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn refuse_if_promoting(&self, app: &Served) -> Result<(), ApiError> {

@@ -407,7 +407,11 @@ impl Gateway {
             .load(&spec.name)
             .context("read its revision history")?;
         let app = Arc::new(Served::new(spec, history));
-        self.restore(&app).context("restore its revisions")?;
+        // An app served by a pool runs on the pool's replicas: it has no
+        // revision to restore.
+        if app.spec().pool.is_none() {
+            self.restore(&app).context("restore its revisions")?;
+        }
         self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
         if app.spec().promotion.watch.is_some() {
             tokio::spawn(self.clone().watch(app.clone()));
@@ -449,18 +453,23 @@ impl Gateway {
         ApiError,
     > {
         let out = pool.submit(submit)?;
-        // Only a queue beyond the free slots can ask for more replicas at
-        // once; everything else waits for the autoscaler's tick, which keeps
-        // this path cheap.
+        self.nudge_pool(pool);
+        Ok(out)
+    }
+
+    /// Asks for more of a pool's replicas at once when more work waits
+    /// than its ready replicas have free slots (tasks, or requests of the
+    /// app it serves); everything else waits for the autoscaler's tick,
+    /// which keeps this path cheap.
+    pub(crate) fn nudge_pool(&self, pool: &crate::tasks::pool::Pool) {
         if !pool.queued_beyond_free_slots() {
-            return Ok(out);
+            return;
         }
         let target = pool.target();
         let desired = pool.desired(self.starting(&target));
         if self.pool.desired(&target).unwrap_or(0) < desired {
             self.pool.scale(&target, desired);
         }
-        Ok(out)
     }
 
     /// Replicas of a target started and not ready yet (or waiting for GPUs).
@@ -481,6 +490,34 @@ impl Gateway {
     /// An app's status: the serving revision's figures at the top, every
     /// live revision with its share below.
     pub(crate) fn status_of(&self, served: &Served, targets: &[TargetStatus]) -> AppStatus {
+        let spec = served.spec();
+        if let Some(name) = &spec.pool {
+            let p = self.registry.load().pool(name).map(|p| p.status());
+            let target = targets
+                .iter()
+                .find(|t| t.id == TargetId::Pool(name.clone()));
+            let p = p.unwrap_or_default();
+            return AppStatus {
+                name: served.name.clone(),
+                aliases: spec.aliases.clone(),
+                revision: String::new(),
+                desired: target.map_or(0, |t| t.desired),
+                ready: p.ready,
+                inflight: p.requests_inflight,
+                queued: p.requests_waiting,
+                capacity: p.ready as u32 * p.concurrency,
+                concurrency: p.concurrency,
+                max_pending: spec.queue.max_pending,
+                min: p.min,
+                max: p.max,
+                handoff_ms: None,
+                pool: target.cloned(),
+                revisions: Vec::new(),
+                promotion: None,
+                watch_scans: None,
+                served_by: Some(name.clone()),
+            };
+        }
         let shares = served.shares();
         let serving = served.serving();
         let mut revisions = Vec::new();
@@ -503,7 +540,6 @@ impl Gateway {
                 replicas: t.map(|t| t.replicas.clone()).unwrap_or_default(),
             });
         }
-        let spec = served.spec();
         let (revision, ready, target, handoff) = match &serving {
             Some(a) => (
                 a.revision.clone(),
@@ -536,6 +572,7 @@ impl Gateway {
                 .watch
                 .as_ref()
                 .map(|_| served.watch_scans.load(Ordering::Relaxed)),
+            served_by: None,
         }
     }
 

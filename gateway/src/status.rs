@@ -55,6 +55,10 @@ pub struct AppStatus {
     pub promotion: Option<Promotion>,
     /// Times the checkpoint watcher has looked (when it is on).
     pub watch_scans: Option<u64>,
+    /// The warm pool whose replicas serve it (`[[apps]] pool`); its
+    /// figures above are then the pool's, requests only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_by: Option<String>,
 }
 
 /// One live revision in `/v1/status`.
@@ -104,6 +108,10 @@ pub struct PoolStatus {
     /// Stopped entirely after `suspend_after` of idleness; the next task
     /// wakes it.
     pub suspended: bool,
+    /// Requests of the app it serves (`[[apps]] pool`) waiting for a slot.
+    pub requests_waiting: usize,
+    /// Those running on its replicas.
+    pub requests_inflight: u32,
     /// Its replicas and their lifecycle.
     pub pool: Option<TargetStatus>,
     /// The on-demand fallback's replicas (interruptible pools only).

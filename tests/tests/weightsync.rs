@@ -5,25 +5,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Gateway, eventually, kind};
+use common::{Gateway, checkpoint, eventually, kind};
 use serde_json::{Value, json};
-use sha2::Digest as _;
-
-/// Writes a one-file checkpoint with distinct contents; returns its
-/// `file://` URI and the SHA-256 a worker computes over it.
-fn checkpoint(root: &Path, name: &str, size: usize) -> (String, String) {
-    let dir = root.join(name);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let data: Vec<u8> = (0..size)
-        .map(|i| (i as u8) ^ name.len() as u8 ^ name.as_bytes()[name.len() - 1])
-        .collect();
-    std::fs::write(dir.join("model.bin"), &data).expect("write");
-    let sha = format!("{:x}", sha2::Sha256::digest(&data));
-    (format!("file://{}", dir.display()), sha)
-}
 
 fn config(initial: &str, replicas: u32, extra: &str) -> String {
     format!(

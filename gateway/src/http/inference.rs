@@ -18,10 +18,7 @@ pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Resp
         .to_string();
     within_deadline(&gw, async {
         match read_model(&gw, req).await {
-            Ok((served, req)) => {
-                let (app, result) = gw.serving.serve(&served, req, &path).await;
-                finish(app.as_deref(), result)
-            }
+            Ok((served, req)) => serve(&gw, &served, req, &path).await,
             Err(e) => finish(None, Err(e)),
         }
     })
@@ -126,11 +123,45 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         return finish(None, Err(e));
     }
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
-    within_deadline(&gw, async {
-        let (app, result) = gw.serving.serve(&app, req, &target).await;
-        finish(app.as_deref(), result)
-    })
-    .await
+    within_deadline(&gw, serve(&gw, &app, req, &target)).await
+}
+
+/// Serves a request of `served`: on its revisions, or on the replicas of
+/// the pool that serves it.
+async fn serve(gw: &Arc<Gateway>, served: &Served, req: Request, path: &str) -> Response {
+    let Some(pool_name) = served.spec().pool.clone() else {
+        let (app, result) = gw.serving.serve(served, req, path).await;
+        return finish(app.as_deref(), result);
+    };
+    let result = match gw.registry.load().pool(&pool_name).cloned() {
+        Some(pool) => {
+            let queue = served.spec().queue.clone();
+            crate::tasks::shared::serve(
+                &pool,
+                &served.name,
+                &gw.upstream,
+                &queue,
+                req,
+                path,
+                || gw.nudge_pool(&pool),
+            )
+            .await
+        }
+        None => Err(ApiError::new(
+            ErrorKind::NoCapacity,
+            format!(
+                "app '{}' is served by pool '{pool_name}', which is gone",
+                served.name
+            ),
+        )),
+    };
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(e) => e.kind.as_str(),
+    };
+    metrics::counter!("warmgate_requests_total", "app" => served.name.clone(), "outcome" => outcome)
+        .increment(1);
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
 pub(crate) fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {

@@ -547,21 +547,20 @@ impl Meter {
 
 // === impl SlotGuard ===
 
-impl SlotGuard {
+impl super::proxy::Slot for SlotGuard {
     /// Notes the first byte of the answer's body (or its end, when it has
     /// none): the time to first byte, from the request's arrival.
-    pub fn first_byte(&self) {
+    fn first_byte(&self) {
         self.app.ttfb.record(self.start.elapsed().as_secs_f64());
     }
 
-    /// The replica this slot is on.
-    pub fn replica(&self) -> &Arc<ReplicaHandle> {
+    fn replica(&self) -> &Arc<ReplicaHandle> {
         &self.replica
     }
 
     /// Notes that the request is being forwarded now; the first forward to a
     /// fresh replica measures the gateway's share of the cold start.
-    pub fn note_forward(&self) {
+    fn note_forward(&self) {
         if self.replica.take_first_forward() {
             let handoff = self.replica.ready_at.elapsed();
             *self.app.handoff.lock() = Some(handoff);
@@ -665,6 +664,7 @@ impl Drop for PendingSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serving::proxy::Slot as _;
 
     #[test]
     fn the_meter_reads_arrivals_completions_and_busy_slot_seconds_per_tick() {

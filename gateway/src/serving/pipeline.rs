@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use warmgate_pool::PoolManager;
 
 use super::dispatch::{Acquire, App};
-use super::proxy::Forward;
+use super::proxy::{Forward, Slot as _};
 use super::served::Served;
 use crate::error::{ApiError, ErrorKind, body_error};
 use crate::upstream::Upstream;

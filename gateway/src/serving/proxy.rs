@@ -11,17 +11,31 @@ use http::{Request, Response, Uri};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
-use super::dispatch::SlotGuard;
+use std::sync::Arc;
+
+use warmgate_pool::ReplicaHandle;
+
 use crate::error::{ApiError, ErrorKind};
 use crate::upstream::Upstream;
 
+/// A slot on a replica, freed when dropped: an app revision's
+/// ([`SlotGuard`](super::dispatch::SlotGuard)) or a shared pool's.
+pub trait Slot: Send + Sync + Unpin + 'static {
+    /// The replica the slot is on.
+    fn replica(&self) -> &Arc<ReplicaHandle>;
+    /// The request is being forwarded now.
+    fn note_forward(&self) {}
+    /// The answer's first byte (or its end, when it has none) has passed.
+    fn first_byte(&self) {}
+}
+
 /// Sends `req` to the slot's replica at `path_and_query`. The answer's
 /// body holds the slot until it has been streamed to the end.
-pub async fn forward(
+pub async fn forward<S: Slot>(
     upstream: &Upstream,
     mut req: Request<Body>,
     path_and_query: &str,
-    slot: SlotGuard,
+    slot: S,
 ) -> Result<Response<Body>, Forward> {
     let replica = slot.replica().clone();
     let uri = Uri::builder()
@@ -167,14 +181,14 @@ fn kept_end_to_end(name: &HeaderName) -> bool {
 
 /// A response body that frees its slot when it ends, fails or is dropped
 /// (the client went away).
-struct GuardedBody {
+struct GuardedBody<S> {
     inner: Incoming,
-    slot: Option<SlotGuard>,
+    slot: Option<S>,
     /// No byte of the body has passed yet.
     first: bool,
 }
 
-impl HttpBody for GuardedBody {
+impl<S: Slot> HttpBody for GuardedBody<S> {
     type Data = Bytes;
     type Error = hyper::Error;
 

@@ -25,6 +25,7 @@ use warmgate_deploy::{Fairness, PoolSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
 
 use super::queue::{Limits, Refused, TaskQueue};
+use super::split::Split;
 use crate::error::{ApiError, ErrorKind};
 
 /// Replicas lost under one task before it fails for good.
@@ -269,6 +270,9 @@ pub struct Pool {
     closed: std::sync::atomic::AtomicBool,
     /// Told when it has closed and holds nothing.
     emptied: Notify,
+    /// Told whenever a request of the pool's app might now find a slot: a
+    /// slot freed, a replica added, a sync over.
+    freed: Notify,
 }
 
 struct PoolState {
@@ -290,6 +294,11 @@ struct PoolState {
     /// the on-demand replicas of an interruptible pool (FIFO). They already
     /// count as running in `queue`.
     fallback: VecDeque<Task>,
+    /// Requests of the app the pool serves, waiting for a slot.
+    requests_waiting: usize,
+    /// Those in flight, in all and by replica id.
+    requests_inflight: u32,
+    requests_on: HashMap<String, u32>,
 }
 
 // === impl Pool ===
@@ -317,6 +326,9 @@ impl Pool {
                 syncing: HashSet::new(),
                 fallback: VecDeque::new(),
                 suspended: false,
+                requests_waiting: 0,
+                requests_inflight: 0,
+                requests_on: HashMap::new(),
             }),
             spec: arc_swap::ArcSwap::from_pointee(spec),
             wake: Notify::new(),
@@ -327,24 +339,190 @@ impl Pool {
             wants_ondemand: OnceLock::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
             emptied: Notify::new(),
+            freed: Notify::new(),
         })
+    }
+
+    /// Wakes the dispatcher and every waiting request: a slot or a
+    /// replica may be free.
+    fn notify(&self) {
+        self.wake.notify_one();
+        self.freed.notify_waiters();
+    }
+
+    /// The split of each replica's slots between requests and tasks.
+    fn split(&self) -> Split {
+        let spec = self.spec();
+        Split::new(spec.concurrency, spec.inference_share)
+    }
+
+    /// The newest weights version in the pool: the latest synced, or a
+    /// replica's own when it started on newer weights than any sync.
+    fn newest_version(st: &PoolState) -> u64 {
+        st.replicas
+            .iter()
+            .map(|r| r.weights_version.load(Ordering::Relaxed))
+            .fold(st.latest_version, u64::max)
+    }
+
+    /// Refuses a request for weights newer than any the pool has: nothing
+    /// would ever serve it, so it is not held.
+    pub fn check_min_version(&self, min_version: u64) -> Result<(), ApiError> {
+        let newest = Self::newest_version(&self.state.lock());
+        if min_version > newest {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "pool '{}' has weights up to version {newest}; version {min_version} has not been synced",
+                    self.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A slot for a request of the app this pool serves, on a replica whose
+    /// weights are at least `min_version` and within `max_staleness` of the
+    /// latest, under the per-replica limit and the split with tasks: at
+    /// once, or after a wait of at most `timeout` (as one of at most
+    /// `max_pending` waiting requests). `on_wait` runs once if it must wait,
+    /// to wake the pool. Gives the slot and the time waited.
+    pub async fn acquire_request(
+        self: &Arc<Self>,
+        app: &str,
+        min_version: u64,
+        timeout: Duration,
+        max_pending: u32,
+        on_wait: impl FnOnce(),
+    ) -> Result<(RequestSlot, Duration), ApiError> {
+        self.check_min_version(min_version)?;
+        let since = Instant::now();
+        {
+            let mut st = self.state.lock();
+            if let Some(slot) = self.take_request_slot(&mut st, app, min_version, since) {
+                return Ok((slot, Duration::ZERO));
+            }
+            if st.requests_waiting >= max_pending as usize {
+                return Err(ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "pool '{}' is at capacity and already holds {max_pending} requests",
+                        self.name
+                    ),
+                )
+                .retry_after(1));
+            }
+            st.requests_waiting += 1;
+        }
+        let _waiting = Waiting(self);
+        on_wait();
+        let deadline = since + timeout;
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let mut st = self.state.lock();
+                if let Some(slot) = self.take_request_slot(&mut st, app, min_version, since) {
+                    return Ok((slot, since.elapsed()));
+                }
+            }
+            if self.is_closed() {
+                return Err(ApiError::new(
+                    ErrorKind::NotFound,
+                    format!("pool '{}' was deleted", self.name),
+                ));
+            }
+            if tokio::time::timeout_at(deadline.into(), freed)
+                .await
+                .is_err()
+            {
+                return Err(ApiError::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "no replica of pool '{}' with weights version {min_version} or newer had a free slot within {:.1}s",
+                        self.name,
+                        timeout.as_secs_f64()
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// Takes a slot for a request, if a replica has one it may use.
+    fn take_request_slot(
+        self: &Arc<Self>,
+        st: &mut PoolState,
+        app: &str,
+        min_version: u64,
+        since: Instant,
+    ) -> Option<RequestSlot> {
+        let floor = self
+            .spec()
+            .max_staleness
+            .map_or(0, |s| st.latest_version.saturating_sub(s));
+        let need = min_version.max(floor);
+        let split = self.split();
+        let tasks_waiting = st.queue.pending() > 0;
+        let replica = st
+            .replicas
+            .iter()
+            .filter(|r| {
+                r.is_routable()
+                    && matches!(r.target, TargetId::Pool(_))
+                    && r.has_free_slot()
+                    && !st.syncing.contains(&r.id)
+                    && r.weights_version.load(Ordering::Relaxed) >= need
+                    && split.request_may_take(st.requests_on_replica(&r.id), tasks_waiting)
+            })
+            .min_by_key(|r| r.inflight())
+            .cloned()?;
+        replica.acquire();
+        st.requests_inflight += 1;
+        *st.requests_on.entry(replica.id.clone()).or_default() += 1;
+        Some(RequestSlot {
+            pool: self.clone(),
+            app: app.to_string(),
+            replica,
+            since,
+        })
+    }
+
+    /// A request's slot is free again.
+    fn release_request(&self, replica: &ReplicaHandle) {
+        {
+            let mut st = self.state.lock();
+            st.requests_inflight = st.requests_inflight.saturating_sub(1);
+            if let Some(n) = st.requests_on.get_mut(&replica.id) {
+                *n -= 1;
+                if *n == 0 {
+                    st.requests_on.remove(&replica.id);
+                }
+            }
+        }
+        replica.release();
+        self.notify();
     }
 
     /// Takes no new task from now on; the tasks it holds still run.
     pub fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
-        self.wake.notify_one();
+        self.notify();
     }
 
     fn is_closed(&self) -> bool {
         self.closed.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Whether it holds no task, waiting or running.
+    /// Whether it holds no task and no request, waiting or running.
     pub fn is_empty(&self) -> bool {
         let st = self.state.lock();
-        st.queue.pending() == 0 && st.inflight == 0 && st.fallback.is_empty()
+        st.queue.pending() == 0
+            && st.inflight == 0
+            && st.fallback.is_empty()
+            && st.requests_waiting == 0
+            && st.requests_inflight == 0
     }
 
     /// Waits until it is closed and every task it held has ended.
@@ -388,7 +566,7 @@ impl Pool {
             st.queue.set_weights(next.queue.tenant_weights.clone());
         }
         self.spec.store(Arc::new(next));
-        self.wake.notify_one();
+        self.notify();
     }
 
     /// The target of its own replicas.
@@ -553,7 +731,7 @@ impl Pool {
             owner,
             durable: s.durable,
         });
-        self.wake.notify_one();
+        self.notify();
         Ok((id, rx))
     }
 
@@ -580,10 +758,10 @@ impl Pool {
                 let result = pool.sync_replica(&r, &url, version, deadline).await;
                 tracing::info!(pool = %pool.name, replica = %r.id, version, ok = result.ok, "caught up a replica that started behind");
                 pool.state.lock().syncing.remove(&r.id);
-                pool.wake.notify_one();
+                pool.notify();
             });
         }
-        self.wake.notify_one();
+        self.notify();
     }
 
     /// A replica must take no more tasks.
@@ -613,6 +791,8 @@ impl Pool {
             max_staleness: self.spec().max_staleness,
             ondemand_waiting: st.fallback.len(),
             suspended: st.suspended,
+            requests_waiting: st.requests_waiting,
+            requests_inflight: st.requests_inflight,
             pool: None,
             ondemand: None,
         }
@@ -660,7 +840,8 @@ impl Pool {
             .filter(|r| matches!(r.target, TargetId::Pool(_)))
             .count();
         let slots = spot as u64 * u64::from(self.spec().concurrency);
-        st.queue.pending() as u64 > slots.saturating_sub(u64::from(st.inflight))
+        let waiting = (st.queue.pending() + st.requests_waiting) as u64;
+        waiting > slots.saturating_sub(u64::from(st.inflight + st.requests_inflight))
     }
 
     /// The replica count the pool wants now, by the warm-pool policy:
@@ -683,9 +864,11 @@ impl Pool {
             idle_ttl: spec.idle_ttl,
             buffer: spec.buffer,
         };
+        // Scaling sees both kinds of work: the tasks and the requests of
+        // the app the pool serves.
         let load = warmgate_autoscaler::pool::PoolLoad {
-            pending: st.queue.pending(),
-            inflight: st.inflight,
+            pending: st.queue.pending() + st.requests_waiting,
+            inflight: st.inflight + st.requests_inflight,
             starting,
             idle: &idle,
         };
@@ -793,11 +976,11 @@ impl Pool {
                     st.syncing.remove(&r.id);
                 }
             }
-            self.wake.notify_one();
+            self.notify();
             results.extend(round);
         }
         self.state.lock().syncing_to = None;
-        self.wake.notify_one();
+        self.notify();
         let ok = results.iter().filter(|r| r.ok).count();
         metrics::counter!("warmgate_weight_syncs_total", "pool" => self.name.clone()).increment(1);
         metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "synced")
@@ -972,6 +1155,7 @@ impl Pool {
                 continue;
             }
             let need = min_version.max(floor);
+            let split = self.split();
             let replica = st
                 .replicas
                 .iter()
@@ -981,6 +1165,10 @@ impl Pool {
                         && r.has_free_slot()
                         && !st.syncing.contains(&r.id)
                         && r.weights_version.load(Ordering::Relaxed) >= need
+                        && split.task_may_take(
+                            r.inflight().saturating_sub(st.requests_on_replica(&r.id)),
+                            st.requests_waiting > 0,
+                        )
                 })
                 .min_by_key(|r| r.inflight())
                 .cloned()?;
@@ -1036,7 +1224,7 @@ impl Pool {
             st.inflight -= 1;
         }
         replica.release();
-        self.wake.notify_one();
+        self.notify();
         match result {
             Err(_) => {
                 self.state.lock().queue.done(&task.tenant);
@@ -1081,7 +1269,7 @@ impl Pool {
                         let (tenant, priority) = (task.tenant.clone(), task.priority);
                         self.state.lock().queue.requeue(&tenant, priority, task);
                     }
-                    self.wake.notify_one();
+                    self.notify();
                 }
             }
             Ok(Err(Failure::User(why))) => {
@@ -1109,7 +1297,7 @@ impl Pool {
                 .await;
                 let (tenant, priority) = (task.tenant.clone(), task.priority);
                 self.state.lock().queue.requeue(&tenant, priority, task);
-                self.wake.notify_one();
+                self.notify();
             }
         }
     }
@@ -1183,6 +1371,52 @@ impl Pool {
                 Err(e) => Err(e),
             });
         }
+    }
+}
+
+impl PoolState {
+    /// Requests of the pool's app running on replica `id`.
+    fn requests_on_replica(&self, id: &str) -> u32 {
+        self.requests_on.get(id).copied().unwrap_or(0)
+    }
+}
+
+/// A request of the app a pool serves, counted as waiting while it lives.
+struct Waiting<'a>(&'a Pool);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().requests_waiting -= 1;
+        // Tasks held back for it may go now.
+        self.0.wake.notify_one();
+    }
+}
+
+/// A slot on a pool's replica held by a request of the app the pool
+/// serves; dropping it frees the slot.
+pub struct RequestSlot {
+    pool: Arc<Pool>,
+    app: String,
+    replica: Arc<ReplicaHandle>,
+    since: Instant,
+}
+
+impl crate::serving::proxy::Slot for RequestSlot {
+    fn replica(&self) -> &Arc<ReplicaHandle> {
+        &self.replica
+    }
+
+    fn first_byte(&self) {
+        metrics::histogram!("warmgate_time_to_first_byte_seconds", "app" => self.app.clone())
+            .record(self.since.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for RequestSlot {
+    fn drop(&mut self) {
+        metrics::histogram!("warmgate_request_duration_seconds", "app" => std::mem::take(&mut self.app))
+            .record(self.since.elapsed().as_secs_f64());
+        self.pool.release_request(&self.replica);
     }
 }
 

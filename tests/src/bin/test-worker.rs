@@ -728,6 +728,11 @@ async fn handle_request(State(state): State<Arc<AppState>>, request: Request) ->
         None => answer(&state.config, &parts, &body, json_body),
     };
     *response.status_mut() = controls.status;
+    // The version this process ran the request on, as it sees it itself.
+    response.headers_mut().insert(
+        "x-worker-weights-version",
+        state.weights_version.load(Ordering::SeqCst).into(),
+    );
     response
 }
 

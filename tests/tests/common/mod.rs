@@ -356,3 +356,17 @@ pub fn allow_checkpoints_under(dirs: &[&Path]) -> String {
         .collect();
     format!("\n[weights]\nallowed_prefixes = [{}]\n", list.join(", "))
 }
+
+/// Writes a one-file checkpoint with distinct contents under `root/name`;
+/// returns its `file://` URI and the SHA-256 a worker computes over it.
+pub fn checkpoint(root: &Path, name: &str, size: usize) -> (String, String) {
+    use sha2::Digest as _;
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let data: Vec<u8> = (0..size)
+        .map(|i| (i as u8) ^ name.len() as u8 ^ name.as_bytes()[name.len() - 1])
+        .collect();
+    std::fs::write(dir.join("model.bin"), &data).expect("write");
+    let sha = format!("{:x}", sha2::Sha256::digest(&data));
+    (format!("file://{}", dir.display()), sha)
+}
