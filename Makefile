@@ -27,11 +27,13 @@ fmt:
 
 # The pictures in the README and docs/, each drawn by the project's own
 # code: the dashboard (headless Chromium), the CartPole return curve (the
-# RL example through the gateway) and the autoscaling sweep.
+# RL example through the gateway), the GRPO reward curve (train while
+# serving) and the autoscaling sweep.
 pictures:
 	cargo build --workspace --bins
-	cargo nextest run --workspace -E 'test(the_dashboard_renders_apps_pools_and_replicas_in_chromium) | test(reinforce_through_the_gateway_solves_cartpole)'
+	cargo nextest run --workspace -E 'test(the_dashboard_renders_apps_pools_and_replicas_in_chromium) | test(reinforce_through_the_gateway_solves_cartpole) | test(grpo_fine_tunes_the_model_the_same_pool_serves)'
 	cp target/tmp/dashboard/dashboard.png docs/img/dashboard.png
 	cp target/tmp/rl/cartpole-curve.png docs/img/cartpole-curve.png
+	cp target/tmp/rl/charlm-grpo-curve.png docs/img/charlm-grpo-curve.png
 	./target/debug/warmgate simulate --sweep target/sweep --trace ../shared/data/azure-llm-inference-2023-conv.csv
 	cp target/sweep/sweep.svg docs/img/autoscaling-sweep.svg

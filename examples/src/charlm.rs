@@ -42,40 +42,56 @@ pub fn decode(i: u32) -> char {
     ALPHABET.chars().nth(i as usize).unwrap_or(' ')
 }
 
+/// The corpus's sentence subjects.
+pub const SUBJECTS: [&str; 8] = [
+    "the cat",
+    "a dog",
+    "the old man",
+    "my sister",
+    "the farmer",
+    "a small bird",
+    "the teacher",
+    "our neighbour",
+];
+/// Its verbs.
+pub const VERBS: [&str; 8] = [
+    "sees", "likes", "finds", "carries", "paints", "follows", "feeds", "watches",
+];
+/// Its objects.
+pub const OBJECTS: [&str; 8] = [
+    "the red ball",
+    "a green apple",
+    "the river",
+    "a quiet house",
+    "the morning sun",
+    "a wooden boat",
+    "the tall tree",
+    "a warm loaf of bread",
+];
+/// The phrases that may end a sentence.
+pub const ENDS: [&str; 6] = [
+    "every day",
+    "in the garden",
+    "near the road",
+    "before dinner",
+    "at night",
+    "with great care",
+];
+
+/// Every word the corpus uses.
+pub fn words() -> std::collections::BTreeSet<&'static str> {
+    SUBJECTS
+        .iter()
+        .chain(&VERBS)
+        .chain(&OBJECTS)
+        .chain(&ENDS)
+        .flat_map(|p| p.split(' '))
+        .collect()
+}
+
 /// A deterministic corpus of simple English sentences about `n` lines
 /// long.
 pub fn corpus(seed: u64, n: usize) -> String {
-    const SUBJECTS: [&str; 8] = [
-        "the cat",
-        "a dog",
-        "the old man",
-        "my sister",
-        "the farmer",
-        "a small bird",
-        "the teacher",
-        "our neighbour",
-    ];
-    const VERBS: [&str; 8] = [
-        "sees", "likes", "finds", "carries", "paints", "follows", "feeds", "watches",
-    ];
-    const OBJECTS: [&str; 8] = [
-        "the red ball",
-        "a green apple",
-        "the river",
-        "a quiet house",
-        "the morning sun",
-        "a wooden boat",
-        "the tall tree",
-        "a warm loaf of bread",
-    ];
-    const ENDS: [&str; 6] = [
-        "every day",
-        "in the garden",
-        "near the road",
-        "before dinner",
-        "at night",
-        "with great care",
-    ];
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut out = String::new();
     for _ in 0..n {

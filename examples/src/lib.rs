@@ -4,9 +4,14 @@
 //! - `cartpole-worker`: RL rollouts of CartPole on a warm pool, with weights
 //!   swapped in place; `cartpole-train`: the REINFORCE trainer that drives
 //!   it through the gateway.
+//! - `charlm-worker`: the tiny character-level LM, serving OpenAI
+//!   completions and sampling rollouts (`/invoke`) with weights swapped in
+//!   place; `charlm-train` pretrains it, `charlm-grpo` fine-tunes it by RL
+//!   on the pool that serves it.
 
 pub mod cartpole;
 pub mod charlm;
+pub mod grpo;
 
 pub mod train {
     //! What the example trainers share: Adam over named tensors.
@@ -54,6 +59,179 @@ pub mod train {
             let t = self.vars[i].as_tensor();
             Ok(if tracked { t.clone() } else { t.detach() })
         }
+    }
+}
+
+pub mod driver {
+    //! What the example trainers share to drive a gateway: the HTTP client,
+    //! the object store they write checkpoints to, and the pool's version.
+
+    use std::time::Duration;
+
+    use anyhow::{Context as _, bail};
+    use object_store::ObjectStoreExt as _;
+    use serde_json::Value;
+
+    /// An HTTP client for the gateway, with `$WARMGATE_ADMIN_TOKEN` as its
+    /// bearer token when set.
+    pub fn client() -> anyhow::Result<reqwest::Client> {
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+            let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+                .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
+            v.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, v);
+        }
+        Ok(reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .default_headers(headers)
+            .build()?)
+    }
+
+    /// A store of checkpoints: a folder, or a `file://`, `s3://`, `gs://`
+    /// or `az://` URI (credentials from the environment).
+    pub struct Store {
+        store: Box<dyn object_store::ObjectStore>,
+        prefix: object_store::path::Path,
+        /// Its URI as the gateway reads it.
+        pub uri: String,
+    }
+
+    impl Store {
+        /// Opens `store`, creating a local folder when it is one.
+        pub fn open(store: &str) -> anyhow::Result<Store> {
+            let uri = if store.contains("://") {
+                store.trim_end_matches('/').to_string()
+            } else {
+                std::fs::create_dir_all(store).with_context(|| format!("create {store}"))?;
+                let abs =
+                    std::fs::canonicalize(store).with_context(|| format!("resolve {store}"))?;
+                format!("file://{}", abs.display())
+            };
+            let url = url::Url::parse(&uri).with_context(|| format!("bad store URI {uri}"))?;
+            let opts = std::env::vars()
+                .filter(|(k, _)| {
+                    ["AWS_", "GOOGLE_", "AZURE_"]
+                        .iter()
+                        .any(|p| k.starts_with(p))
+                })
+                .map(|(k, v)| (k.to_ascii_lowercase(), v));
+            let (store, prefix) = object_store::parse_url_opts(&url, opts)
+                .with_context(|| format!("open the store {uri}"))?;
+            Ok(Store { store, prefix, uri })
+        }
+
+        /// Writes `bytes` as `<dir>/<file>`; returns the URI of `<dir>`,
+        /// the checkpoint the gateway is given.
+        pub async fn put(
+            &self,
+            dir: &str,
+            file: &str,
+            bytes: bytes::Bytes,
+        ) -> anyhow::Result<String> {
+            let path = self.prefix.clone().join(dir).join(file);
+            self.store
+                .put(&path, bytes.into())
+                .await
+                .with_context(|| format!("write {}/{dir}/{file}", self.uri))?;
+            Ok(format!("{}/{dir}", self.uri))
+        }
+    }
+
+    /// A pool's weights version now, so a second run carries on from it.
+    pub async fn current_version(
+        http: &reqwest::Client,
+        gw: &str,
+        pool: &str,
+    ) -> anyhow::Result<u64> {
+        let status: Value = http
+            .get(format!("{gw}/v1/status"))
+            .send()
+            .await
+            .with_context(|| {
+                format!("cannot reach the gateway at {gw} (is `warmgate serve` running?)")
+            })?
+            .json()
+            .await?;
+        status["pools"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["name"] == pool))
+            .map(|p| p["weights_version"].as_u64().unwrap_or(0))
+            .with_context(|| format!("the gateway has no pool '{pool}'"))
+    }
+
+    /// POSTs `body`; the JSON answer, or the gateway's error message.
+    pub async fn post_json(
+        http: &reqwest::Client,
+        url: &str,
+        body: &Value,
+    ) -> anyhow::Result<Value> {
+        let resp = http.post(url).json(body).send().await?;
+        let status = resp.status();
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        if !status.is_success() {
+            bail!("{url}: {status}: {}", body["error"]["message"]);
+        }
+        Ok(body)
+    }
+
+    /// Runs `inputs` as one batch of pool tasks pinned to weights
+    /// `version` (`POST /v1/pools/{pool}/tasks/batch`); the outputs in
+    /// input order. Fails on any task's error, or on an output from other
+    /// weights.
+    pub async fn batch(
+        http: &reqwest::Client,
+        gw: &str,
+        pool: &str,
+        inputs: &[Value],
+        version: u64,
+    ) -> anyhow::Result<Vec<Value>> {
+        let resp = http
+            .post(format!("{gw}/v1/pools/{pool}/tasks/batch"))
+            .json(&serde_json::json!({"inputs": inputs, "min_weights_version": version}))
+            .send()
+            .await?;
+        let status = resp.status();
+        let text = resp.text().await?;
+        if !status.is_success() {
+            bail!("rollout batch: {status}: {text}");
+        }
+        let mut outputs = vec![Value::Null; inputs.len()];
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let mut v: Value = serde_json::from_str(line).context("a batch line is not JSON")?;
+            if let Some(e) = v.get("error") {
+                bail!("rollout task {} failed: {}", v["index"], e["message"]);
+            }
+            let out = v["output"].take();
+            anyhow::ensure!(
+                out["weights_version"].as_u64() == Some(version),
+                "a rollout ran on weights version {} instead of {version}",
+                out["weights_version"]
+            );
+            let slot = v["index"]
+                .as_u64()
+                .and_then(|i| outputs.get_mut(i as usize))
+                .context("a batch line's index is missing or out of range")?;
+            *slot = out;
+        }
+        anyhow::ensure!(
+            outputs.iter().all(|o| !o.is_null()),
+            "the batch answered {} of {} tasks",
+            outputs.iter().filter(|o| !o.is_null()).count(),
+            inputs.len()
+        );
+        Ok(outputs)
+    }
+
+    /// Named tensors as a safetensors file's bytes.
+    pub fn safetensors_bytes(
+        tensors: Vec<(&'static str, candle_core::Tensor)>,
+    ) -> anyhow::Result<bytes::Bytes> {
+        let map: std::collections::HashMap<String, candle_core::Tensor> = tensors
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        Ok(safetensors::serialize(&map, None)?.into())
     }
 }
 
@@ -297,6 +475,115 @@ where
                 .await?;
             Ok(())
         })
+}
+
+/// A worker's current model and its weights version, read and swapped as
+/// one (a task or request takes the pair it started with).
+pub struct Versioned<T>(std::sync::RwLock<(Option<std::sync::Arc<T>>, u64)>);
+
+impl<T> Default for Versioned<T> {
+    fn default() -> Self {
+        Versioned(std::sync::RwLock::new((None, 0)))
+    }
+}
+
+impl<T> Versioned<T> {
+    /// The model (`None` before any load) and its version.
+    pub fn get(&self) -> (Option<std::sync::Arc<T>>, u64) {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Swaps in `model` as `version`.
+    pub fn set(&self, model: T, version: u64) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) =
+            (Some(std::sync::Arc::new(model)), version);
+    }
+}
+
+/// The body of the worker contract's `POST /weights`.
+#[derive(Debug, serde::Deserialize)]
+pub struct WeightsSwap {
+    /// The gateway's weights URL of the new checkpoint.
+    pub url: String,
+    /// Its version.
+    pub version: u64,
+}
+
+/// Why a `POST /weights` failed: the body (400) or the load (500).
+#[derive(Debug)]
+pub enum SwapError {
+    /// The body is not `{"url", "version"}`.
+    BadBody(String),
+    /// The weights could not be fetched or read; the old ones stay.
+    Load(String),
+}
+
+/// A worker's swappable model: the current one, and the loads that
+/// replace it one at a time.
+pub struct Swappable<T> {
+    /// The model and its version.
+    pub current: Versioned<T>,
+    loading: tokio::sync::Mutex<()>,
+    http: Fetcher,
+}
+
+impl<T> Default for Swappable<T> {
+    fn default() -> Self {
+        Swappable {
+            current: Versioned::default(),
+            loading: tokio::sync::Mutex::new(()),
+            http: Fetcher::default(),
+        }
+    }
+}
+
+impl<T> Swappable<T> {
+    /// Loads the model from a weights URL's first `.safetensors` file with
+    /// `read`, without swapping it in.
+    pub async fn load(
+        &self,
+        url: &str,
+        read: impl Fn(&[u8]) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let (name, bytes) = fetch_safetensors(&self.http, url).await?;
+        read(&bytes).with_context(|| format!("read {name}"))
+    }
+
+    /// Serves `POST /weights`: loads the new model aside (one load at a
+    /// time), then swaps it in whole. Returns the new version.
+    pub async fn swap(
+        &self,
+        body: &[u8],
+        read: impl Fn(&[u8]) -> anyhow::Result<T>,
+    ) -> Result<u64, SwapError> {
+        let swap: WeightsSwap = serde_json::from_slice(body).map_err(|e| {
+            SwapError::BadBody(format!("the body must be {{\"url\", \"version\"}}: {e}"))
+        })?;
+        let _one_at_a_time = self.loading.lock().await;
+        let model = self
+            .load(&swap.url, read)
+            .await
+            .map_err(|e| SwapError::Load(format!("{e:#}")))?;
+        self.current.set(model, swap.version);
+        Ok(swap.version)
+    }
+}
+
+/// The first `.safetensors` file a weights URL's manifest lists: its name
+/// and bytes.
+pub async fn fetch_safetensors(http: &Fetcher, url: &str) -> anyhow::Result<(String, Bytes)> {
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&http.get(url).await?).context("the manifest is not JSON")?;
+    let name = manifest["files"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["name"].as_str())
+        .find(|n| n.ends_with(".safetensors"))
+        .context("the checkpoint has no .safetensors file")?
+        .to_string();
+    let bytes = http.get(&format!("{url}/{name}")).await?;
+    Ok((name, bytes))
 }
 
 /// `$PORT`, as the worker contract sets it.

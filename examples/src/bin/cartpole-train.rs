@@ -15,13 +15,13 @@
 //! it as a PNG.
 
 use std::io::Write as _;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use object_store::ObjectStoreExt as _;
 use serde_json::{Value, json};
 use warmgate_examples::cartpole::{Episode, Learner, Policy};
+use warmgate_examples::driver;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a CartPole policy with REINFORCE on a warmgate pool")]
@@ -83,20 +83,10 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn train(args: Args) -> anyhow::Result<()> {
-    let mut headers = reqwest::header::HeaderMap::new();
-    if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
-        let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
-            .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
-        v.set_sensitive(true);
-        headers.insert(reqwest::header::AUTHORIZATION, v);
-    }
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(600))
-        .default_headers(headers)
-        .build()?;
+    let http = driver::client()?;
     let gw = args.gateway.trim_end_matches('/').to_string();
-    let (store, prefix, store_uri) = open_store(&args.store)?;
-    let mut version = current_version(&http, &gw, &args.pool).await?;
+    let store = driver::Store::open(&args.store)?;
+    let mut version = driver::current_version(&http, &gw, &args.pool).await?;
     let mut learner = Learner::new(&Policy::init(args.seed)?, args.lr, args.gamma)?;
     let mut returns: Vec<f32> = Vec::new();
     let mut curve: Vec<Point> = Vec::new();
@@ -107,21 +97,16 @@ async fn train(args: Args) -> anyhow::Result<()> {
     for iter in 0..args.iterations {
         version += 1;
         // 1. The policy, as safetensors, into the object store.
-        let bytes = safetensors_bytes(&learner.policy()?)?;
-        let path = prefix
-            .clone()
-            .join(format!("v{version}").as_str())
-            .join("policy.safetensors");
-        store
-            .put(&path, bytes.into())
-            .await
-            .with_context(|| format!("write {store_uri}/v{version}"))?;
+        let bytes = driver::safetensors_bytes(learner.policy()?.tensors())?;
+        let checkpoint = store
+            .put(&format!("v{version}"), "policy.safetensors", bytes)
+            .await?;
         // 2. Into the warm workers, in place.
         let t = Instant::now();
-        let sync = post_json(
+        let sync = driver::post_json(
             &http,
             &format!("{gw}/v1/pools/{}/weights", args.pool),
-            &json!({"checkpoint": format!("{store_uri}/v{version}"), "version": version}),
+            &json!({"checkpoint": checkpoint, "version": version}),
         )
         .await
         .context("weight sync")?;
@@ -176,61 +161,6 @@ async fn train(args: Args) -> anyhow::Result<()> {
     )
 }
 
-/// The store, the prefix inside it, and its URI as the gateway reads it.
-fn open_store(
-    store: &str,
-) -> anyhow::Result<(
-    Box<dyn object_store::ObjectStore>,
-    object_store::path::Path,
-    String,
-)> {
-    let uri = if store.contains("://") {
-        store.trim_end_matches('/').to_string()
-    } else {
-        std::fs::create_dir_all(store).with_context(|| format!("create {store}"))?;
-        let abs = std::fs::canonicalize(store).with_context(|| format!("resolve {store}"))?;
-        format!("file://{}", abs.display())
-    };
-    let url = url::Url::parse(&uri).with_context(|| format!("bad store URI {uri}"))?;
-    let opts = std::env::vars().filter(|(k, _)| {
-        ["AWS_", "GOOGLE_", "AZURE_"]
-            .iter()
-            .any(|p| k.starts_with(p))
-    });
-    let opts: Vec<(String, String)> = opts.map(|(k, v)| (k.to_ascii_lowercase(), v)).collect();
-    let (store, prefix) = object_store::parse_url_opts(&url, opts)
-        .with_context(|| format!("open the store {uri}"))?;
-    Ok((store, prefix, uri))
-}
-
-/// The pool's weights version now, so a second run carries on from it.
-async fn current_version(http: &reqwest::Client, gw: &str, pool: &str) -> anyhow::Result<u64> {
-    let status: Value = http
-        .get(format!("{gw}/v1/status"))
-        .send()
-        .await
-        .with_context(|| {
-            format!("cannot reach the gateway at {gw} (is `warmgate serve` running?)")
-        })?
-        .json()
-        .await?;
-    status["pools"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["name"] == pool))
-        .map(|p| p["weights_version"].as_u64().unwrap_or(0))
-        .with_context(|| format!("the gateway has no pool '{pool}'"))
-}
-
-async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Value> {
-    let resp = http.post(url).json(body).send().await?;
-    let status = resp.status();
-    let body: Value = resp.json().await.unwrap_or(Value::Null);
-    if !status.is_success() {
-        bail!("{url}: {status}: {}", body["error"]["message"]);
-    }
-    Ok(body)
-}
-
 /// One batch of rollout tasks, each on `version`.
 async fn rollouts(
     http: &reqwest::Client,
@@ -244,28 +174,8 @@ async fn rollouts(
             |t| json!({"seed": args.seed * 1_000_000 + iter * 1000 + t, "episodes": args.episodes}),
         )
         .collect();
-    let resp = http
-        .post(format!("{gw}/v1/pools/{}/tasks/batch", args.pool))
-        .json(&json!({"inputs": inputs, "min_weights_version": version}))
-        .send()
-        .await?;
-    let status = resp.status();
-    let text = resp.text().await?;
-    if !status.is_success() {
-        bail!("rollout batch: {status}: {text}");
-    }
     let mut episodes = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: Value = serde_json::from_str(line).context("a batch line is not JSON")?;
-        if let Some(e) = v.get("error") {
-            bail!("rollout task {} failed: {}", v["index"], e["message"]);
-        }
-        let out = &v["output"];
-        anyhow::ensure!(
-            out["weights_version"].as_u64() == Some(version),
-            "a rollout ran on weights version {} instead of {version}",
-            out["weights_version"]
-        );
+    for out in driver::batch(http, gw, &args.pool, &inputs, version).await? {
         let eps: Vec<Episode> = serde_json::from_value(out["episodes"].clone())
             .context("a rollout's episodes are malformed")?;
         episodes.extend(eps);
@@ -277,21 +187,6 @@ async fn rollouts(
         episodes.len()
     );
     Ok(episodes)
-}
-
-fn safetensors_bytes(policy: &Policy) -> anyhow::Result<bytes::Bytes> {
-    let dir = std::env::temp_dir().join(format!("cartpole-train-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let file = dir.join("policy.safetensors");
-    let map: std::collections::HashMap<String, candle_core::Tensor> = policy
-        .tensors()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-    candle_core::safetensors::save(&map, &file)?;
-    let bytes = std::fs::read(&file)?;
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(bytes.into())
 }
 
 /// The curve of the mean return per iteration, as text.

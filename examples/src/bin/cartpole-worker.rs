@@ -12,7 +12,7 @@
 //! With no weights (`$WARMGATE_WEIGHTS_URL` unset) it acts uniformly at
 //! random, as version 0.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use axum::extract::State;
@@ -22,32 +22,15 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{Value, json};
-use warmgate_examples::Fetcher;
 use warmgate_examples::cartpole::{Policy, rollout};
+use warmgate_examples::{SwapError, Swappable};
 
 /// Most episodes one task may ask for: bounds a task's time and answer.
 const MAX_EPISODES: u64 = 256;
 
-/// The current policy (`None`: random) and its weights version, swapped
-/// as one.
-#[derive(Default)]
-struct Current(RwLock<(Option<Arc<Policy>>, u64)>);
-
-impl Current {
-    fn get(&self) -> (Option<Arc<Policy>>, u64) {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn set(&self, policy: Policy, version: u64) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = (Some(Arc::new(policy)), version);
-    }
-}
-
 struct Worker {
-    current: Current,
-    http: Fetcher,
-    /// Held while a load runs, so two swaps never interleave.
-    loading: tokio::sync::Mutex<()>,
+    /// The current policy (`None`: random) and its weights version.
+    policy: Swappable<Policy>,
     /// How long the weights took to load at start, for `/healthz`.
     weights_seconds: std::sync::OnceLock<f64>,
 }
@@ -59,9 +42,7 @@ fn main() -> anyhow::Result<()> {
 /// Loads the weights (when there are any) and builds the routes.
 async fn setup() -> anyhow::Result<Router> {
     let worker = Arc::new(Worker {
-        current: Current::default(),
-        http: Fetcher::default(),
-        loading: tokio::sync::Mutex::new(()),
+        policy: Swappable::default(),
         weights_seconds: std::sync::OnceLock::new(),
     });
     if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
@@ -70,10 +51,12 @@ async fn setup() -> anyhow::Result<Router> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
         let t0 = std::time::Instant::now();
-        let policy = load(&worker.http, &url)
+        let policy = worker
+            .policy
+            .load(&url, Policy::from_safetensors)
             .await
             .with_context(|| format!("load the policy from {url}"))?;
-        worker.current.set(policy, version);
+        worker.policy.current.set(policy, version);
         let _ = worker.weights_seconds.set(t0.elapsed().as_secs_f64());
         eprintln!("cartpole-worker: loaded weights version {version}");
     }
@@ -82,23 +65,6 @@ async fn setup() -> anyhow::Result<Router> {
         .route("/invoke", post(invoke))
         .route("/weights", post(weights))
         .with_state(worker))
-}
-
-/// Reads the policy from a weights URL: its manifest names the files, and
-/// the first `.safetensors` one is the policy.
-async fn load(http: &Fetcher, url: &str) -> anyhow::Result<Policy> {
-    let manifest: Value =
-        serde_json::from_slice(&http.get(url).await?).context("the manifest is not JSON")?;
-    let name = manifest["files"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|f| f["name"].as_str())
-        .find(|n| n.ends_with(".safetensors"))
-        .context("the checkpoint has no .safetensors file")?
-        .to_string();
-    let bytes = http.get(&format!("{url}/{name}")).await?;
-    Policy::from_safetensors(&bytes).with_context(|| format!("read {name}"))
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -117,7 +83,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 async fn healthz(State(w): State<Arc<Worker>>) -> Json<Value> {
     Json(json!({
         "status": "ok",
-        "weights_version": w.current.get().1,
+        "weights_version": w.policy.current.get().1,
         "weights_seconds": w.weights_seconds.get(),
     }))
 }
@@ -145,7 +111,7 @@ async fn invoke(State(w): State<Arc<Worker>>, body: Bytes) -> Response {
             }
         },
     };
-    let (policy, version) = w.current.get();
+    let (policy, version) = w.policy.current.get();
     let run =
         tokio::task::spawn_blocking(move || rollout(policy.as_deref(), seed, episodes as usize))
             .await;
@@ -157,26 +123,9 @@ async fn invoke(State(w): State<Arc<Worker>>, body: Bytes) -> Response {
 }
 
 async fn weights(State(w): State<Arc<Worker>>, body: Bytes) -> Response {
-    #[derive(serde::Deserialize)]
-    struct Swap {
-        url: String,
-        version: u64,
-    }
-    let swap: Swap = match serde_json::from_slice(&body) {
-        Ok(s) => s,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("the body must be {{\"url\", \"version\"}}: {e}"),
-            );
-        }
-    };
-    let _one_at_a_time = w.loading.lock().await;
-    match load(&w.http, &swap.url).await {
-        Ok(policy) => {
-            w.current.set(policy, swap.version);
-            Json(json!({"weights_version": swap.version})).into_response()
-        }
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")),
+    match w.policy.swap(&body, Policy::from_safetensors).await {
+        Ok(version) => Json(json!({"weights_version": version})).into_response(),
+        Err(SwapError::BadBody(e)) => error(StatusCode::BAD_REQUEST, e),
+        Err(SwapError::Load(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
     }
 }

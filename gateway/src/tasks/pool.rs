@@ -457,26 +457,12 @@ impl Pool {
         min_version: u64,
         since: Instant,
     ) -> Option<RequestSlot> {
-        let floor = self
-            .spec()
-            .max_staleness
-            .map_or(0, |s| st.latest_version.saturating_sub(s));
-        let need = min_version.max(floor);
+        let need = min_version.max(self.staleness_floor(st));
         let split = self.split();
         let tasks_waiting = st.queue.pending() > 0;
-        let replica = st
-            .replicas
-            .iter()
-            .filter(|r| {
-                r.is_routable()
-                    && matches!(r.target, TargetId::Pool(_))
-                    && r.has_free_slot()
-                    && !st.syncing.contains(&r.id)
-                    && r.weights_version.load(Ordering::Relaxed) >= need
-                    && split.request_may_take(st.requests_on_replica(&r.id), tasks_waiting)
-            })
-            .min_by_key(|r| r.inflight())
-            .cloned()?;
+        let replica = st.least_loaded(need, |r| {
+            split.request_may_take(st.requests_on_replica(&r.id), tasks_waiting)
+        })?;
         replica.acquire();
         st.requests_inflight += 1;
         *st.requests_on.entry(replica.id.clone()).or_default() += 1;
@@ -486,6 +472,13 @@ impl Pool {
             replica,
             since,
         })
+    }
+
+    /// The oldest weights version `max_staleness` lets work run on.
+    fn staleness_floor(&self, st: &PoolState) -> u64 {
+        self.spec()
+            .max_staleness
+            .map_or(0, |s| st.latest_version.saturating_sub(s))
     }
 
     /// A request's slot is free again.
@@ -1139,10 +1132,7 @@ impl Pool {
         }
         loop {
             let mut st = self.state.lock();
-            let floor = self
-                .spec()
-                .max_staleness
-                .map_or(0, |s| st.latest_version.saturating_sub(s));
+            let floor = self.staleness_floor(&st);
             let (deadline, min_version) = {
                 let head = st.queue.peek()?;
                 (head.deadline, head.min_version)
@@ -1156,22 +1146,13 @@ impl Pool {
             }
             let need = min_version.max(floor);
             let split = self.split();
-            let replica = st
-                .replicas
-                .iter()
-                .filter(|r| {
-                    r.is_routable()
-                        && matches!(r.target, TargetId::Pool(_))
-                        && r.has_free_slot()
-                        && !st.syncing.contains(&r.id)
-                        && r.weights_version.load(Ordering::Relaxed) >= need
-                        && split.task_may_take(
-                            r.inflight().saturating_sub(st.requests_on_replica(&r.id)),
-                            st.requests_waiting > 0,
-                        )
-                })
-                .min_by_key(|r| r.inflight())
-                .cloned()?;
+            let requests_waiting = st.requests_waiting > 0;
+            let replica = st.least_loaded(need, |r| {
+                split.task_may_take(
+                    r.inflight().saturating_sub(st.requests_on_replica(&r.id)),
+                    requests_waiting,
+                )
+            })?;
             let (_, task) = st.queue.pop()?;
             replica.acquire();
             st.inflight += 1;
@@ -1378,6 +1359,28 @@ impl PoolState {
     /// Requests of the pool's app running on replica `id`.
     fn requests_on_replica(&self, id: &str) -> u32 {
         self.requests_on.get(id).copied().unwrap_or(0)
+    }
+
+    /// The pool replica with the least in flight that can take work now:
+    /// routable, a free slot, not swapping weights, weights at least
+    /// `need`, and a slot `may_take` allows (the split).
+    fn least_loaded(
+        &self,
+        need: u64,
+        may_take: impl Fn(&ReplicaHandle) -> bool,
+    ) -> Option<Arc<ReplicaHandle>> {
+        self.replicas
+            .iter()
+            .filter(|r| {
+                r.is_routable()
+                    && matches!(r.target, TargetId::Pool(_))
+                    && r.has_free_slot()
+                    && !self.syncing.contains(&r.id)
+                    && r.weights_version.load(Ordering::Relaxed) >= need
+                    && may_take(r)
+            })
+            .min_by_key(|r| r.inflight())
+            .cloned()
     }
 }
 
