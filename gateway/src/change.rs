@@ -594,9 +594,19 @@ impl Gateway {
     pub async fn apply_file(self: &Arc<Self>, file: Config) -> Vec<Applied> {
         let mut out = Vec::new();
         let current = self.desired_config();
-        // Apps first: a deleted pool may serve a deleted app.
+        // Apps first: a deleted pool may serve a deleted app. An app that
+        // moves between its own replicas and a pool (or between pools)
+        // cannot change in place: it is deleted here and put again below.
         for a in &current.apps {
-            if !file.apps.iter().any(|f| f.name == a.name) {
+            let moves = file
+                .apps
+                .iter()
+                .find(|f| f.name == a.name)
+                .is_some_and(|f| f.pool != a.pool);
+            if moves {
+                tracing::info!(app = %a.name, from = ?a.pool, "the app changes where it runs: deleting it to put it again");
+            }
+            if moves || !file.apps.iter().any(|f| f.name == a.name) {
                 let outcome = self
                     .delete_app(&a.name)
                     .await

@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use http_body_util::BodyExt;
@@ -18,6 +17,66 @@ use warmgate_deploy::Config;
 pub const EXIT_USAGE: i32 = 64;
 /// Exit code when the gateway cannot be reached (`EX_UNAVAILABLE`).
 pub const EXIT_UNAVAILABLE: i32 = 69;
+
+/// Why a call to the gateway's API failed, and the exit code each class
+/// gets (from sysexits.h), so scripts can tell "fix the request" from
+/// "try again" from "unreachable".
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// No answer: the gateway is down, the address is wrong, or it timed
+    /// out. Exit 69 (`EX_UNAVAILABLE`).
+    #[error("{0}")]
+    Unreachable(String),
+    /// The gateway answered with an error status.
+    #[error("{url} answered {status}: {message}")]
+    Answered {
+        /// What was called.
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// The gateway's `error.message`.
+        message: String,
+    },
+    /// The answer was not what the API returns (not JSON). Exit 76
+    /// (`EX_PROTOCOL`).
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl CallError {
+    /// The process exit code:
+    /// - 65 (`EX_DATAERR`): the request was refused as it stands (400,
+    ///   405, 413, 422);
+    /// - 66 (`EX_NOINPUT`): no such app, pool, task or revision (404);
+    /// - 69 (`EX_UNAVAILABLE`): no answer;
+    /// - 70 (`EX_SOFTWARE`): the gateway or a worker failed (500, 502);
+    /// - 75 (`EX_TEMPFAIL`): try again later (409 while a promotion runs,
+    ///   429, 503, 504);
+    /// - 76 (`EX_PROTOCOL`): the answer was not the API's;
+    /// - 77 (`EX_NOPERM`): a token is missing or wrong (401, 403).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CallError::Unreachable(_) => EXIT_UNAVAILABLE,
+            CallError::Protocol(_) => 76,
+            CallError::Answered { status, .. } => match status {
+                401 | 403 => 77,
+                404 => 66,
+                409 | 429 | 503 | 504 => 75,
+                400..=499 => 65,
+                _ => 70,
+            },
+        }
+    }
+}
+
+/// How `status` and `revisions` print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// Aligned columns for people.
+    Table,
+    /// The API's JSON answer, for scripts (`jq`).
+    Json,
+}
 /// Default gateway address for client commands.
 const DEFAULT_GATEWAY: &str = "http://127.0.0.1:8080";
 
@@ -179,6 +238,9 @@ pub enum Command {
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, short, value_enum, default_value_t = Output::Table)]
+        output: Output,
     },
     /// Show apps, replicas and queues, like `squeue`.
     Status {
@@ -191,6 +253,9 @@ pub enum Command {
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, short, value_enum, default_value_t = Output::Table)]
+        output: Output,
     },
 }
 
@@ -237,7 +302,8 @@ pub fn run(cli: Cli) -> i32 {
             watch,
             interval,
             gateway,
-        } => status(&gateway, watch, interval),
+            output,
+        } => status(&gateway, watch, interval, output),
         Command::Simulate {
             trace,
             shape,
@@ -281,7 +347,11 @@ pub fn run(cli: Cli) -> i32 {
         } => promote(&gateway, &app, &checkpoint, canary, bake, wait),
         Command::Apply { config, gateway } => apply(&gateway, &config),
         Command::Rollback { app, gateway } => rollback(&gateway, &app),
-        Command::Revisions { app, gateway } => revisions(&gateway, &app),
+        Command::Revisions {
+            app,
+            gateway,
+            output,
+        } => revisions(&gateway, &app, output),
         Command::Operator {
             config,
             namespace,
@@ -535,7 +605,7 @@ fn human_bytes(n: u64) -> String {
     }
 }
 
-fn status(gateway: &str, watch: bool, interval: f64) -> i32 {
+fn status(gateway: &str, watch: bool, interval: f64, output: Output) -> i32 {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -550,10 +620,11 @@ fn status(gateway: &str, watch: bool, interval: f64) -> i32 {
     rt.block_on(async {
         loop {
             let table = match get_json(gateway, "/v1/status").await {
+                Ok(v) if output == Output::Json => format!("{v:#}\n"),
                 Ok(v) => render_status(&v),
                 Err(e) => {
-                    eprintln!("error: {e:#}");
-                    return EXIT_UNAVAILABLE;
+                    eprintln!("error: {e}");
+                    return e.exit_code();
                 }
             };
             if watch {
@@ -574,7 +645,7 @@ fn status(gateway: &str, watch: bool, interval: f64) -> i32 {
     })
 }
 
-async fn get_json(gateway: &str, path: &str) -> anyhow::Result<Value> {
+async fn get_json(gateway: &str, path: &str) -> Result<Value, CallError> {
     call(
         gateway,
         http::Method::GET,
@@ -593,7 +664,7 @@ async fn call(
     path: &str,
     body: Option<Value>,
     timeout: Duration,
-) -> anyhow::Result<Value> {
+) -> Result<Value, CallError> {
     let url = format!("{}{path}", gateway.trim_end_matches('/'));
     let client: Client<_, http_body_util::Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
@@ -603,31 +674,49 @@ async fn call(
         .uri(&url)
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(http_body_util::Full::new(bytes))
-        .with_context(|| format!("bad gateway URL {url:?}"))?;
+        .map_err(|e| CallError::Unreachable(format!("bad gateway URL {url:?}: {e}")))?;
     if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
-        let v = http::HeaderValue::from_str(&format!("Bearer {token}"))
-            .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
+        let v = http::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
+            CallError::Unreachable("WARMGATE_ADMIN_TOKEN is not a valid header value".into())
+        })?;
         req.headers_mut().insert(http::header::AUTHORIZATION, v);
     }
     let resp = tokio::time::timeout(timeout, client.request(req))
         .await
-        .with_context(|| format!("{url} did not answer within {}", humantime::format_duration(timeout)))?
-        .with_context(|| {
-            format!("cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY)")
+        .map_err(|_| {
+            CallError::Unreachable(format!(
+                "{url} did not answer within {}",
+                humantime::format_duration(timeout)
+            ))
+        })?
+        .map_err(|e| {
+            CallError::Unreachable(format!(
+                "cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY): {e}"
+            ))
         })?;
     let status = resp.status();
     let body = resp
         .into_body()
         .collect()
         .await
-        .context("read the answer")?
+        .map_err(|e| CallError::Unreachable(format!("{url}: the answer broke off: {e}")))?
         .to_bytes();
-    let v: Value = serde_json::from_slice(&body).context("the answer is not JSON")?;
+    let v: Option<Value> = serde_json::from_slice(&body).ok();
     if !status.is_success() {
-        let msg = v["error"]["message"].as_str().unwrap_or("no message");
-        anyhow::bail!("{url} answered {status}: {msg}");
+        let message = v
+            .as_ref()
+            .and_then(|v| v["error"]["message"].as_str())
+            .map_or_else(
+                || String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+                str::to_string,
+            );
+        return Err(CallError::Answered {
+            url,
+            status: status.as_u16(),
+            message,
+        });
     }
-    Ok(v)
+    v.ok_or_else(|| CallError::Protocol(format!("{url}: the answer is not JSON")))
 }
 
 /// Runs one API call on a small runtime; prints errors; returns the exit
@@ -648,8 +737,8 @@ fn api(
         })?;
     rt.block_on(call(gateway, method, path, body, timeout))
         .map_err(|e| {
-            eprintln!("error: {e:#}");
-            EXIT_UNAVAILABLE
+            eprintln!("error: {e}");
+            e.exit_code()
         })
 }
 
@@ -803,7 +892,7 @@ fn apply(gateway: &str, file: &std::path::Path) -> i32 {
 }
 
 /// `warmgate revisions`: the history as a table, then the recent notes.
-fn revisions(gateway: &str, app: &str) -> i32 {
+fn revisions(gateway: &str, app: &str, output: Output) -> i32 {
     match api(
         gateway,
         http::Method::GET,
@@ -812,7 +901,10 @@ fn revisions(gateway: &str, app: &str) -> i32 {
         Duration::from_secs(10),
     ) {
         Ok(v) => {
-            print!("{}", render_revisions(&v));
+            match output {
+                Output::Json => println!("{v:#}"),
+                Output::Table => print!("{}", render_revisions(&v)),
+            }
             0
         }
         Err(code) => code,
@@ -986,6 +1078,23 @@ fn human_secs(s: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn each_class_of_failure_has_its_exit_code() {
+        let answered = |status| CallError::Answered {
+            url: "u".into(),
+            status,
+            message: "m".into(),
+        };
+        let codes: Vec<i32> = [400, 401, 403, 404, 405, 409, 413, 429, 500, 502, 503, 504]
+            .into_iter()
+            .map(|s| answered(s).exit_code())
+            .collect();
+        assert_eq!(codes, [65, 77, 77, 66, 65, 75, 65, 75, 70, 70, 75, 75]);
+        assert_eq!(CallError::Unreachable("x".into()).exit_code(), 69);
+        assert_eq!(CallError::Protocol("x".into()).exit_code(), 76);
+    }
+
     use super::*;
 
     #[test]

@@ -35,11 +35,16 @@ impl Drop for Guard {
     }
 }
 
-/// Installs the global subscriber: `WARMGATE_LOG` filtering, text or JSON
-/// lines on stderr, and OTLP export when built in and configured.
+/// Installs the global subscriber: `WARMGATE_LOG` filtering (or the usual
+/// `RUST_LOG` when it is unset), text or JSON lines on stderr (coloured
+/// only on a terminal, and never with `NO_COLOR` set), and OTLP export
+/// when built in and configured.
 pub fn init(format: LogFormat) -> Guard {
     let filter = tracing_subscriber::EnvFilter::try_from_env("WARMGATE_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_env("RUST_LOG"))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let lines = match format {
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
@@ -48,7 +53,7 @@ pub fn init(format: LogFormat) -> Guard {
             .with_writer(std::io::stderr)
             .boxed(),
         LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_ansi(colour)
             .with_writer(std::io::stderr)
             .boxed(),
     };

@@ -385,3 +385,48 @@ async fn the_openapi_document_matches_the_routes() {
         schemas["TaskBody"]
     );
 }
+
+/// `warmgate` against a gateway: the exit code names the class of
+/// failure (sysexits), so a script can tell "no such app" from "try
+/// again" from "unreachable"; `-o json` prints the API's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_exit_code_names_the_class_of_failure() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        "#,
+    );
+    let run = |args: &[&str], gateway: &str| {
+        let out = Command::new(bin("warmgate"))
+            .args(args)
+            .args(["--gateway", gateway])
+            .output()
+            .expect("run warmgate");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, _, err) = run(&["revisions", "nope"], &gw.url);
+    assert_eq!(code, 66, "404 is EX_NOINPUT: {err}");
+    assert!(err.contains("nope"), "{err}");
+    let (code, _, err) = run(&["promote", "m", "nope://x"], &gw.url);
+    assert_eq!(code, 65, "400 is EX_DATAERR: {err}");
+    let (code, _, err) = run(&["status"], "http://127.0.0.1:9");
+    assert_eq!(code, 69, "no answer is EX_UNAVAILABLE: {err}");
+
+    let (code, out, err) = run(&["status", "-o", "json"], &gw.url);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("status -o json is JSON");
+    assert_eq!(v["apps"][0]["name"], "m", "{v}");
+    let (code, out, err) = run(&["revisions", "m", "--output", "json"], &gw.url);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("revisions -o json is JSON");
+    assert!(
+        v["revisions"].as_array().is_some_and(|r| !r.is_empty()),
+        "{v}"
+    );
+}

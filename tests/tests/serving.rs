@@ -294,6 +294,42 @@ async fn openai_routing_by_model_and_alias_with_headers() {
         "the body reached the worker untouched"
     );
 
+    // The other model-addressed routes (OpenAI's Responses, vLLM's
+    // rerank, score and tokenizer) reach the app the body names, at the
+    // same path.
+    for path in [
+        "/v1/responses",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/score",
+        "/tokenize",
+    ] {
+        let resp = gw
+            .http
+            .post(gw.at(path))
+            .json(&json!({"model": "org/model-b", "query": "q", "documents": ["d"]}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200, "{path}");
+        let body: Value = resp.json().await.expect("json");
+        assert_eq!(body["path"], path, "{body}");
+        assert!(
+            body["replica"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("b-")),
+            "{body}"
+        );
+    }
+    let resp = gw
+        .http
+        .post(gw.at("/v1/rerank"))
+        .json(&json!({"query": "q"}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 400, "a route by model needs one");
+
     // The request id is generated when absent, and reaches the worker.
     let resp = gw
         .http

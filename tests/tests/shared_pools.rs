@@ -241,6 +241,27 @@ async fn requests_and_tasks_share_the_replicas_through_a_weight_sync() {
         .await
         .expect("delete");
     assert_eq!(r.status(), 409);
+    // The worker contract's control paths are the gateway's alone: a
+    // data-plane client cannot load weights or run a task through the
+    // passthrough, however it spells the path.
+    for path in [
+        "/apps/policy-chat/weights",
+        "/apps/tiny-lm//Weights/",
+        "/apps/policy-chat/x/../invoke",
+        "/apps/policy-chat/%77eights",
+        "/apps/policy-chat/./invoke?x=1",
+    ] {
+        let r = gw
+            .http
+            .post(gw.at(path))
+            .json(&json!({"url": "http://127.0.0.1:9/x", "version": 9}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 404, "{path}");
+    }
+    let s = gw.json("/v1/status").await;
+    assert_eq!(s["pools"][0]["weights_version"], 1, "{s}");
     let models: Value = gw.json("/v1/models").await;
     let ids: Vec<&str> = models["data"]
         .as_array()

@@ -7,7 +7,7 @@ use super::prelude::*;
 // === handlers ===
 
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "inference",
-    description = "OpenAI-compatible: routed by the body's `model` to an app (or an alias), streamed when the worker streams. `/v1/completions` and `/v1/embeddings` work the same way.",
+    description = "OpenAI-compatible: routed by the body's `model` to an app (or an alias), streamed when the worker streams. Every path of `MODEL_ROUTES` works the same way: `/v1/completions`, `/v1/embeddings`, `/v1/responses`, `/v1/moderations`, `/v1/images/generations`, `/v1/audio/speech`, and vLLM's `/v1/rerank` (`/rerank`, `/v2/rerank`), `/v1/score` (`/score`), `/v1/classify` (`/classify`), `/pooling` (`/v1/pooling`), `/tokenize` and `/detokenize`.",
     request_body(content = Object, description = "An OpenAI request with a `model` field"),
     responses((status = 200, description = "The worker's answer, passed through"), (status = 404, description = "Unknown model", body = ErrorBody), (status = 429, description = "Queue full", body = ErrorBody), (status = 503, description = "Starting or no capacity", body = ErrorBody)))]
 pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
@@ -114,6 +114,16 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         let err = ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"));
         return finish(None, Err(err));
     };
+    if let Some(control) = worker_control_path(sub) {
+        let err = ApiError::new(
+            ErrorKind::NotFound,
+            format!(
+                "{control} is the worker contract's control path, which only the gateway calls; \
+                 use POST /v1/pools/{{pool}}/weights or /v1/pools/{{pool}}/tasks"
+            ),
+        );
+        return finish(None, Err(err));
+    }
     let target = match req.uri().query() {
         Some(q) => format!("{sub}?{q}"),
         None => sub.to_string(),
@@ -124,6 +134,32 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
     }
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
     within_deadline(&gw, serve(&gw, &app, req, &target)).await
+}
+
+/// The worker contract's control paths (`/weights`, `/invoke`), which only
+/// the gateway may call: the passthrough must not let a data-plane client
+/// load weights into a replica behind the gateway's back (it would then
+/// report a version it does not run) or run a task outside the pool's
+/// queue. The path is read as a worker's router would read it: percent
+/// escapes decoded, empty and `.` segments dropped, `..` applied, case
+/// ignored. Returns the path refused.
+pub(crate) fn worker_control_path(path: &str) -> Option<&'static str> {
+    let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
+    let mut segments: Vec<String> = Vec::new();
+    for seg in decoded.split(['/', '\\']) {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s.to_ascii_lowercase()),
+        }
+    }
+    match segments.first().map(String::as_str) {
+        Some("weights") => Some("/weights"),
+        Some("invoke") => Some("/invoke"),
+        _ => None,
+    }
 }
 
 /// Serves a request of `served`: on its revisions, or on the replicas of
@@ -207,5 +243,29 @@ pub(crate) async fn model(State(gw): State<Arc<Gateway>>, Path(id): Path<String>
         axum::Json(model_object(&id)).into_response()
     } else {
         model_not_found(&gw, &id).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::worker_control_path;
+
+    #[test]
+    fn control_paths_are_found_however_they_are_spelled() {
+        for p in [
+            "/weights",
+            "/weights/",
+            "//Weights",
+            "/a/../invoke",
+            "/./invoke/x",
+            "/%77eights",
+            "/%2Fweights",
+            "\\weights",
+        ] {
+            assert!(worker_control_path(p).is_some(), "{p}");
+        }
+        for p in ["/", "/v1/weights", "/weightsx", "/healthz", "/invoke-me"] {
+            assert!(worker_control_path(p).is_none(), "{p}");
+        }
     }
 }

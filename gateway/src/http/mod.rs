@@ -50,6 +50,31 @@ pub(crate) mod prelude {
     pub(crate) use super::{ErrorBody, ErrorDetail, within_deadline};
 }
 
+/// The routes whose JSON body names an app in `model`, forwarded to the
+/// same path on one of its replicas: OpenAI's, and those of the stock
+/// servers users bring (vLLM's rerank, score, pooling, classify and
+/// tokenizer routes, with and without `/v1`; Cohere's `/v2/rerank`).
+pub const MODEL_ROUTES: [&str; 18] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/moderations",
+    "/v1/images/generations",
+    "/v1/audio/speech",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/rerank",
+    "/v1/score",
+    "/score",
+    "/v1/classify",
+    "/classify",
+    "/pooling",
+    "/v1/pooling",
+    "/tokenize",
+    "/detokenize",
+];
+
 /// The HTTP routes, data plane and control plane.
 pub fn router(gw: Arc<Gateway>) -> Router {
     // The control plane: with `WARMGATE_ADMIN_TOKEN` set, only callers that
@@ -72,10 +97,9 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
     // The data plane: with `[[tenants]]` configured, only callers with an
     // API key get through, each within its tenant's quotas.
-    let mut data = Router::new()
-        .route("/v1/chat/completions", post(openai))
-        .route("/v1/completions", post(openai))
-        .route("/v1/embeddings", post(openai))
+    let mut data = MODEL_ROUTES
+        .iter()
+        .fold(Router::new(), |r, path| r.route(path, post(openai)))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/apps/{*rest}", any(passthrough))

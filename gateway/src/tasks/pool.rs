@@ -294,8 +294,14 @@ struct PoolState {
     /// the on-demand replicas of an interruptible pool (FIFO). They already
     /// count as running in `queue`.
     fallback: VecDeque<Task>,
-    /// Requests of the app the pool serves, waiting for a slot.
+    /// Requests of the app the pool serves, waiting for a slot: in all,
+    /// and by the weights version each asks for at least.
     requests_waiting: usize,
+    requests_waiting_need: std::collections::BTreeMap<u64, usize>,
+    /// Times the pool failed to start a replica, and the last error:
+    /// waiting requests fail with it rather than wait out their timeout.
+    start_failures: u64,
+    last_start_error: Option<ApiError>,
     /// Those in flight, in all and by replica id.
     requests_inflight: u32,
     requests_on: HashMap<String, u32>,
@@ -327,6 +333,9 @@ impl Pool {
                 fallback: VecDeque::new(),
                 suspended: false,
                 requests_waiting: 0,
+                requests_waiting_need: std::collections::BTreeMap::new(),
+                start_failures: 0,
+                last_start_error: None,
                 requests_inflight: 0,
                 requests_on: HashMap::new(),
             }),
@@ -383,23 +392,32 @@ impl Pool {
 
     /// A slot for a request of the app this pool serves, on a replica whose
     /// weights are at least `min_version` and within `max_staleness` of the
-    /// latest, under the per-replica limit and the split with tasks: at
+    /// latest, under the per-replica limit and the split with tasks, and
+    /// not one of `avoid` (replicas that refused it): at
     /// once, or after a wait of at most `timeout` (as one of at most
     /// `max_pending` waiting requests). `on_wait` runs once if it must wait,
     /// to wake the pool. Gives the slot and the time waited.
+    #[allow(clippy::too_many_arguments)]
     pub async fn acquire_request(
         self: &Arc<Self>,
         app: &str,
         min_version: u64,
+        avoid: &[String],
         timeout: Duration,
         max_pending: u32,
         on_wait: impl FnOnce(),
     ) -> Result<(RequestSlot, Duration), ApiError> {
         self.check_min_version(min_version)?;
         let since = Instant::now();
-        {
+        let failures_seen = {
             let mut st = self.state.lock();
-            if let Some(slot) = self.take_request_slot(&mut st, app, min_version, since) {
+            if self.is_closed() {
+                return Err(ApiError::new(
+                    ErrorKind::NotFound,
+                    format!("pool '{}' was deleted", self.name),
+                ));
+            }
+            if let Some(slot) = self.take_request_slot(&mut st, app, min_version, avoid, since) {
                 return Ok((slot, Duration::ZERO));
             }
             if st.requests_waiting >= max_pending as usize {
@@ -413,8 +431,10 @@ impl Pool {
                 .retry_after(1));
             }
             st.requests_waiting += 1;
-        }
-        let _waiting = Waiting(self);
+            *st.requests_waiting_need.entry(min_version).or_default() += 1;
+            st.start_failures
+        };
+        let _waiting = Waiting(self, min_version);
         on_wait();
         let deadline = since + timeout;
         loop {
@@ -423,8 +443,17 @@ impl Pool {
             freed.as_mut().enable();
             {
                 let mut st = self.state.lock();
-                if let Some(slot) = self.take_request_slot(&mut st, app, min_version, since) {
+                if let Some(slot) = self.take_request_slot(&mut st, app, min_version, avoid, since)
+                {
                     return Ok((slot, since.elapsed()));
+                }
+                // The pool cannot start a replica: waiting would only
+                // run out the timeout.
+                if st.start_failures != failures_seen
+                    && st.ready_pool_replicas() == 0
+                    && let Some(e) = st.last_start_error.clone()
+                {
+                    return Err(e);
                 }
             }
             if self.is_closed() {
@@ -455,12 +484,21 @@ impl Pool {
         st: &mut PoolState,
         app: &str,
         min_version: u64,
+        avoid: &[String],
         since: Instant,
     ) -> Option<RequestSlot> {
-        let need = min_version.max(self.staleness_floor(st));
+        let floor = self.staleness_floor(st);
+        let need = min_version.max(floor);
         let split = self.split();
-        let tasks_waiting = st.queue.pending() > 0;
+        // Only a task that could run on the replica holds a request back
+        // from it.
+        let task_need = st.queue.peek().map(|t| t.min_version.max(floor));
         let replica = st.least_loaded(need, |r| {
+            if avoid.contains(&r.id) {
+                return false;
+            }
+            let tasks_waiting =
+                task_need.is_some_and(|n| r.weights_version.load(Ordering::Relaxed) >= n);
             split.request_may_take(st.requests_on_replica(&r.id), tasks_waiting)
         })?;
         replica.acquire();
@@ -808,20 +846,32 @@ impl Pool {
             }
             (expired, late)
         };
+        let any = !expired.is_empty() || !late.is_empty();
         for (_, task) in expired {
             self.finish(task, Err(timeout_error(&self.name)), None);
         }
         for task in late {
             self.finish(task, Err(timeout_error(&self.name)), None);
         }
+        if any {
+            // Requests held back by those tasks may go now.
+            self.freed.notify_waiters();
+        }
     }
 
     /// Fails every waiting task at once: the pool cannot start a replica.
     pub fn fail_pending(&self, error: &ApiError) {
-        let failed = self.state.lock().queue.take_where(|_| true);
+        let failed = {
+            let mut st = self.state.lock();
+            st.start_failures += 1;
+            st.last_start_error = Some(error.clone());
+            st.queue.take_where(|_| true)
+        };
         for (_, task) in failed {
             self.finish(task, Err(error.clone()), None);
         }
+        // Waiting requests fail too, and ones held back by the tasks may go.
+        self.notify();
     }
 
     /// Whether more tasks wait than the ready replicas have free slots.
@@ -1142,12 +1192,21 @@ impl Pool {
                 st.queue.done(&task.tenant);
                 drop(st);
                 self.finish(task, Err(timeout_error(&self.name)), None);
+                self.freed.notify_waiters();
                 continue;
             }
             let need = min_version.max(floor);
             let split = self.split();
-            let requests_waiting = st.requests_waiting > 0;
+            // Only a request that could run on the replica holds a task
+            // back from it.
+            let request_need = st
+                .requests_waiting_need
+                .keys()
+                .next()
+                .map(|n| (*n).max(floor));
             let replica = st.least_loaded(need, |r| {
+                let requests_waiting =
+                    request_need.is_some_and(|n| r.weights_version.load(Ordering::Relaxed) >= n);
                 split.task_may_take(
                     r.inflight().saturating_sub(st.requests_on_replica(&r.id)),
                     requests_waiting,
@@ -1356,6 +1415,14 @@ impl Pool {
 }
 
 impl PoolState {
+    /// Ready replicas of the pool's own target.
+    fn ready_pool_replicas(&self) -> usize {
+        self.replicas
+            .iter()
+            .filter(|r| r.is_routable() && matches!(r.target, TargetId::Pool(_)))
+            .count()
+    }
+
     /// Requests of the pool's app running on replica `id`.
     fn requests_on_replica(&self, id: &str) -> u32 {
         self.requests_on.get(id).copied().unwrap_or(0)
@@ -1384,12 +1451,22 @@ impl PoolState {
     }
 }
 
-/// A request of the app a pool serves, counted as waiting while it lives.
-struct Waiting<'a>(&'a Pool);
+/// A request of the app a pool serves, counted as waiting (for weights
+/// at least this version) while it lives.
+struct Waiting<'a>(&'a Pool, u64);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.state.lock().requests_waiting -= 1;
+        {
+            let mut st = self.0.state.lock();
+            st.requests_waiting -= 1;
+            if let Some(n) = st.requests_waiting_need.get_mut(&self.1) {
+                *n -= 1;
+                if *n == 0 {
+                    st.requests_waiting_need.remove(&self.1);
+                }
+            }
+        }
         // Tasks held back for it may go now.
         self.0.wake.notify_one();
     }
