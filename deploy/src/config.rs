@@ -324,16 +324,21 @@ pub enum BackendKind {
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsConfig {
     /// Largest request body accepted, in bytes (413 past it).
+    #[serde(with = "size")]
     pub max_body_bytes: u64,
     /// Largest body of a task submission or a batch, in bytes (413 past it).
+    #[serde(with = "size")]
     pub max_task_body_bytes: u64,
     /// Input bytes of all tasks accepted and not ended, over every pool
     /// (`429 queue_full` past it).
+    #[serde(with = "size")]
     pub max_pending_task_bytes: u64,
     /// Bytes of finished async task results kept in memory; the oldest are
     /// dropped first and then read back from the journal.
+    #[serde(with = "size")]
     pub max_task_results_bytes: u64,
     /// Bytes of the async-task journal on disk; the oldest rows are pruned.
+    #[serde(with = "size")]
     pub max_journal_bytes: u64,
     /// Client connections open at once; past it a new connection gets
     /// `503 no_capacity` and is closed.
@@ -360,11 +365,14 @@ pub struct WeightsConfig {
     /// Ranged GETs in flight per object.
     pub concurrency: usize,
     /// Bytes per ranged GET.
+    #[serde(with = "size")]
     pub part_size_bytes: u64,
     /// Bytes of parts held in memory per object.
+    #[serde(with = "size")]
     pub memory_limit_bytes: u64,
     /// Size of the node-local cache under `state_dir/cache`; least recently
     /// used entries are evicted past it.
+    #[serde(with = "size")]
     pub cache_max_bytes: u64,
     /// Checkpoint URI prefixes the gateway may open (weight sync, promote,
     /// the checkpoint watcher, the operator's resources); anything else is
@@ -1719,6 +1727,50 @@ fn check_sha256_hex(text: &str) -> std::result::Result<(), String> {
 /// Durations in the config, as humantime strings (`"30s"`, `"5m"`), at
 /// most [`bounded::MAX`]: a larger one is a typo, and would overflow the
 /// clock arithmetic of deadlines.
+/// A size in bytes, written as a whole number of bytes or with a unit, as
+/// people write sizes elsewhere in the file (`memory = "16Gi"`):
+/// `"64MiB"`, `"64 MiB"`, `"1.5GiB"`, `"500MB"`, `"16Gi"`, `"16Ki"`
+/// (`Ki`/`Mi`/`Gi`/`Ti` are the binary units, as in Kubernetes).
+mod size {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(n: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(*n)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bytes(n) => Ok(n),
+            Raw::Text(t) => parse(&t).map_err(serde::de::Error::custom),
+        }
+    }
+
+    /// Bytes from a size with a unit.
+    pub fn parse(text: &str) -> Result<u64, String> {
+        let t = text.trim();
+        // Kubernetes' binary suffixes (`16Gi`) are bytesize's `GiB`.
+        let kube = ["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"]
+            .iter()
+            .find(|s| t.ends_with(*s))
+            .map(|_| format!("{t}B"));
+        kube.as_deref()
+            .unwrap_or(t)
+            .parse::<bytesize::ByteSize>()
+            .map(|b| b.as_u64())
+            .map_err(|_| {
+                format!(
+                    "{text:?} is not a size: write bytes (1048576) or a number and a unit (\"64MiB\", \"16Gi\", \"500MB\")"
+                )
+            })
+    }
+}
+
 mod bounded {
     use std::time::Duration;
 
@@ -1911,6 +1963,36 @@ mod tests {
                 "{share}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn sizes_take_units_as_people_write_them() {
+        for (text, bytes) in [
+            ("64MiB", 64 << 20),
+            ("64 MiB", 64 << 20),
+            ("16Gi", 16u64 << 30),
+            ("16Ki", 16 << 10),
+            ("1.5GiB", 3 << 29),
+            ("500MB", 500_000_000),
+            ("1048576", 1 << 20),
+        ] {
+            assert_eq!(size::parse(text), Ok(bytes), "{text}");
+        }
+        for bad in ["", "lots", "12 parsecs", "-1MiB"] {
+            assert!(size::parse(bad).is_err(), "{bad}");
+        }
+        let c = parse("[limits]\nmax_body_bytes = \"16MiB\"\n[weights]\ncache_max_bytes = \"20Gi\"\npart_size_bytes = 8388608\n")
+            .expect("sizes with units");
+        assert_eq!(c.limits.max_body_bytes, 16 << 20);
+        assert_eq!(c.weights.cache_max_bytes, 20u64 << 30);
+        assert_eq!(c.weights.part_size_bytes, 8 << 20);
+        let err = parse("[limits]\nmax_body_bytes = \"huge\"\n").expect_err("not a size");
+        let text = err.to_string();
+        assert!(
+            text.contains("limits.max_body_bytes") || text.contains("max_body_bytes"),
+            "{text}"
+        );
+        assert!(text.contains("not a size"), "{text}");
     }
 
     #[test]

@@ -242,6 +242,13 @@ pub enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Print a shell's completion script, e.g.
+    /// `warmgate completions bash > /etc/bash_completion.d/warmgate`.
+    Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Show apps, replicas and queues, like `squeue`.
     Status {
         /// Refresh the table in place.
@@ -304,6 +311,16 @@ pub fn run(cli: Cli) -> i32 {
             gateway,
             output,
         } => status(&gateway, watch, interval, output),
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "warmgate",
+                &mut std::io::stdout(),
+            );
+            0
+        }
         Command::Simulate {
             trace,
             shape,

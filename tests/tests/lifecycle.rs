@@ -430,3 +430,39 @@ async fn the_cli_exit_code_names_the_class_of_failure() {
         "{v}"
     );
 }
+
+/// `warmgate completions SHELL` prints a script the shell accepts.
+#[test]
+fn the_completion_scripts_are_valid_shell() {
+    let out = Command::new(bin("warmgate"))
+        .args(["completions", "bash"])
+        .output()
+        .expect("run warmgate");
+    assert!(out.status.success());
+    let script = String::from_utf8(out.stdout).expect("utf-8");
+    for word in ["promote", "rollback", "status", "--output"] {
+        assert!(script.contains(word), "{word} is completed");
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("warmgate.bash");
+    std::fs::write(&path, &script).expect("write");
+    let check = Command::new("bash")
+        .arg("-n")
+        .arg(&path)
+        .output()
+        .expect("bash");
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let out = Command::new(bin("warmgate"))
+        .args(["completions", "tcsh"])
+        .output()
+        .expect("run warmgate");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "an unknown shell is a usage error"
+    );
+}
