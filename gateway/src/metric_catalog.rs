@@ -307,6 +307,117 @@ pub fn reference_table() -> String {
 mod tests {
     use super::*;
 
+    /// The series a PromQL expression reads, each with the labels its
+    /// selector names: `(name as written, labels)`.
+    fn selectors(expr: &str) -> Vec<(String, Vec<String>)> {
+        let mut out = Vec::new();
+        let mut rest = expr;
+        while let Some(i) = rest.find("warmgate_") {
+            let tail = &rest[i..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .unwrap_or(tail.len());
+            let name = tail[..end].to_string();
+            let mut labels = Vec::new();
+            if let Some(body) = tail[end..].strip_prefix('{') {
+                let close = body.find('}').expect("a closed selector");
+                for m in body[..close].split(',').filter(|m| !m.trim().is_empty()) {
+                    let key = m
+                        .split(['=', '!', '~'])
+                        .next()
+                        .expect("a label")
+                        .trim()
+                        .to_string();
+                    labels.push(key);
+                }
+            }
+            out.push((name, labels));
+            rest = &tail[end..];
+        }
+        out
+    }
+
+    /// The labels of every `by (...)` in an expression.
+    fn grouped_by(expr: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut rest = expr;
+        while let Some(i) = rest.find("by (") {
+            let body = &rest[i + 4..];
+            let close = body.find(')').expect("a closed by");
+            out.extend(body[..close].split(',').map(|l| l.trim().to_string()));
+            rest = &body[close..];
+        }
+        out
+    }
+
+    #[test]
+    fn the_grafana_dashboard_reads_only_series_and_labels_the_gateway_has() {
+        let dash: serde_json::Value =
+            serde_json::from_str(include_str!("../../deploy/grafana/warmgate.json"))
+                .expect("the dashboard is JSON");
+        let panels = dash["panels"].as_array().expect("panels");
+        assert!(panels.len() >= 10, "a dashboard worth the name");
+        let mut read = std::collections::BTreeSet::new();
+        for panel in panels {
+            let title = panel["title"].as_str().expect("a title");
+            let targets = panel["targets"].as_array().expect("targets");
+            assert!(!targets.is_empty(), "{title} has a query");
+            for t in targets {
+                let expr = t["expr"].as_str().expect("expr");
+                let used = selectors(expr);
+                assert!(!used.is_empty(), "{title}: {expr} reads no warmgate series");
+                let mut series = Vec::new();
+                for (written, labels) in &used {
+                    let (base, bucket) = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| written.strip_suffix(s).map(|b| (b, *s == "_bucket")))
+                        .filter(|(b, _)| METRICS.iter().any(|m| m.name == *b))
+                        .unwrap_or((written.as_str(), false));
+                    let m = METRICS.iter().find(|m| m.name == base).unwrap_or_else(|| {
+                        panic!("{title}: {written} is not a series of the gateway")
+                    });
+                    if base != written {
+                        assert_eq!(
+                            m.kind,
+                            Kind::Histogram,
+                            "{title}: {written} on a {:?}",
+                            m.kind
+                        );
+                    }
+                    for l in labels {
+                        assert!(
+                            m.labels.contains(&l.as_str()),
+                            "{title}: {base} has no label {l}"
+                        );
+                    }
+                    read.insert(m.name);
+                    series.push((m, bucket));
+                }
+                for l in grouped_by(expr) {
+                    for (m, bucket) in &series {
+                        assert!(
+                            m.labels.contains(&l.as_str()) || (l == "le" && *bucket),
+                            "{title}: grouped by {l}, which {} does not have",
+                            m.name
+                        );
+                    }
+                }
+            }
+        }
+        // The series users chart first are all on it.
+        for name in [
+            "warmgate_requests_total",
+            "warmgate_time_to_first_byte_seconds",
+            "warmgate_replicas",
+            "warmgate_autoscaler_panicking",
+            "warmgate_cold_start_seconds",
+            "warmgate_tasks_total",
+            "warmgate_weight_sync_seconds",
+        ] {
+            assert!(read.contains(name), "{name} is not on the dashboard");
+        }
+    }
+
     #[test]
     fn names_are_unique_and_histograms_have_rising_buckets() {
         let mut names: Vec<_> = METRICS.iter().map(|m| m.name).collect();
