@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use gtmpl_value::{FuncError, Value as Tv};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
 
@@ -218,6 +218,15 @@ fn every_template_reads_as_its_kubernetes_type() {
     let svc: Service = read("service.yaml", &v);
     let dep: Deployment = read("deployment.yaml", &v);
     let _: Secret = read("secret.yaml", &v);
+    let test: Pod = read("tests/connection.yaml", &v);
+    assert_eq!(
+        test.metadata.annotations.expect("annotations")["helm.sh/hook"],
+        "test"
+    );
+    assert!(
+        render("servicemonitor.yaml", &v).trim().is_empty(),
+        "no ServiceMonitor unless asked"
+    );
     let mut files: Vec<String> = std::fs::read_dir(chart().join("templates"))
         .expect("templates")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
@@ -226,13 +235,17 @@ fn every_template_reads_as_its_kubernetes_type() {
     assert_eq!(
         files,
         [
+            "NOTES.txt",
+            "_helpers.tpl",
             "configmap.yaml",
             "deployment.yaml",
             "role.yaml",
             "rolebinding.yaml",
             "secret.yaml",
             "service.yaml",
-            "serviceaccount.yaml"
+            "serviceaccount.yaml",
+            "servicemonitor.yaml",
+            "tests"
         ],
         "a new template needs a check here"
     );
@@ -450,6 +463,12 @@ fn helm_lints_the_chart_and_every_manifest_validates_against_kubernetes() {
     named["adminTokenSecret"] = Value::String("wg-admin".into());
     named["workers"]["allowedServiceAccounts"] = serde_json::json!(["s3-reader"]);
     named["backendKubernetes"] = serde_json::json!({"image_pull_policy": "Always"});
+    named["serviceAccount"]["annotations"] =
+        serde_json::json!({"iam.gke.io/gcp-service-account": "ckpt@p.iam"});
+    named["extraEnvFrom"] = serde_json::json!([{"secretRef": {"name": "s3-credentials"}}]);
+    named["extraEnv"] = serde_json::json!([{"name": "AWS_REGION", "value": "us-east-1"}]);
+    named["imagePullSecrets"] = serde_json::json!([{"name": "registry"}]);
+    named["tolerations"] = serde_json::json!([{"key": "dedicated", "operator": "Exists"}]);
     for (what, v) in [
         ("defaults", values()),
         ("a named secret and more keys", named),
@@ -502,4 +521,92 @@ fn settings_cannot_define_the_charts_own_table_and_its_keys_have_their_value() {
         config.backend.kubernetes.advertise.as_deref(),
         Some("wg.ml.svc:8080")
     );
+}
+
+#[test]
+fn the_values_platform_teams_need_reach_the_operators_pods() {
+    let mut v = values();
+    v["serviceAccount"]["annotations"] =
+        serde_json::json!({"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/ckpt"});
+    v["extraEnvFrom"] = serde_json::json!([{"secretRef": {"name": "s3-credentials"}}]);
+    v["extraEnv"] = serde_json::json!([{"name": "AWS_REGION", "value": "us-east-1"}]);
+    v["imagePullSecrets"] = serde_json::json!([{"name": "registry"}]);
+    v["nodeSelector"] = serde_json::json!({"pool": "cpu"});
+    v["tolerations"] = serde_json::json!([{"key": "dedicated", "operator": "Exists"}]);
+    v["podAnnotations"] = serde_json::json!({"team": "ml"});
+    v["serviceMonitor"]["enabled"] = Value::Bool(true);
+    let sa: ServiceAccount = read("serviceaccount.yaml", &v);
+    assert_eq!(
+        sa.metadata.annotations.expect("annotations")["eks.amazonaws.com/role-arn"],
+        "arn:aws:iam::1:role/ckpt"
+    );
+    let dep: Deployment = read("deployment.yaml", &v);
+    let pod = dep.spec.template;
+    let ann = pod
+        .metadata
+        .expect("meta")
+        .annotations
+        .expect("annotations");
+    assert_eq!(ann["team"], "ml");
+    assert_eq!(ann["checksum/config"].len(), 64, "a sha256 of the config");
+    let spec = pod.spec.expect("pod");
+    assert_eq!(
+        spec.image_pull_secrets.expect("pull secrets")[0].name,
+        "registry"
+    );
+    assert_eq!(spec.node_selector.expect("nodeSelector")["pool"], "cpu");
+    assert_eq!(spec.tolerations.expect("tolerations").len(), 1);
+    let c = &spec.containers[0];
+    assert_eq!(
+        c.env_from.as_ref().expect("envFrom")[0]
+            .secret_ref
+            .as_ref()
+            .map(|r| r.name.as_str()),
+        Some("s3-credentials")
+    );
+    let env = c.env.as_ref().expect("env");
+    assert!(env.iter().any(|e| e.name == "AWS_REGION"));
+    assert!(
+        env.iter().any(|e| e.name == "WARMGATE_ADMIN_TOKEN"),
+        "the chart's own stay"
+    );
+    let sm = render("servicemonitor.yaml", &v);
+    assert!(
+        sm.contains("kind: ServiceMonitor") && sm.contains("path: /metrics"),
+        "{sm}"
+    );
+
+    // A changed config changes the checksum, so the pods roll.
+    let mut other = v.clone();
+    other["settings"] = Value::String("[limits]\nmax_connections = 7\n".into());
+    let dep2: Deployment = read("deployment.yaml", &other);
+    let ann2 = dep2
+        .spec
+        .template
+        .metadata
+        .expect("meta")
+        .annotations
+        .expect("ann");
+    assert_ne!(ann["checksum/config"], ann2["checksum/config"]);
+
+    // An existing service account instead of the chart's own.
+    let mut v = values();
+    v["serviceAccount"] =
+        serde_json::json!({"create": false, "name": "platform-sa", "annotations": {}});
+    assert!(render("serviceaccount.yaml", &v).trim().is_empty());
+    let dep: Deployment = read("deployment.yaml", &v);
+    assert_eq!(
+        dep.spec
+            .template
+            .spec
+            .expect("pod")
+            .service_account_name
+            .as_deref(),
+        Some("platform-sa")
+    );
+    let binding: RoleBinding = read("rolebinding.yaml", &v);
+    assert_eq!(binding.subjects.expect("subjects")[0].name, "platform-sa");
+    v["serviceAccount"]["name"] = Value::String(String::new());
+    let err = helm_template(Some("deployment.yaml"), &v).expect_err("no name");
+    assert!(err.contains("serviceAccount.name is required"), "{err}");
 }
