@@ -577,7 +577,7 @@ async fn reconcile(
                 {
                     seen.refused = apply_resources(&gw, &base, &seen).await;
                 }
-                write_statuses(&gw, &apps, &pools, &seen.generations(), &seen.refused).await
+                write_statuses(&gw, &apps, &pools, &seen).await
             }
             ev = events.next() => {
                 let Some(ev) = ev else { return "the resource watch ended".into() };
@@ -775,39 +775,66 @@ enum Kind {
     Pool(Box<WarmPool>),
 }
 
+/// Writes each resource's status, only where it changed from the status
+/// the resource holds (as last seen by the watch, which sees the operator's
+/// own writes), with each condition's `lastTransitionTime` kept while its
+/// status stays the same: the meta/v1 condition conventions, and no write
+/// every tick.
 async fn write_statuses(
     gw: &crate::Gateway,
     apps: &Api<ServingApp>,
     pools: &Api<WarmPool>,
-    generations: &BTreeMap<String, Option<i64>>,
-    refused: &[Refusal],
+    seen: &Resources,
 ) {
     let now = now_rfc3339();
-    for r in refused {
+    let generations = seen.generations();
+    let app_was = |name: &str| seen.apps.get(name).and_then(|a| a.status.clone());
+    let pool_was = |name: &str| seen.pools.get(name).and_then(|p| p.status.clone());
+    for r in &seen.refused {
         let result = match r.kind {
             ResourceKind::App => {
                 let g = generations
                     .get(&format!("app/{}", r.name))
                     .copied()
                     .flatten();
-                let status = ServingAppStatus {
+                let mut status = ServingAppStatus {
                     conditions: refused_conditions(r, &now),
                     observed_generation: g,
                     ..ServingAppStatus::default()
                 };
-                patch_status(apps, &r.name, &status).await
+                let was = app_was(&r.name);
+                settle(
+                    was.as_ref().map(|w| &w.conditions),
+                    &mut status.conditions,
+                    &now,
+                );
+                if was.as_ref() == Some(&status) {
+                    Ok(())
+                } else {
+                    patch_status(apps, &r.name, &status).await
+                }
             }
             ResourceKind::Pool => {
                 let g = generations
                     .get(&format!("pool/{}", r.name))
                     .copied()
                     .flatten();
-                let status = WarmPoolStatus {
+                let mut status = WarmPoolStatus {
                     conditions: refused_conditions(r, &now),
                     observed_generation: g,
                     ..WarmPoolStatus::default()
                 };
-                patch_status(pools, &r.name, &status).await
+                let was = pool_was(&r.name);
+                settle(
+                    was.as_ref().map(|w| &w.conditions),
+                    &mut status.conditions,
+                    &now,
+                );
+                if was.as_ref() == Some(&status) {
+                    Ok(())
+                } else {
+                    patch_status(pools, &r.name, &status).await
+                }
             }
         };
         if let Err(e) = result {
@@ -818,15 +845,76 @@ async fn write_statuses(
     for a in &status.apps {
         let name = a.name.as_str();
         let g = generations.get(&format!("app/{name}")).copied().flatten();
-        if let Err(e) = patch_status(apps, name, &app_status(a, g, &now)).await {
+        let mut next = app_status(a, g, &now);
+        let was = app_was(name);
+        settle(
+            was.as_ref().map(|w| &w.conditions),
+            &mut next.conditions,
+            &now,
+        );
+        if was.as_ref() == Some(&next) {
+            continue;
+        }
+        if let Err(e) = patch_status(apps, name, &next).await {
             tracing::warn!(app = %name, error = %e, "could not write the ServingApp status");
         }
     }
     for p in &status.pools {
         let name = p.name.as_str();
         let g = generations.get(&format!("pool/{name}")).copied().flatten();
-        if let Err(e) = patch_status(pools, name, &pool_status(p, g, &now)).await {
+        let mut next = pool_status(p, g, &now);
+        let was = pool_was(name);
+        settle(
+            was.as_ref().map(|w| &w.conditions),
+            &mut next.conditions,
+            &now,
+        );
+        if was.as_ref() == Some(&next) {
+            continue;
+        }
+        if let Err(e) = patch_status(pools, name, &next).await {
             tracing::warn!(pool = %name, error = %e, "could not write the WarmPool status");
+        }
+    }
+}
+
+/// Keeps each condition's `lastTransitionTime` from `was` while its
+/// `status` is the same (a changed reason or message is not a
+/// transition), and turns a condition `was` had and `next` lacks to
+/// `False` (at `now`) rather than dropping it.
+fn settle(was: Option<&Vec<Condition>>, next: &mut Vec<Condition>, now: &str) {
+    let Some(was) = was else {
+        return;
+    };
+    for c in next.iter_mut() {
+        if let Some(old) = was.iter().find(|o| o.type_ == c.type_)
+            && old.status == c.status
+        {
+            c.last_transition_time = old.last_transition_time.clone();
+        }
+    }
+    for old in was {
+        if !next.iter().any(|c| c.type_ == old.type_) {
+            let turned_off = old.status != "False";
+            next.push(Condition {
+                status: "False".into(),
+                reason: if turned_off {
+                    format!("No{}", old.type_)
+                } else {
+                    old.reason.clone()
+                },
+                message: if turned_off {
+                    String::new()
+                } else {
+                    old.message.clone()
+                },
+                last_transition_time: if turned_off {
+                    now.to_string()
+                } else {
+                    old.last_transition_time.clone()
+                },
+                ..old.clone()
+            });
         }
     }
 }
@@ -1221,6 +1309,61 @@ mod tests {
         );
         assert_eq!(zero.conditions[0].reason, "ScaledToZero");
         assert_eq!(zero.conditions[0].status, "True");
+    }
+
+    #[test]
+    fn conditions_keep_their_transition_time_and_an_unchanged_status_is_not_written() {
+        let t0 = "2026-11-29T20:00:00Z";
+        let t1 = "2026-11-29T20:00:05Z";
+        let first = app_status(&gateway_app_status(), Some(3), t0);
+        // Five seconds on, nothing changed: the same status, so no write.
+        let mut again = app_status(&gateway_app_status(), Some(3), t1);
+        assert_ne!(again, first, "a naive status differs by its times alone");
+        settle(Some(&first.conditions), &mut again.conditions, t1);
+        assert_eq!(again, first, "settled, it is the same: nothing to write");
+        // Ready's message changes (2 of 3 ready) but its status does not:
+        // its transition time stays.
+        let mut more = gateway_app_status();
+        if let Some(t) = more.pool.as_mut() {
+            t.desired = 4;
+        }
+        let mut next = app_status(&more, Some(3), t1);
+        settle(Some(&first.conditions), &mut next.conditions, t1);
+        let ready = next
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .expect("ready");
+        assert_eq!(ready.last_transition_time, t0);
+        assert_ne!(next, first, "a changed message is written");
+        // The scheduler places everything: Unschedulable turns False at
+        // t1 rather than disappearing.
+        let placed = app_status(
+            &AppStatus {
+                name: "m".into(),
+                pool: Some(target(0, &[])),
+                ..Default::default()
+            },
+            Some(3),
+            t1,
+        );
+        let mut placed_next = placed.clone();
+        settle(Some(&first.conditions), &mut placed_next.conditions, t1);
+        let unsched = placed_next
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Unschedulable")
+            .expect("kept");
+        assert_eq!(unsched.status, "False");
+        assert_eq!(unsched.last_transition_time, t1);
+        // Ready went from True (Serving) to True (ScaledToZero): no
+        // transition.
+        let ready = placed_next
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .expect("ready");
+        assert_eq!(ready.last_transition_time, t0);
     }
 
     #[tokio::test]
