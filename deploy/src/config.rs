@@ -264,6 +264,11 @@ pub struct KubeBackendConfig {
     /// `kubernetes.service_account`; none by default, so a resource cannot
     /// run its pods as an account with more rights (the operator's own).
     pub allowed_service_accounts: Vec<String>,
+    /// Secrets an app or pool may read into its pods (`secret_env`,
+    /// `env_from_secrets`, `image_pull_secrets`); none by default, so a
+    /// resource cannot read every secret of the namespace through the
+    /// operator's right to create pods.
+    pub allowed_secrets: Vec<String>,
     /// Replica pods must run as a non-root user (`runAsNonRoot`). Off by
     /// default: common model-server images (vLLM, TGI, Triton) run as
     /// root, and the kubelet refuses to start them with it set.
@@ -292,6 +297,28 @@ pub struct PodSpec {
     /// The pod's service account (for object-store credentials through
     /// workload identity).
     pub service_account: Option<String>,
+    /// Environment variables read from secrets (`valueFrom.secretKeyRef`):
+    /// `HF_TOKEN = { secret = "hf", key = "token" }`.
+    pub secret_env: BTreeMap<String, SecretKey>,
+    /// Secrets whose every key becomes a variable (`envFrom`).
+    pub env_from_secrets: Vec<String>,
+    /// Secrets to pull the image with (`imagePullSecrets`).
+    pub image_pull_secrets: Vec<String>,
+    /// Size of the memory-backed `/dev/shm` (NCCL and PyTorch's data
+    /// loaders need more than the runtime's 64 MiB). Unset: a GPU worker
+    /// gets one with no size limit beyond its memory, others none; `"0"`
+    /// turns it off.
+    pub shm_size: Option<String>,
+}
+
+/// One key of a secret.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecretKey {
+    /// The secret's name (in `backend.kubernetes.allowed_secrets`).
+    pub secret: String,
+    /// The key in it.
+    pub key: String,
 }
 
 /// A Kubernetes toleration.
@@ -1367,7 +1394,43 @@ impl Config {
                     .enumerate()
                     .map(|(i, p)| (format!("pools[{i}]"), &p.kubernetes)),
             );
+        let allowed_secrets = &self.backend.kubernetes.allowed_secrets;
         for (at, pod) in specs {
+            let named = pod
+                .secret_env
+                .iter()
+                .map(|(var, k)| (format!("secret_env.{var}"), &k.secret))
+                .chain(
+                    pod.env_from_secrets
+                        .iter()
+                        .enumerate()
+                        .map(|(i, s)| (format!("env_from_secrets[{i}]"), s)),
+                )
+                .chain(
+                    pod.image_pull_secrets
+                        .iter()
+                        .enumerate()
+                        .map(|(i, s)| (format!("image_pull_secrets[{i}]"), s)),
+                );
+            for (key, secret) in named {
+                if !allowed_secrets.contains(secret) {
+                    return Err((
+                        format!("{at}.kubernetes.{key}"),
+                        format!(
+                            "{secret:?} is not in backend.kubernetes.allowed_secrets; \
+                             only the secrets the operator allows may reach replica pods"
+                        ),
+                    ));
+                }
+            }
+            for var in pod.secret_env.keys() {
+                if var.is_empty() || var.contains('=') {
+                    return Err((
+                        format!("{at}.kubernetes.secret_env"),
+                        format!("{var:?} is not a valid variable name"),
+                    ));
+                }
+            }
             if let Some(sa) = &pod.service_account
                 && !allowed.contains(sa)
             {
@@ -1467,6 +1530,7 @@ impl Default for KubeBackendConfig {
             image_pull_policy: None,
             advertise: None,
             allowed_service_accounts: Vec::new(),
+            allowed_secrets: Vec::new(),
             run_as_non_root: false,
         }
     }

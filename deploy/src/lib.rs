@@ -17,7 +17,8 @@ mod target;
 pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
     KubeBackendConfig, LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec,
-    PromotionSpec, QueueSpec, TenantSpec, Toleration, WeightsConfig, check_dns_label, defaults,
+    PromotionSpec, QueueSpec, SecretKey, TenantSpec, Toleration, WeightsConfig, check_dns_label,
+    defaults,
 };
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 

@@ -18,9 +18,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, Pod, PodSecurityContext,
-    PodSpec as KubePodSpec, Probe, ResourceRequirements, SeccompProfile, SecurityContext,
-    Toleration as KubeToleration,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
+    EnvVarSource, HTTPGetAction, LocalObjectReference, Pod, PodSecurityContext,
+    PodSpec as KubePodSpec, Probe, ResourceRequirements, SeccompProfile, SecretEnvSource,
+    SecretKeySelector, SecurityContext, Toleration as KubeToleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -358,6 +359,19 @@ pub fn pod_for(
             "the service account {sa:?} is not in backend.kubernetes.allowed_service_accounts"
         ));
     }
+    for secret in spec
+        .secret_env
+        .values()
+        .map(|k| &k.secret)
+        .chain(&spec.env_from_secrets)
+        .chain(&spec.image_pull_secrets)
+    {
+        if !settings.config.allowed_secrets.contains(secret) {
+            return Err(format!(
+                "the secret {secret:?} is not in backend.kubernetes.allowed_secrets"
+            ));
+        }
+    }
     let port = port_of(launch);
     let mut labels = BTreeMap::from([
         (MANAGED_BY.to_string(), "warmgate".to_string()),
@@ -386,6 +400,39 @@ pub fn pod_for(
     if let Some(c) = &launch.checkpoint {
         env.push(env_var("WARMGATE_CHECKPOINT", c));
     }
+    for (name, k) in &spec.secret_env {
+        env.push(EnvVar {
+            name: name.clone(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: k.secret.clone(),
+                    key: k.key.clone(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
+    let env_from: Vec<EnvFromSource> = spec
+        .env_from_secrets
+        .iter()
+        .map(|name| EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: name.clone(),
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        })
+        .collect();
+    // A memory-backed /dev/shm: GPU workers (NCCL, data loaders) need more
+    // than the container runtime's 64 MiB.
+    let shm = match spec.shm_size.as_deref() {
+        Some("0") => None,
+        Some(size) => Some(Some(Quantity(size.to_string()))),
+        None if launch.gpu_count > 0 => Some(None),
+        None => None,
+    };
     let mut limits = BTreeMap::new();
     if launch.gpu_count > 0 {
         limits.insert(
@@ -456,6 +503,14 @@ pub fn pod_for(
             ),
             ..health_get(&launch.health.path, port)
         }),
+        env_from: (!env_from.is_empty()).then_some(env_from),
+        volume_mounts: shm.as_ref().map(|_| {
+            vec![VolumeMount {
+                name: "dshm".to_string(),
+                mount_path: "/dev/shm".to_string(),
+                ..VolumeMount::default()
+            }]
+        }),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             privileged: Some(false),
@@ -486,6 +541,23 @@ pub fn pod_for(
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
             service_account_name: spec.service_account.clone(),
+            image_pull_secrets: (!spec.image_pull_secrets.is_empty()).then(|| {
+                spec.image_pull_secrets
+                    .iter()
+                    .map(|name| LocalObjectReference { name: name.clone() })
+                    .collect()
+            }),
+            volumes: shm.map(|size_limit| {
+                vec![Volume {
+                    name: "dshm".to_string(),
+                    empty_dir: Some(EmptyDirVolumeSource {
+                        medium: Some("Memory".to_string()),
+                        size_limit,
+                        ..EmptyDirVolumeSource::default()
+                    }),
+                    ..Volume::default()
+                }]
+            }),
             automount_service_account_token: Some(false),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: settings.config.run_as_non_root.then_some(true),

@@ -588,3 +588,55 @@ fn the_command_takes_its_port_and_variables_without_a_shell() {
     let err = pod_for(&l, &settings(), None).expect_err("an unset variable");
     assert!(err.contains("$MODLE"), "{err}");
 }
+
+#[test]
+fn a_pod_reads_allowed_secrets_pulls_with_them_and_gets_a_memory_backed_shm() {
+    let mut l = launch("llm-00002-3");
+    l.pod.secret_env = BTreeMap::from([(
+        "HF_TOKEN".to_string(),
+        warmgate_deploy::SecretKey {
+            secret: "hf".into(),
+            key: "token".into(),
+        },
+    )]);
+    l.pod.env_from_secrets = vec!["s3-credentials".into()];
+    l.pod.image_pull_secrets = vec!["registry".into()];
+    let mut s = settings();
+    // A secret the operator does not allow is never read into a pod.
+    let err = pod_for(&l, &s, None).expect_err("not allowed");
+    assert!(err.contains("allowed_secrets"), "{err}");
+    s.config.allowed_secrets = vec!["hf".into(), "s3-credentials".into(), "registry".into()];
+    let pod = pod_for(&l, &s, None).expect("pod");
+    let v = serde_json::to_value(&pod).expect("json");
+    let c = &v["spec"]["containers"][0];
+    let hf = c["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .find(|e| e["name"] == "HF_TOKEN")
+        .expect("HF_TOKEN");
+    assert!(hf.get("value").is_none(), "never the value itself: {hf}");
+    assert_eq!(hf["valueFrom"]["secretKeyRef"]["name"], "hf");
+    assert_eq!(hf["valueFrom"]["secretKeyRef"]["key"], "token");
+    assert_eq!(c["envFrom"][0]["secretRef"]["name"], "s3-credentials");
+    assert_eq!(v["spec"]["imagePullSecrets"][0]["name"], "registry");
+    // Two GPUs: a memory-backed /dev/shm, and the security context holds.
+    assert_eq!(c["volumeMounts"][0]["mountPath"], "/dev/shm");
+    let vol = &v["spec"]["volumes"][0];
+    assert_eq!(vol["name"], c["volumeMounts"][0]["name"]);
+    assert_eq!(vol["emptyDir"]["medium"], "Memory");
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(c["securityContext"]["capabilities"]["drop"][0], "ALL");
+    // A size, or none at all.
+    l.pod.shm_size = Some("8Gi".into());
+    let v = serde_json::to_value(pod_for(&l, &s, None).expect("pod")).expect("json");
+    assert_eq!(v["spec"]["volumes"][0]["emptyDir"]["sizeLimit"], "8Gi");
+    l.pod.shm_size = Some("0".into());
+    let v = serde_json::to_value(pod_for(&l, &s, None).expect("pod")).expect("json");
+    assert!(v["spec"].get("volumes").is_none(), "{}", v["spec"]);
+    // A CPU worker gets none unless it asks.
+    l.pod.shm_size = None;
+    l.gpu_count = 0;
+    let v = serde_json::to_value(pod_for(&l, &s, None).expect("pod")).expect("json");
+    assert!(v["spec"].get("volumes").is_none());
+}
