@@ -1791,6 +1791,12 @@ fn check_sha256_hex(text: &str) -> std::result::Result<(), String> {
 /// Durations in the config, as humantime strings (`"30s"`, `"5m"`), at
 /// most [`bounded::MAX`]: a larger one is a typo, and would overflow the
 /// clock arithmetic of deadlines.
+/// Bytes from a size as people write it (`"64MiB"`, `"16Gi"`, `"500MB"`)
+/// or a whole number of bytes.
+pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    size::parse(text)
+}
+
 /// A size in bytes, written as a whole number of bytes or with a unit, as
 /// people write sizes elsewhere in the file (`memory = "16Gi"`):
 /// `"64MiB"`, `"64 MiB"`, `"1.5GiB"`, `"500MB"`, `"16Gi"`, `"16Ki"`

@@ -18,7 +18,7 @@ pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
     KubeBackendConfig, LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec,
     PromotionSpec, QueueSpec, SecretKey, TenantSpec, Toleration, WeightsConfig, check_dns_label,
-    defaults,
+    defaults, parse_size,
 };
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 

@@ -95,7 +95,7 @@ pub enum Command {
     /// Run the gateway, pool manager and autoscaler in one process.
     Serve {
         /// The TOML config file.
-        #[arg(long, short)]
+        #[arg(long, short, env = "WARMGATE_CONFIG")]
         config: PathBuf,
         /// Listen here instead of the config's `listen`.
         #[arg(long)]
@@ -124,7 +124,7 @@ pub enum Command {
     Operator {
         /// Settings only (limits, tenants, `[backend.kubernetes]`); apps
         /// and pools come from the resources.
-        #[arg(long, short)]
+        #[arg(long, short, env = "WARMGATE_CONFIG")]
         config: Option<PathBuf>,
         /// Namespace to serve (default: the pod's own).
         #[arg(long, env = "WARMGATE_NAMESPACE")]
@@ -217,7 +217,7 @@ pub enum Command {
     /// and prints what changed.
     Apply {
         /// The TOML config file; its `[[apps]]` and `[[pools]]` are applied.
-        #[arg(long, short)]
+        #[arg(long, short, env = "WARMGATE_CONFIG")]
         config: PathBuf,
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
@@ -254,9 +254,10 @@ pub enum Command {
         /// Refresh the table in place.
         #[arg(long, short)]
         watch: bool,
-        /// Refresh interval for --watch, in seconds.
-        #[arg(long, default_value_t = 1.0)]
-        interval: f64,
+        /// Refresh interval for --watch: `2s`, `500ms` (a bare number is
+        /// seconds, as before).
+        #[arg(long, default_value = "1s", value_parser = parse_interval)]
+        interval: Duration,
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
@@ -281,12 +282,18 @@ pub enum WeightsCommand {
         /// Ranged GETs in flight.
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
-        /// Bytes per ranged GET, in MiB.
-        #[arg(long, default_value_t = 8)]
-        part_size_mib: u64,
-        /// Bytes of parts held in memory at once, in MiB.
-        #[arg(long, default_value_t = 512)]
-        memory_limit_mib: u64,
+        /// Bytes per ranged GET: `8MiB`, `16Mi`, or bytes.
+        #[arg(long, default_value = "8MiB", value_parser = parse_size_arg)]
+        part_size: u64,
+        /// Bytes of parts held in memory at once: `512MiB`, `1Gi`, or bytes.
+        #[arg(long, default_value = "512MiB", value_parser = parse_size_arg)]
+        memory_limit: u64,
+        /// The old spelling of --part-size, in MiB.
+        #[arg(long, hide = true)]
+        part_size_mib: Option<u64>,
+        /// The old spelling of --memory-limit, in MiB.
+        #[arg(long, hide = true)]
+        memory_limit_mib: Option<u64>,
         /// Keep a content-addressed copy here; a later pull of the same
         /// objects reads it instead of the store.
         #[arg(long)]
@@ -419,6 +426,8 @@ pub fn run(cli: Cli) -> i32 {
                     uri,
                     dir,
                     concurrency,
+                    part_size,
+                    memory_limit,
                     part_size_mib,
                     memory_limit_mib,
                     cache,
@@ -426,8 +435,8 @@ pub fn run(cli: Cli) -> i32 {
         } => {
             let cfg = warmgate_pool::weights::StreamConfig {
                 concurrency: concurrency.max(1),
-                part_size: part_size_mib.max(1) << 20,
-                memory_limit: memory_limit_mib.max(1) << 20,
+                part_size: part_size_mib.map_or(part_size, |m| m << 20).max(1),
+                memory_limit: memory_limit_mib.map_or(memory_limit, |m| m << 20).max(1),
             };
             weights_pull(&uri, &dir, cfg, cache)
         }
@@ -622,7 +631,24 @@ fn human_bytes(n: u64) -> String {
     }
 }
 
-fn status(gateway: &str, watch: bool, interval: f64, output: Output) -> i32 {
+/// A duration as people write it (`2s`, `500ms`), or a bare number of
+/// seconds (the old spelling).
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let d = match text.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs >= 0.0 => Duration::from_secs_f64(secs),
+        Ok(_) => return Err(format!("{text:?} is not a duration")),
+        Err(_) => humantime::parse_duration(text.trim())
+            .map_err(|e| format!("{text:?} is not a duration (e.g. 2s, 500ms): {e}"))?,
+    };
+    Ok(d.clamp(Duration::from_millis(100), Duration::from_secs(3600)))
+}
+
+/// A size as people write it (`8MiB`, `16Gi`) or a number of bytes.
+fn parse_size_arg(text: &str) -> Result<u64, String> {
+    warmgate_deploy::parse_size(text)
+}
+
+fn status(gateway: &str, watch: bool, interval: Duration, output: Output) -> i32 {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -633,7 +659,6 @@ fn status(gateway: &str, watch: bool, interval: f64, output: Output) -> i32 {
             return 1;
         }
     };
-    let interval = Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
     rt.block_on(async {
         loop {
             let table = match get_json(gateway, "/v1/status").await {

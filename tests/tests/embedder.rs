@@ -121,6 +121,58 @@ async fn minilm_embeddings_rank_sentences_as_a_person_would() {
         .await
         .expect("send");
     assert_eq!(resp.status(), 400);
+
+    // Token ids in the model's own vocabulary, as OpenAI's API allows:
+    // "hello world" is [CLS] hello world [SEP] = 101 7592 2088 102 in
+    // bert-base-uncased's vocabulary, which MiniLM uses. One array is one
+    // input, an array of arrays several; either gives the text's vector.
+    let text = embed(&gw, &["hello world"]).await;
+    for input in [
+        json!([101, 7592, 2088, 102]),
+        json!([[101, 7592, 2088, 102], [101, 102]]),
+    ] {
+        let resp = gw
+            .http
+            .post(gw.at("/v1/embeddings"))
+            .json(&json!({"model": "minilm", "input": input}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200);
+        let body: serde_json::Value = resp.json().await.expect("json");
+        let v: Vec<f64> = body["data"][0]["embedding"]
+            .as_array()
+            .expect("vector")
+            .iter()
+            .filter_map(serde_json::Value::as_f64)
+            .collect();
+        assert!(
+            cosine(&v, &text[0]) > 0.9999,
+            "{input}: the ids embed as the text"
+        );
+    }
+    for (input, says) in [
+        (json!([101, 40000, 102]), "outside this model's vocabulary"),
+        (json!([]), "must"),
+        (json!([[101], "text"]), "must be"),
+        (json!([-1]), "must be"),
+    ] {
+        let resp = gw
+            .http
+            .post(gw.at("/v1/embeddings"))
+            .json(&json!({"model": "minilm", "input": input}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 400, "{input}");
+        let body: serde_json::Value = resp.json().await.expect("json");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(says)),
+            "{input}: {body}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

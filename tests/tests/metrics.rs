@@ -103,4 +103,67 @@ async fn every_series_has_help_and_is_in_the_catalog() {
         .metric(r#"warmgate_time_to_first_byte_seconds_count{app="m"}"#)
         .await;
     assert_eq!(ttfb, 1.0);
+
+    // What Prometheus itself reads: the exposition parses with the
+    // official Python client's parser (promtool's rules: one TYPE and HELP
+    // per family, well-formed samples), every family has HELP, and every
+    // sample's labels are the catalog's.
+    let python_ok = std::process::Command::new("python3")
+        .args(["-c", "import prometheus_client"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !python_ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "prometheus_client is required under CI"
+        );
+        eprintln!("SKIPPED the parser check: pip install prometheus_client");
+        return;
+    }
+    let labels: Vec<(String, Vec<String>)> = METRICS
+        .iter()
+        .map(|m| {
+            (
+                m.name.to_string(),
+                m.labels.iter().map(|l| l.to_string()).collect(),
+            )
+        })
+        .collect();
+    let script = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+catalog = dict(json.loads(sys.argv[1]))
+text = sys.stdin.read()
+n = 0
+for fam in text_string_to_metric_families(text):
+    assert fam.documentation, f"{fam.name} has no HELP"
+    # The parser names a counter's family without its _total suffix.
+    name = fam.name if fam.name in catalog else fam.name + "_total"
+    assert name in catalog, f"{fam.name} is not in the catalog"
+    for s in fam.samples:
+        extra = set(s.labels) - set(catalog[name]) - {"le", "quantile"}
+        assert not extra, f"{s.name} has labels {extra} the catalog does not list"
+        n += 1
+print("PARSED", n)
+"#;
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script, &serde_json::to_string(&labels).expect("json")])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    {
+        use std::io::Write as _;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(text.as_bytes()).expect("write");
+    }
+    let out = child.wait_with_output().expect("wait");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("PARSED"));
 }

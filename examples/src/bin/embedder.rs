@@ -10,7 +10,9 @@
 //! listens on `$PORT`, so `GET /healthz` answering means it is ready. It
 //! serves OpenAI-compatible `POST /v1/embeddings`, pooled as
 //! sentence-transformers does: mean over the attention mask, then L2
-//! normalisation.
+//! normalisation. `input` may be text or token ids in the model's own
+//! vocabulary (one array of ids, or an array of them), as OpenAI's API
+//! allows; an id outside the vocabulary is a 400.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -147,36 +149,10 @@ async fn embeddings(State(model): State<Arc<Model>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad request body: {e}")),
     };
-    let inputs: Vec<String> = match req.input {
-        Value::String(s) => vec![s],
-        Value::Array(items) => {
-            let mut out = Vec::with_capacity(items.len());
-            for item in items {
-                match item {
-                    Value::String(s) => out.push(s),
-                    _ => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            "`input` must be a string or an array of strings",
-                        );
-                    }
-                }
-            }
-            out
-        }
-        _ => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "`input` must be a string or an array of strings",
-            );
-        }
+    let inputs = match parse_inputs(req.input, model.tokenizer.get_vocab_size(true)) {
+        Ok(i) => i,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
     };
-    if inputs.is_empty() || inputs.len() > MAX_INPUTS {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("`input` must have 1 to {MAX_INPUTS} items"),
-        );
-    }
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -216,25 +192,104 @@ async fn embeddings(State(model): State<Arc<Model>>, body: Bytes) -> Response {
     .into_response()
 }
 
+/// One input: text, or token ids in the model's own vocabulary (as
+/// OpenAI's API allows: `[101, 7592, 102]` is one input, `[[...], [...]]`
+/// several).
+enum Input {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The request's `input`: a string, strings, token ids or arrays of them,
+/// each id below `vocab`.
+fn parse_inputs(input: Value, vocab: usize) -> Result<Vec<Input>, String> {
+    const SHAPE: &str = "`input` must be a string, an array of strings, an array of token ids, or an array of arrays of token ids";
+    let ids = |items: &[Value]| -> Result<Vec<u32>, String> {
+        if items.is_empty() {
+            return Err("a token-id input must not be empty".into());
+        }
+        if items.len() > MAX_TOKENS {
+            return Err(format!(
+                "a token-id input has {} ids; at most {MAX_TOKENS}",
+                items.len()
+            ));
+        }
+        items
+            .iter()
+            .map(|v| match v.as_u64() {
+                Some(id) if (id as usize) < vocab => Ok(id as u32),
+                Some(id) => Err(format!(
+                    "token id {id} is outside this model's vocabulary (0 to {})",
+                    vocab - 1
+                )),
+                None => Err(SHAPE.to_string()),
+            })
+            .collect()
+    };
+    let inputs = match input {
+        Value::String(s) => vec![Input::Text(s)],
+        Value::Array(items) if items.iter().all(Value::is_string) => items
+            .into_iter()
+            .filter_map(|v| v.as_str().map(|s| Input::Text(s.to_string())))
+            .collect(),
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
+            vec![Input::Tokens(ids(&items)?)]
+        }
+        Value::Array(items) if items.iter().all(Value::is_array) => items
+            .iter()
+            .map(|v| ids(v.as_array().map_or(&[][..], Vec::as_slice)).map(Input::Tokens))
+            .collect::<Result<_, _>>()?,
+        _ => return Err(SHAPE.to_string()),
+    };
+    if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+        return Err(format!("`input` must have 1 to {MAX_INPUTS} items"));
+    }
+    Ok(inputs)
+}
+
 /// Embeds a batch: BERT, mean pooling over real tokens, L2 normalisation.
-fn embed(model: &Model, inputs: &[String]) -> anyhow::Result<(Vec<Vec<f32>>, usize)> {
+/// Text is tokenized (with `[CLS]` and `[SEP]`); token ids are used as
+/// given, so a client that tokenized the same text gets the same vector.
+fn embed(model: &Model, inputs: &[Input]) -> anyhow::Result<(Vec<Vec<f32>>, usize)> {
+    let texts: Vec<String> = inputs
+        .iter()
+        .filter_map(|i| match i {
+            Input::Text(t) => Some(t.clone()),
+            Input::Tokens(_) => None,
+        })
+        .collect();
     let enc = model
         .tokenizer
-        .encode_batch(inputs.to_vec(), true)
+        .encode_batch(texts, true)
         .map_err(|e| anyhow::anyhow!("tokenize: {e}"))?;
+    let mut encoded = enc.iter().map(|e| {
+        e.get_ids()
+            .iter()
+            .zip(e.get_attention_mask())
+            .filter(|(_, m)| **m == 1)
+            .map(|(id, _)| *id)
+            .collect::<Vec<u32>>()
+    });
+    let seqs: Vec<Vec<u32>> = inputs
+        .iter()
+        .map(|i| match i {
+            Input::Text(_) => encoded.next().unwrap_or_default(),
+            Input::Tokens(t) => t.clone(),
+        })
+        .collect();
+    let width = seqs.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let tokens: usize = seqs.iter().map(Vec::len).sum();
     let dev = &model.bert.device;
-    let ids: Vec<Tensor> = enc
-        .iter()
-        .map(|e| Tensor::new(e.get_ids(), dev))
-        .collect::<Result<_, _>>()?;
-    let masks: Vec<Tensor> = enc
-        .iter()
-        .map(|e| Tensor::new(e.get_attention_mask(), dev))
-        .collect::<Result<_, _>>()?;
-    let tokens: usize = enc
-        .iter()
-        .map(|e| e.get_attention_mask().iter().filter(|m| **m == 1).count())
-        .sum();
+    let mut ids = Vec::with_capacity(seqs.len());
+    let mut masks = Vec::with_capacity(seqs.len());
+    for s in &seqs {
+        let mut row = s.clone();
+        let mut mask = vec![1u32; s.len()];
+        row.resize(width, 0);
+        mask.resize(width, 0);
+        ids.push(Tensor::new(row, dev)?);
+        masks.push(Tensor::new(mask, dev)?);
+    }
     let ids = Tensor::stack(&ids, 0)?;
     let mask = Tensor::stack(&masks, 0)?;
     let types = ids.zeros_like()?;
