@@ -793,48 +793,26 @@ async fn write_statuses(
     for r in &seen.refused {
         let result = match r.kind {
             ResourceKind::App => {
-                let g = generations
-                    .get(&format!("app/{}", r.name))
-                    .copied()
-                    .flatten();
-                let mut status = ServingAppStatus {
+                let status = ServingAppStatus {
                     conditions: refused_conditions(r, &now),
-                    observed_generation: g,
+                    observed_generation: generations
+                        .get(&format!("app/{}", r.name))
+                        .copied()
+                        .flatten(),
                     ..ServingAppStatus::default()
                 };
-                let was = app_was(&r.name);
-                settle(
-                    was.as_ref().map(|w| &w.conditions),
-                    &mut status.conditions,
-                    &now,
-                );
-                if was.as_ref() == Some(&status) {
-                    Ok(())
-                } else {
-                    patch_status(apps, &r.name, &status).await
-                }
+                write_if_changed(apps, &r.name, app_was(&r.name), status, &now).await
             }
             ResourceKind::Pool => {
-                let g = generations
-                    .get(&format!("pool/{}", r.name))
-                    .copied()
-                    .flatten();
-                let mut status = WarmPoolStatus {
+                let status = WarmPoolStatus {
                     conditions: refused_conditions(r, &now),
-                    observed_generation: g,
+                    observed_generation: generations
+                        .get(&format!("pool/{}", r.name))
+                        .copied()
+                        .flatten(),
                     ..WarmPoolStatus::default()
                 };
-                let was = pool_was(&r.name);
-                settle(
-                    was.as_ref().map(|w| &w.conditions),
-                    &mut status.conditions,
-                    &now,
-                );
-                if was.as_ref() == Some(&status) {
-                    Ok(())
-                } else {
-                    patch_status(pools, &r.name, &status).await
-                }
+                write_if_changed(pools, &r.name, pool_was(&r.name), status, &now).await
             }
         };
         if let Err(e) = result {
@@ -845,37 +823,67 @@ async fn write_statuses(
     for a in &status.apps {
         let name = a.name.as_str();
         let g = generations.get(&format!("app/{name}")).copied().flatten();
-        let mut next = app_status(a, g, &now);
-        let was = app_was(name);
-        settle(
-            was.as_ref().map(|w| &w.conditions),
-            &mut next.conditions,
-            &now,
-        );
-        if was.as_ref() == Some(&next) {
-            continue;
-        }
-        if let Err(e) = patch_status(apps, name, &next).await {
+        let next = app_status(a, g, &now);
+        if let Err(e) = write_if_changed(apps, name, app_was(name), next, &now).await {
             tracing::warn!(app = %name, error = %e, "could not write the ServingApp status");
         }
     }
     for p in &status.pools {
         let name = p.name.as_str();
         let g = generations.get(&format!("pool/{name}")).copied().flatten();
-        let mut next = pool_status(p, g, &now);
-        let was = pool_was(name);
-        settle(
-            was.as_ref().map(|w| &w.conditions),
-            &mut next.conditions,
-            &now,
-        );
-        if was.as_ref() == Some(&next) {
-            continue;
-        }
-        if let Err(e) = patch_status(pools, name, &next).await {
+        let next = pool_status(p, g, &now);
+        if let Err(e) = write_if_changed(pools, name, pool_was(name), next, &now).await {
             tracing::warn!(pool = %name, error = %e, "could not write the WarmPool status");
         }
     }
+}
+
+/// A resource status with conditions.
+trait Conditioned: PartialEq + serde::Serialize {
+    fn conditions(&self) -> &Vec<Condition>;
+    fn conditions_mut(&mut self) -> &mut Vec<Condition>;
+}
+
+impl Conditioned for ServingAppStatus {
+    fn conditions(&self) -> &Vec<Condition> {
+        &self.conditions
+    }
+    fn conditions_mut(&mut self) -> &mut Vec<Condition> {
+        &mut self.conditions
+    }
+}
+
+impl Conditioned for WarmPoolStatus {
+    fn conditions(&self) -> &Vec<Condition> {
+        &self.conditions
+    }
+    fn conditions_mut(&mut self) -> &mut Vec<Condition> {
+        &mut self.conditions
+    }
+}
+
+/// Settles `next` against the status the resource holds (`was`) and
+/// patches it only when they differ.
+async fn write_if_changed<K, S>(
+    api: &Api<K>,
+    name: &str,
+    was: Option<S>,
+    mut next: S,
+    now: &str,
+) -> kube::Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    S: Conditioned,
+{
+    settle(
+        was.as_ref().map(Conditioned::conditions),
+        next.conditions_mut(),
+        now,
+    );
+    if was.as_ref() == Some(&next) {
+        return Ok(());
+    }
+    patch_status(api, name, &next).await
 }
 
 /// Keeps each condition's `lastTransitionTime` from `was` while its
