@@ -49,6 +49,13 @@ impl TargetId {
     pub fn is_pool(&self) -> bool {
         !matches!(self, TargetId::Revision { .. })
     }
+
+    /// The metric label that names its owner: `app` for an app's revision,
+    /// `pool` for a pool and its on-demand fallback. One label name per
+    /// concept, so a dashboard never mistakes a pool for an app.
+    pub fn owner_label(&self) -> &'static str {
+        if self.is_pool() { "pool" } else { "app" }
+    }
 }
 
 impl fmt::Display for TargetId {
@@ -89,5 +96,8 @@ mod tests {
         assert_eq!(pool.owner(), "minilm-00001");
         assert!(pool.is_pool() && !rev.is_pool());
         assert!(TargetId::OnDemand("p".into()).is_pool());
+        assert_eq!(rev.owner_label(), "app");
+        assert_eq!(pool.owner_label(), "pool");
+        assert_eq!(TargetId::OnDemand("p".into()).owner_label(), "pool");
     }
 }

@@ -69,7 +69,7 @@ impl CallError {
     }
 }
 
-/// How `status` and `revisions` print.
+/// How the client commands print what they did or found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
     /// Aligned columns for people.
@@ -211,6 +211,9 @@ pub enum Command {
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
+        /// `table` for people, `json` (the API's answer) for scripts.
+        #[arg(long, short, value_enum, default_value_t = Output::Table)]
+        output: Output,
     },
     /// Make a running gateway serve the apps and pools of a config file:
     /// puts each (unchanged ones keep their replicas), deletes the others,
@@ -222,6 +225,10 @@ pub enum Command {
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
+        /// `table` for people, `json` (`{"changes": [...]}`, refusals
+        /// included) for scripts.
+        #[arg(long, short, value_enum, default_value_t = Output::Table)]
+        output: Output,
     },
     /// Route traffic back to the previous good revision.
     Rollback {
@@ -230,6 +237,9 @@ pub enum Command {
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
+        /// `table` for people, `json` (the API's answer) for scripts.
+        #[arg(long, short, value_enum, default_value_t = Output::Table)]
+        output: Output,
     },
     /// List an app's revisions: checkpoint, created, state, traffic.
     Revisions {
@@ -368,9 +378,24 @@ pub fn run(cli: Cli) -> i32 {
             bake,
             wait,
             gateway,
-        } => promote(&gateway, &app, &checkpoint, canary, bake, wait),
-        Command::Apply { config, gateway } => apply(&gateway, &config),
-        Command::Rollback { app, gateway } => rollback(&gateway, &app),
+            output,
+        } => promote(
+            &gateway,
+            &app,
+            &checkpoint,
+            Promotion { canary, bake, wait },
+            output,
+        ),
+        Command::Apply {
+            config,
+            gateway,
+            output,
+        } => apply(&gateway, &config, output),
+        Command::Rollback {
+            app,
+            gateway,
+            output,
+        } => rollback(&gateway, &app, output),
         Command::Revisions {
             app,
             gateway,
@@ -770,29 +795,37 @@ fn api(
     body: Option<Value>,
     timeout: Duration,
 ) -> Result<Value, i32> {
+    block_on_call(gateway, method, path, body, timeout).map_err(|e| {
+        eprintln!("error: {e}");
+        e.exit_code()
+    })
+}
+
+/// One API call on a small runtime of its own.
+fn block_on_call(
+    gateway: &str,
+    method: http::Method,
+    path: &str,
+    body: Option<Value>,
+    timeout: Duration,
+) -> Result<Value, CallError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| {
-            eprintln!("error: {e}");
-            1
-        })?;
+        .map_err(|e| CallError::Unreachable(format!("could not start a runtime: {e}")))?;
     rt.block_on(call(gateway, method, path, body, timeout))
-        .map_err(|e| {
-            eprintln!("error: {e}");
-            e.exit_code()
-        })
 }
 
-/// `warmgate promote`.
-fn promote(
-    gateway: &str,
-    app: &str,
-    checkpoint: &str,
+/// What `warmgate promote` asks for.
+struct Promotion {
     canary: Option<u8>,
     bake: Option<humantime::Duration>,
     wait: bool,
-) -> i32 {
+}
+
+/// `warmgate promote`.
+fn promote(gateway: &str, app: &str, checkpoint: &str, p: Promotion, output: Output) -> i32 {
+    let Promotion { canary, bake, wait } = p;
     let mut body = serde_json::json!({"checkpoint": checkpoint, "wait": wait});
     if let Some(c) = canary {
         body["canary"] = c.into();
@@ -816,14 +849,21 @@ fn promote(
         Err(code) => return code,
     };
     let rev = v["revision"].as_str().unwrap_or("?");
+    if output == Output::Json {
+        println!("{v:#}");
+    }
     if !wait {
-        println!("{app}: promoting {rev} (follow it with `warmgate revisions {app}`)");
+        if output == Output::Table {
+            println!("{app}: promoting {rev} (follow it with `warmgate revisions {app}`)");
+        }
         return 0;
     }
     let p = &v["promotion"];
     match p["phase"].as_str() {
         Some("done") => {
-            println!("{app}: {rev} serves 100%");
+            if output == Output::Table {
+                println!("{app}: {rev} serves 100%");
+            }
             0
         }
         Some(phase) => {
@@ -841,7 +881,7 @@ fn promote(
 }
 
 /// `warmgate rollback`.
-fn rollback(gateway: &str, app: &str) -> i32 {
+fn rollback(gateway: &str, app: &str, output: Output) -> i32 {
     match api(
         gateway,
         http::Method::POST,
@@ -850,10 +890,13 @@ fn rollback(gateway: &str, app: &str) -> i32 {
         Duration::from_secs(30),
     ) {
         Ok(v) => {
-            println!(
-                "{app}: rolling back to {}",
-                v["revision"].as_str().unwrap_or("?")
-            );
+            match output {
+                Output::Json => println!("{v:#}"),
+                Output::Table => println!(
+                    "{app}: rolling back to {}",
+                    v["revision"].as_str().unwrap_or("?")
+                ),
+            }
             0
         }
         Err(code) => code,
@@ -862,9 +905,11 @@ fn rollback(gateway: &str, app: &str) -> i32 {
 
 /// `warmgate apply`: the file's apps and pools put, the gateway's others
 /// deleted (deletions first, so a name may move from a pool to an app),
-/// one line per change. Exit 0 when every change was taken, 1 when one was
-/// refused (the others still apply), 64 for a bad file.
-fn apply(gateway: &str, file: &std::path::Path) -> i32 {
+/// one line per change (or, with `-o json`, one object listing them, the
+/// refused ones with the gateway's status and message). Exit 0 when every
+/// change was taken, 1 when one was refused (the others still apply), 64
+/// for a bad file.
+fn apply(gateway: &str, file: &std::path::Path, output: Output) -> i32 {
     let config = match Config::load(file) {
         Ok(c) => c,
         Err(e) => {
@@ -891,18 +936,36 @@ fn apply(gateway: &str, file: &std::path::Path) -> i32 {
             .collect()
     };
     let mut refused = false;
+    let mut changes = Vec::new();
     let mut change = |method: http::Method, kind: &str, name: &str, body: Option<Value>| {
         let path = format!("/v1/{kind}s/{name}");
-        match api(gateway, method, &path, body, Duration::from_secs(60)) {
+        let mut row = serde_json::json!({"kind": kind, "name": name});
+        match block_on_call(gateway, method, &path, body, Duration::from_secs(60)) {
             Ok(v) => {
-                let what = v["change"].as_str().unwrap_or("?").replace('_', " ");
-                match v["revision"].as_str() {
-                    Some(rev) => println!("{kind} {name}: {what} (to {rev})"),
-                    None => println!("{kind} {name}: {what}"),
+                row["change"] = v["change"].clone();
+                if let Some(rev) = v["revision"].as_str() {
+                    row["revision"] = rev.into();
+                }
+                if output == Output::Table {
+                    let what = v["change"].as_str().unwrap_or("?").replace('_', " ");
+                    match v["revision"].as_str() {
+                        Some(rev) => println!("{kind} {name}: {what} (to {rev})"),
+                        None => println!("{kind} {name}: {what}"),
+                    }
                 }
             }
-            Err(_) => refused = true,
+            Err(e) => {
+                refused = true;
+                eprintln!("error: {e}");
+                row["error"] = match &e {
+                    CallError::Answered {
+                        status, message, ..
+                    } => serde_json::json!({"status": status, "message": message}),
+                    other => serde_json::json!({"message": other.to_string()}),
+                };
+            }
         }
+        changes.push(row);
     };
     for name in running("pools") {
         if !config.pools.iter().any(|p| p.name == name) {
@@ -929,6 +992,9 @@ fn apply(gateway: &str, file: &std::path::Path) -> i32 {
             &app.name,
             serde_json::to_value(app).ok(),
         );
+    }
+    if output == Output::Json {
+        println!("{:#}", serde_json::json!({ "changes": changes }));
     }
     if refused { 1 } else { 0 }
 }

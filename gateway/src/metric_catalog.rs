@@ -209,23 +209,23 @@ pub const METRICS: &[Metric] = &[
     ),
     gauge(
         "warmgate_replicas",
-        &["app", "state"],
-        "Replicas by state (pending, starting, ready, draining), for apps and pools.",
+        &["app", "pool", "state"],
+        "Replicas by state (pending, starting, ready, draining); an app's revisions by `app`, a pool's replicas by `pool`.",
     ),
     gauge(
         "warmgate_replicas_desired",
-        &["app"],
-        "The replica count asked for, for apps and pools.",
+        &["app", "pool"],
+        "The replica count asked for, by `app` or `pool`.",
     ),
     gauge(
         "warmgate_replicas_unschedulable",
-        &["target"],
-        "Replicas the cluster cannot place (Kubernetes).",
+        &["app", "pool"],
+        "Replicas the cluster cannot place (Kubernetes), by `app` or `pool`.",
     ),
     counter(
         "warmgate_replica_seconds_total",
-        &["app"],
-        "Every live replica's seconds, starting ones included: the GPU bill.",
+        &["app", "pool"],
+        "Every live replica's seconds, starting ones included: the GPU bill, by `app` or `pool`.",
     ),
     counter(
         "warmgate_replica_disruptions_total",
@@ -239,8 +239,8 @@ pub const METRICS: &[Metric] = &[
     ),
     histogram(
         "warmgate_cold_start_seconds",
-        &["app", "phase"],
-        "Cold starts by phase: `spawn`, `ready` (weights and model load included) and `weights` when the worker reports it.",
+        &["app", "pool", "phase"],
+        "Cold starts by phase: `spawn`, `ready` (weights and model load included) and `weights` when the worker reports it; by `app` or `pool`.",
         LONG,
     ),
     histogram(

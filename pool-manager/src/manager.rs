@@ -398,7 +398,7 @@ impl PoolManager {
             }
             t.health.starting = t.health.starting.saturating_sub(pending);
             t.health.pending += pending;
-            metrics::gauge!("warmgate_replicas_unschedulable", "target" => t.name.clone())
+            metrics::gauge!("warmgate_replicas_unschedulable", t.id.owner_label() => t.app.clone())
                 .set(pending as f64);
         }
         out
@@ -742,12 +742,12 @@ impl Actor {
                     "replica ready"
                 );
                 if let Some(w) = weights {
-                    metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.id.owner().to_string(), "phase" => "weights")
+                    metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "weights")
                         .record(w.as_secs_f64());
                 }
-                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.id.owner().to_string(), "phase" => "spawn")
+                metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "spawn")
                     .record(spawn.as_secs_f64());
-                metrics::histogram!("warmgate_cold_start_seconds", "app" => shared.spec.id.owner().to_string(), "phase" => "ready")
+                metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "ready")
                     .record(ready.as_secs_f64());
                 shared.last_failure_at_start = false;
                 shared.backoff_until = None;

@@ -232,6 +232,13 @@ from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
 r = client.embeddings.create(model="minilm", input=["A man is eating food.", "A man is eating a piece of bread."])
 a, b = r.data[0].embedding, r.data[1].embedding
+# The client asks for base64 unless told otherwise and decodes it; floats
+# asked for plainly are the same vector, and a raw base64 answer is a string.
+f = client.embeddings.create(model="minilm", input="A man is eating food.", encoding_format="float")
+assert max(abs(x - y) for x, y in zip(f.data[0].embedding, a)) < 1e-6
+raw = client.post("/embeddings", cast_to=object, body={
+    "model": "minilm", "input": "A man is eating food.", "encoding_format": "base64"})
+assert isinstance(raw["data"][0]["embedding"], str), raw
 print(len(a), round(sum(x * y for x, y in zip(a, b)), 4), r.usage.prompt_tokens)
 "#;
     let out = tokio::process::Command::new("python3")

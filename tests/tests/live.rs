@@ -448,19 +448,65 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
     same_replicas(&gw, "a", &a_pids).await;
     same_replicas(&gw, "b", &b_pids).await;
     assert_eq!(gw.json("/v1/apps/b").await["max"].as_u64(), Some(4));
-    // Applying the same file again changes nothing.
+    // Applying the same file again changes nothing; `-o json` says so to
+    // a script, one row per app and pool.
     let again = tokio::process::Command::new(common::bin("warmgate"))
-        .args(["apply", "--config"])
+        .args(["apply", "-o", "json", "--config"])
         .arg(&file)
         .args(["--gateway", &gw.url])
         .output()
         .await
         .expect("run warmgate apply");
     let printed = String::from_utf8_lossy(&again.stdout);
-    assert!(again.status.success());
+    assert!(again.status.success(), "{printed}");
+    let v: Value = serde_json::from_str(&printed).expect("apply -o json prints JSON");
+    let rows = v["changes"].as_array().expect("changes");
+    let mut seen: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {}",
+                r["kind"].as_str().unwrap_or("?"),
+                r["name"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(seen, ["app a", "app b", "app c"], "{v}");
+    assert!(rows.iter().all(|r| r["change"] == "unchanged"), "{v}");
+    // A refused change is a row with the gateway's status and message, and
+    // exit 1.
+    std::fs::write(
+        &file,
+        format!(
+            "state_dir = \"state\"\n{}",
+            next.replace(
+                "name = \"c\"\ncommand",
+                "name = \"c\"\ncheckpoint = \"file:///etc\"\ncommand"
+            )
+        ),
+    )
+    .expect("write");
+    let refused = tokio::process::Command::new(common::bin("warmgate"))
+        .args(["apply", "-o", "json", "--config"])
+        .arg(&file)
+        .args(["--gateway", &gw.url])
+        .output()
+        .await
+        .expect("run warmgate apply");
+    let printed = String::from_utf8_lossy(&refused.stdout);
+    assert_eq!(refused.status.code(), Some(1), "{printed}");
+    let v: Value = serde_json::from_str(&printed).expect("apply -o json prints JSON");
+    let c = v["changes"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["name"] == "c"))
+        .expect("a row for c");
+    assert_eq!(c["error"]["status"], 400, "{v}");
     assert!(
-        printed.lines().all(|l| l.ends_with(": unchanged")),
-        "{printed}"
+        c["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
     );
 }
 

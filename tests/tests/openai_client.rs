@@ -84,3 +84,80 @@ expect(lambda: client.chat.completions.create(model="stuck", messages=[]),
         .await;
     assert_eq!(timeouts, 1.0);
 }
+
+/// The error classes the first test does not reach, as the official client
+/// raises them: a wrong key (401), a body over the limit (413), a replica
+/// that dies mid-request (502) and a tenant over its rate (429 with
+/// `Retry-After`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_openai_client_reads_auth_size_replica_and_quota_errors() {
+    if !common::has_openai() {
+        return;
+    }
+    let gw = Gateway::start_with(
+        r#"
+        [limits]
+        max_body_bytes = 4096
+        [[tenants]]
+        name = "team"
+        api_key_env = "WG_OPENAI_TEST_KEY"
+        rps = 0.2
+        burst = 3
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        "#,
+        &[],
+        &[("WG_OPENAI_TEST_KEY", "team-key-0123456789")],
+    );
+    let script = r#"
+import sys, openai
+from openai import OpenAI
+base = sys.argv[1] + "/v1"
+client = OpenAI(base_url=base, api_key="team-key-0123456789", max_retries=0)
+hi = [{"role": "user", "content": "hi"}]
+
+def expect(call, cls, status, code, typ, no_retry):
+    try:
+        call()
+    except cls as e:
+        assert e.status_code == status, (e.status_code, e.body)
+        assert e.code == code, e.body
+        assert e.type == typ, e.body
+        retry = e.response.headers.get("x-should-retry")
+        assert (retry == "false") == no_retry, dict(e.response.headers)
+        print("ok", code, e.type)
+        return e
+    raise AssertionError("no error for " + code)
+
+wrong = OpenAI(base_url=base, api_key="not-the-key", max_retries=0)
+expect(lambda: wrong.chat.completions.create(model="m", messages=hi),
+       openai.AuthenticationError, 401, "unauthorized", "authentication_error", True)
+expect(lambda: client.chat.completions.create(
+           model="m", messages=[{"role": "user", "content": "x" * 10000}]),
+       openai.APIStatusError, 413, "too_large", "invalid_request_error", True)
+expect(lambda: client.chat.completions.create(
+           model="m", messages=hi, extra_headers={"x-test-crash": "1"}),
+       openai.InternalServerError, 502, "replica_failed", "server_error", False)
+for _ in range(20):
+    try:
+        client.chat.completions.create(model="m", messages=hi)
+    except openai.RateLimitError:
+        break
+e = expect(lambda: client.chat.completions.create(model="m", messages=hi),
+           openai.RateLimitError, 429, "quota_exceeded", "rate_limit_error", False)
+assert int(e.response.headers["retry-after"]) >= 1, dict(e.response.headers)
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &gw.url])
+        .output()
+        .await
+        .expect("python3");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text.matches("ok ").count(), 4, "{text}");
+}

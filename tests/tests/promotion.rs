@@ -197,7 +197,28 @@ async fn a_promotion_under_load_loses_no_request() {
         (load.ok.load(Ordering::Relaxed) > 50).then_some(())
     })
     .await;
-    let body = promote_and_wait(&gw, &v2).await;
+    // Through the CLI, as a script would: `-o json` prints the API's answer.
+    let out = tokio::process::Command::new(common::bin("warmgate"))
+        .args([
+            "promote",
+            "m",
+            &v2,
+            "--wait",
+            "-o",
+            "json",
+            "--gateway",
+            &gw.url,
+        ])
+        .output()
+        .await
+        .expect("run warmgate promote");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let body: Value = serde_json::from_str(&printed).expect("promote -o json prints JSON");
     assert_eq!(body["revision"], "m-00002");
     assert_eq!(body["promotion"]["phase"], "done", "{body}");
     // Traffic keeps flowing on the new revision for a moment.
@@ -268,8 +289,9 @@ async fn a_promotion_under_load_loses_no_request() {
     assert!(out.contains("promote m-00002"), "{out}");
 
     // Roll back by hand: the previous good revision serves again.
-    let out = cli(&gw, &["rollback", "m"]);
-    assert!(out.contains("rolling back to m-00001"), "{out}");
+    let out = cli(&gw, &["rollback", "m", "-o", "json"]);
+    let v: Value = serde_json::from_str(&out).expect("rollback -o json prints JSON");
+    assert_eq!(v["revision"], "m-00001", "{v}");
     eventually("m-00001 serves again", || async {
         let s = app(&gw).await;
         (s["revision"] == "m-00001" && s["promotion"]["phase"] == "done").then_some(())

@@ -87,9 +87,22 @@ async fn weights_roll_out_in_place_one_replica_at_a_time() {
     let pids: Vec<Value> = before.iter().map(|r| r["pid"].clone()).collect();
     // The workers reported their weight loads: a cold-start phase of its own.
     assert_eq!(
-        gw.metric(r#"warmgate_cold_start_seconds_count{app="rollouts",phase="weights"}"#)
+        gw.metric(r#"warmgate_cold_start_seconds_count{pool="rollouts",phase="weights"}"#)
             .await,
         3.0
+    );
+    // A pool's series carry the `pool` label, never `app`.
+    eventually("the pool's ready replicas on /metrics", || async {
+        (gw.metric(r#"warmgate_replicas{pool="rollouts",state="ready"}"#)
+            .await
+            == 3.0)
+            .then_some(())
+    })
+    .await;
+    let text = gw.metrics_text().await;
+    assert!(
+        !text.contains(r#"app="rollouts""#),
+        "a pool is labelled as a pool: {text}"
     );
     let s = gw.json("/v1/status").await;
     assert!(

@@ -2,6 +2,7 @@
 //! every pool's policy are asked for a replica count, and the pool manager
 //! is told; the gauges users chart are set on the way.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -67,7 +68,7 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                     .set(pending as f64);
                 metrics::gauge!("warmgate_tasks_inflight", "pool" => p.name.clone())
                     .set(f64::from(inflight));
-                metrics::gauge!("warmgate_replicas_desired", "app" => p.name.clone())
+                metrics::gauge!("warmgate_replicas_desired", "pool" => p.name.clone())
                     .set(f64::from(desired));
             }
             record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
@@ -76,29 +77,35 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
 }
 
 /// Replicas by state, and replica-seconds (the GPU bill: every replica that
-/// exists, starting ones included), per app.
+/// exists, starting ones included), per app and per pool. An app's
+/// revisions (during a canary, say) and a pool's on-demand fallback add up
+/// into their owner's series instead of overwriting each other.
 fn record_replica_metrics(targets: &[TargetStatus], tick: Duration) {
-    for t in targets {
-        let mut by_state = [0u32; 4];
-        for r in &t.replicas {
-            let i = match r.state.name() {
-                "pending" => 0,
-                "starting" => 1,
-                "ready" => 2,
-                "draining" => 3,
-                _ => continue,
-            };
-            by_state[i] += 1;
-        }
-        for (i, state) in ["pending", "starting", "ready", "draining"]
-            .iter()
-            .enumerate()
-        {
-            metrics::gauge!("warmgate_replicas", "app" => t.app.clone(), "state" => *state)
+    for ((label, owner), by_state) in replicas_by_owner(targets) {
+        for (i, state) in REPLICA_STATES.iter().enumerate() {
+            metrics::gauge!("warmgate_replicas", label => owner.to_string(), "state" => *state)
                 .set(f64::from(by_state[i]));
         }
         let live = by_state[1] + by_state[2] + by_state[3];
-        metrics::counter!("warmgate_replica_seconds_total", "app" => t.app.clone())
+        metrics::counter!("warmgate_replica_seconds_total", label => owner.to_string())
             .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
     }
+}
+
+/// The states `warmgate_replicas` counts, in the order of the counts below.
+const REPLICA_STATES: [&str; 4] = ["pending", "starting", "ready", "draining"];
+
+/// Replica counts by state for each owner, keyed by its label (`app` or
+/// `pool`) and its name.
+fn replicas_by_owner(targets: &[TargetStatus]) -> BTreeMap<(&'static str, &str), [u32; 4]> {
+    let mut out: BTreeMap<(&'static str, &str), [u32; 4]> = BTreeMap::new();
+    for t in targets {
+        let counts = out.entry((t.id.owner_label(), t.app.as_str())).or_default();
+        for r in &t.replicas {
+            if let Some(i) = REPLICA_STATES.iter().position(|s| *s == r.state.name()) {
+                counts[i] += 1;
+            }
+        }
+    }
+    out
 }

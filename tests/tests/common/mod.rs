@@ -172,17 +172,22 @@ impl Gateway {
         first
     }
 
-    /// A counter or gauge from `/metrics` without labels (0 when absent).
-    pub async fn metric(&self, name: &str) -> f64 {
-        let text = self
-            .http
+    /// The whole `/metrics` exposition.
+    pub async fn metrics_text(&self) -> String {
+        self.http
             .get(self.at("/metrics"))
             .send()
             .await
             .expect("GET /metrics")
             .text()
             .await
-            .expect("metrics text");
+            .expect("metrics text")
+    }
+
+    /// A counter or gauge from `/metrics`, named with its labels as the
+    /// exposition writes them (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self.metrics_text().await;
         text.lines()
             .find(|l| l.split_whitespace().next() == Some(name))
             .and_then(|l| l.split_whitespace().last())
