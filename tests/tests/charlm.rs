@@ -238,17 +238,7 @@ parts = [c.choices[0].text for c in client.completions.create(
     model="charlm", prompt="the cat ", max_tokens=20, temperature=0, stream=True)]
 print(len(parts), "".join(parts).replace("\n", "/"))
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &gw.url])
-        .output()
-        .await
-        .expect("python3");
-    let printed = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let printed = common::python(script, &gw.url).await;
     let chunks: usize = printed
         .split_whitespace()
         .next()

@@ -241,17 +241,7 @@ raw = client.post("/embeddings", cast_to=object, body={
 assert isinstance(raw["data"][0]["embedding"], str), raw
 print(len(a), round(sum(x * y for x, y in zip(a, b)), 4), r.usage.prompt_tokens)
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &gw.url])
-        .output()
-        .await
-        .expect("python3");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = common::python(script, &gw.url).await;
     let fields: Vec<&str> = text.split_whitespace().collect();
     assert_eq!(fields[0], "384", "{text}");
     let cos: f64 = fields[1].parse().expect("cosine");

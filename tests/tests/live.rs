@@ -396,6 +396,21 @@ async fn changes_need_the_admin_token() {
     assert_eq!(r.status().as_u16(), 201);
 }
 
+/// Runs `warmgate apply` (with `-o json` when `json`) on `file`.
+async fn apply(gw: &Gateway, file: &std::path::Path, json: bool) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(common::bin("warmgate"));
+    cmd.arg("apply");
+    if json {
+        cmd.args(["-o", "json"]);
+    }
+    cmd.arg("--config")
+        .arg(file)
+        .args(["--gateway", &gw.url])
+        .output()
+        .await
+        .expect("run warmgate apply")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed() {
     let gw = Gateway::start(CONFIG);
@@ -419,13 +434,7 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
     assert!(next.contains("max = 4") && next.contains("\"c\"") && !next.contains("\"d\""));
     let file = gw.dir.path().join("next.toml");
     std::fs::write(&file, format!("state_dir = \"state\"\n{next}")).expect("write");
-    let out = tokio::process::Command::new(common::bin("warmgate"))
-        .args(["apply", "--config"])
-        .arg(&file)
-        .args(["--gateway", &gw.url])
-        .output()
-        .await
-        .expect("run warmgate apply");
+    let out = apply(&gw, &file, false).await;
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -450,13 +459,7 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
     assert_eq!(gw.json("/v1/apps/b").await["max"].as_u64(), Some(4));
     // Applying the same file again changes nothing; `-o json` says so to
     // a script, one row per app and pool.
-    let again = tokio::process::Command::new(common::bin("warmgate"))
-        .args(["apply", "-o", "json", "--config"])
-        .arg(&file)
-        .args(["--gateway", &gw.url])
-        .output()
-        .await
-        .expect("run warmgate apply");
+    let again = apply(&gw, &file, true).await;
     let printed = String::from_utf8_lossy(&again.stdout);
     assert!(again.status.success(), "{printed}");
     let v: Value = serde_json::from_str(&printed).expect("apply -o json prints JSON");
@@ -487,13 +490,7 @@ async fn warmgate_apply_makes_the_gateway_serve_a_file_and_prints_what_changed()
         ),
     )
     .expect("write");
-    let refused = tokio::process::Command::new(common::bin("warmgate"))
-        .args(["apply", "-o", "json", "--config"])
-        .arg(&file)
-        .args(["--gateway", &gw.url])
-        .output()
-        .await
-        .expect("run warmgate apply");
+    let refused = apply(&gw, &file, true).await;
     let printed = String::from_utf8_lossy(&refused.stdout);
     assert_eq!(refused.status.code(), Some(1), "{printed}");
     let v: Value = serde_json::from_str(&printed).expect("apply -o json prints JSON");

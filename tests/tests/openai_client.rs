@@ -66,17 +66,7 @@ expect(lambda: client.post("/chat/completions", body={"messages": []}, cast_to=o
 expect(lambda: client.chat.completions.create(model="stuck", messages=[]),
        openai.InternalServerError, 504, "timeout")
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &gw.url])
-        .output()
-        .await
-        .expect("python3");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = common::python(script, &gw.url).await;
     assert_eq!(text.matches("ok ").count(), 4, "{text}");
     // One timeout, not three: the client obeyed x-should-retry.
     let timeouts = gw
@@ -148,16 +138,6 @@ e = expect(lambda: client.chat.completions.create(model="m", messages=hi),
            openai.RateLimitError, 429, "quota_exceeded", "rate_limit_error", False)
 assert int(e.response.headers["retry-after"]) >= 1, dict(e.response.headers)
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &gw.url])
-        .output()
-        .await
-        .expect("python3");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = common::python(script, &gw.url).await;
     assert_eq!(text.matches("ok ").count(), 4, "{text}");
 }

@@ -258,6 +258,23 @@ impl Drop for Gateway {
     }
 }
 
+/// Runs a Python script with `url` as its first argument; returns what it
+/// printed, failing the test (with its output) when it exits non-zero.
+pub async fn python(script: &str, url: &str) -> String {
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, url])
+        .output()
+        .await
+        .expect("python3");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 /// Whether the official `openai` Python client is installed; under CI it
 /// must be (`.ci/run` installs it), elsewhere the caller skips.
 pub fn has_openai() -> bool {
