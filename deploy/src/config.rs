@@ -598,6 +598,14 @@ pub struct PromotionSpec {
     #[serde(with = "bounded")]
     #[schemars(with = "String")]
     pub watch_interval: Duration,
+    /// Promote by swapping the new weights into the serving replicas
+    /// (their `POST /weights`), a few at a time, instead of starting
+    /// replicas beside them: the canary is the first replicas swapped, a
+    /// rollback swaps the old weights back, and the app never needs more
+    /// GPUs than it holds. A worker that cannot swap makes the promotion
+    /// start new replicas instead, said so in its record. `warmgate
+    /// promote --in-place` asks for it once.
+    pub in_place: bool,
 }
 
 impl Default for PromotionSpec {
@@ -614,6 +622,7 @@ impl Default for PromotionSpec {
             watch: None,
             marker: defaults::MARKER.into(),
             watch_interval: defaults::WATCH_INTERVAL,
+            in_place: false,
         }
     }
 }

@@ -106,6 +106,13 @@ pub struct Plan {
     /// The app has no replicas: nothing is started; the next request
     /// wakes the new revision.
     pub at_zero: bool,
+    /// The new revision's weights are swapped into the serving revision's
+    /// replicas (the worker's `POST /weights`) instead of starting replicas
+    /// of its own: the canary is the first replicas swapped, and a
+    /// rollback swaps the old weights back. Never needs more GPUs than the
+    /// app holds.
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 /// Where a promotion is.
@@ -153,6 +160,9 @@ pub enum Event {
     Unhealthy(String),
     /// An operator asked to roll back.
     Rollback(String),
+    /// In place only: a worker cannot swap its weights (it has no
+    /// `POST /weights`); the promotion starts new replicas instead.
+    InPlaceUnsupported(String),
 }
 
 /// What the gateway must do.
@@ -194,6 +204,10 @@ pub struct Promotion {
     /// Where it is.
     #[serde(flatten)]
     pub phase: Phase,
+    /// Why an in-place promotion fell back to new replicas (a worker that
+    /// cannot swap its weights), when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back: Option<String>,
 }
 
 impl Promotion {
@@ -205,6 +219,7 @@ impl Promotion {
             to: to.to_string(),
             plan,
             phase: Phase::Warming,
+            fell_back: None,
         };
         if p.plan.at_zero {
             // Nothing to warm: the split applies now, and the first request
@@ -234,6 +249,20 @@ impl Promotion {
                     ],
                 ))
             }
+            (Phase::Warming, Event::InPlaceUnsupported(reason)) if self.plan.in_place => {
+                // Nothing was swapped: the old revision serves as it did,
+                // and the new one starts replicas of its own.
+                let mut plan = self.plan.clone();
+                plan.in_place = false;
+                Ok((
+                    Promotion {
+                        plan,
+                        fell_back: Some(reason),
+                        ..self.clone()
+                    },
+                    vec![Effect::Start(self.to.clone())],
+                ))
+            }
             (Phase::Canary, Event::BakeElapsed) => Ok(self.finish()),
             (Phase::Warming | Phase::Canary, Event::Unhealthy(reason)) => {
                 Ok(self.roll_back(reason))
@@ -259,10 +288,12 @@ impl Promotion {
         )
     }
 
-    /// Ready: the canary share, or everything.
+    /// Ready: the canary share, or everything. In place, a canary that
+    /// holds every replica (an app of one) still bakes: a rollback swaps
+    /// the old weights back.
     fn ready(&self) -> (Promotion, Vec<Effect>) {
         match (self.plan.canary, &self.from) {
-            (Some(pct), Some(from)) if pct < 100 => self.with(
+            (Some(pct), Some(from)) if pct < 100 || self.plan.in_place => self.with(
                 Phase::Canary,
                 vec![
                     Effect::State(self.to.clone(), RevisionState::Serving),
@@ -426,7 +457,68 @@ mod tests {
             canary,
             bake: Duration::from_secs(60),
             at_zero: false,
+            in_place: false,
         }
+    }
+
+    fn in_place(canary: Option<u8>) -> Plan {
+        Plan {
+            in_place: true,
+            ..plan(canary)
+        }
+    }
+
+    #[test]
+    fn in_place_a_worker_that_cannot_swap_falls_back_to_new_replicas() {
+        let mut h = history();
+        let (p, fx) = Promotion::begin("m", Some("m-00001"), "m-00002", in_place(Some(50)));
+        h.apply(&p, &fx);
+        let (p, fx) = p
+            .on(Event::InPlaceUnsupported(
+                "POST /weights answered 404".into(),
+            ))
+            .expect("valid while warming");
+        assert_eq!(p.phase, Phase::Warming, "it warms replicas of its own now");
+        assert!(!p.plan.in_place);
+        assert_eq!(p.fell_back.as_deref(), Some("POST /weights answered 404"));
+        assert_eq!(fx, [Effect::Start("m-00002".into())]);
+        h.apply(&p, &fx);
+        assert_eq!(h.split(), [("m-00001".to_string(), 100)]);
+        // Once fallen back, it is an ordinary promotion.
+        assert!(p.on(Event::InPlaceUnsupported("again".into())).is_err());
+        let (p, _) = p.on(Event::Ready).expect("ready");
+        assert_eq!(p.phase, Phase::Canary);
+        // Not in place, the event means nothing.
+        let (q, _) = Promotion::begin("m", Some("m-00001"), "m-00002", plan(None));
+        assert!(q.on(Event::InPlaceUnsupported("x".into())).is_err());
+    }
+
+    #[test]
+    fn in_place_an_app_of_one_replica_still_bakes_its_canary() {
+        let (p, _) = Promotion::begin("m", Some("m-00001"), "m-00002", in_place(Some(100)));
+        let (p, fx) = p.on(Event::Ready).expect("ready");
+        assert_eq!(p.phase, Phase::Canary);
+        assert!(fx.contains(&Effect::Traffic(vec![
+            ("m-00002".into(), 100),
+            ("m-00001".into(), 0)
+        ])));
+        let (p, fx) = p.on(Event::Unhealthy("5xx".into())).expect("unhealthy");
+        assert!(matches!(p.phase, Phase::RolledBack { .. }));
+        assert!(fx.contains(&Effect::Traffic(vec![("m-00001".into(), 100)])));
+        assert!(fx.contains(&Effect::Retire("m-00002".into())));
+        // Not in place, a canary of 100% is all at once.
+        let (p, _) = Promotion::begin("m", Some("m-00001"), "m-00002", plan(Some(100)));
+        assert_eq!(p.on(Event::Ready).expect("ready").0.phase, Phase::Done);
+    }
+
+    #[test]
+    fn an_in_place_promotion_read_back_from_an_older_record_is_not_in_place() {
+        let text = r#"{"app":"m","from":"m-00001","to":"m-00002","plan":{"canary":null,"bake":"1m","at_zero":false},"phase":"warming"}"#;
+        let p: Promotion = serde_json::from_str(text).expect("an older record parses");
+        assert!(!p.plan.in_place);
+        assert!(p.fell_back.is_none());
+        let json = serde_json::to_string(&p).expect("json");
+        assert!(!json.contains("fell_back"), "{json}");
     }
 
     /// Runs `events` from `begin`, applying every step to `h`.
@@ -568,6 +660,7 @@ mod tests {
                 Just(Event::StartFailed("x".into())),
                 Just(Event::Unhealthy("y".into())),
                 Just(Event::Rollback("z".into())),
+                Just(Event::InPlaceUnsupported("w".into())),
             ]
         }
 
@@ -577,10 +670,12 @@ mod tests {
             #[test]
             fn traffic_always_adds_up(
                 canary in prop_oneof![Just(None), (1_u8..=100).prop_map(Some)],
+                swap in any::<bool>(),
                 events in prop::collection::vec(event(), 0..8),
             ) {
                 let mut h = history();
-                let (mut p, fx) = Promotion::begin("m", Some("m-00001"), "m-00002", plan(canary));
+                let how = if swap { in_place(canary) } else { plan(canary) };
+                let (mut p, fx) = Promotion::begin("m", Some("m-00001"), "m-00002", how);
                 h.apply(&p, &fx);
                 for e in events {
                     if let Ok((next, fx)) = p.on(e) {

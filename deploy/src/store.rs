@@ -434,6 +434,7 @@ mod tests {
                     canary: Some(20),
                     bake: Duration::from_secs(30),
                     at_zero: false,
+                    in_place: false,
                 },
             );
             h.apply(&p, &fx);

@@ -208,6 +208,11 @@ pub enum Command {
         /// Wait until it serves 100% (exit 0) or is rolled back (exit 1).
         #[arg(long)]
         wait: bool,
+        /// Swap the weights into the serving replicas (their
+        /// `POST /weights`) instead of starting new ones: no extra GPU.
+        /// The canary is the first replicas swapped.
+        #[arg(long)]
+        in_place: bool,
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
@@ -377,13 +382,19 @@ pub fn run(cli: Cli) -> i32 {
             canary,
             bake,
             wait,
+            in_place,
             gateway,
             output,
         } => promote(
             &gateway,
             &app,
             &checkpoint,
-            Promotion { canary, bake, wait },
+            Promotion {
+                canary,
+                bake,
+                wait,
+                in_place,
+            },
             output,
         ),
         Command::Apply {
@@ -821,12 +832,21 @@ struct Promotion {
     canary: Option<u8>,
     bake: Option<humantime::Duration>,
     wait: bool,
+    in_place: bool,
 }
 
 /// `warmgate promote`.
 fn promote(gateway: &str, app: &str, checkpoint: &str, p: Promotion, output: Output) -> i32 {
-    let Promotion { canary, bake, wait } = p;
+    let Promotion {
+        canary,
+        bake,
+        wait,
+        in_place,
+    } = p;
     let mut body = serde_json::json!({"checkpoint": checkpoint, "wait": wait});
+    if in_place {
+        body["in_place"] = true.into();
+    }
     if let Some(c) = canary {
         body["canary"] = c.into();
     }

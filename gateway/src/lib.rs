@@ -8,6 +8,7 @@ pub mod change;
 pub mod cli;
 pub mod error;
 pub mod http;
+pub mod inplace;
 pub mod listener;
 pub mod metric_catalog;
 pub mod operator;

@@ -33,6 +33,9 @@ pub struct PromoteRequest {
     pub canary: Option<u8>,
     /// Bake time (overrides the app's `promotion.bake`).
     pub bake: Option<Duration>,
+    /// Swap the weights into the serving replicas (overrides the app's
+    /// `promotion.in_place`).
+    pub in_place: Option<bool>,
 }
 
 impl Gateway {
@@ -45,6 +48,26 @@ impl Gateway {
         let config = serde_json::to_string(&*app.spec())?;
         let resume = {
             let mut history = app.history.lock();
+            // The replicas an in-place promotion was swapping went with
+            // the gateway: it ends rolled back, and each revision starts
+            // replicas of its own from here.
+            if let Some(p) = history
+                .promotion
+                .clone()
+                .filter(|p| p.plan.in_place && !p.phase.is_terminal())
+                && let Ok((next, fx)) = p.on(Event::Rollback(
+                    "the gateway restarted during the in-place promotion".into(),
+                ))
+            {
+                let mut h = history.clone();
+                h.apply(&next, &fx);
+                let note = format!(
+                    "{} rolled back: the gateway restarted during the in-place promotion",
+                    p.to
+                );
+                self.store.lock().save(&app.name, &h, &note)?;
+                *history = h;
+            }
             if history.revisions.is_empty() || history.config.as_deref() != Some(config.as_str()) {
                 let mut h = history.clone();
                 let first = h.revisions.is_empty();
@@ -67,6 +90,7 @@ impl Gateway {
                         canary: None,
                         bake: Duration::ZERO,
                         at_zero: true,
+                        in_place: false,
                     },
                 );
                 h.apply(&p, &fx);
@@ -113,7 +137,24 @@ impl Gateway {
     /// (a rollback to a revision that served before).
     pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
         let target = rev.target();
-        if let Some(a) = self.revisions.read().get(&target).cloned() {
+        let existing = self.revisions.read().get(&target).cloned();
+        if let Some(a) = existing.as_ref().filter(|a| a.revision != rev.id) {
+            // The target's replicas run a later revision, promoted in
+            // place onto them. With none running it is taken back below;
+            // otherwise only an in-place promotion may use them.
+            let idle = a.ready_replicas() == 0 && self.pool.desired(&target).unwrap_or(0) == 0;
+            if !idle {
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "{}'s replicas serve {} now (promoted in place); promote or roll back in place",
+                        rev.id, a.revision
+                    ),
+                ));
+            }
+            return self.rebind(app, rev, &target);
+        }
+        if let Some(a) = existing {
             // Its weights went when it was retired, with its replicas'
             // tokens: served again, new replicas get new tokens.
             if let Some(uri) = &rev.checkpoint
@@ -155,9 +196,43 @@ impl Gateway {
         Ok(a)
     }
 
+    /// Takes back a target that an in-place promotion gave to a later
+    /// revision, now that it runs nothing: `rev` starts on it from now on.
+    fn rebind(
+        &self,
+        app: &Served,
+        rev: &Revision,
+        target: &TargetId,
+    ) -> Result<Arc<App>, ApiError> {
+        let mut spec: AppSpec =
+            serde_json::from_str(&rev.spec).unwrap_or_else(|_| (*app.spec()).clone());
+        spec.checkpoint = rev.checkpoint.clone();
+        let mut env = spec.env.clone();
+        if let Some(uri) = &spec.checkpoint {
+            env.extend(self.serve_weights(&app.name, &rev.id, uri)?);
+        }
+        self.pool.update_target(target, |t| {
+            t.revision = rev.id.clone();
+            t.checkpoint = spec.checkpoint.clone();
+            t.env = env;
+        });
+        let a = Arc::new(App::new(spec, target.clone()));
+        self.revisions.write().insert(target.clone(), a.clone());
+        app.add_live(a.clone());
+        Ok(a)
+    }
+
+    /// The pool-manager target the serving revision's replicas run on:
+    /// its own, or the one it took over in place.
+    fn serving_target(&self, app: &Served, h: &History) -> Option<TargetId> {
+        let serving = h.serving()?;
+        self.target_of(app, &serving.id)
+            .or_else(|| Some(serving.target()))
+    }
+
     /// Serves a revision's checkpoint to its workers: the variables that
     /// tell them where it is and the token that lets them read it.
-    fn serve_weights(
+    pub(crate) fn serve_weights(
         &self,
         app: &str,
         revision: &str,
@@ -222,16 +297,21 @@ impl Gateway {
             );
             let id = rev.id.clone();
             let from = h.serving().map(|r| r.id.clone());
-            let plan = Plan {
+            let mut plan = Plan {
                 canary: req.canary.or(app.spec().promotion.canary),
                 bake: req.bake.unwrap_or(app.spec().promotion.bake),
-                at_zero: self.at_zero(h.serving().map(Revision::target)),
+                at_zero: self.at_zero(self.serving_target(app, &h)),
+                in_place: false,
             };
+            let mut how = plan
+                .canary
+                .map_or("all at once".to_string(), |c| format!("canary {c}%"));
+            if req.in_place.unwrap_or(app.spec().promotion.in_place) {
+                how = in_place_plan(&mut plan, app, from.as_deref(), how);
+            }
             let note = format!(
-                "promote {id} from {} ({}{})",
+                "promote {id} from {} ({how}{})",
                 req.checkpoint,
-                plan.canary
-                    .map_or("all at once".to_string(), |c| format!("canary {c}%")),
                 if plan.at_zero { ", at zero" } else { "" }
             );
             let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &id, plan);
@@ -252,7 +332,23 @@ impl Gateway {
         p: &Promotion,
         fx: Vec<Effect>,
     ) -> Result<String, ApiError> {
-        let started = self.materialize(app, rev);
+        let started = match p.plan.in_place {
+            true => p
+                .from
+                .as_deref()
+                .and_then(|f| app.revision(f))
+                .ok_or_else(|| {
+                    ApiError::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "app '{}' has no serving revision to swap in place",
+                            app.name
+                        ),
+                    )
+                })
+                .and_then(|host| self.materialize_guest(app, rev, &host)),
+            false => self.materialize(app, rev),
+        };
         drop(h);
         if let Err(e) = started {
             // Saved, but it cannot run: the promotion fails for good,
@@ -323,11 +419,21 @@ impl Gateway {
                 )
             })?;
             let from = h.serving().map(|r| r.id.clone());
-            let plan = Plan {
+            let serving_target = self.serving_target(app, &h);
+            let mut plan = Plan {
                 canary: None,
                 bake: Duration::ZERO,
-                at_zero: self.at_zero(h.serving().map(Revision::target)),
+                at_zero: self.at_zero(serving_target.clone()),
+                in_place: false,
             };
+            // Back in place when the app promotes in place, and always when
+            // the serving revision runs on the previous one's replicas
+            // (promoted in place onto them): those replicas swap back.
+            let hosted = serving_target.is_some_and(|t| t == prev.target());
+            let mut how = String::from("all at once");
+            if app.spec().promotion.in_place || hosted {
+                how = in_place_plan(&mut plan, app, from.as_deref(), how);
+            }
             let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
             self.commit(
                 app,
@@ -335,10 +441,16 @@ impl Gateway {
                 None,
                 &p,
                 &fx,
-                &format!("roll back to {}", prev.id),
+                &format!("roll back to {} ({how})", prev.id),
             )?;
             // It served before, so its checkpoint opened before.
-            self.materialize(app, &prev)?;
+            match (
+                p.plan.in_place,
+                from.as_deref().and_then(|f| app.revision(f)),
+            ) {
+                (true, Some(host)) => self.materialize_guest(app, &prev, &host)?,
+                _ => self.materialize(app, &prev)?,
+            };
             (prev.id, fx)
         };
         self.act(app, &fx);
@@ -361,6 +473,7 @@ impl Gateway {
                 checkpoint: checkpoint.to_string(),
                 canary: None,
                 bake: None,
+                in_place: None,
             },
         )
         .await
@@ -396,7 +509,8 @@ impl Gateway {
             let plan = Plan {
                 canary: None,
                 bake: Duration::ZERO,
-                at_zero: self.at_zero(h.serving().map(Revision::target)),
+                at_zero: self.at_zero(self.serving_target(app, &h)),
+                in_place: false,
             };
             let note = match &from {
                 Some(from) => format!("{why}: {id} replaces {from}"),
@@ -462,11 +576,20 @@ impl Gateway {
     /// The pool-manager target of an app's revision, by its id, once it
     /// has been materialized.
     fn target_of(&self, app: &Served, id: &str) -> Option<TargetId> {
-        self.revisions
+        let is = |a: &&Arc<App>| a.name == app.name && a.revision == id;
+        let own = self
+            .revisions
             .read()
             .values()
-            .find(|a| a.name == app.name && a.revision == id)
-            .map(|a| a.target.clone())
+            .find(is)
+            .map(|a| a.target.clone());
+        own.or_else(|| {
+            self.guests
+                .read()
+                .values()
+                .find(is)
+                .map(|a| a.target.clone())
+        })
     }
 
     /// Whether the serving revision has no replicas at all.
@@ -486,8 +609,8 @@ impl Gateway {
     /// `Internal` when the save failed (nothing changed, in memory or
     /// outside).
     fn step(
-        &self,
-        app: &Served,
+        self: &Arc<Self>,
+        app: &Arc<Served>,
         from: &Promotion,
         next: &Promotion,
         fx: Vec<Effect>,
@@ -557,9 +680,46 @@ impl Gateway {
         Ok(())
     }
 
-    fn act(&self, app: &Served, fx: &[Effect]) {
+    fn act(self: &Arc<Self>, app: &Arc<Served>, fx: &[Effect]) {
         for e in fx {
             match e {
+                Effect::Start(id) if app.revision(id).is_some_and(|a| a.is_guest()) => {
+                    // In place: nothing starts; the serving revision keeps
+                    // every replica it has while they are swapped.
+                    if let Some(guest) = app.revision(id)
+                        && let Some(host) = self.revisions.read().get(&guest.target)
+                    {
+                        host.hold(host.ready_replicas() as u32);
+                    }
+                }
+                Effect::Retire(id) if app.revision(id).is_some_and(|a| a.is_guest()) => {
+                    // Rolled back or failed in place: the replicas it took
+                    // load the old weights again.
+                    let guest = app.revision(id).expect("checked above");
+                    guest.hold(0);
+                    let host = self.revisions.read().get(&guest.target).cloned();
+                    match host {
+                        Some(host) => self.send_back(app.clone(), guest, host),
+                        None => {
+                            self.guests.write().remove(&guest.target);
+                            self.weights.unregister(&app.name, id);
+                            app.remove_live(id);
+                        }
+                    }
+                }
+                Effect::Retire(id)
+                    if app.revision(id).is_some_and(|a| {
+                        self.guests
+                            .read()
+                            .get(&a.target)
+                            .is_some_and(|g| app.revision(&g.revision).is_some())
+                    }) =>
+                {
+                    // Promoted in place: the new revision keeps the
+                    // replicas, and the target is its own now.
+                    let from = app.revision(id).expect("checked above");
+                    self.settle_guest(app, &from);
+                }
                 Effect::Start(id) => {
                     // As many replicas as the serving revision has, so the
                     // switch does not shrink capacity; at least one.
@@ -633,13 +793,36 @@ impl Gateway {
                 Some(Event::Rollback(reason))
             } else {
                 match p.phase {
+                    Phase::Warming if p.plan.in_place => match self.warm_in_place(&app, &p).await {
+                        Event::Ready => {
+                            let gate = self.gate(&app, &p.to).await;
+                            if gate == Event::Ready && p.plan.canary.is_none() {
+                                // Nothing to bake: every replica moves now.
+                                self.commit_in_place(&app, &p).await;
+                            }
+                            Some(gate)
+                        }
+                        other => Some(other),
+                    },
                     Phase::Warming => match self.warming(&app, &p, since) {
                         Some(Event::Ready) => Some(self.gate(&app, &p.to).await),
                         other => other,
                     },
-                    Phase::Canary => canary(&app, &p, to.as_deref(), baseline, since),
+                    Phase::Canary => match canary(&app, &p, to.as_deref(), baseline, since) {
+                        Some(Event::BakeElapsed) if p.plan.in_place => {
+                            // The canary passed: the rest of the replicas
+                            // swap before the last step retires the old.
+                            self.commit_in_place(&app, &p).await;
+                            Some(Event::BakeElapsed)
+                        }
+                        other => other,
+                    },
                     _ => None,
                 }
+            };
+            let event = match event {
+                Some(Event::InPlaceUnsupported(why)) => Some(self.fall_back(&app, &p, why)),
+                other => other,
             };
             if let Some(event) = event {
                 let note = match &event {
@@ -651,6 +834,12 @@ impl Gateway {
                     }
                     Event::Unhealthy(r) => format!("{} rolled back: {r}", p.to),
                     Event::Rollback(r) => format!("{} rolled back: {r}", p.to),
+                    Event::InPlaceUnsupported(r) => {
+                        format!(
+                            "{} starts new replicas instead of swapping in place: {r}",
+                            p.to
+                        )
+                    }
                 };
                 match p.on(event) {
                     Ok((next, fx)) => match self.step(&app, &p, &next, fx.clone(), &note) {
@@ -713,6 +902,7 @@ impl Gateway {
                             checkpoint,
                             canary: None,
                             bake: None,
+                            in_place: None,
                         };
                         if let Err(e) = self.promote(&app, req).await {
                             tracing::warn!(app = %app.name, error = %e.message, "the watcher could not promote");
@@ -795,6 +985,80 @@ impl Gateway {
         }
     }
 
+    /// Warming in place: the canary's replicas (every replica, without a
+    /// canary) swap to the new weights. `Ready` once they have.
+    async fn warm_in_place(&self, app: &Served, p: &Promotion) -> Event {
+        let host = p.from.as_deref().and_then(|f| app.revision(f));
+        let (Some(host), Some(guest)) = (host, app.revision(&p.to)) else {
+            return Event::StartFailed("the serving revision is gone".into());
+        };
+        let n = host.ready_replicas() + guest.ready_replicas();
+        let want = match p.plan.canary {
+            // The share was made from whole replicas (`canary_replicas`).
+            Some(share) => ((n * usize::from(share) + 50) / 100).clamp(1, n.max(1)),
+            None => n,
+        };
+        let m = crate::inplace::Move {
+            app,
+            from: &host,
+            to: &guest,
+            version: seq_of(app, &p.to),
+            direction: crate::inplace::Direction::Forward,
+        };
+        match self
+            .swap(&m, want.saturating_sub(guest.ready_replicas()), true)
+            .await
+        {
+            Ok(_) if guest.ready_replicas() > 0 => Event::Ready,
+            Ok(_) => Event::StartFailed("no replica could be swapped in place".into()),
+            Err(crate::inplace::SwapError::Unsupported(why)) => Event::InPlaceUnsupported(why),
+            Err(crate::inplace::SwapError::Failed(why)) => {
+                Event::StartFailed(format!("swapping in place failed: {why}"))
+            }
+        }
+    }
+
+    /// The in-place canary passed: the target starts the new revision from
+    /// now on, and every other replica swaps.
+    async fn commit_in_place(&self, app: &Served, p: &Promotion) {
+        let host = p.from.as_deref().and_then(|f| app.revision(f));
+        let rev = app.history.lock().get(&p.to).cloned();
+        let (Some(host), Some(guest), Some(rev)) = (host, app.revision(&p.to), rev) else {
+            return;
+        };
+        let m = crate::inplace::Move {
+            app,
+            from: &host,
+            to: &guest,
+            version: u64::from(rev.seq),
+            direction: crate::inplace::Direction::Forward,
+        };
+        self.swap_rest(&m, &rev).await;
+    }
+
+    /// A worker cannot swap in place: the guest leaves, and the new
+    /// revision gets a target of its own (the promotion's next step
+    /// starts it). `StartFailed` when even that cannot be had.
+    fn fall_back(&self, app: &Served, p: &Promotion, why: String) -> Event {
+        if let Some(guest) = app.revision(&p.to) {
+            self.guests.write().remove(&guest.target);
+            app.remove_live(&p.to);
+        }
+        // Traffic as it was before the swap was tried.
+        if let Some(from) = &p.from {
+            app.set_split(&[(from.clone(), 100)]);
+        }
+        let rev = app.history.lock().get(&p.to).cloned();
+        match rev.map(|rev| self.materialize(app, &rev)) {
+            Some(Ok(_)) => Event::InPlaceUnsupported(why),
+            Some(Err(e)) => Event::StartFailed(format!(
+                "{why}; and new replicas cannot start: {}",
+                e.message
+            )),
+            None => Event::StartFailed(why),
+        }
+    }
+
     /// During warming: ready, failed, or not yet.
     fn warming(&self, app: &Served, p: &Promotion, since: Instant) -> Option<Event> {
         let h = self.pool.health(&self.target_of(app, &p.to)?)?;
@@ -871,6 +1135,35 @@ fn canary(
         }
     }
     (since.elapsed() >= p.plan.bake).then_some(Event::BakeElapsed)
+}
+
+/// Makes `plan` an in-place one when the serving revision has ready
+/// replicas to swap (the canary becomes whole replicas, and its share
+/// theirs); returns how the promotion goes, for its note.
+fn in_place_plan(plan: &mut Plan, app: &Served, from: Option<&str>, how: String) -> String {
+    if plan.at_zero {
+        return format!("{how}; at zero, nothing to swap in place");
+    }
+    let Some(host) = from.and_then(|f| app.revision(f)) else {
+        return format!("{how}; no serving revision to swap in place");
+    };
+    let n = host.ready_replicas();
+    if n == 0 {
+        return format!("{how}; no ready replica to swap in place, so new replicas");
+    }
+    let (k, share) = crate::inplace::canary_replicas(n, plan.canary);
+    plan.in_place = true;
+    plan.canary = share;
+    match share {
+        Some(pct) => format!("in place: canary of {k} of {n} replicas, {pct}% of the traffic"),
+        None => format!("in place: {n} replicas, one at a time"),
+    }
+}
+
+/// A revision's number, which its weights are versioned by when swapped
+/// in place.
+fn seq_of(app: &Served, id: &str) -> u64 {
+    app.history.lock().get(id).map_or(0, |r| u64::from(r.seq))
 }
 
 fn removed_error(app: &str) -> ApiError {

@@ -31,6 +31,9 @@ pub struct Gateway {
     pub(crate) registry: crate::registry::Live,
     /// Every app revision ever started, by id (for replica events).
     pub(crate) revisions: Revisions,
+    /// Revisions promoted in place, by the target whose replicas they
+    /// borrow while the promotion runs (`inplace.rs`).
+    pub(crate) guests: Revisions,
     pub(crate) pool: PoolManager,
     pub(crate) upstream: Upstream,
     /// A request's way from the traffic split to a replica.
@@ -78,6 +81,7 @@ pub(crate) type Revisions = Arc<parking_lot::RwLock<HashMap<TargetId, Arc<App>>>
 /// stops them.
 struct Sink {
     revisions: Revisions,
+    guests: Revisions,
     registry: crate::registry::Live,
     /// Mints and revokes each replica's weights token.
     weights: Arc<crate::weights::Weights>,
@@ -85,19 +89,19 @@ struct Sink {
 
 impl ReplicaSink for Sink {
     /// A pool replica may read every weight version of its pool (it syncs
-    /// in place); an app replica with a checkpoint, its revision's.
+    /// in place); an app replica, its revision's (an app started without
+    /// a checkpoint gets a token too, which an in-place promotion to one
+    /// regrants).
     fn replica_env(&self, spec: &TargetSpec, replica: &str) -> BTreeMap<String, String> {
         let grant = if spec.id.is_pool() {
             crate::weights::Grant::Pool {
                 target: spec.id.owner().to_string(),
             }
-        } else if spec.checkpoint.is_some() {
+        } else {
             crate::weights::Grant::Revision {
                 target: spec.id.owner().to_string(),
                 revision: spec.revision.clone(),
             }
-        } else {
-            return BTreeMap::new();
         };
         match self.weights.issue(replica, grant) {
             Ok(token) => BTreeMap::from([("WARMGATE_WEIGHTS_TOKEN".to_string(), token)]),
@@ -114,7 +118,20 @@ impl ReplicaSink for Sink {
         self.weights.revoke_replica(replica);
     }
 
+    /// A replica started for the revision promoted in place on its target
+    /// (after the promotion's canary passed, the target starts the new
+    /// weights) joins that revision; any other joins the target's own.
     fn replica_ready(&self, replica: Arc<ReplicaHandle>) {
+        let guest = self
+            .guests
+            .read()
+            .get(&replica.target)
+            .filter(|g| g.revision == replica.revision)
+            .cloned();
+        if let Some(guest) = guest {
+            guest.add_replica(replica);
+            return;
+        }
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
             app.add_replica(replica);
@@ -123,7 +140,12 @@ impl ReplicaSink for Sink {
         }
     }
 
+    /// Gone from its target's revision, or from the revision that
+    /// borrowed it for an in-place promotion.
     fn replica_removed(&self, replica: &Arc<ReplicaHandle>) {
+        if let Some(guest) = self.guests.read().get(&replica.target).cloned() {
+            guest.remove_replica(replica);
+        }
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
             app.remove_replica(replica);
@@ -271,12 +293,14 @@ impl Gateway {
         metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
         tasks.set_journal(Arc::new(journal));
         let revisions: Revisions = Arc::default();
+        let guests: Revisions = Arc::default();
         let registry: crate::registry::Live = Arc::default();
         let pool = PoolManager::new(
             backend,
             config.backend.gpus.clone(),
             Arc::new(Sink {
                 revisions: revisions.clone(),
+                guests: guests.clone(),
                 registry: registry.clone(),
                 weights: weights.clone(),
             }),
@@ -292,6 +316,7 @@ impl Gateway {
             config: Arc::new(config),
             registry,
             revisions,
+            guests,
             pool,
             upstream,
             started,

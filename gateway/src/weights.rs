@@ -210,6 +210,20 @@ impl Weights {
         Ok(token)
     }
 
+    /// Makes the live token of `replica` cover `grant` instead of what it
+    /// covered: a replica whose weights are swapped in place reads the new
+    /// revision's checkpoint with the token it started with. False when
+    /// it has no token.
+    pub fn regrant(&self, replica: &str, grant: Grant) -> bool {
+        match self.tokens.lock().get_mut(replica) {
+            Some((g, _)) => {
+                *g = grant;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Revokes the token of a replica that has ended.
     pub fn revoke_replica(&self, replica: &str) {
         self.tokens.lock().remove(replica);
@@ -644,6 +658,14 @@ mod tests {
         assert!(w.authorized("p", "v1", &pool) && w.authorized("p", "v7", &pool));
         assert!(!w.authorized("m", "r1", ""));
         assert!(!w.authorized("m", "r1", &t1[..63]));
+        // Swapped in place, a replica's token reads the new revision only.
+        assert!(w.regrant("m-00001-2", rev("r2")));
+        assert!(w.authorized("m", "r2", &t2) && !w.authorized("m", "r1", &t2));
+        assert!(w.regrant("m-00001-2", rev("r1")), "and back on a rollback");
+        assert!(
+            !w.regrant("m-00009-9", rev("r2")),
+            "no token, nothing to regrant"
+        );
         // A replica that ended loses its token; the others keep theirs.
         w.revoke_replica("m-00001-1");
         assert!(!w.authorized("m", "r1", &t1));

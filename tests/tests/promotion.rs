@@ -530,3 +530,253 @@ async fn an_unreachable_gate_hook_keeps_the_old_revision() {
     );
     assert_eq!(app(&gw).await["revision"], "m-00001");
 }
+
+/// Every GPU of `backend.gpus` taken by the app's two replicas: a
+/// promotion that started replicas beside them could not place them.
+fn full_box_config(v1: &str, extra: &str) -> String {
+    format!(
+        r#"
+        [backend]
+        gpus = [0, 1]
+
+        [[apps]]
+        name = "m"
+        command = ["{{worker}}"]
+        checkpoint = "{v1}"
+        concurrency = 16
+        gpus = 1
+
+        [apps.autoscale]
+        min = 2
+        max = 2
+
+        [apps.promotion]
+        in_place = true
+        min_requests = 10
+        {extra}
+        {allow}
+        "#,
+        allow = common::allow_temp_checkpoints()
+    )
+}
+
+/// What the replicas answer now: (revision header, the worker's own
+/// weights version), over a few requests.
+async fn answered_by(gw: &Gateway) -> std::collections::BTreeSet<(String, String)> {
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("get");
+        assert!(r.status().is_success(), "{}", r.status());
+        let h = |name: &str| {
+            r.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string()
+        };
+        seen.insert((h("x-warmgate-revision"), h("x-worker-weights-version")));
+    }
+    seen
+}
+
+fn sorted(mut pids: Vec<i32>) -> Vec<i32> {
+    pids.sort_unstable();
+    pids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_place_promotion_on_a_full_box_swaps_the_weights_under_load() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let gw = Gateway::start(&full_box_config(&v1, "canary = 50\nbake = \"2s\""));
+    gw.wait_ready("m", 2).await;
+    let pids = sorted(replica_pids(&gw).await);
+    assert_eq!(pids.len(), 2);
+
+    let load = Load::start(&gw, 8);
+    eventually("traffic flows", || async {
+        (load.ok.load(Ordering::Relaxed) > 50).then_some(())
+    })
+    .await;
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": v2, "wait": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let p = &body["promotion"];
+    assert_eq!(p["phase"], "done", "{body}");
+    assert_eq!(p["plan"]["in_place"], true, "{body}");
+    assert_eq!(p["plan"]["canary"], 50, "one of two replicas: {body}");
+    assert!(p.get("fell_back").is_none(), "{body}");
+    let before = load.ok.load(Ordering::Relaxed);
+    eventually("traffic on the new revision", || async {
+        (load.ok.load(Ordering::Relaxed) > before + 50).then_some(())
+    })
+    .await;
+    let (ok, failed, seen) = load.stop().await;
+    assert_eq!(failed, 0, "{ok} ok, {failed} failed");
+    assert!(seen.contains(&"m-00001".to_string()), "{seen:?}");
+    assert_eq!(seen.last().map(String::as_str), Some("m-00002"), "{seen:?}");
+
+    // The same two processes, now on the new weights, and nothing else.
+    assert_eq!(sorted(replica_pids(&gw).await), pids, "no new process");
+    let answers = answered_by(&gw).await;
+    assert_eq!(
+        answers,
+        [("m-00002".to_string(), "2".to_string())].into(),
+        "every replica runs m-00002's weights"
+    );
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    assert_eq!(revs["revisions"][0]["id"], "m-00002");
+    assert_eq!(revs["revisions"][0]["state"], "serving");
+    assert_eq!(revs["revisions"][1]["state"], "retired");
+    let notes = revs["notes"].to_string();
+    assert!(
+        notes.contains("in place: canary of 1 of 2 replicas"),
+        "{notes}"
+    );
+
+    // A rollback by hand swaps the old weights back into the same
+    // processes, under load too.
+    let load = Load::start(&gw, 8);
+    let out = cli(&gw, &["rollback", "m"]);
+    assert!(out.contains("rolling back to m-00001"), "{out}");
+    eventually("m-00001 serves again", || async {
+        let s = app(&gw).await;
+        (s["revision"] == "m-00001" && s["promotion"]["phase"] == "done").then_some(())
+    })
+    .await;
+    let (ok, failed, _) = load.stop().await;
+    assert_eq!(failed, 0, "{ok} ok, {failed} failed");
+    eventually("every replica back on m-00001's weights", || async {
+        (answered_by(&gw).await == [("m-00001".to_string(), "1".to_string())].into()).then_some(())
+    })
+    .await;
+    assert_eq!(sorted(replica_pids(&gw).await), pids, "no new process");
+    let notes = gw.json("/v1/apps/m/revisions").await["notes"].to_string();
+    assert!(notes.contains("roll back to m-00001 (in place"), "{notes}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_in_place_canary_is_swapped_back_under_load() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let broken = checkpoint(root.path(), "broken", true);
+    let gw = Gateway::start(&full_box_config(&v1, "canary = 50\nbake = \"30s\""));
+    gw.wait_ready("m", 2).await;
+    let pids = sorted(replica_pids(&gw).await);
+    let load = Load::start(&gw, 8);
+    let body = promote_and_wait(&gw, &broken).await;
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    assert!(
+        body["promotion"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("error rate")),
+        "{body}"
+    );
+    // The canary's replica loads the old weights again: every answer is
+    // good once it has.
+    // (The replica that never left reports the version it started with,
+    // 0; the one swapped back, m-00001's number.)
+    eventually("the canary's replica back on m-00001's weights", || async {
+        let v = answered_by(&gw).await;
+        (v.iter().all(|(rev, _)| rev == "m-00001")
+            && v.contains(&("m-00001".to_string(), "1".to_string())))
+        .then_some(())
+    })
+    .await;
+    let before = load.failed.load(Ordering::Relaxed);
+    let ok_before = load.ok.load(Ordering::Relaxed);
+    eventually("traffic flows on the old weights", || async {
+        (load.ok.load(Ordering::Relaxed) > ok_before + 200).then_some(())
+    })
+    .await;
+    let (_, failed, _) = load.stop().await;
+    assert_eq!(failed, before, "nothing fails once swapped back");
+    assert_eq!(sorted(replica_pids(&gw).await), pids, "no new process");
+
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    assert_eq!(revs["revisions"][0]["state"], "failed", "{revs}");
+    assert_eq!(revs["revisions"][1]["traffic"], 100, "{revs}");
+    let notes = revs["notes"].to_string();
+    assert!(notes.contains("m-00002 rolled back"), "{notes}");
+    assert!(notes.contains("in place"), "{notes}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_swap_makes_the_promotion_start_new_replicas() {
+    let root = tempfile::tempdir().expect("dir");
+    let v2 = checkpoint(root.path(), "v2", false);
+    // A stock server: no POST /weights.
+    let gw = Gateway::start(&config("").replace(
+        "concurrency = 16",
+        "concurrency = 16\n        env = { TEST_WORKER_NO_WEIGHTS = \"1\" }",
+    ));
+    gw.wait_ready("m", 1).await;
+    let pids = replica_pids(&gw).await;
+    let load = Load::start(&gw, 4);
+    let (status, body) = post(
+        &gw,
+        "/v1/apps/m/promote",
+        json!({"checkpoint": v2, "wait": true, "in_place": true}),
+    )
+    .await;
+    let (ok, failed, _) = load.stop().await;
+    assert_eq!(status, 200, "{body}");
+    let p = &body["promotion"];
+    assert_eq!(p["phase"], "done", "{body}");
+    assert_eq!(p["plan"]["in_place"], false, "{body}");
+    assert!(
+        p["fell_back"]
+            .as_str()
+            .is_some_and(|r| r.contains("does not support in-place")),
+        "the record says why: {body}"
+    );
+    assert_eq!(failed, 0, "{ok} ok, {failed} failed");
+    assert_eq!(app(&gw).await["revision"], "m-00002");
+    eventually("the new revision's own replica serves", || async {
+        let now = replica_pids(&gw).await;
+        (!now.is_empty() && now.iter().all(|p| !pids.contains(p))).then_some(())
+    })
+    .await;
+    let notes = gw.json("/v1/apps/m/revisions").await["notes"].to_string();
+    assert!(notes.contains("starts new replicas instead"), "{notes}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_of_one_replica_is_promoted_in_place_without_failing_a_request() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let config = full_box_config(&v1, "bake = \"1s\"")
+        .replace("gpus = [0, 1]", "gpus = [0]")
+        .replace("min = 2\n        max = 2", "min = 1\n        max = 1");
+    let gw = Gateway::start(&config);
+    gw.wait_ready("m", 1).await;
+    let pids = replica_pids(&gw).await;
+    let load = Load::start(&gw, 8);
+    eventually("traffic flows", || async {
+        (load.ok.load(Ordering::Relaxed) > 50).then_some(())
+    })
+    .await;
+    // All at once: the only replica stops taking m-00001's requests,
+    // swaps, then serves what m-00001 still held before taking m-00002's.
+    let body = promote_and_wait(&gw, &v2).await;
+    assert_eq!(body["promotion"]["phase"], "done", "{body}");
+    let before = load.ok.load(Ordering::Relaxed);
+    eventually("traffic on the new revision", || async {
+        (load.ok.load(Ordering::Relaxed) > before + 50).then_some(())
+    })
+    .await;
+    let (ok, failed, seen) = load.stop().await;
+    assert_eq!(failed, 0, "{ok} ok, {failed} failed");
+    assert_eq!(seen.last().map(String::as_str), Some("m-00002"), "{seen:?}");
+    assert_eq!(replica_pids(&gw).await, pids, "the same process");
+    assert_eq!(
+        answered_by(&gw).await,
+        [("m-00002".to_string(), "2".to_string())].into()
+    );
+}

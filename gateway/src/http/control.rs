@@ -228,6 +228,9 @@ pub(crate) struct PromoteBody<'a> {
     bake: Scalar<'a>,
     #[serde(default)]
     wait: bool,
+    /// Swap the weights into the serving replicas instead of starting new
+    /// ones (default: the app's `promotion.in_place`).
+    in_place: Option<bool>,
 }
 
 pub(crate) fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
@@ -252,7 +255,7 @@ pub(crate) async fn promote(
             ApiError::new(
                 ErrorKind::BadRequest,
                 format!(
-                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?}} ({e})"
+                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?, \"in_place\"?}} ({e})"
                 ),
             )
         })?;
@@ -267,6 +270,7 @@ pub(crate) async fn promote(
                     checkpoint: body.checkpoint,
                     canary: body.canary,
                     bake,
+                    in_place: body.in_place,
                 },
             )
             .await?;

@@ -34,9 +34,14 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                 let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
                 let mut panicking = false;
                 for app in served.live() {
+                    // A revision promoted in place borrows its host's
+                    // target, which the host's autoscaler sizes.
+                    let owns = !app.is_guest();
                     panicking |= app.tick(now, |n| {
-                        gw.pool.scale(&app.target, n);
-                        desired += n;
+                        if owns {
+                            gw.pool.scale(&app.target, n);
+                            desired += n;
+                        }
                     });
                     let (i, q) = app.load();
                     inflight += i;

@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -46,6 +46,10 @@ pub struct App {
     queued: metrics::Histogram,
     /// Replicas the autoscaler may not go below (held during a promotion).
     floor: AtomicU32,
+    /// It borrows another revision's replicas (an in-place promotion):
+    /// the pool-manager target is that revision's, and this one's
+    /// autoscaler does not size it.
+    guest: AtomicBool,
     /// Requests answered, and of those failed (the gateway's errors and the
     /// worker's 5xx answers): the canary's health.
     answered: AtomicU64,
@@ -155,6 +159,18 @@ impl App {
     /// The data-plane state of an app at zero replicas.
     pub fn new(spec: AppSpec, target: TargetId) -> Self {
         let revision = target.to_string();
+        Self::with_revision(spec, target, revision, false)
+    }
+
+    /// A revision promoted in place: it serves on replicas it takes from
+    /// the revision whose target is `host`, swapping their weights, and
+    /// sizes nothing until it [settles](App::settle) as the host's
+    /// successor.
+    pub fn guest(spec: AppSpec, host: TargetId, revision: String) -> Self {
+        Self::with_revision(spec, host, revision, true)
+    }
+
+    fn with_revision(spec: AppSpec, target: TargetId, revision: String, guest: bool) -> Self {
         let scaling = scaling_config(&spec);
         let now = Instant::now();
         App {
@@ -194,6 +210,7 @@ impl App {
             ttfb: metrics::histogram!("warmgate_time_to_first_byte_seconds", "app" => spec.name.clone()),
             queued: metrics::histogram!("warmgate_request_queued_seconds", "app" => spec.name.clone()),
             floor: AtomicU32::new(0),
+            guest: AtomicBool::new(guest),
             answered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             latencies: Mutex::new(VecDeque::new()),
@@ -292,10 +309,29 @@ impl App {
         s.dispatch();
     }
 
-    /// A replica must take no new requests. Requests in flight on it finish.
-    pub fn remove_replica(&self, replica: &Arc<ReplicaHandle>) {
+    /// A replica must take no new requests. Requests in flight on it
+    /// finish. Returns whether it was routed here.
+    pub fn remove_replica(&self, replica: &Arc<ReplicaHandle>) -> bool {
         let mut s = self.slots.lock();
+        let before = s.replicas.len();
         s.replicas.retain(|r| !Arc::ptr_eq(r, replica));
+        s.replicas.len() < before
+    }
+
+    /// The replicas taking its traffic now.
+    pub fn replicas(&self) -> Vec<Arc<ReplicaHandle>> {
+        self.slots.lock().replicas.clone()
+    }
+
+    /// Whether it borrows another revision's replicas (see [`App::guest`]).
+    pub fn is_guest(&self) -> bool {
+        self.guest.load(Ordering::Acquire)
+    }
+
+    /// Its in-place promotion is done: the target is its own now, and its
+    /// autoscaler sizes it.
+    pub fn settle(&self) {
+        self.guest.store(false, Ordering::Release);
     }
 
     /// Fails every held request, when the app cannot start and has nothing

@@ -199,7 +199,7 @@ impl Pipeline {
         let (slot, queued, cold) = match app.acquire().map_err(Failed)? {
             Acquire::Ready(slot) => (slot, Duration::ZERO, false),
             Acquire::Held { pending, cold } => {
-                if cold {
+                if cold && !app.is_guest() {
                     let pool = &self.pool;
                     app.wake(self.started.elapsed(), |n| {
                         if pool.desired(&app.target).unwrap_or(0) < n {
@@ -220,7 +220,9 @@ impl Pipeline {
         if let Ok(v) = HeaderValue::from_str(&replica.id) {
             h.insert(X_REPLICA, v);
         }
-        if let Ok(v) = HeaderValue::from_str(&replica.revision) {
+        // The revision that served it: a replica swapped in place keeps
+        // the name of the revision it started with.
+        if let Ok(v) = HeaderValue::from_str(&app.revision) {
             h.insert(X_REVISION, v);
         }
         h.insert(X_QUEUED_MS, HeaderValue::from(queued.as_millis() as u64));

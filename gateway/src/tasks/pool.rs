@@ -19,7 +19,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use parking_lot::Mutex;
 use serde::Serialize;
-use serde_json::Value;
 use tokio::sync::{Notify, oneshot};
 use warmgate_deploy::{Fairness, PoolSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
@@ -1112,42 +1111,10 @@ impl Pool {
 
     /// `POST /weights {"url", "version"}` to a worker.
     async fn load_weights(&self, r: &ReplicaHandle, url: &str, version: u64) -> Result<(), String> {
-        let body = serde_json::to_vec(&serde_json::json!({"url": url, "version": version}))
-            .map_err(|e| e.to_string())?;
-        let req = http::Request::post(format!("http://{}/weights", r.addr))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(axum::body::Body::from(body))
-            .map_err(|e| e.to_string())?;
-        let resp = self
-            .client
-            .send(req)
+        self.client
+            .load_weights(r.addr, url, version)
             .await
-            .map_err(|e| format!("the worker did not answer POST /weights: {e}"))?;
-        let status = resp.status();
-        let body = Limited::new(resp.into_body(), 64 * 1024)
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        if !status.is_success() {
-            let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
-            return Err(if matches!(status.as_u16(), 404 | 405 | 501) {
-                format!(
-                    "the worker does not support in-place weight sync (POST /weights answered {status})"
-                )
-            } else {
-                format!("the worker answered {status}: {text}")
-            });
-        }
-        let reported = serde_json::from_slice::<Value>(&body)
-            .ok()
-            .and_then(|v| v.get("weights_version").and_then(Value::as_u64));
-        match reported {
-            Some(v) if v != version => Err(format!(
-                "the worker reports weights version {v} after loading {version}"
-            )),
-            _ => Ok(()),
-        }
+            .map_err(|e| e.to_string())
     }
 
     /// Runs the dispatcher until the runtime stops, or until the pool is

@@ -17,7 +17,8 @@
 //! "version"}` swaps them in place. Loading reads every file of the
 //! manifest and keeps their SHA-256, which `/stats` reports. A replica named
 //! in `TEST_WORKER_WEIGHTS_FAIL` (comma-separated ids) answers 500 to
-//! `POST /weights`; one in `TEST_WORKER_WEIGHTS_HANG` never answers.
+//! `POST /weights`; one in `TEST_WORKER_WEIGHTS_HANG` never answers; with
+//! `TEST_WORKER_NO_WEIGHTS` set it has no `POST /weights` at all (404).
 //! `TEST_WORKER_WEIGHTS_NO_HASH=1` skips the hashing (for benchmarks of the
 //! transport). A checkpoint with a file named `BROKEN` makes the worker
 //! answer every other request with 500: a deliberately broken model. One
@@ -446,6 +447,14 @@ async fn swap_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         }
     };
     let replica = state.config.replica();
+    // A stock server without in-place sync: the route is not there.
+    if std::env::var_os("TEST_WORKER_NO_WEIGHTS").is_some() {
+        return (
+            StatusCode::NOT_FOUND,
+            axum::Json(json!({"error": "no such route"})),
+        )
+            .into_response();
+    }
     if listed("TEST_WORKER_WEIGHTS_HANG", replica) {
         std::future::pending::<()>().await;
     }

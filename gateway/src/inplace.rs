@@ -1,0 +1,384 @@
+//! In-place promotion, carried out: a new revision takes over the serving
+//! revision's replicas one at a time by having each load its weights
+//! through the worker's `POST /weights`, instead of starting replicas of
+//! its own. The processes (and their GPUs) stay; only the weights and the
+//! routing change. `promote.rs` decides when; this module moves replicas.
+//!
+//! While the promotion runs, the new revision is a *guest* on the serving
+//! revision's pool-manager target (`Gateway::guests`): its dispatcher
+//! routes to the replicas it took, and the host's autoscaler keeps sizing
+//! the target, held at no fewer replicas than it had. A replica moves in
+//! four steps: out of the old revision's routing, its requests in flight
+//! finish, its token is regranted and its weights swapped, into the new
+//! revision's routing. The old revision never loses its last replica
+//! while it still holds requests, so nothing held is stranded.
+//!
+//! When the canary has passed, the target is changed to start the new
+//! revision (so a replica that crashes comes back with the new weights),
+//! the rest of the replicas are swapped, and the guest becomes the
+//! target's revision. A rollback swaps the guest's replicas back to the
+//! old weights. A replica whose swap fails is replaced: the pool manager
+//! starts a fresh one from the target's spec.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use warmgate_deploy::AppSpec;
+use warmgate_deploy::revision::Revision;
+use warmgate_pool::ReplicaHandle;
+
+use crate::error::{ApiError, ErrorKind};
+use crate::server::Gateway;
+use crate::serving::dispatch::App;
+use crate::serving::served::Served;
+use crate::upstream::LoadError;
+use crate::weights::Grant;
+
+/// How often a replica about to leave a revision looks at that
+/// revision's held requests.
+const HELD_POLL: Duration = Duration::from_millis(10);
+
+/// How a swap of several replicas ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SwapError {
+    /// The first replica's worker has no `POST /weights`; nothing moved,
+    /// and it serves the old weights as before.
+    Unsupported(String),
+    /// A replica could not load the weights; it is being replaced.
+    Failed(String),
+}
+
+/// Which way replicas move, and so what happens to the traffic split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direction {
+    /// Promoting: the traffic follows the replicas, in proportion.
+    Forward,
+    /// Rolling back: the traffic is already back on the old revision.
+    Back,
+}
+
+/// One swap: from which revision to which, to what weights.
+pub(crate) struct Move<'a> {
+    /// The app.
+    pub app: &'a Served,
+    /// The revision giving up replicas.
+    pub from: &'a Arc<App>,
+    /// The revision taking them.
+    pub to: &'a Arc<App>,
+    /// The weights version the worker is told (`to`'s revision number).
+    pub version: u64,
+    /// Which way.
+    pub direction: Direction,
+}
+
+impl Gateway {
+    /// The dispatcher of `rev` as a guest on `host`'s target: routable by
+    /// pinning, with its checkpoint served, and no replica yet.
+    pub(crate) fn materialize_guest(
+        &self,
+        app: &Served,
+        rev: &Revision,
+        host: &Arc<App>,
+    ) -> Result<Arc<App>, ApiError> {
+        if let Some(g) = self.guests.read().get(&host.target) {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "{} already takes over {}'s replicas in place",
+                    g.revision, host.revision
+                ),
+            ));
+        }
+        let mut spec: AppSpec =
+            serde_json::from_str(&rev.spec).unwrap_or_else(|_| (*app.spec()).clone());
+        spec.checkpoint = rev.checkpoint.clone();
+        if let Some(uri) = &spec.checkpoint {
+            self.serve_weights(&app.name, &rev.id, uri)?;
+        }
+        let guest = Arc::new(App::guest(spec, host.target.clone(), rev.id.clone()));
+        self.guests
+            .write()
+            .insert(host.target.clone(), guest.clone());
+        app.add_live(guest.clone());
+        Ok(guest)
+    }
+
+    /// Moves up to `count` replicas (one at a time, so the app's capacity
+    /// drops by one at most) and returns how many moved. A replica that
+    /// fails to load is replaced; going forward during the canary that
+    /// ends the swap (`stop_on_failure`), otherwise the rest still move.
+    pub(crate) async fn swap(
+        &self,
+        m: &Move<'_>,
+        count: usize,
+        stop_on_failure: bool,
+    ) -> Result<usize, SwapError> {
+        let mut moved = 0;
+        let mut tried: HashSet<String> = HashSet::new();
+        let mut failure = None;
+        while moved < count {
+            // The least busy replica first: its requests finish soonest.
+            let Some(r) = m
+                .from
+                .replicas()
+                .into_iter()
+                .filter(|r| !tried.contains(&r.id))
+                .min_by_key(|r| r.inflight())
+            else {
+                break;
+            };
+            tried.insert(r.id.clone());
+            match self.move_replica(m, &r).await {
+                Ok(true) => moved += 1,
+                Ok(false) => {}
+                Err(SwapError::Unsupported(why)) if moved == 0 => {
+                    return Err(SwapError::Unsupported(why));
+                }
+                Err(SwapError::Unsupported(why) | SwapError::Failed(why)) => {
+                    if m.direction == Direction::Forward {
+                        follow(m);
+                    }
+                    if stop_on_failure {
+                        return Err(SwapError::Failed(why));
+                    }
+                    failure = Some(why);
+                }
+            }
+        }
+        if let Some(why) = failure {
+            tracing::warn!(app = %m.app.name, error = %why, "a replica could not be swapped in place and is being replaced");
+        }
+        Ok(moved)
+    }
+
+    /// Moves one replica; `Ok(false)` when it went away meanwhile.
+    ///
+    /// The revision giving it up never strands what it holds: when this is
+    /// its last replica, its traffic goes to the other revision first (if
+    /// that one has proved it can take it), and once the swap is done the
+    /// replica also serves what it still held, then leaves it.
+    async fn move_replica(&self, m: &Move<'_>, r: &Arc<ReplicaHandle>) -> Result<bool, SwapError> {
+        let deadline = Instant::now() + m.app.spec().startup_timeout;
+        let last = m.from.replicas().len() == 1;
+        if last && m.direction == Direction::Forward && !m.to.replicas().is_empty() {
+            m.app.set_split(&[(m.to.revision.clone(), 100)]);
+        }
+        if !m.from.remove_replica(r) {
+            return Ok(false);
+        }
+        r.wait_idle(deadline.into()).await;
+        let grant = |revision: &str| Grant::Revision {
+            target: m.app.name.clone(),
+            revision: revision.to_string(),
+        };
+        self.weights.regrant(&r.id, grant(&m.to.revision));
+        let url = format!(
+            "http://{}/v1/weights/{}/{}",
+            self.reach, m.app.name, m.to.revision
+        );
+        let loaded = if r.inflight() > 0 {
+            Err(LoadError::Failed(format!(
+                "{} requests were still in flight when the swap's time ran out",
+                r.inflight()
+            )))
+        } else {
+            tokio::time::timeout_at(
+                deadline.into(),
+                self.upstream.load_weights(r.addr, &url, m.version),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(LoadError::Failed(format!(
+                    "did not load the weights within {}",
+                    humantime::format_duration(m.app.spec().startup_timeout)
+                )))
+            })
+        };
+        match loaded {
+            Ok(()) => {
+                r.weights_version
+                    .store(m.version, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!(app = %m.app.name, replica = %r.id, from = %m.from.revision, to = %m.to.revision, "replica swapped in place");
+                m.to.add_replica(r.clone());
+                if m.direction == Direction::Forward {
+                    follow(m);
+                }
+                if m.from.replicas().is_empty() && m.from.load().1 > 0 {
+                    // Held by the revision that has no replica left: served
+                    // here (the per-replica limit is the replica's own, so
+                    // it holds across both), then it lets go.
+                    m.from.add_replica(r.clone());
+                    while m.from.load().1 > 0 && Instant::now() < deadline {
+                        tokio::time::sleep(HELD_POLL).await;
+                    }
+                    m.from.remove_replica(r);
+                }
+                Ok(true)
+            }
+            Err(LoadError::Unsupported(status)) => {
+                // It still runs what it ran: it goes back as it was.
+                self.weights.regrant(&r.id, grant(&m.from.revision));
+                m.from.add_replica(r.clone());
+                Err(SwapError::Unsupported(
+                    LoadError::Unsupported(status).to_string(),
+                ))
+            }
+            Err(LoadError::Failed(why)) => {
+                let reason = format!(
+                    "swapping {} for {} in place failed: {why}",
+                    m.from.revision, m.to.revision
+                );
+                r.set_unroutable();
+                self.pool.replace(&m.from.target, &r.id, &reason);
+                Err(SwapError::Failed(format!("replica {}: {why}", r.id)))
+            }
+        }
+    }
+
+    /// The canary passed: the target starts `to` from now on (a replica
+    /// that is replaced comes back with the new weights and joins `to`),
+    /// and the rest of `from`'s replicas move.
+    pub(crate) async fn swap_rest(&self, m: &Move<'_>, rev: &Revision) {
+        if let Some(uri) = &rev.checkpoint
+            && self.weights.uri(&m.app.name, &rev.id).is_none()
+            && let Err(e) = self.serve_weights(&m.app.name, &rev.id, uri)
+        {
+            tracing::error!(app = %m.app.name, error = %e.message, "cannot serve the promoted checkpoint to new replicas");
+        }
+        let url = format!("http://{}/v1/weights/{}/{}", self.reach, m.app.name, rev.id);
+        self.pool.update_target(&m.from.target, |t| {
+            t.revision = rev.id.clone();
+            t.checkpoint = rev.checkpoint.clone();
+            t.env.insert("WARMGATE_WEIGHTS_URL".into(), url);
+        });
+        let all = m.from.replicas().len();
+        if let Err(e) = self.swap(m, all, false).await {
+            tracing::warn!(app = %m.app.name, error = ?e, "the rest of the replicas did not all swap in place");
+        }
+        // Started under the old spec while the swap ran, a replica may
+        // still arrive in `from`: it moves too, within a start's time.
+        let until = Instant::now() + m.app.spec().startup_timeout;
+        while Instant::now() < until
+            && self
+                .pool
+                .health(&m.from.target)
+                .is_some_and(|h| h.starting > 0)
+        {
+            tokio::time::sleep(HELD_POLL * 10).await;
+            let left = m.from.replicas().len();
+            if left > 0 {
+                let _ = self.swap(m, left, false).await;
+            }
+        }
+    }
+
+    /// The guest of a promotion that is over takes the target as its own
+    /// (`from` leaves routing; the target is not scaled down).
+    pub(crate) fn settle_guest(&self, app: &Served, from: &Arc<App>) {
+        let Some(guest) = self.guests.write().remove(&from.target) else {
+            return;
+        };
+        guest.settle();
+        self.revisions
+            .write()
+            .insert(from.target.clone(), guest.clone());
+        from.hold(0);
+        self.weights.unregister(&app.name, &from.revision);
+        app.remove_live(&from.revision);
+    }
+
+    /// A guest rolled back or failed: its replicas go back to `host` with
+    /// the old weights, then it leaves routing. Runs in the background;
+    /// the traffic is on `host` already.
+    pub(crate) fn send_back(self: &Arc<Self>, app: Arc<Served>, guest: Arc<App>, host: Arc<App>) {
+        let gw = self.clone();
+        tokio::spawn(async move {
+            let version = app
+                .history
+                .lock()
+                .get(&host.revision)
+                .map_or(0, |r| u64::from(r.seq));
+            // Everything goes to the old weights now, and so does what the
+            // target starts next.
+            app.set_split(&[(host.revision.clone(), 100)]);
+            let url = format!(
+                "http://{}/v1/weights/{}/{}",
+                gw.reach, app.name, host.revision
+            );
+            let checkpoint = host.spec().checkpoint.clone();
+            gw.pool.update_target(&host.target, |t| {
+                t.revision = host.revision.clone();
+                t.checkpoint = checkpoint;
+                t.env.insert("WARMGATE_WEIGHTS_URL".into(), url);
+            });
+            let m = Move {
+                app: &app,
+                from: &guest,
+                to: &host,
+                version,
+                direction: Direction::Back,
+            };
+            let all = guest.replicas().len();
+            let moved = gw.swap(&m, all, false).await;
+            tracing::info!(app = %app.name, from = %guest.revision, to = %host.revision, moved = ?moved, "replicas swapped back in place");
+            gw.guests.write().remove(&host.target);
+            gw.weights.unregister(&app.name, &guest.revision);
+            app.remove_live(&guest.revision);
+        });
+    }
+}
+
+/// Routes the traffic between the two revisions in proportion to the
+/// replicas each has, so neither is sent more than it can serve.
+fn follow(m: &Move<'_>) {
+    let to = m.to.replicas().len() as u32;
+    let from = m.from.replicas().len() as u32;
+    let split = match (to, from) {
+        (0, _) => vec![(m.from.revision.clone(), 100)],
+        (_, 0) => vec![(m.to.revision.clone(), 100)],
+        (t, f) => {
+            let pct = ((100 * t + (t + f) / 2) / (t + f)).clamp(1, 99) as u8;
+            vec![
+                (m.to.revision.clone(), pct),
+                (m.from.revision.clone(), 100 - pct),
+            ]
+        }
+    };
+    m.app.set_split(&split);
+}
+
+/// The canary of an in-place promotion: how many of `replicas` swap
+/// first for a `canary` percent, and the share of traffic they take.
+/// Without a canary every replica swaps before the traffic is all moved.
+pub(crate) fn canary_replicas(replicas: usize, canary: Option<u8>) -> (usize, Option<u8>) {
+    let n = replicas.max(1);
+    match canary {
+        None => (n, None),
+        Some(pct) => {
+            let k = (n * usize::from(pct)).div_ceil(100).clamp(1, n);
+            let share = ((100 * k + n / 2) / n).clamp(1, 100) as u8;
+            (k, Some(share))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canary_replicas;
+
+    #[test]
+    fn the_canary_is_whole_replicas_and_its_share_is_theirs() {
+        assert_eq!(canary_replicas(4, Some(25)), (1, Some(25)));
+        assert_eq!(canary_replicas(4, Some(10)), (1, Some(25)), "at least one");
+        assert_eq!(canary_replicas(3, Some(50)), (2, Some(67)));
+        assert_eq!(canary_replicas(2, Some(10)), (1, Some(50)));
+        assert_eq!(
+            canary_replicas(1, Some(10)),
+            (1, Some(100)),
+            "an app of one"
+        );
+        assert_eq!(canary_replicas(5, Some(100)), (5, Some(100)));
+        assert_eq!(canary_replicas(4, None), (4, None));
+    }
+}
