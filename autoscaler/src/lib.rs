@@ -248,6 +248,10 @@ pub struct Autoscaler {
     /// count never drops below it until they are (a start is never taken
     /// back before it is ready).
     committed: Option<(u32, Duration)>,
+    /// Replicas taken over from an earlier run (a failover), and when: the
+    /// policy has no history of the demand that started them, so it keeps
+    /// them for one stable window, as long as a window needs to see it.
+    adopted: Option<(u32, Duration)>,
 }
 
 // === impl Autoscaler ===
@@ -270,6 +274,7 @@ impl Autoscaler {
             first_seen: None,
             sample_cap: MAX_SAMPLES,
             recommendations: VecDeque::new(),
+            adopted: None,
             cold_start: None,
             aware: aware::Aware::default(),
             committed: None,
@@ -411,6 +416,15 @@ impl Autoscaler {
                 .unwrap_or(desired);
         }
 
+        // Taken over: kept until a whole stable window has seen the demand.
+        if let Some((n, at)) = self.adopted {
+            if now.saturating_sub(at) < self.config.stable_window {
+                desired = desired.max(n);
+            } else {
+                self.adopted = None;
+            }
+        }
+
         // Idle is measured from the last activity rather than from the
         // window averages, so a long stable window cannot keep a replica
         // alive past `scale_to_zero_after`. In-flight requests are never idle.
@@ -545,6 +559,19 @@ impl Autoscaler {
         let slope = (n * stc - st * sc) / denom;
         let intercept = (sc - slope * st) / n;
         (slope > 0.0).then(|| sanitize_concurrency(intercept + slope * cold))
+    }
+
+    /// Starts from `n` running replicas taken over from an earlier run (a
+    /// failover) instead of from `min`: they count as asked for at `now`,
+    /// and none is let go before one stable window has seen the demand.
+    pub fn adopt(&mut self, n: u32, now: Duration) {
+        if n == 0 {
+            return;
+        }
+        let n = self.clamp(n);
+        self.mark_active(now);
+        self.desired = self.desired.max(n);
+        self.adopted = Some((n, now));
     }
 
     /// Demand arrived while the app may be at zero: returns the count to scale to right now

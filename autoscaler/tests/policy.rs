@@ -398,3 +398,44 @@ fn a_queue_building_during_a_cold_start_gets_its_replicas_together() {
     let d = tick(&mut a, 10, 30.0, 20);
     assert_eq!(d.desired, 15, "{d:?}");
 }
+
+// === failover ===
+
+#[test]
+fn replicas_taken_over_after_a_failover_are_kept_for_a_stable_window() {
+    let mut a = Autoscaler::new(ScalingConfig::default());
+    // A new leader finds 3 warm replicas an earlier one left, at t=100.
+    a.adopt(3, secs(100));
+    assert_eq!(a.desired(), 3);
+    // No demand yet: they are kept while the stable window (60 s) fills.
+    for s in 100..160 {
+        let d = tick(&mut a, s, 0.0, 3);
+        assert_eq!(d.desired, 3, "let go early at t={s}: {d:?}");
+    }
+    // Then the policy decides as usual: idle since the takeover, so to zero.
+    let after: Vec<u32> = (160..200).map(|s| tick(&mut a, s, 0.0, 3).desired).collect();
+    assert_eq!(after.last(), Some(&0), "{after:?}");
+}
+
+#[test]
+fn demand_after_a_takeover_raises_the_count_as_usual() {
+    let cfg = ScalingConfig {
+        max: 10,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(cfg.clone());
+    a.adopt(2, secs(0));
+    let mut last = 0;
+    for s in 0..30 {
+        let ready = a.desired();
+        last = tick(&mut a, s, 40.0, ready).desired;
+    }
+    assert!(last > 2, "{last}");
+    // More than max is never asked for, and zero takes over nothing.
+    let mut b = Autoscaler::new(cfg.clone());
+    b.adopt(50, secs(0));
+    assert_eq!(b.desired(), 10);
+    let mut c = Autoscaler::new(cfg);
+    c.adopt(0, secs(0));
+    assert_eq!(c.desired(), 0);
+}

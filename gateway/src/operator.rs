@@ -7,8 +7,12 @@
 //!   backend: pool manager, autoscaler and data plane. The others stand by
 //!   with `/readyz` at 503, so the Service sends them nothing, and take
 //!   over within the lease's duration when the leader goes.
-//! - On taking over, the leader deletes the replica pods an earlier
-//!   leader left (their in-memory state died with it).
+//! - On taking over, the leader takes over the replica pods an earlier
+//!   leader left that its apps and pools want as they are (same model,
+//!   weights and settings: the pod's `warmgate.dev/interchangeable`
+//!   digest), probing each before routing to it, so a failover cold-starts
+//!   nothing; the pods nothing takes over within [`ADOPTION_GRACE`] are
+//!   deleted.
 //! - A resource's status is patched every few seconds: replicas by state,
 //!   revisions with their traffic, conditions.
 //! - A new `spec.checkpoint` on a `ServingApp` is promoted (canary and
@@ -25,8 +29,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures_util::StreamExt as _;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt as _};
 use serde_json::json;
 use warmgate_deploy::crd::{
@@ -34,10 +37,16 @@ use warmgate_deploy::crd::{
     WarmPoolStatus,
 };
 use warmgate_deploy::{BackendKind, Config};
-use warmgate_pool::kubernetes::{INSTANCE, KubeBackend, KubeSettings, MANAGED_BY};
+use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
 use warmgate_pool::{ReplicaState, TargetStatus};
 
 use crate::status::{AppStatus, PoolStatus};
+
+/// How long a new leader leaves the pods an earlier leader left for its
+/// apps and pools to take over, before it deletes the rest: every target
+/// is made at start, so a few seconds would do; this leaves room for a
+/// slow API server.
+const ADOPTION_GRACE: Duration = Duration::from_secs(30);
 
 /// How often statuses are written.
 const STATUS_INTERVAL: Duration = Duration::from_secs(5);
@@ -400,7 +409,6 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     }
     config.listen = args.listen;
     let instance = std::env::var("WARMGATE_INSTANCE").unwrap_or_else(|_| "warmgate".into());
-    clean_previous_pods(&client, &ns, &instance).await;
     let backend = KubeBackend::new(
         client.clone(),
         KubeSettings {
@@ -410,6 +418,13 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
             stop_grace: config.backend.stop_grace,
         },
     );
+    // The pods an earlier leader left, to take over rather than start
+    // again (before any target starts).
+    match backend.find_previous().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(pods = n, "found replica pods an earlier leader left; taking over those the resources still want"),
+        Err(e) => tracing::warn!(error = %e, "could not list the pods an earlier leader left; they are not taken over"),
+    }
     for a in &apps {
         if let Some(o) = owner_of(a) {
             backend.set_owner(&a.name_any(), o);
@@ -432,6 +447,14 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         refused,
     };
     let backend = Arc::new(backend);
+    let sweeper = backend.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(ADOPTION_GRACE).await;
+        let gone = sweeper.delete_unadopted();
+        if !gone.is_empty() {
+            tracing::info!(pods = ?gone, "deleted the pods an earlier leader left that nothing took over");
+        }
+    });
     let settings = base_settings(&config);
     crate::runtime::serve_with(config, backend.clone(), listener, move |gw| {
         // Before the listener opens.
@@ -518,26 +541,6 @@ async fn standby_server(addr: std::net::SocketAddr) {
             let _ = axum::serve(l, router).await;
         }
         Err(e) => tracing::error!(%addr, error = %e, "standby: cannot listen"),
-    }
-}
-
-/// Deletes the pods an earlier leader created: their state (weights
-/// version, tasks in flight) died with it.
-async fn clean_previous_pods(client: &kube::Client, ns: &str, instance: &str) {
-    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let lp = ListParams::default().labels(&format!("{MANAGED_BY}=warmgate,{INSTANCE}={instance}"));
-    match api.list(&lp).await {
-        Ok(list) => {
-            for pod in list.items {
-                let name = pod.name_any();
-                if let Err(e) = api.delete(&name, &DeleteParams::default()).await {
-                    tracing::warn!(pod = %name, error = %e, "could not delete a previous leader's pod");
-                } else {
-                    tracing::warn!(pod = %name, "deleted a replica pod a previous leader left");
-                }
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "could not list a previous leader's pods"),
     }
 }
 
@@ -1372,53 +1375,6 @@ mod tests {
             .find(|c| c.type_ == "Ready")
             .expect("ready");
         assert_eq!(ready.last_transition_time, t0);
-    }
-
-    #[tokio::test]
-    async fn a_new_leader_deletes_the_pods_of_its_instance_only() {
-        let (service, mut handle) =
-            tower_test::mock::pair::<Request<kube::client::Body>, Response<Full<Bytes>>>();
-        let client = kube::Client::new(service, "ml");
-        let verifier = tokio::spawn(async move {
-            let (req, send) = handle.next_request().await.expect("a list");
-            assert_eq!(req.method(), http::Method::GET);
-            assert_eq!(req.uri().path(), "/api/v1/namespaces/ml/pods");
-            let q = req.uri().query().unwrap_or("").to_string();
-            assert!(
-                q.contains("labelSelector=app.kubernetes.io%2Fmanaged-by%3Dwarmgate%2Cwarmgate.dev%2Finstance%3Dwg"),
-                "only this instance's pods: {q}"
-            );
-            let pod = |n: &str| json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": n, "namespace": "ml"}});
-            let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "5"},
-                "items": [pod("m-00001-1"), pod("rollouts-2")]});
-            send.send_response(
-                Response::builder()
-                    .body(Full::new(Bytes::from(list.to_string())))
-                    .expect("response"),
-            );
-            let mut deleted = Vec::new();
-            for _ in 0..2 {
-                let (req, send) = handle.next_request().await.expect("a delete");
-                assert_eq!(req.method(), http::Method::DELETE);
-                let name = req
-                    .uri()
-                    .path()
-                    .rsplit('/')
-                    .next()
-                    .unwrap_or("")
-                    .to_string();
-                send.send_response(
-                    Response::builder()
-                        .body(Full::new(Bytes::from(pod(&name).to_string())))
-                        .expect("response"),
-                );
-                deleted.push(name);
-            }
-            deleted
-        });
-        clean_previous_pods(&client, "ml", "wg").await;
-        let deleted = verifier.await.expect("verifier");
-        assert_eq!(deleted, ["m-00001-1", "rollouts-2"]);
     }
 
     #[tokio::test]

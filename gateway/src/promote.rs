@@ -192,7 +192,13 @@ impl Gateway {
         let a = Arc::new(App::new(spec, target.clone()));
         self.revisions.write().insert(target.clone(), a.clone());
         app.add_live(a.clone());
-        self.pool.scale(&target, min);
+        // Replicas an earlier leader left for it are taken over, and kept
+        // as long as the autoscaler would have kept replicas it started.
+        let adoptable = self.pool.adoptable(&target);
+        if adoptable > 0 {
+            a.adopt(adoptable, self.now());
+        }
+        self.pool.scale(&target, min.max(adoptable));
         Ok(a)
     }
 

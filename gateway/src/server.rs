@@ -93,17 +93,7 @@ impl ReplicaSink for Sink {
     /// a checkpoint gets a token too, which an in-place promotion to one
     /// regrants).
     fn replica_env(&self, spec: &TargetSpec, replica: &str) -> BTreeMap<String, String> {
-        let grant = if spec.id.is_pool() {
-            crate::weights::Grant::Pool {
-                target: spec.id.owner().to_string(),
-            }
-        } else {
-            crate::weights::Grant::Revision {
-                target: spec.id.owner().to_string(),
-                revision: spec.revision.clone(),
-            }
-        };
-        match self.weights.issue(replica, grant) {
+        match self.weights.issue(replica, grant_for(spec)) {
             Ok(token) => BTreeMap::from([("WARMGATE_WEIGHTS_TOKEN".to_string(), token)]),
             Err(e) => {
                 // The worker then gets 401 for its weights and fails to
@@ -116,6 +106,17 @@ impl ReplicaSink for Sink {
 
     fn replica_ended(&self, replica: &str) {
         self.weights.revoke_replica(replica);
+    }
+
+    /// Taken over after a failover: the token its worker holds reads its
+    /// revision's checkpoint (or its pool's) again.
+    fn replica_adopted(&self, spec: &TargetSpec, replica: &str, env: &BTreeMap<String, String>) {
+        let Some(token) = env.get("WARMGATE_WEIGHTS_TOKEN") else {
+            return;
+        };
+        if !self.weights.adopt_token(replica, grant_for(spec), token) {
+            tracing::warn!(%replica, "the replica taken over holds no token of this gateway's; its weight reads will be refused");
+        }
     }
 
     /// A replica started for the revision promoted in place on its target
@@ -174,6 +175,21 @@ impl ReplicaSink for Sink {
             } else {
                 pool.fail_pending(&err);
             }
+        }
+    }
+}
+
+/// What a replica of `spec` may read: every weight version of its pool
+/// (it syncs in place), or its revision's checkpoint.
+fn grant_for(spec: &TargetSpec) -> crate::weights::Grant {
+    if spec.id.is_pool() {
+        crate::weights::Grant::Pool {
+            target: spec.id.owner().to_string(),
+        }
+    } else {
+        crate::weights::Grant::Revision {
+            target: spec.id.owner().to_string(),
+            revision: spec.revision.clone(),
         }
     }
 }
@@ -413,7 +429,10 @@ impl Gateway {
                 tracing::error!(target_name = %replica.target, replica = %replica.id, "could not ask for the replica to be replaced");
             }
         }));
-        pool.scale(&p.target(), p.spec().replicas[0]);
+        // Replicas an earlier leader left for this pool stay warm: the
+        // pool's idle TTL decides when they go, as for any idle replica.
+        let adoptable = pool.adoptable(&p.target());
+        pool.scale(&p.target(), p.spec().replicas[0].max(adoptable));
         tokio::spawn(p.clone().run());
         Ok(p)
     }

@@ -210,6 +210,19 @@ impl Weights {
         Ok(token)
     }
 
+    /// Honours again the token an earlier run minted for `replica` (taken
+    /// over after a failover: its worker holds that token). A token that
+    /// is not one this gateway would mint (64 hex digits) is refused.
+    pub fn adopt_token(&self, replica: &str, grant: Grant, token: &str) -> bool {
+        if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return false;
+        }
+        self.tokens
+            .lock()
+            .insert(replica.to_string(), (grant, token.to_string()));
+        true
+    }
+
     /// Makes the live token of `replica` cover `grant` instead of what it
     /// covered: a replica whose weights are swapped in place reads the new
     /// revision's checkpoint with the token it started with. False when
@@ -665,6 +678,14 @@ mod tests {
         assert!(
             !w.regrant("m-00009-9", rev("r2")),
             "no token, nothing to regrant"
+        );
+        // A replica taken over after a failover keeps the token it holds.
+        let old = "ab".repeat(32);
+        assert!(w.adopt_token("m-00001-7", rev("r1"), &old));
+        assert!(w.authorized("m", "r1", &old));
+        assert!(
+            !w.adopt_token("m-00001-8", rev("r1"), "short"),
+            "not a token of ours"
         );
         // A replica that ended loses its token; the others keep theirs.
         w.revoke_replica("m-00001-1");

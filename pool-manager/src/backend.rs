@@ -74,6 +74,67 @@ pub trait Backend: Send + Sync + 'static {
     fn pending_reason(&self, _replica: &str) -> Option<String> {
         None
     }
+
+    /// Whether it places GPUs itself (a cluster's scheduler), so this
+    /// machine's GPU inventory does not apply.
+    fn places_gpus(&self) -> bool {
+        false
+    }
+
+    /// How many replicas an earlier run of the gateway left running that
+    /// `launch` could take over instead of starting one (see
+    /// [`interchangeable`]).
+    fn adoptable(&self, _launch: &Launch) -> usize {
+        0
+    }
+
+    /// Takes over one of those replicas for `launch`, if one is left. It
+    /// is probed like a new one before it is routed to.
+    fn adopt(&self, _launch: &Launch) -> Option<Adopted> {
+        None
+    }
+}
+
+/// A replica an earlier run left running, taken over instead of started.
+pub struct Adopted {
+    /// Its id: the name it was started with.
+    pub replica: String,
+    /// The environment it was started with (its weights token among it).
+    pub env: BTreeMap<String, String>,
+    /// The running replica.
+    pub process: Box<dyn Process>,
+}
+
+/// Variables that belong to one replica or one revision's name, left out
+/// of [`interchangeable`]: the replica's own token, and the weights URL,
+/// which names the revision.
+const NOT_INTERCHANGEABLE_ENV: &[&str] = &["WARMGATE_WEIGHTS_TOKEN", "WARMGATE_WEIGHTS_URL"];
+
+/// What makes two replicas interchangeable, as a short digest: everything
+/// a replica is started with (image, command, environment, checkpoint,
+/// resources, probes) but its own id, its token and the revision's name.
+/// A replica an earlier run left with the same digest runs the same model
+/// with the same weights, so a new run can take it over.
+pub fn interchangeable(launch: &Launch) -> String {
+    use sha2::Digest as _;
+    let env: BTreeMap<&String, &String> = launch
+        .env
+        .iter()
+        .filter(|(k, _)| !NOT_INTERCHANGEABLE_ENV.contains(&k.as_str()))
+        .collect();
+    let what = serde_json::json!({
+        "target": launch.target,
+        "command": launch.command,
+        "env": env,
+        "checkpoint": launch.checkpoint,
+        "image": launch.image,
+        "pod": launch.pod,
+        "gpus": launch.gpu_count,
+        "pool": launch.pool,
+        "health": launch.health,
+    });
+    let digest = sha2::Sha256::digest(what.to_string().as_bytes());
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 /// Variables of the gateway's environment that every local worker

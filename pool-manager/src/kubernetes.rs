@@ -26,13 +26,14 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use warmgate_deploy::{KubeBackendConfig, Toleration};
 
-use crate::backend::{Backend, Launch, Process};
+use crate::backend::{Adopted, Backend, Launch, Process, interchangeable};
 use crate::{Error, Result};
 
 /// Label on every pod warmgate creates.
@@ -48,6 +49,10 @@ pub const POOL: &str = "warmgate.dev/pool";
 pub const REVISION: &str = "warmgate.dev/revision";
 /// See [`APP`].
 pub const REPLICA: &str = "warmgate.dev/replica";
+/// What makes the pod's replica interchangeable with another
+/// ([`crate::backend::interchangeable`]): a new leader takes over the pods
+/// whose digest its own targets have.
+pub const INTERCHANGEABLE: &str = "warmgate.dev/interchangeable";
 /// The NVIDIA device plugin's resource.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// The label NVIDIA's GPU feature discovery puts on nodes.
@@ -95,6 +100,8 @@ struct Shared {
     pods: Mutex<HashMap<String, watch::Sender<PodView>>>,
     /// Owner references by app or pool name (set by the operator).
     owners: Mutex<HashMap<String, OwnerReference>>,
+    /// Running pods an earlier leader left, not taken over yet, by name.
+    previous: Mutex<BTreeMap<String, Pod>>,
 }
 
 impl KubeBackend {
@@ -118,6 +125,44 @@ impl KubeBackend {
     /// that deleting the custom resource deletes them.
     pub fn set_owner(&self, target: &str, owner: OwnerReference) {
         self.shared.owners.lock().insert(target.to_string(), owner);
+    }
+
+    /// Lists the pods an earlier leader of this instance left. Those that
+    /// run and are ready are kept to be taken over by the targets that
+    /// want the same replicas ([`Backend::adopt`]); the rest are deleted.
+    /// Returns how many are kept. Call it before any target starts.
+    pub async fn find_previous(&self) -> std::result::Result<usize, kube::Error> {
+        let selector = format!("{MANAGED_BY}=warmgate,{INSTANCE}={}", self.settings.instance);
+        let pods = self.api.list(&ListParams::default().labels(&selector)).await?;
+        let mut kept = BTreeMap::new();
+        for pod in pods.items {
+            let name = pod.name_any();
+            let v = view_of(&pod);
+            let alive = pod.metadata.deletion_timestamp.is_none()
+                && v.ended.is_none()
+                && v.ready
+                && v.ip.is_some();
+            if alive && pod.labels().contains_key(INTERCHANGEABLE) {
+                kept.insert(name, pod);
+            } else {
+                tracing::info!(pod = %name, "deleting a pod an earlier leader left that cannot be taken over");
+                delete(self.api.clone(), name, 0);
+            }
+        }
+        let n = kept.len();
+        *self.shared.previous.lock() = kept;
+        Ok(n)
+    }
+
+    /// Deletes the pods an earlier leader left that no target took over
+    /// (their app or pool is gone, or changed). Returns their names.
+    pub fn delete_unadopted(&self) -> Vec<String> {
+        let left = std::mem::take(&mut *self.shared.previous.lock());
+        for name in left.keys() {
+            tracing::info!(pod = %name, "deleting a pod an earlier leader left that no app or pool took over");
+            delete(self.api.clone(), name.clone(), self.settings.stop_grace.as_secs().try_into().unwrap_or(u32::MAX));
+        }
+        left.into_keys().collect()
     }
 
     /// What the watcher knows of a pod.
@@ -192,6 +237,73 @@ impl Backend for KubeBackend {
     fn pending_reason(&self, replica: &str) -> Option<String> {
         self.view(replica).and_then(|v| v.unschedulable)
     }
+
+    /// The pod asks for `nvidia.com/gpu`; the scheduler finds them.
+    fn places_gpus(&self) -> bool {
+        true
+    }
+
+    fn adoptable(&self, launch: &Launch) -> usize {
+        let key = interchangeable(launch);
+        self.shared
+            .previous
+            .lock()
+            .values()
+            .filter(|p| same_replicas(p, launch, &key))
+            .count()
+    }
+
+    fn adopt(&self, launch: &Launch) -> Option<Adopted> {
+        let key = interchangeable(launch);
+        let pod = {
+            let mut previous = self.shared.previous.lock();
+            let name = previous
+                .iter()
+                .find(|(_, p)| same_replicas(p, launch, &key))
+                .map(|(n, _)| n.clone())?;
+            previous.remove(&name)?
+        };
+        let name = pod.name_any();
+        let view = view_of(&pod);
+        let ip = view.ip?;
+        let env: BTreeMap<String, String> = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.env.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.value.clone().map(|v| (e.name.clone(), v)))
+            .collect();
+        let port = env
+            .get("PORT")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| port_of(launch));
+        // Watched from now on, as a pod it created would be.
+        let (tx, rx) = watch::channel(view);
+        self.shared.pods.lock().insert(name.clone(), tx);
+        Some(Adopted {
+            replica: name.clone(),
+            env,
+            process: Box::new(KubeProcess {
+                name,
+                namespace: self.settings.namespace.clone(),
+                addr: SocketAddr::new(ip, port),
+                api: self.api.clone(),
+                rx,
+                grace: self.settings.stop_grace,
+                shared: self.shared.clone(),
+            }),
+        })
+    }
+}
+
+/// Whether `pod` runs a replica `launch` could be: the same app or pool,
+/// and the same [`interchangeable`] digest.
+fn same_replicas(pod: &Pod, launch: &Launch, key: &str) -> bool {
+    let labels = pod.labels();
+    let owner = if launch.pool { POOL } else { APP };
+    labels.get(owner) == Some(&launch.target) && labels.get(INTERCHANGEABLE).map(String::as_str) == Some(key)
 }
 
 /// Feeds watch events to the pods' views.
@@ -378,6 +490,7 @@ pub fn pod_for(
         (INSTANCE.to_string(), settings.instance.clone()),
         (REVISION.to_string(), launch.revision.clone()),
         (REPLICA.to_string(), launch.replica.clone()),
+        (INTERCHANGEABLE.to_string(), interchangeable(launch)),
     ]);
     labels.insert(
         if launch.pool { POOL } else { APP }.to_string(),

@@ -21,7 +21,7 @@ pub mod probe;
 pub mod replica;
 pub mod weights;
 
-pub use backend::{Backend, Launch, LocalBackend, Orphan, Process};
+pub use backend::{Adopted, Backend, Launch, LocalBackend, Orphan, Process, interchangeable};
 pub use gpu::GpuInventory;
 pub use manager::{PoolManager, ReplicaSink, TargetHealth, TargetSpec, TargetStatus};
 pub use replica::{ReplicaHandle, ReplicaState, ReplicaStatus};

@@ -50,6 +50,10 @@ pub trait ReplicaSink: Send + Sync + 'static {
     /// A launched replica has ended, however it ended (stopped, crashed,
     /// failed to start): what was made for it alone can go.
     fn replica_ended(&self, _replica: &str) {}
+    /// A replica an earlier run left was taken over, with the environment
+    /// it was started with: what [`ReplicaSink::replica_env`] made for it
+    /// then (its weights token) is honoured again.
+    fn replica_adopted(&self, _spec: &TargetSpec, _replica: &str, _env: &BTreeMap<String, String>) {}
 }
 
 /// How to run the replicas of one app or pool.
@@ -205,6 +209,8 @@ enum Event {
         ready: Duration,
         /// The worker's own report of its weight load, when it gives one.
         weights: Option<Duration>,
+        /// Taken over from an earlier run: not a cold start.
+        adopted: bool,
     },
     StartFailed {
         seq: u64,
@@ -270,7 +276,7 @@ impl PoolManager {
             shutdown_rx,
             ev_tx,
             ev_rx,
-            next_seq: 1,
+            next_seq: std::cell::Cell::new(1),
             shutting_down: false,
         };
         let task = tokio::spawn(actor.run());
@@ -359,6 +365,18 @@ impl PoolManager {
             .read()
             .keys()
             .any(|t| t.to_string() == name)
+    }
+
+    /// How many replicas an earlier run left that this target could take
+    /// over (the Kubernetes backend after a failover): its owner scales it
+    /// to at least that, so they stay warm instead of being replaced.
+    pub fn adoptable(&self, target: &TargetId) -> u32 {
+        let spec = match self.inner.targets.read().get(target) {
+            Some(t) => t.shared.lock().spec.clone(),
+            None => return 0,
+        };
+        let launch = launch_for(&spec, String::new(), Vec::new());
+        u32::try_from(self.inner.backend.adoptable(&launch)).unwrap_or(u32::MAX)
     }
 
     /// The replica count last asked for.
@@ -496,7 +514,8 @@ struct Actor {
     shutdown_rx: watch::Receiver<bool>,
     ev_tx: mpsc::Sender<Event>,
     ev_rx: mpsc::Receiver<Event>,
-    next_seq: u64,
+    /// The next replica number; a taken-over replica's number is skipped.
+    next_seq: std::cell::Cell<u64>,
     shutting_down: bool,
 }
 
@@ -587,8 +606,8 @@ impl Actor {
                 return Some(tokio::time::Instant::from_std(until));
             }
             for _ in current..desired {
-                let seq = self.next_seq;
-                self.next_seq += 1;
+                let seq = self.next_seq.get();
+                self.next_seq.set(seq + 1);
                 let id = format!("{}-{seq}", shared.spec.id);
                 shared.replicas.insert(
                     seq,
@@ -618,7 +637,11 @@ impl Actor {
         let Some(slot) = shared.replicas.get_mut(&seq) else {
             return;
         };
-        let gpus = {
+        // On a cluster the scheduler places GPUs (the pod asks for
+        // `nvidia.com/gpu`); the inventory is this machine's.
+        let gpus = if self.inner.backend.places_gpus() {
+            Vec::new()
+        } else {
             let mut inv = self.inner.gpus.lock();
             match inv.allocate(spec.gpus) {
                 Some(g) => g,
@@ -643,31 +666,37 @@ impl Actor {
         slot.gpus = gpus.clone();
         let (stop_tx, stop_rx) = oneshot::channel();
         slot.stop = Some(stop_tx);
-        let mut env = spec.env.clone();
-        env.extend(self.inner.sink.replica_env(&spec, &slot.id));
-        let launch = Launch {
-            replica: slot.id.clone(),
-            target: spec.id.owner().to_string(),
-            revision: spec.revision.clone(),
-            command: spec.command.clone(),
-            env,
-            gpus,
-            workdir: spec.workdir.clone(),
-            checkpoint: spec.checkpoint.clone(),
-            image: spec.image.clone(),
-            pod: spec.pod.clone(),
-            gpu_count: spec.gpus,
-            pool: spec.id.is_pool(),
-            health: spec.health.clone(),
-            startup_timeout: spec.startup_timeout,
-        };
+        let mut launch = launch_for(&spec, slot.id.clone(), gpus);
+        // A replica an earlier run left, with the same model and weights,
+        // is taken over instead of started (a failover keeps it warm).
+        let adopted = self.inner.backend.adopt(&launch);
+        match &adopted {
+            Some(a) => {
+                tracing::info!(target_name = %spec.id, replica = %a.replica, "taking over a replica an earlier run left");
+                slot.id = a.replica.clone();
+                launch.replica = a.replica.clone();
+                launch.env = a.env.clone();
+                self.inner.sink.replica_adopted(&spec, &a.replica, &a.env);
+                // Its number is not given to a new replica of this target.
+                if let Some(n) = a
+                    .replica
+                    .strip_prefix(&format!("{}-", spec.id))
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    self.next_seq.set(self.next_seq.get().max(n + 1));
+                }
+            }
+            None => launch
+                .env
+                .extend(self.inner.sink.replica_env(&spec, &slot.id)),
+        }
         let ctx = ReplicaTask {
             seq,
             inner: self.inner.clone(),
             spec,
             events: self.ev_tx.clone(),
         };
-        tokio::spawn(ctx.run(launch, stop_rx));
+        tokio::spawn(ctx.run(launch, adopted.map(|a| a.process), stop_rx));
     }
 
     /// Takes a replica out of rotation and tells its task to drain and stop.
@@ -722,6 +751,7 @@ impl Actor {
                 spawn,
                 ready,
                 weights,
+                adopted,
             } => {
                 let Some(slot) = shared.replicas.get_mut(&seq) else {
                     return;
@@ -739,8 +769,15 @@ impl Actor {
                     spawn_ms = spawn.as_millis() as u64,
                     ready_ms = ready.as_millis() as u64,
                     weights_ms = weights.map(|w| w.as_millis() as u64),
+                    adopted,
                     "replica ready"
                 );
+                shared.last_failure_at_start = false;
+                shared.backoff_until = None;
+                if adopted {
+                    // Not a cold start: nothing to measure.
+                    return;
+                }
                 if let Some(w) = weights {
                     metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "weights")
                         .record(w.as_secs_f64());
@@ -749,8 +786,6 @@ impl Actor {
                     .record(spawn.as_secs_f64());
                 metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "ready")
                     .record(ready.as_secs_f64());
-                shared.last_failure_at_start = false;
-                shared.backoff_until = None;
                 shared.last_cold_start = Some(ColdStart {
                     replica: handle.id.clone(),
                     spawn_seconds: spawn.as_secs_f64(),
@@ -897,6 +932,27 @@ fn pick_victims(shared: &Shared, n: usize) -> Vec<u64> {
     candidates.into_iter().take(n).map(|(_, seq)| seq).collect()
 }
 
+/// How the backend is asked to start one replica of `spec` (its own
+/// environment, the weights token, is added by the caller).
+fn launch_for(spec: &TargetSpec, replica: String, gpus: Vec<u32>) -> Launch {
+    Launch {
+        replica,
+        target: spec.id.owner().to_string(),
+        revision: spec.revision.clone(),
+        command: spec.command.clone(),
+        env: spec.env.clone(),
+        gpus,
+        workdir: spec.workdir.clone(),
+        checkpoint: spec.checkpoint.clone(),
+        image: spec.image.clone(),
+        pod: spec.pod.clone(),
+        gpu_count: spec.gpus,
+        pool: spec.id.is_pool(),
+        health: spec.health.clone(),
+        startup_timeout: spec.startup_timeout,
+    }
+}
+
 async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -915,16 +971,27 @@ struct ReplicaTask {
 }
 
 impl ReplicaTask {
-    async fn run(self, launch: Launch, mut stop: oneshot::Receiver<()>) {
+    /// Starts the replica (or takes over `adopted`, already running),
+    /// probes it until ready, then watches it.
+    async fn run(
+        self,
+        launch: Launch,
+        adopted: Option<Box<dyn Process>>,
+        mut stop: oneshot::Receiver<()>,
+    ) {
         let seq = self.seq;
         let t0 = Instant::now();
-        let spawned = tokio::select! {
-            biased;
-            _ = &mut stop => {
-                self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true }).await;
-                return;
-            }
-            r = self.inner.backend.spawn(&launch) => r,
+        let was_running = adopted.is_some();
+        let spawned = match adopted {
+            Some(p) => Ok(p),
+            None => tokio::select! {
+                biased;
+                _ = &mut stop => {
+                    self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true }).await;
+                    return;
+                }
+                r = self.inner.backend.spawn(&launch) => r,
+            },
         };
         let mut proc = match spawned {
             Ok(p) => p,
@@ -992,7 +1059,13 @@ impl ReplicaTask {
                 self.spec.concurrency,
                 ready_at,
             )
-            .with_startup(ready_at.saturating_duration_since(t0)),
+            // A replica taken over did not cold-start: it teaches the
+            // autoscaler nothing about cold starts.
+            .with_startup(if was_running {
+                Duration::ZERO
+            } else {
+                ready_at.saturating_duration_since(t0)
+            }),
         );
         handle.weights_version.store(
             weights_version.unwrap_or(0),
@@ -1004,6 +1077,7 @@ impl ReplicaTask {
             spawn,
             ready: ready_at - t_spawned,
             weights: weights_ms.map(Duration::from_millis),
+            adopted: was_running,
         })
         .await;
 

@@ -640,3 +640,205 @@ fn a_pod_reads_allowed_secrets_pulls_with_them_and_gets_a_memory_backed_shm() {
     let v = serde_json::to_value(pod_for(&l, &s, None).expect("pod")).expect("json");
     assert!(v["spec"].get("volumes").is_none());
 }
+
+/// A worker's health endpoint on loopback, standing in for a pod that an
+/// earlier leader left running: every request gets `200 {}`.
+async fn healthz_server() -> u16 {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+                    )
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+/// A pod an earlier leader made for `l`, named `name`, running on
+/// loopback and ready, with the weights token it was started with.
+fn left_running(l: &Launch, name: &str) -> Value {
+    let mut l = l.clone();
+    l.env.insert("WARMGATE_WEIGHTS_TOKEN".into(), "ab".repeat(32));
+    let mut pod = serde_json::to_value(pod_for(&l, &settings(), None).expect("pod")).expect("json");
+    pod["metadata"]["name"] = json!(name);
+    pod["metadata"]["labels"]["warmgate.dev/replica"] = json!(name);
+    pod["status"] = json!({"phase": "Running", "podIP": "127.0.0.1", "conditions": [
+        {"type": "Ready", "status": "True"}
+    ]});
+    pod
+}
+
+/// Records what the pool manager tells the gateway.
+#[derive(Default)]
+struct Recorder {
+    ready: parking_lot::Mutex<Vec<String>>,
+    adopted: parking_lot::Mutex<Vec<(String, Option<String>)>>,
+    minted: parking_lot::Mutex<Vec<String>>,
+}
+
+impl warmgate_pool::ReplicaSink for Recorder {
+    fn replica_ready(&self, replica: std::sync::Arc<warmgate_pool::ReplicaHandle>) {
+        self.ready.lock().push(replica.id.clone());
+    }
+    fn replica_removed(&self, _: &std::sync::Arc<warmgate_pool::ReplicaHandle>) {}
+    fn start_failed(
+        &self,
+        _: &warmgate_deploy::TargetId,
+        _: &warmgate_pool::Error,
+        _: &warmgate_pool::TargetHealth,
+    ) {
+    }
+    fn replica_env(&self, _: &warmgate_pool::TargetSpec, replica: &str) -> BTreeMap<String, String> {
+        self.minted.lock().push(replica.to_string());
+        BTreeMap::new()
+    }
+    fn replica_adopted(
+        &self,
+        _: &warmgate_pool::TargetSpec,
+        replica: &str,
+        env: &BTreeMap<String, String>,
+    ) {
+        self.adopted
+            .lock()
+            .push((replica.to_string(), env.get("WARMGATE_WEIGHTS_TOKEN").cloned()));
+    }
+}
+
+/// A new leader finds the pods an earlier one left. The one its target
+/// wants as it is (same model, weights and settings) is taken over: probed,
+/// routed to, with the token it holds, and neither created again nor
+/// deleted. One for a changed app is deleted once the grace is over; one
+/// that is not running is deleted at once. A GPU pod needs no GPU of this
+/// machine's inventory: the cluster places it.
+#[tokio::test]
+async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_rest() {
+    let port = healthz_server().await;
+    let mut wanted = launch("llm-00002-1");
+    wanted.pod.port = port;
+    let mut changed = wanted.clone();
+    changed
+        .env
+        .insert("HF_HOME".into(), "/elsewhere".to_string());
+    let mut starting = left_running(&wanted, "llm-00002-9");
+    starting["status"] = json!({"phase": "Pending"});
+    let pods = vec![
+        left_running(&wanted, "llm-00002-7"),
+        left_running(&changed, "llm-00002-8"),
+        starting,
+    ];
+
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+    let client = kube::Client::new(service, NS);
+    let calls = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+    let seen = calls.clone();
+    let server = tokio::spawn(async move {
+        let mut watches = Vec::new();
+        while let Some((req, send)) = handle.next_request().await {
+            let q = req.uri().query().unwrap_or("").to_string();
+            let path = req.uri().path().to_string();
+            let method = req.method().clone();
+            seen.lock().push(format!("{method} {path}"));
+            match (method, q.contains("watch=true")) {
+                (Method::GET, false) => {
+                    assert!(
+                        q.contains(&format!("labelSelector={}", urlencode(SELECTOR))),
+                        "only this instance's pods: {q}"
+                    );
+                    send.send_response(json_response(
+                        StatusCode::OK,
+                        &json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": pods}),
+                    ));
+                }
+                // Held open: no pod changes during the scenario.
+                (Method::GET, true) => watches.push(send),
+                (Method::DELETE, _) => {
+                    let name = path.rsplit('/').next().unwrap_or("").to_string();
+                    send.send_response(json_response(
+                        StatusCode::OK,
+                        &json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}}),
+                    ));
+                }
+                (m, _) => {
+                    send.send_response(json_response(StatusCode::CONFLICT, &json!({})));
+                    panic!("unexpected {m} {path}");
+                }
+            }
+        }
+    });
+
+    let backend = std::sync::Arc::new(KubeBackend::new(client, settings()));
+    assert_eq!(backend.find_previous().await.expect("list"), 2, "two can be taken over");
+    let sink = std::sync::Arc::new(Recorder::default());
+    let pm = warmgate_pool::PoolManager::new(backend.clone(), Vec::new(), sink.clone());
+    let id = warmgate_deploy::TargetId::revision("llm", 2);
+    pm.add_target(warmgate_pool::TargetSpec {
+        id: id.clone(),
+        health: wanted.health.clone(),
+        revision: wanted.revision.clone(),
+        command: wanted.command.clone(),
+        env: wanted.env.clone(),
+        checkpoint: wanted.checkpoint.clone(),
+        workdir: None,
+        concurrency: 4,
+        gpus: wanted.gpu_count,
+        startup_timeout: wanted.startup_timeout,
+        stop_grace: Duration::from_secs(30),
+        image: wanted.image.clone(),
+        pod: wanted.pod.clone(),
+    });
+    assert_eq!(pm.adoptable(&id), 1, "only the pod of the same settings");
+    pm.scale(&id, 1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sink.ready.lock().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pod was not taken over: {:?}",
+            pm.status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(*sink.ready.lock(), ["llm-00002-7"]);
+    assert_eq!(
+        *sink.adopted.lock(),
+        [("llm-00002-7".to_string(), Some("ab".repeat(32)))],
+        "its token is honoured again"
+    );
+    assert!(sink.minted.lock().is_empty(), "no token minted: nothing new started");
+    let status = pm.status();
+    assert_eq!(status[0].replicas[0].id, "llm-00002-7");
+    assert_eq!(status[0].replicas[0].addr.map(|a| a.port()), Some(port));
+
+    assert_eq!(backend.delete_unadopted(), ["llm-00002-8"]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !calls
+        .lock()
+        .iter()
+        .any(|c| c.ends_with("/pods/llm-00002-8"))
+    {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", calls.lock());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let calls = calls.lock().clone();
+    assert!(!calls.iter().any(|c| c.starts_with("POST")), "nothing created: {calls:?}");
+    let deleted: Vec<&String> = calls.iter().filter(|c| c.starts_with("DELETE")).collect();
+    assert_eq!(
+        deleted,
+        [
+            &format!("DELETE /api/v1/namespaces/{NS}/pods/llm-00002-9"),
+            &format!("DELETE /api/v1/namespaces/{NS}/pods/llm-00002-8")
+        ],
+        "the pod taken over is never deleted"
+    );
+    server.abort();
+}

@@ -394,6 +394,12 @@ impl App {
         apply(desired);
     }
 
+    /// Starts its autoscaler from `n` replicas taken over from an earlier
+    /// run (a failover), `now` being the time since the gateway started.
+    pub fn adopt(&self, n: u32, now: Duration) {
+        self.scaler.lock().adopt(n, now);
+    }
+
     /// Keeps at least `n` replicas whatever the autoscaler says.
     pub fn hold(&self, n: u32) {
         self.floor.store(n, Ordering::Relaxed);
