@@ -426,6 +426,7 @@ pub struct WeightsConfig {
     status = "crate::crd::ServingAppStatus",
     shortname = "wgapp",
     category = "warmgate",
+    doc = "An app warmgate serves: its workers' image and settings, the checkpoint they load, how it scales (to zero) and how new checkpoints are promoted. Its OpenAI `model` name is its metadata.name.",
     printcolumn(
         name = "Ready",
         type_ = "integer",
@@ -436,7 +437,17 @@ pub struct WeightsConfig {
         type_ = "integer",
         json_path = ".status.replicas.desired"
     ),
-    printcolumn(name = "Revision", type_ = "string", json_path = ".status.revision")
+    printcolumn(name = "Revision", type_ = "string", json_path = ".status.revision"),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(default, deny_unknown_fields)]
 pub struct AppSpec {
@@ -642,6 +653,7 @@ impl Default for PromotionSpec {
     status = "crate::crd::WarmPoolStatus",
     shortname = "wgpool",
     category = "warmgate",
+    doc = "A warm pool of workers that run tasks (rollouts) through POST /invoke, kept between min and max replicas with an idle TTL, and whose weights are synced in place.",
     printcolumn(
         name = "Ready",
         type_ = "integer",
@@ -656,6 +668,16 @@ impl Default for PromotionSpec {
         name = "Weights",
         type_ = "integer",
         json_path = ".status.weightsVersion"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
     )
 )]
 #[serde(default, deny_unknown_fields)]
