@@ -413,7 +413,9 @@ fn replicas_taken_over_after_a_failover_are_kept_for_a_stable_window() {
         assert_eq!(d.desired, 3, "let go early at t={s}: {d:?}");
     }
     // Then the policy decides as usual: idle since the takeover, so to zero.
-    let after: Vec<u32> = (160..200).map(|s| tick(&mut a, s, 0.0, 3).desired).collect();
+    let after: Vec<u32> = (160..200)
+        .map(|s| tick(&mut a, s, 0.0, 3).desired)
+        .collect();
     assert_eq!(after.last(), Some(&0), "{after:?}");
 }
 

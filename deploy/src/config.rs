@@ -269,6 +269,13 @@ pub struct KubeBackendConfig {
     /// resource cannot read every secret of the namespace through the
     /// operator's right to create pods.
     pub allowed_secrets: Vec<String>,
+    /// Persistent volume claims an app or pool may mount
+    /// (`kubernetes.volumes.*.claim`); none by default, so a resource
+    /// cannot mount another team's data.
+    pub allowed_claims: Vec<String>,
+    /// Config maps an app or pool may mount
+    /// (`kubernetes.volumes.*.config_map`); none by default.
+    pub allowed_config_maps: Vec<String>,
     /// Replica pods must run as a non-root user (`runAsNonRoot`). Off by
     /// default: common model-server images (vLLM, TGI, Triton) run as
     /// root, and the kubelet refuses to start them with it set.
@@ -309,6 +316,45 @@ pub struct PodSpec {
     /// gets one with no size limit beyond its memory, others none; `"0"`
     /// turns it off.
     pub shm_size: Option<String>,
+    /// Volumes mounted into the worker, by name: a persistent volume
+    /// claim (`claim`, one of `backend.kubernetes.allowed_claims`: a
+    /// shared model cache, say), a config map (`config_map`, one of
+    /// `allowed_config_maps`) or a scratch `empty_dir` with a size limit.
+    /// No host path: a resource author must not reach the node.
+    pub volumes: BTreeMap<String, VolumeSpec>,
+    /// Node labels the pod must run on, as required node-affinity terms
+    /// (all of them hold): `[{ key = "topology.kubernetes.io/zone",
+    /// operator = "In", values = ["us-east-1a"] }]`.
+    pub node_affinity: Vec<NodeRequirement>,
+}
+
+/// A volume of a replica pod: exactly one of `claim`, `config_map` or
+/// `empty_dir`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct VolumeSpec {
+    /// Where it is mounted in the worker (an absolute path).
+    pub mount: String,
+    /// A persistent volume claim's name.
+    pub claim: Option<String>,
+    /// A config map's name.
+    pub config_map: Option<String>,
+    /// A scratch volume's size limit (`"20Gi"`).
+    pub empty_dir: Option<String>,
+    /// Mounted read-only.
+    pub read_only: bool,
+}
+
+/// One node-affinity requirement.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeRequirement {
+    /// The node label.
+    pub key: String,
+    /// `In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt` or `Lt`.
+    pub operator: String,
+    /// The values (none for `Exists` and `DoesNotExist`).
+    pub values: Vec<String>,
 }
 
 /// One key of a secret.
@@ -333,6 +379,90 @@ pub struct Toleration {
     pub value: Option<String>,
     /// `NoSchedule`, `PreferNoSchedule` or `NoExecute` (empty: all).
     pub effect: Option<String>,
+}
+
+/// A pod's volumes and node affinity, as `validate` checks them: one
+/// source each, from the allow-lists, at an absolute path of its own.
+fn check_volumes(at: &str, pod: &PodSpec, k: &KubeBackendConfig) -> Result<(), (String, String)> {
+    let mut mounts = std::collections::HashSet::new();
+    for (name, v) in &pod.volumes {
+        let key = format!("{at}.kubernetes.volumes.{name}");
+        if check_dns_label(name).is_err() || name == "dshm" {
+            return Err((
+                key,
+                "a volume's name must be a DNS label other than `dshm` (the /dev/shm volume)"
+                    .into(),
+            ));
+        }
+        let sources = [
+            v.claim.is_some(),
+            v.config_map.is_some(),
+            v.empty_dir.is_some(),
+        ];
+        if sources.iter().filter(|s| **s).count() != 1 {
+            return Err((
+                key,
+                "needs exactly one of `claim`, `config_map` or `empty_dir`".into(),
+            ));
+        }
+        if !v.mount.starts_with('/') || v.mount == "/" || v.mount.split('/').any(|c| c == "..") {
+            return Err((
+                format!("{key}.mount"),
+                format!(
+                    "{:?} must be an absolute path below /, without `..`",
+                    v.mount
+                ),
+            ));
+        }
+        if v.mount.trim_end_matches('/') == "/dev/shm"
+            || !mounts.insert(v.mount.trim_end_matches('/').to_string())
+        {
+            return Err((
+                format!("{key}.mount"),
+                format!("{:?} is mounted twice", v.mount),
+            ));
+        }
+        if let Some(c) = &v.claim
+            && !k.allowed_claims.contains(c)
+        {
+            return Err((
+                format!("{key}.claim"),
+                format!("{c:?} is not in backend.kubernetes.allowed_claims"),
+            ));
+        }
+        if let Some(c) = &v.config_map
+            && !k.allowed_config_maps.contains(c)
+        {
+            return Err((
+                format!("{key}.config_map"),
+                format!("{c:?} is not in backend.kubernetes.allowed_config_maps"),
+            ));
+        }
+    }
+    for (i, n) in pod.node_affinity.iter().enumerate() {
+        let key = format!("{at}.kubernetes.node_affinity[{i}]");
+        let needs_values = match n.operator.as_str() {
+            "In" | "NotIn" | "Gt" | "Lt" => true,
+            "Exists" | "DoesNotExist" => false,
+            other => {
+                return Err((
+                    format!("{key}.operator"),
+                    format!("{other:?} is not In, NotIn, Exists, DoesNotExist, Gt or Lt"),
+                ));
+            }
+        };
+        if n.key.is_empty() || needs_values == n.values.is_empty() {
+            return Err((
+                key,
+                format!(
+                    "needs a key and {} values for {}",
+                    if needs_values { "some" } else { "no" },
+                    n.operator
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The kind of backend.
@@ -1454,6 +1584,7 @@ impl Config {
                     ));
                 }
             }
+            check_volumes(&at, pod, &self.backend.kubernetes)?;
             for var in pod.secret_env.keys() {
                 if var.is_empty() || var.contains('=') {
                     return Err((
@@ -1562,6 +1693,8 @@ impl Default for KubeBackendConfig {
             advertise: None,
             allowed_service_accounts: Vec::new(),
             allowed_secrets: Vec::new(),
+            allowed_claims: Vec::new(),
+            allowed_config_maps: Vec::new(),
             run_as_non_root: false,
         }
     }
@@ -2284,5 +2417,115 @@ mod tests {
             err.key(),
             Some("backend.kubernetes.allowed_service_accounts[0]")
         );
+    }
+
+    #[test]
+    fn a_volume_must_be_allowed_have_one_source_and_its_own_path() {
+        let backend = "[backend]\nkind = \"kubernetes\"\n[backend.kubernetes]\nallowed_claims = [\"hf-cache\"]\n";
+        let app = |vol: &str| {
+            format!(
+                "{backend}[[apps]]\nname = \"a\"\nimage = \"r/w:1\"\n[apps.kubernetes.volumes]\n{vol}\n"
+            )
+        };
+        let c = parse(&app(
+            "models = { mount = \"/models\", claim = \"hf-cache\", read_only = true }\nscratch = { mount = \"/scratch\", empty_dir = \"20Gi\" }",
+        ))
+        .expect("allowed");
+        assert_eq!(c.apps[0].kubernetes.volumes.len(), 2);
+        for (vol, key, says) in [
+            (
+                "m = { mount = \"/m\", claim = \"other-team\" }",
+                "apps[0].kubernetes.volumes.m.claim",
+                "allowed_claims",
+            ),
+            (
+                "m = { mount = \"/m\", config_map = \"cm\" }",
+                "apps[0].kubernetes.volumes.m.config_map",
+                "allowed_config_maps",
+            ),
+            (
+                "m = { mount = \"/m\" }",
+                "apps[0].kubernetes.volumes.m",
+                "exactly one",
+            ),
+            (
+                "m = { mount = \"/m\", claim = \"hf-cache\", empty_dir = \"1Gi\" }",
+                "apps[0].kubernetes.volumes.m",
+                "exactly one",
+            ),
+            (
+                "m = { mount = \"models\", empty_dir = \"1Gi\" }",
+                "apps[0].kubernetes.volumes.m.mount",
+                "absolute",
+            ),
+            (
+                "m = { mount = \"/a/../etc\", empty_dir = \"1Gi\" }",
+                "apps[0].kubernetes.volumes.m.mount",
+                "absolute",
+            ),
+            (
+                "m = { mount = \"/dev/shm\", empty_dir = \"1Gi\" }",
+                "apps[0].kubernetes.volumes.m.mount",
+                "twice",
+            ),
+            (
+                "a = { mount = \"/x\", empty_dir = \"1Gi\" }\nb = { mount = \"/x/\", empty_dir = \"1Gi\" }",
+                "apps[0].kubernetes.volumes.b.mount",
+                "twice",
+            ),
+            (
+                "Bad_Name = { mount = \"/x\", empty_dir = \"1Gi\" }",
+                "apps[0].kubernetes.volumes.Bad_Name",
+                "DNS label",
+            ),
+            (
+                "m = { mount = \"/m\", host_path = \"/\" }",
+                "apps[0].kubernetes.volumes.m",
+                "host_path",
+            ),
+        ] {
+            let err = parse(&app(vol)).unwrap_err();
+            assert!(
+                err.key().is_some_and(|k| k.starts_with(key)),
+                "{vol}: {err} (key {:?})",
+                err.key()
+            );
+            assert!(err.to_string().contains(says), "{vol}: {err}");
+        }
+    }
+
+    #[test]
+    fn node_affinity_needs_an_operator_kubernetes_knows_and_values_that_fit_it() {
+        let app = |req: &str| {
+            format!(
+                "[backend]\nkind = \"kubernetes\"\n[[apps]]\nname = \"a\"\nimage = \"r/w:1\"\n[apps.kubernetes]\nnode_affinity = [{req}]\n"
+            )
+        };
+        parse(&app(
+            "{ key = \"zone\", operator = \"In\", values = [\"a\"] }",
+        ))
+        .expect("valid");
+        parse(&app("{ key = \"gpu\", operator = \"Exists\" }")).expect("valid");
+        for (req, key) in [
+            (
+                "{ key = \"zone\", operator = \"Near\", values = [\"a\"] }",
+                "apps[0].kubernetes.node_affinity[0].operator",
+            ),
+            (
+                "{ key = \"zone\", operator = \"In\" }",
+                "apps[0].kubernetes.node_affinity[0]",
+            ),
+            (
+                "{ key = \"gpu\", operator = \"Exists\", values = [\"x\"] }",
+                "apps[0].kubernetes.node_affinity[0]",
+            ),
+            (
+                "{ key = \"\", operator = \"Exists\" }",
+                "apps[0].kubernetes.node_affinity[0]",
+            ),
+        ] {
+            let err = parse(&app(req)).unwrap_err();
+            assert_eq!(err.key(), Some(key), "{req}: {err}");
+        }
     }
 }

@@ -16,9 +16,9 @@ mod target;
 
 pub use config::{
     AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
-    KubeBackendConfig, LimitsConfig, OperatorConfig, PodSpec, PoolQueueSpec, PoolSpec,
-    PromotionSpec, QueueSpec, SecretKey, TenantSpec, Toleration, WeightsConfig, check_dns_label,
-    defaults, parse_size,
+    KubeBackendConfig, LimitsConfig, NodeRequirement, OperatorConfig, PodSpec, PoolQueueSpec,
+    PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, Toleration, VolumeSpec,
+    WeightsConfig, check_dns_label, defaults, parse_size,
 };
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 

@@ -422,8 +422,13 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     // again (before any target starts).
     match backend.find_previous().await {
         Ok(0) => {}
-        Ok(n) => tracing::info!(pods = n, "found replica pods an earlier leader left; taking over those the resources still want"),
-        Err(e) => tracing::warn!(error = %e, "could not list the pods an earlier leader left; they are not taken over"),
+        Ok(n) => tracing::info!(
+            pods = n,
+            "found replica pods an earlier leader left; taking over those the resources still want"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not list the pods an earlier leader left; they are not taken over")
+        }
     }
     for a in &apps {
         if let Some(o) = owner_of(a) {

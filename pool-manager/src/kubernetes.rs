@@ -18,10 +18,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
-    EnvVarSource, HTTPGetAction, LocalObjectReference, Pod, PodSecurityContext,
-    PodSpec as KubePodSpec, Probe, ResourceRequirements, SeccompProfile, SecretEnvSource,
-    SecretKeySelector, SecurityContext, Toleration as KubeToleration, Volume, VolumeMount,
+    Affinity, Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction, LocalObjectReference, NodeAffinity,
+    NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaimVolumeSource,
+    Pod, PodSecurityContext, PodSpec as KubePodSpec, Probe, ResourceRequirements, SeccompProfile,
+    SecretEnvSource, SecretKeySelector, SecurityContext, Toleration as KubeToleration, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -132,8 +134,14 @@ impl KubeBackend {
     /// want the same replicas ([`Backend::adopt`]); the rest are deleted.
     /// Returns how many are kept. Call it before any target starts.
     pub async fn find_previous(&self) -> std::result::Result<usize, kube::Error> {
-        let selector = format!("{MANAGED_BY}=warmgate,{INSTANCE}={}", self.settings.instance);
-        let pods = self.api.list(&ListParams::default().labels(&selector)).await?;
+        let selector = format!(
+            "{MANAGED_BY}=warmgate,{INSTANCE}={}",
+            self.settings.instance
+        );
+        let pods = self
+            .api
+            .list(&ListParams::default().labels(&selector))
+            .await?;
         let mut kept = BTreeMap::new();
         for pod in pods.items {
             let name = pod.name_any();
@@ -160,7 +168,15 @@ impl KubeBackend {
         let left = std::mem::take(&mut *self.shared.previous.lock());
         for name in left.keys() {
             tracing::info!(pod = %name, "deleting a pod an earlier leader left that no app or pool took over");
-            delete(self.api.clone(), name.clone(), self.settings.stop_grace.as_secs().try_into().unwrap_or(u32::MAX));
+            delete(
+                self.api.clone(),
+                name.clone(),
+                self.settings
+                    .stop_grace
+                    .as_secs()
+                    .try_into()
+                    .unwrap_or(u32::MAX),
+            );
         }
         left.into_keys().collect()
     }
@@ -303,7 +319,8 @@ impl Backend for KubeBackend {
 fn same_replicas(pod: &Pod, launch: &Launch, key: &str) -> bool {
     let labels = pod.labels();
     let owner = if launch.pool { POOL } else { APP };
-    labels.get(owner) == Some(&launch.target) && labels.get(INTERCHANGEABLE).map(String::as_str) == Some(key)
+    labels.get(owner) == Some(&launch.target)
+        && labels.get(INTERCHANGEABLE).map(String::as_str) == Some(key)
 }
 
 /// Feeds watch events to the pods' views.
@@ -484,6 +501,22 @@ pub fn pod_for(
             ));
         }
     }
+    for v in spec.volumes.values() {
+        if let Some(c) = &v.claim
+            && !settings.config.allowed_claims.contains(c)
+        {
+            return Err(format!(
+                "the claim {c:?} is not in backend.kubernetes.allowed_claims"
+            ));
+        }
+        if let Some(c) = &v.config_map
+            && !settings.config.allowed_config_maps.contains(c)
+        {
+            return Err(format!(
+                "the config map {c:?} is not in backend.kubernetes.allowed_config_maps"
+            ));
+        }
+    }
     let port = port_of(launch);
     let mut labels = BTreeMap::from([
         (MANAGED_BY.to_string(), "warmgate".to_string()),
@@ -546,6 +579,28 @@ pub fn pod_for(
         None if launch.gpu_count > 0 => Some(None),
         None => None,
     };
+    let (volumes, mounts) = volumes_of(spec, shm);
+    let affinity = (!spec.node_affinity.is_empty()).then(|| Affinity {
+        node_affinity: Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(
+                        spec.node_affinity
+                            .iter()
+                            .map(|n| NodeSelectorRequirement {
+                                key: n.key.clone(),
+                                operator: n.operator.clone(),
+                                values: (!n.values.is_empty()).then(|| n.values.clone()),
+                            })
+                            .collect(),
+                    ),
+                    ..NodeSelectorTerm::default()
+                }],
+            }),
+            ..NodeAffinity::default()
+        }),
+        ..Affinity::default()
+    });
     let mut limits = BTreeMap::new();
     if launch.gpu_count > 0 {
         limits.insert(
@@ -617,13 +672,7 @@ pub fn pod_for(
             ..health_get(&launch.health.path, port)
         }),
         env_from: (!env_from.is_empty()).then_some(env_from),
-        volume_mounts: shm.as_ref().map(|_| {
-            vec![VolumeMount {
-                name: "dshm".to_string(),
-                mount_path: "/dev/shm".to_string(),
-                ..VolumeMount::default()
-            }]
-        }),
+        volume_mounts: (!mounts.is_empty()).then_some(mounts),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             privileged: Some(false),
@@ -660,17 +709,8 @@ pub fn pod_for(
                     .map(|name| LocalObjectReference { name: name.clone() })
                     .collect()
             }),
-            volumes: shm.map(|size_limit| {
-                vec![Volume {
-                    name: "dshm".to_string(),
-                    empty_dir: Some(EmptyDirVolumeSource {
-                        medium: Some("Memory".to_string()),
-                        size_limit,
-                        ..EmptyDirVolumeSource::default()
-                    }),
-                    ..Volume::default()
-                }]
-            }),
+            volumes: (!volumes.is_empty()).then_some(volumes),
+            affinity,
             automount_service_account_token: Some(false),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: settings.config.run_as_non_root.then_some(true),
@@ -684,6 +724,62 @@ pub fn pod_for(
         }),
         status: None,
     })
+}
+
+/// The pod's volumes and the worker's mounts: the memory-backed
+/// `/dev/shm` when it has one, then the spec's, by name.
+fn volumes_of(
+    spec: &warmgate_deploy::PodSpec,
+    shm: Option<Option<Quantity>>,
+) -> (Vec<Volume>, Vec<VolumeMount>) {
+    let mut volumes = Vec::new();
+    let mut mounts = Vec::new();
+    if let Some(size_limit) = shm {
+        volumes.push(Volume {
+            name: "dshm".to_string(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".to_string()),
+                size_limit,
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "dshm".to_string(),
+            mount_path: "/dev/shm".to_string(),
+            ..VolumeMount::default()
+        });
+    }
+    for (name, v) in &spec.volumes {
+        let mut volume = Volume {
+            name: name.clone(),
+            ..Volume::default()
+        };
+        if let Some(claim) = &v.claim {
+            volume.persistent_volume_claim = Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.clone(),
+                read_only: v.read_only.then_some(true),
+            });
+        } else if let Some(cm) = &v.config_map {
+            volume.config_map = Some(ConfigMapVolumeSource {
+                name: cm.clone(),
+                ..ConfigMapVolumeSource::default()
+            });
+        } else {
+            volume.empty_dir = Some(EmptyDirVolumeSource {
+                size_limit: v.empty_dir.clone().map(Quantity),
+                ..EmptyDirVolumeSource::default()
+            });
+        }
+        volumes.push(volume);
+        mounts.push(VolumeMount {
+            name: name.clone(),
+            mount_path: v.mount.clone(),
+            read_only: v.read_only.then_some(true),
+            ..VolumeMount::default()
+        });
+    }
+    (volumes, mounts)
 }
 
 /// The startup probe's period: a worker is seen ready within a second or

@@ -53,7 +53,8 @@ pub trait ReplicaSink: Send + Sync + 'static {
     /// A replica an earlier run left was taken over, with the environment
     /// it was started with: what [`ReplicaSink::replica_env`] made for it
     /// then (its weights token) is honoured again.
-    fn replica_adopted(&self, _spec: &TargetSpec, _replica: &str, _env: &BTreeMap<String, String>) {}
+    fn replica_adopted(&self, _spec: &TargetSpec, _replica: &str, _env: &BTreeMap<String, String>) {
+    }
 }
 
 /// How to run the replicas of one app or pool.

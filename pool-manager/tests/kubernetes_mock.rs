@@ -669,7 +669,8 @@ async fn healthz_server() -> u16 {
 /// loopback and ready, with the weights token it was started with.
 fn left_running(l: &Launch, name: &str) -> Value {
     let mut l = l.clone();
-    l.env.insert("WARMGATE_WEIGHTS_TOKEN".into(), "ab".repeat(32));
+    l.env
+        .insert("WARMGATE_WEIGHTS_TOKEN".into(), "ab".repeat(32));
     let mut pod = serde_json::to_value(pod_for(&l, &settings(), None).expect("pod")).expect("json");
     pod["metadata"]["name"] = json!(name);
     pod["metadata"]["labels"]["warmgate.dev/replica"] = json!(name);
@@ -699,7 +700,11 @@ impl warmgate_pool::ReplicaSink for Recorder {
         _: &warmgate_pool::TargetHealth,
     ) {
     }
-    fn replica_env(&self, _: &warmgate_pool::TargetSpec, replica: &str) -> BTreeMap<String, String> {
+    fn replica_env(
+        &self,
+        _: &warmgate_pool::TargetSpec,
+        replica: &str,
+    ) -> BTreeMap<String, String> {
         self.minted.lock().push(replica.to_string());
         BTreeMap::new()
     }
@@ -709,9 +714,10 @@ impl warmgate_pool::ReplicaSink for Recorder {
         replica: &str,
         env: &BTreeMap<String, String>,
     ) {
-        self.adopted
-            .lock()
-            .push((replica.to_string(), env.get("WARMGATE_WEIGHTS_TOKEN").cloned()));
+        self.adopted.lock().push((
+            replica.to_string(),
+            env.get("WARMGATE_WEIGHTS_TOKEN").cloned(),
+        ));
     }
 }
 
@@ -778,7 +784,11 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
     });
 
     let backend = std::sync::Arc::new(KubeBackend::new(client, settings()));
-    assert_eq!(backend.find_previous().await.expect("list"), 2, "two can be taken over");
+    assert_eq!(
+        backend.find_previous().await.expect("list"),
+        2,
+        "two can be taken over"
+    );
     let sink = std::sync::Arc::new(Recorder::default());
     let pm = warmgate_pool::PoolManager::new(backend.clone(), Vec::new(), sink.clone());
     let id = warmgate_deploy::TargetId::revision("llm", 2);
@@ -814,7 +824,10 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
         [("llm-00002-7".to_string(), Some("ab".repeat(32)))],
         "its token is honoured again"
     );
-    assert!(sink.minted.lock().is_empty(), "no token minted: nothing new started");
+    assert!(
+        sink.minted.lock().is_empty(),
+        "no token minted: nothing new started"
+    );
     let status = pm.status();
     assert_eq!(status[0].replicas[0].id, "llm-00002-7");
     assert_eq!(status[0].replicas[0].addr.map(|a| a.port()), Some(port));
@@ -830,7 +843,10 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let calls = calls.lock().clone();
-    assert!(!calls.iter().any(|c| c.starts_with("POST")), "nothing created: {calls:?}");
+    assert!(
+        !calls.iter().any(|c| c.starts_with("POST")),
+        "nothing created: {calls:?}"
+    );
     let deleted: Vec<&String> = calls.iter().filter(|c| c.starts_with("DELETE")).collect();
     assert_eq!(
         deleted,
@@ -841,4 +857,73 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
         "the pod taken over is never deleted"
     );
     server.abort();
+}
+
+#[test]
+fn a_pod_mounts_allowed_volumes_and_runs_on_the_nodes_asked_for() {
+    let mut l = launch("llm-00002-4");
+    l.pod.volumes = BTreeMap::from([
+        (
+            "models".to_string(),
+            warmgate_deploy::VolumeSpec {
+                mount: "/models".into(),
+                claim: Some("hf-cache".into()),
+                read_only: true,
+                ..warmgate_deploy::VolumeSpec::default()
+            },
+        ),
+        (
+            "scratch".to_string(),
+            warmgate_deploy::VolumeSpec {
+                mount: "/scratch".into(),
+                empty_dir: Some("20Gi".into()),
+                ..warmgate_deploy::VolumeSpec::default()
+            },
+        ),
+    ]);
+    l.pod.node_affinity = vec![warmgate_deploy::NodeRequirement {
+        key: "topology.kubernetes.io/zone".into(),
+        operator: "In".into(),
+        values: vec!["us-east-1a".into(), "us-east-1b".into()],
+    }];
+    let mut s = settings();
+    // Another team's claim is never mounted.
+    let err = pod_for(&l, &s, None).expect_err("not allowed");
+    assert!(err.contains("allowed_claims"), "{err}");
+    s.config.allowed_claims = vec!["hf-cache".into()];
+    let v = serde_json::to_value(pod_for(&l, &s, None).expect("pod")).expect("json");
+    let spec = &v["spec"];
+    let c = &spec["containers"][0];
+    // /dev/shm first (two GPUs), then the spec's volumes by name.
+    let names: Vec<&str> = spec["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(names, ["dshm", "models", "scratch"]);
+    assert_eq!(
+        spec["volumes"][1]["persistentVolumeClaim"]["claimName"],
+        "hf-cache"
+    );
+    assert_eq!(
+        spec["volumes"][1]["persistentVolumeClaim"]["readOnly"],
+        true
+    );
+    assert_eq!(spec["volumes"][2]["emptyDir"]["sizeLimit"], "20Gi");
+    assert_eq!(c["volumeMounts"][1]["mountPath"], "/models");
+    assert_eq!(c["volumeMounts"][1]["readOnly"], true);
+    assert_eq!(c["volumeMounts"][2]["mountPath"], "/scratch");
+    assert!(
+        spec["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .all(|v| v.get("hostPath").is_none())
+    );
+    let term = &spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"][0]["matchExpressions"][0];
+    assert_eq!(term["key"], "topology.kubernetes.io/zone");
+    assert_eq!(term["operator"], "In");
+    assert_eq!(term["values"], json!(["us-east-1a", "us-east-1b"]));
 }
