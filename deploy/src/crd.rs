@@ -65,10 +65,30 @@ pub struct ServingAppStatus {
     pub revision: Option<String>,
     /// Every live revision with its traffic.
     pub revisions: Vec<RevisionTraffic>,
+    /// The last promotion: the revision it promoted, where it is, and why
+    /// it ended so when it failed or rolled back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promotion: Option<PromotionState>,
     /// Conditions.
     pub conditions: Vec<Condition>,
     /// The spec generation this status describes.
     pub observed_generation: Option<i64>,
+}
+
+/// Where an app's last promotion is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PromotionState {
+    /// The revision it promotes.
+    pub revision: String,
+    /// `warming`, `canary`, `done`, `rolled_back` or `failed`.
+    pub phase: String,
+    /// Why it rolled back or failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Whether it swaps the weights into the serving replicas.
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 /// What the operator reports of a `WarmPool`.

@@ -314,6 +314,10 @@ fn every_template_reads_as_its_kubernetes_type() {
     assert!(grants("warmgate.dev", "servingapps/status").contains(&"patch".to_string()));
     assert!(!grants("warmgate.dev", "servingapps").contains(&"delete".to_string()));
     assert!(grants("coordination.k8s.io", "leases").contains(&"update".to_string()));
+    // Events about the resources: written (and folded into series), never read.
+    let mut events = grants("events.k8s.io", "events");
+    events.sort();
+    assert_eq!(events, ["create", "patch"]);
     assert!(grants("", "secrets").is_empty(), "no access to secrets");
 }
 

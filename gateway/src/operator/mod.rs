@@ -33,9 +33,11 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt as _};
 use serde_json::json;
 use warmgate_deploy::crd::{
-    Condition, ReplicaCounts, RevisionTraffic, ServingApp, ServingAppStatus, WarmPool,
-    WarmPoolStatus,
+    Condition, PromotionState, ReplicaCounts, RevisionTraffic, ServingApp, ServingAppStatus,
+    WarmPool, WarmPoolStatus,
 };
+
+pub mod events;
 use warmgate_deploy::{BackendKind, Config};
 use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
 use warmgate_pool::{ReplicaState, TargetStatus};
@@ -222,11 +224,28 @@ pub fn app_status(app: &AppStatus, generation: Option<i64>, now: &str) -> Servin
             ready: r.ready as u32,
         })
         .collect();
+    let promotion = app.promotion.as_ref().map(|p| {
+        use warmgate_deploy::revision::Phase;
+        let (phase, reason) = match &p.phase {
+            Phase::Warming => ("warming", None),
+            Phase::Canary => ("canary", None),
+            Phase::Done => ("done", None),
+            Phase::RolledBack { reason } => ("rolled_back", Some(reason.clone())),
+            Phase::Failed { reason } => ("failed", Some(reason.clone())),
+        };
+        PromotionState {
+            revision: p.to.clone(),
+            phase: phase.into(),
+            reason,
+            in_place: p.plan.in_place,
+        }
+    });
     ServingAppStatus {
         conditions: conditions(&counts, target, now),
         replicas: counts,
         revision: Some(app.revision.clone()).filter(|r| !r.is_empty()),
         revisions,
+        promotion,
         observed_generation: generation,
     }
 }
@@ -566,6 +585,7 @@ async fn reconcile(
         app_events.map(|e| e.map(|e| map_event(e, Kind::App))),
         pool_events.map(|e| e.map(|e| map_event(e, Kind::Pool))),
     );
+    let recorder = events::Events::new(apps.clone().into_client(), std::env::var("POD_NAME").ok());
     let mut tick = tokio::time::interval(STATUS_INTERVAL);
     // A re-list (the first, or after the watch restarted): what it holds
     // replaces what was seen once it is done, since a resource deleted
@@ -585,7 +605,7 @@ async fn reconcile(
                 {
                     seen.refused = apply_resources(&gw, &base, &seen).await;
                 }
-                write_statuses(&gw, &apps, &pools, &seen).await
+                write_statuses(&gw, &apps, &pools, &seen, &recorder).await
             }
             ev = events.next() => {
                 let Some(ev) = ev else { return "the resource watch ended".into() };
@@ -793,11 +813,26 @@ async fn write_statuses(
     apps: &Api<ServingApp>,
     pools: &Api<WarmPool>,
     seen: &Resources,
+    events: &events::Events,
 ) {
     let now = now_rfc3339();
     let generations = seen.generations();
-    let app_was = |name: &str| seen.apps.get(name).and_then(|a| a.status.clone());
-    let pool_was = |name: &str| seen.pools.get(name).and_then(|p| p.status.clone());
+    let app_was = |name: &str| {
+        let a = seen.apps.get(name);
+        Was {
+            status: a.and_then(|a| a.status.clone()),
+            regarding: a.map(|a| a.object_ref(&())),
+            events,
+        }
+    };
+    let pool_was = |name: &str| {
+        let p = seen.pools.get(name);
+        Was {
+            status: p.and_then(|p| p.status.clone()),
+            regarding: p.map(|p| p.object_ref(&())),
+            events,
+        }
+    };
     for r in &seen.refused {
         let result = match r.kind {
             ResourceKind::App => {
@@ -850,6 +885,8 @@ async fn write_statuses(
 trait Conditioned: PartialEq + serde::Serialize {
     fn conditions(&self) -> &Vec<Condition>;
     fn conditions_mut(&mut self) -> &mut Vec<Condition>;
+    /// What events are read from.
+    fn observed(&self) -> events::Observed;
 }
 
 impl Conditioned for ServingAppStatus {
@@ -858,6 +895,9 @@ impl Conditioned for ServingAppStatus {
     }
     fn conditions_mut(&mut self) -> &mut Vec<Condition> {
         &mut self.conditions
+    }
+    fn observed(&self) -> events::Observed {
+        self.into()
     }
 }
 
@@ -868,14 +908,26 @@ impl Conditioned for WarmPoolStatus {
     fn conditions_mut(&mut self) -> &mut Vec<Condition> {
         &mut self.conditions
     }
+    fn observed(&self) -> events::Observed {
+        self.into()
+    }
+}
+
+/// The status a resource holds, and where its events go.
+struct Was<'a, S> {
+    status: Option<S>,
+    /// The resource, for its events (`None`: not seen yet, no events).
+    regarding: Option<k8s_openapi::api::core::v1::ObjectReference>,
+    events: &'a events::Events,
 }
 
 /// Settles `next` against the status the resource holds (`was`) and
-/// patches it only when they differ.
+/// patches it only when they differ; what changed is published as events
+/// about the resource.
 async fn write_if_changed<K, S>(
     api: &Api<K>,
     name: &str,
-    was: Option<S>,
+    was: Was<'_, S>,
     mut next: S,
     now: &str,
 ) -> kube::Result<()>
@@ -884,14 +936,20 @@ where
     S: Conditioned,
 {
     settle(
-        was.as_ref().map(Conditioned::conditions),
+        was.status.as_ref().map(Conditioned::conditions),
         next.conditions_mut(),
         now,
     );
-    if was.as_ref() == Some(&next) {
+    if was.status.as_ref() == Some(&next) {
         return Ok(());
     }
-    patch_status(api, name, &next).await
+    patch_status(api, name, &next).await?;
+    if let Some(regarding) = &was.regarding {
+        let before = was.status.as_ref().map(Conditioned::observed);
+        let notices = events::transitions(before.as_ref(), &next.observed());
+        was.events.publish(regarding, notices).await;
+    }
+    Ok(())
 }
 
 /// Keeps each condition's `lastTransitionTime` from `was` while its
@@ -1380,6 +1438,93 @@ mod tests {
             .find(|c| c.type_ == "Ready")
             .expect("ready");
         assert_eq!(ready.last_transition_time, t0);
+    }
+
+    /// A resource that is refused: `Ready=False` with the key at fault, and
+    /// a Warning event about it with the same reason; the same status
+    /// again writes nothing and says nothing.
+    #[tokio::test]
+    async fn a_refused_resource_gets_its_condition_and_a_warning_event_once() {
+        let (service, mut handle) =
+            tower_test::mock::pair::<Request<kube::client::Body>, Response<Full<Bytes>>>();
+        let client = kube::Client::new(service, "ml");
+        let api: Api<ServingApp> = Api::namespaced(client.clone(), "ml");
+        let recorder = events::Events::new(client, Some("wg-0".into()));
+        let mut resource = app("minilm", json!({"image": "r/e:1", "concurrency": 0}));
+        resource.metadata.uid = Some("u-7".into());
+        let refusal = Refusal {
+            kind: ResourceKind::App,
+            name: "minilm".into(),
+            key: "spec.concurrency".into(),
+            message: "must be at least 1".into(),
+        };
+        let now = "2026-12-01T00:00:00Z";
+        let status = ServingAppStatus {
+            conditions: refused_conditions(&refusal, now),
+            ..ServingAppStatus::default()
+        };
+        let echo = serde_json::to_value(&resource).expect("json");
+        let verifier = tokio::spawn(async move {
+            let (req, send) = handle.next_request().await.expect("the status patch");
+            assert_eq!(req.method(), http::Method::PATCH);
+            assert!(req.uri().path().ends_with("/servingapps/minilm/status"));
+            send.send_response(
+                Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(echo.to_string())))
+                    .expect("response"),
+            );
+            let (req, send) = handle.next_request().await.expect("the event");
+            assert_eq!(req.method(), http::Method::POST);
+            assert_eq!(
+                req.uri().path(),
+                "/apis/events.k8s.io/v1/namespaces/ml/events"
+            );
+            let body: Value =
+                serde_json::from_slice(&req.into_body().collect_bytes().await.expect("body"))
+                    .expect("json");
+            assert_eq!(body["type"], "Warning", "{body}");
+            assert_eq!(body["reason"], "Refused", "{body}");
+            assert_eq!(
+                body["note"], "spec.concurrency: must be at least 1",
+                "{body}"
+            );
+            assert_eq!(body["regarding"]["kind"], "ServingApp", "{body}");
+            assert_eq!(body["regarding"]["name"], "minilm", "{body}");
+            assert_eq!(body["regarding"]["uid"], "u-7", "{body}");
+            assert_eq!(body["reportingController"], "warmgate-operator", "{body}");
+            send.send_response(
+                Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(body.to_string())))
+                    .expect("response"),
+            );
+            handle
+        });
+        let was = Was {
+            status: None,
+            regarding: Some(resource.object_ref(&())),
+            events: &recorder,
+        };
+        write_if_changed(&api, "minilm", was, status.clone(), now)
+            .await
+            .expect("written");
+        let mut handle = verifier.await.expect("the verifier saw both calls");
+        // Written once: the same status again is neither patched nor told.
+        let again = Was {
+            status: Some(status.clone()),
+            regarding: Some(resource.object_ref(&())),
+            events: &recorder,
+        };
+        write_if_changed(&api, "minilm", again, status, now)
+            .await
+            .expect("nothing to write");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                .await
+                .is_err(),
+            "no call for an unchanged status"
+        );
     }
 
     #[tokio::test]
