@@ -113,6 +113,10 @@ pub struct Plan {
     /// app holds.
     #[serde(default)]
     pub in_place: bool,
+    /// In place, the canary percent that was asked for (`canary` holds
+    /// whole replicas' share): a fallback to new replicas uses it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary_asked: Option<u8>,
 }
 
 /// Where a promotion is.
@@ -254,6 +258,7 @@ impl Promotion {
                 // and the new one starts replicas of its own.
                 let mut plan = self.plan.clone();
                 plan.in_place = false;
+                plan.canary = plan.canary_asked.take().or(plan.canary);
                 Ok((
                     Promotion {
                         plan,
@@ -458,6 +463,7 @@ mod tests {
             bake: Duration::from_secs(60),
             at_zero: false,
             in_place: false,
+            canary_asked: None,
         }
     }
 
@@ -471,13 +477,20 @@ mod tests {
     #[test]
     fn in_place_a_worker_that_cannot_swap_falls_back_to_new_replicas() {
         let mut h = history();
-        let (p, fx) = Promotion::begin("m", Some("m-00001"), "m-00002", in_place(Some(50)));
+        let mut how = in_place(Some(50));
+        how.canary_asked = Some(10);
+        let (p, fx) = Promotion::begin("m", Some("m-00001"), "m-00002", how);
         h.apply(&p, &fx);
         let (p, fx) = p
             .on(Event::InPlaceUnsupported(
                 "POST /weights answered 404".into(),
             ))
             .expect("valid while warming");
+        assert_eq!(
+            p.plan.canary,
+            Some(10),
+            "the canary asked for, not whole replicas'"
+        );
         assert_eq!(p.phase, Phase::Warming, "it warms replicas of its own now");
         assert!(!p.plan.in_place);
         assert_eq!(p.fell_back.as_deref(), Some("POST /weights answered 404"));

@@ -435,6 +435,7 @@ mod tests {
                     bake: Duration::from_secs(30),
                     at_zero: false,
                     in_place: false,
+                    canary_asked: None,
                 },
             );
             h.apply(&p, &fx);

@@ -310,7 +310,7 @@ fn every_template_reads_as_its_kubernetes_type() {
     };
     let mut pods = grants("", "pods");
     pods.sort();
-    assert_eq!(pods, ["create", "delete", "get", "list", "watch"]);
+    assert_eq!(pods, ["create", "delete", "get", "list", "patch", "watch"]);
     assert!(grants("warmgate.dev", "servingapps/status").contains(&"patch".to_string()));
     assert!(!grants("warmgate.dev", "servingapps").contains(&"delete".to_string()));
     assert!(grants("coordination.k8s.io", "leases").contains(&"update".to_string()));

@@ -10,8 +10,19 @@
 //! the target, held at no fewer replicas than it had. A replica moves in
 //! four steps: out of the old revision's routing, its requests in flight
 //! finish, its token is regranted and its weights swapped, into the new
-//! revision's routing. The old revision never loses its last replica
-//! while it still holds requests, so nothing held is stranded.
+//! revision's routing.
+//!
+//! Rules that keep requests from being lost:
+//! - Before the gate has passed (warming), the swapped replicas take only
+//!   pinned requests; the traffic moves with them only once the canary
+//!   has passed (or, without a canary, the gate), in proportion.
+//! - A revision left with no replica sends what it holds, and what
+//!   reaches it later, to the revision that took its last one
+//!   (`App::redirect_to`): nothing waits for a replica that will not come.
+//!   So an app of one replica serves on the new weights from its swap on.
+//! - One swap at a time per guest (`App::moves`): a rollback waits for the
+//!   promotion's swap to stop, and a swap stops as soon as its guest is
+//!   retired.
 //!
 //! When the canary has passed, the target is changed to start the new
 //! revision (so a replica that crashes comes back with the new weights),
@@ -22,7 +33,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use warmgate_deploy::AppSpec;
 use warmgate_deploy::revision::Revision;
@@ -35,10 +46,6 @@ use crate::serving::served::Served;
 use crate::upstream::LoadError;
 use crate::weights::Grant;
 
-/// How often a replica about to leave a revision looks at that
-/// revision's held requests.
-const HELD_POLL: Duration = Duration::from_millis(10);
-
 /// How a swap of several replicas ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum SwapError {
@@ -49,12 +56,12 @@ pub(crate) enum SwapError {
     Failed(String),
 }
 
-/// Which way replicas move, and so what happens to the traffic split.
+/// Which way replicas move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Direction {
-    /// Promoting: the traffic follows the replicas, in proportion.
+    /// Promoting: from the serving revision to its guest.
     Forward,
-    /// Rolling back: the traffic is already back on the old revision.
+    /// Rolling back: from the guest to the revision it borrowed from.
     Back,
 }
 
@@ -70,6 +77,25 @@ pub(crate) struct Move<'a> {
     pub version: u64,
     /// Which way.
     pub direction: Direction,
+    /// The traffic follows the replicas, in proportion (after the canary
+    /// or the gate has passed); otherwise the new revision takes only
+    /// pinned requests until its last step.
+    pub follow: bool,
+}
+
+impl Move<'_> {
+    /// The guest whose replicas move (and whose lock serializes it).
+    fn guest(&self) -> &Arc<App> {
+        match self.direction {
+            Direction::Forward => self.to,
+            Direction::Back => self.from,
+        }
+    }
+
+    /// Going forward for a guest that was retired meanwhile: stop.
+    fn cancelled(&self) -> bool {
+        self.direction == Direction::Forward && self.to.is_retired()
+    }
 }
 
 impl Gateway {
@@ -85,7 +111,7 @@ impl Gateway {
             return Err(ApiError::new(
                 ErrorKind::Conflict,
                 format!(
-                    "{} already takes over {}'s replicas in place",
+                    "{} still holds {}'s replicas; try again once they are swapped back",
                     g.revision, host.revision
                 ),
             ));
@@ -104,6 +130,23 @@ impl Gateway {
         Ok(guest)
     }
 
+    /// Refuses a new promotion, rollback or roll of `app` while replicas an
+    /// in-place promotion took are being swapped back.
+    pub(crate) fn refuse_if_swapping_back(&self, app: &Served) -> Result<(), ApiError> {
+        let guests = self.guests.read();
+        match guests.values().find(|g| g.name == app.name) {
+            Some(g) if g.is_retired() => Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "app '{}': the replicas {} took are being swapped back; try again in a moment",
+                    app.name, g.revision
+                ),
+            )
+            .retry_after(1)),
+            _ => Ok(()),
+        }
+    }
+
     /// Moves up to `count` replicas (one at a time, so the app's capacity
     /// drops by one at most) and returns how many moved. A replica that
     /// fails to load is replaced; going forward during the canary that
@@ -114,10 +157,11 @@ impl Gateway {
         count: usize,
         stop_on_failure: bool,
     ) -> Result<usize, SwapError> {
+        let _one_at_a_time = m.guest().moves.lock().await;
         let mut moved = 0;
         let mut tried: HashSet<String> = HashSet::new();
         let mut failure = None;
-        while moved < count {
+        while moved < count && !m.cancelled() {
             // The least busy replica first: its requests finish soonest.
             let Some(r) = m
                 .from
@@ -132,18 +176,20 @@ impl Gateway {
             match self.move_replica(m, &r).await {
                 Ok(true) => moved += 1,
                 Ok(false) => {}
-                Err(SwapError::Unsupported(why)) if moved == 0 => {
+                Err(SwapError::Unsupported(why))
+                    if moved == 0 && m.direction == Direction::Forward =>
+                {
                     return Err(SwapError::Unsupported(why));
                 }
                 Err(SwapError::Unsupported(why) | SwapError::Failed(why)) => {
-                    if m.direction == Direction::Forward {
-                        follow(m);
-                    }
                     if stop_on_failure {
                         return Err(SwapError::Failed(why));
                     }
                     failure = Some(why);
                 }
+            }
+            if m.follow && !m.cancelled() {
+                follow(m);
             }
         }
         if let Some(why) = failure {
@@ -153,19 +199,14 @@ impl Gateway {
     }
 
     /// Moves one replica; `Ok(false)` when it went away meanwhile.
-    ///
-    /// The revision giving it up never strands what it holds: when this is
-    /// its last replica, its traffic goes to the other revision first (if
-    /// that one has proved it can take it), and once the swap is done the
-    /// replica also serves what it still held, then leaves it.
     async fn move_replica(&self, m: &Move<'_>, r: &Arc<ReplicaHandle>) -> Result<bool, SwapError> {
         let deadline = Instant::now() + m.app.spec().startup_timeout;
-        let last = m.from.replicas().len() == 1;
-        if last && m.direction == Direction::Forward && !m.to.replicas().is_empty() {
-            m.app.set_split(&[(m.to.revision.clone(), 100)]);
-        }
         if !m.from.remove_replica(r) {
             return Ok(false);
+        }
+        // Its last replica: what it holds goes where replicas are.
+        if m.from.ready_replicas() == 0 && m.to.ready_replicas() > 0 {
+            m.from.redirect_to(m.to);
         }
         r.wait_idle(deadline.into()).await;
         let grant = |revision: &str| Grant::Revision {
@@ -199,20 +240,15 @@ impl Gateway {
             Ok(()) => {
                 r.weights_version
                     .store(m.version, std::sync::atomic::Ordering::Relaxed);
+                // It no longer runs what it was started with: not one to
+                // take over as such after a failover.
+                self.pool.weights_swapped(&r.id);
                 tracing::info!(app = %m.app.name, replica = %r.id, from = %m.from.revision, to = %m.to.revision, "replica swapped in place");
+                // Even for a guest retired meanwhile: it runs the guest's
+                // weights, and the guest's swap back moves it on.
                 m.to.add_replica(r.clone());
-                if m.direction == Direction::Forward {
-                    follow(m);
-                }
-                if m.from.replicas().is_empty() && m.from.load().1 > 0 {
-                    // Held by the revision that has no replica left: served
-                    // here (the per-replica limit is the replica's own, so
-                    // it holds across both), then it lets go.
-                    m.from.add_replica(r.clone());
-                    while m.from.load().1 > 0 && Instant::now() < deadline {
-                        tokio::time::sleep(HELD_POLL).await;
-                    }
-                    m.from.remove_replica(r);
+                if m.from.ready_replicas() == 0 {
+                    m.from.redirect_to(m.to);
                 }
                 Ok(true)
             }
@@ -230,28 +266,29 @@ impl Gateway {
                     m.from.revision, m.to.revision
                 );
                 r.set_unroutable();
-                self.pool.replace(&m.from.target, &r.id, &reason);
+                if !self.pool.replace(&m.from.target, &r.id, &reason) {
+                    tracing::error!(app = %m.app.name, replica = %r.id, "could not ask for the replica to be replaced; it takes no traffic");
+                }
                 Err(SwapError::Failed(format!("replica {}: {why}", r.id)))
             }
         }
     }
 
-    /// The canary passed: the target starts `to` from now on (a replica
-    /// that is replaced comes back with the new weights and joins `to`),
-    /// and the rest of `from`'s replicas move.
+    /// The canary (or, without one, the gate) passed: the target starts
+    /// `to` from now on (a replica that is replaced comes back with the new
+    /// weights and joins `to`), and the rest of `from`'s replicas move,
+    /// the traffic with them.
     pub(crate) async fn swap_rest(&self, m: &Move<'_>, rev: &Revision) {
+        if m.cancelled() {
+            return;
+        }
         if let Some(uri) = &rev.checkpoint
             && self.weights.uri(&m.app.name, &rev.id).is_none()
             && let Err(e) = self.serve_weights(&m.app.name, &rev.id, uri)
         {
             tracing::error!(app = %m.app.name, error = %e.message, "cannot serve the promoted checkpoint to new replicas");
         }
-        let url = format!("http://{}/v1/weights/{}/{}", self.reach, m.app.name, rev.id);
-        self.pool.update_target(&m.from.target, |t| {
-            t.revision = rev.id.clone();
-            t.checkpoint = rev.checkpoint.clone();
-            t.env.insert("WARMGATE_WEIGHTS_URL".into(), url);
-        });
+        self.point_target_at(m.app, &m.from.target, &rev.id, rev.checkpoint.clone());
         let all = m.from.replicas().len();
         if let Err(e) = self.swap(m, all, false).await {
             tracing::warn!(app = %m.app.name, error = ?e, "the rest of the replicas did not all swap in place");
@@ -260,23 +297,50 @@ impl Gateway {
         // still arrive in `from`: it moves too, within a start's time.
         let until = Instant::now() + m.app.spec().startup_timeout;
         while Instant::now() < until
+            && !m.cancelled()
             && self
                 .pool
                 .health(&m.from.target)
                 .is_some_and(|h| h.starting > 0)
         {
-            tokio::time::sleep(HELD_POLL * 10).await;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             let left = m.from.replicas().len();
             if left > 0 {
                 let _ = self.swap(m, left, false).await;
             }
         }
+        if !m.cancelled() {
+            follow(m);
+        }
+    }
+
+    /// Makes the target start `revision` (its checkpoint and weights URL).
+    fn point_target_at(
+        &self,
+        app: &Served,
+        target: &warmgate_deploy::TargetId,
+        revision: &str,
+        checkpoint: Option<String>,
+    ) {
+        let url = format!("http://{}/v1/weights/{}/{revision}", self.reach, app.name);
+        self.pool.update_target(target, |t| {
+            t.revision = revision.to_string();
+            t.checkpoint = checkpoint;
+            t.env.insert("WARMGATE_WEIGHTS_URL".into(), url);
+        });
     }
 
     /// The guest of a promotion that is over takes the target as its own
     /// (`from` leaves routing; the target is not scaled down).
     pub(crate) fn settle_guest(&self, app: &Served, from: &Arc<App>) {
-        let Some(guest) = self.guests.write().remove(&from.target) else {
+        let guest = {
+            let mut guests = self.guests.write();
+            match guests.get(&from.target) {
+                Some(g) if !g.is_retired() => guests.remove(&from.target),
+                _ => None,
+            }
+        };
+        let Some(guest) = guest else {
             return;
         };
         guest.settle();
@@ -288,10 +352,21 @@ impl Gateway {
         app.remove_live(&from.revision);
     }
 
-    /// A guest rolled back or failed: its replicas go back to `host` with
-    /// the old weights, then it leaves routing. Runs in the background;
+    /// Whether `from` is the host of a guest that is still promoting (not
+    /// retired): its promotion's end settles the guest.
+    pub(crate) fn hosts_live_guest(&self, from: &App) -> bool {
+        self.guests
+            .read()
+            .get(&from.target)
+            .is_some_and(|g| !g.is_retired() && g.name == from.name)
+    }
+
+    /// A guest rolled back or failed: it takes nothing more, its replicas
+    /// go back to `host` with the old weights, then it leaves routing.
+    /// Runs in the background once the promotion's own swap has stopped;
     /// the traffic is on `host` already.
     pub(crate) fn send_back(self: &Arc<Self>, app: Arc<Served>, guest: Arc<App>, host: Arc<App>) {
+        guest.retire();
         let gw = self.clone();
         tokio::spawn(async move {
             let version = app
@@ -302,27 +377,41 @@ impl Gateway {
             // Everything goes to the old weights now, and so does what the
             // target starts next.
             app.set_split(&[(host.revision.clone(), 100)]);
-            let url = format!(
-                "http://{}/v1/weights/{}/{}",
-                gw.reach, app.name, host.revision
-            );
             let checkpoint = host.spec().checkpoint.clone();
-            gw.pool.update_target(&host.target, |t| {
-                t.revision = host.revision.clone();
-                t.checkpoint = checkpoint;
-                t.env.insert("WARMGATE_WEIGHTS_URL".into(), url);
-            });
             let m = Move {
                 app: &app,
                 from: &guest,
                 to: &host,
                 version,
                 direction: Direction::Back,
+                follow: false,
             };
-            let all = guest.replicas().len();
-            let moved = gw.swap(&m, all, false).await;
-            tracing::info!(app = %app.name, from = %guest.revision, to = %host.revision, moved = ?moved, "replicas swapped back in place");
-            gw.guests.write().remove(&host.target);
+            let mut moved = 0;
+            // The promotion's own swap first stops (it sees the guest
+            // retired before its next replica); a replica it was loading
+            // meanwhile lands in the guest and moves back below.
+            drop(guest.moves.lock().await);
+            for _ in 0..3 {
+                gw.point_target_at(&app, &host.target, &host.revision, checkpoint.clone());
+                let all = guest.replicas().len();
+                if all == 0 {
+                    break;
+                }
+                moved += gw.swap(&m, all, false).await.unwrap_or(0);
+            }
+            tracing::info!(app = %app.name, from = %guest.revision, to = %host.revision, moved, "replicas swapped back in place");
+            if guest.ready_replicas() == 0 {
+                guest.redirect_to(&host);
+            }
+            {
+                let mut guests = gw.guests.write();
+                if guests
+                    .get(&host.target)
+                    .is_some_and(|g| Arc::ptr_eq(g, &guest))
+                {
+                    guests.remove(&host.target);
+                }
+            }
             gw.weights.unregister(&app.name, &guest.revision);
             app.remove_live(&guest.revision);
         });
@@ -332,8 +421,8 @@ impl Gateway {
 /// Routes the traffic between the two revisions in proportion to the
 /// replicas each has, so neither is sent more than it can serve.
 fn follow(m: &Move<'_>) {
-    let to = m.to.replicas().len() as u32;
-    let from = m.from.replicas().len() as u32;
+    let to = m.to.ready_replicas() as u32;
+    let from = m.from.ready_replicas() as u32;
     let split = match (to, from) {
         (0, _) => vec![(m.from.revision.clone(), 100)],
         (_, 0) => vec![(m.to.revision.clone(), 100)],
@@ -350,11 +439,12 @@ fn follow(m: &Move<'_>) {
 
 /// The canary of an in-place promotion: how many of `replicas` swap
 /// first for a `canary` percent, and the share of traffic they take.
-/// Without a canary every replica swaps before the traffic is all moved.
+/// Without a canary one replica swaps first, for the gate, and takes only
+/// pinned requests.
 pub(crate) fn canary_replicas(replicas: usize, canary: Option<u8>) -> (usize, Option<u8>) {
     let n = replicas.max(1);
     match canary {
-        None => (n, None),
+        None => (1, None),
         Some(pct) => {
             let k = (n * usize::from(pct)).div_ceil(100).clamp(1, n);
             let share = ((100 * k + n / 2) / n).clamp(1, 100) as u8;
@@ -379,6 +469,6 @@ mod tests {
             "an app of one"
         );
         assert_eq!(canary_replicas(5, Some(100)), (5, Some(100)));
-        assert_eq!(canary_replicas(4, None), (4, None));
+        assert_eq!(canary_replicas(4, None), (1, None), "one, for the gate");
     }
 }

@@ -91,6 +91,7 @@ impl Gateway {
                         bake: Duration::ZERO,
                         at_zero: true,
                         in_place: false,
+                        canary_asked: None,
                     },
                 );
                 h.apply(&p, &fx);
@@ -266,6 +267,7 @@ impl Gateway {
     ) -> Result<String, ApiError> {
         Self::refuse_if_pool_served(app)?;
         self.refuse_if_promoting(app)?;
+        self.refuse_if_swapping_back(app)?;
         let source = self.weights.open(&req.checkpoint)?;
         // Listed under a scratch name first: the checkpoint must exist
         // before a revision is made for it. The scratch name is not kept.
@@ -308,6 +310,7 @@ impl Gateway {
                 bake: req.bake.unwrap_or(app.spec().promotion.bake),
                 at_zero: self.at_zero(self.serving_target(app, &h)),
                 in_place: false,
+                canary_asked: None,
             };
             let mut how = plan
                 .canary
@@ -408,7 +411,8 @@ impl Gateway {
             )?;
             return Ok(back);
         }
-        let (id, fx) = {
+        self.refuse_if_swapping_back(app)?;
+        {
             let mut h = app.history.lock();
             if h.promoting() {
                 return Err(promoting_error(&app.name, &h));
@@ -431,14 +435,28 @@ impl Gateway {
                 bake: Duration::ZERO,
                 at_zero: self.at_zero(serving_target.clone()),
                 in_place: false,
+                canary_asked: None,
             };
             // Back in place when the app promotes in place, and always when
-            // the serving revision runs on the previous one's replicas
-            // (promoted in place onto them): those replicas swap back.
-            let hosted = serving_target.is_some_and(|t| t == prev.target());
+            // the serving revision runs on replicas it took over in place
+            // (its target is not its own): those replicas swap back.
+            let own = h.serving().map(Revision::target);
+            let hosted = serving_target.is_some_and(|t| Some(t) != own);
             let mut how = String::from("all at once");
             if app.spec().promotion.in_place || hosted {
                 how = in_place_plan(&mut plan, app, from.as_deref(), how);
+            }
+            if hosted && !plan.in_place && !plan.at_zero {
+                // Its replicas are starting again (none ready to swap),
+                // and no other replicas may be had for it.
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "app '{}': the replicas to swap back are not ready yet; try again in a moment",
+                        app.name
+                    ),
+                )
+                .retry_after(2));
             }
             let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
             self.commit(
@@ -449,19 +467,10 @@ impl Gateway {
                 &fx,
                 &format!("roll back to {} ({how})", prev.id),
             )?;
-            // It served before, so its checkpoint opened before.
-            match (
-                p.plan.in_place,
-                from.as_deref().and_then(|f| app.revision(f)),
-            ) {
-                (true, Some(host)) => self.materialize_guest(app, &prev, &host)?,
-                _ => self.materialize(app, &prev)?,
-            };
-            (prev.id, fx)
-        };
-        self.act(app, &fx);
-        tokio::spawn(self.clone().drive(app.clone()));
-        Ok(id)
+            // It served before, so its checkpoint opened before. One that
+            // cannot start now fails the rollback for good, saved.
+            self.launch(app, h, &prev, &p, fx)
+        }
     }
 
     /// Promotes `checkpoint` on app `name` with the app's own promotion
@@ -499,6 +508,7 @@ impl Gateway {
         let config = serde_json::to_string(&spec).map_err(|e| {
             ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
         })?;
+        self.refuse_if_swapping_back(app)?;
         {
             let mut h = app.history.lock();
             if h.promoting() {
@@ -517,6 +527,7 @@ impl Gateway {
                 bake: Duration::ZERO,
                 at_zero: self.at_zero(self.serving_target(app, &h)),
                 in_place: false,
+                canary_asked: None,
             };
             let note = match &from {
                 Some(from) => format!("{why}: {id} replaces {from}"),
@@ -707,6 +718,7 @@ impl Gateway {
                     match host {
                         Some(host) => self.send_back(app.clone(), guest, host),
                         None => {
+                            guest.retire();
                             self.guests.write().remove(&guest.target);
                             self.weights.unregister(&app.name, id);
                             app.remove_live(id);
@@ -714,12 +726,7 @@ impl Gateway {
                     }
                 }
                 Effect::Retire(id)
-                    if app.revision(id).is_some_and(|a| {
-                        self.guests
-                            .read()
-                            .get(&a.target)
-                            .is_some_and(|g| app.revision(&g.revision).is_some())
-                    }) =>
+                    if app.revision(id).is_some_and(|a| self.hosts_live_guest(&a)) =>
                 {
                     // Promoted in place: the new revision keeps the
                     // replicas, and the target is its own now.
@@ -762,7 +769,9 @@ impl Gateway {
     /// operator's rollback.
     async fn drive(self: Arc<Self>, app: Arc<Served>) {
         let mut since = Instant::now();
-        let mut phase_seen: Option<Phase> = None;
+        // The phase, and whether it is in place (a fallback to new replicas
+        // stays warming, and its start has its whole time).
+        let mut phase_seen: Option<(Phase, bool)> = None;
         let mut baseline = (0u64, 0u64);
         // A step whose save failed: taken again, as it was decided, until
         // it is saved or the promotion moves on (an operator's rollback).
@@ -790,19 +799,24 @@ impl Gateway {
                 continue;
             }
             let to = app.revision(&p.to);
-            if phase_seen.as_ref() != Some(&p.phase) {
+            let seen = (p.phase.clone(), p.plan.in_place);
+            if phase_seen.as_ref() != Some(&seen) {
                 since = Instant::now();
-                phase_seen = Some(p.phase.clone());
+                phase_seen = Some(seen);
                 baseline = to.as_ref().map_or((0, 0), |a| a.health());
             }
+            // A step taken meanwhile by someone else (an operator's
+            // rollback during a swap) ends this one's turn.
+            let moved_on = |app: &Served| app.history.lock().promotion.as_ref() != Some(&p);
             let event = if let Some(reason) = app.rollback.lock().take() {
                 Some(Event::Rollback(reason))
             } else {
                 match p.phase {
                     Phase::Warming if p.plan.in_place => match self.warm_in_place(&app, &p).await {
+                        _ if moved_on(&app) => continue,
                         Event::Ready => {
                             let gate = self.gate(&app, &p.to).await;
-                            if gate == Event::Ready && p.plan.canary.is_none() {
+                            if gate == Event::Ready && p.plan.canary.is_none() && !moved_on(&app) {
                                 // Nothing to bake: every replica moves now.
                                 self.commit_in_place(&app, &p).await;
                             }
@@ -815,6 +829,14 @@ impl Gateway {
                         other => other,
                     },
                     Phase::Canary => match canary(&app, &p, to.as_deref(), baseline, since) {
+                        // Its replicas were all lost (crashed, stopped):
+                        // nothing is left to judge, and its share of the
+                        // traffic is sent back to where replicas are.
+                        _ if p.plan.in_place
+                            && to.as_ref().is_some_and(|a| a.ready_replicas() == 0) =>
+                        {
+                            Some(Event::Unhealthy("the canary's replicas were lost".into()))
+                        }
                         Some(Event::BakeElapsed) if p.plan.in_place => {
                             // The canary passed: the rest of the replicas
                             // swap before the last step retires the old.
@@ -1002,14 +1024,18 @@ impl Gateway {
         let want = match p.plan.canary {
             // The share was made from whole replicas (`canary_replicas`).
             Some(share) => ((n * usize::from(share) + 50) / 100).clamp(1, n.max(1)),
-            None => n,
+            // One, for the gate; the rest once it has passed.
+            None => 1,
         };
+        // Pinned requests only until the gate has passed (an app of one
+        // replica sends its traffic on to it: it has no other).
         let m = crate::inplace::Move {
             app,
             from: &host,
             to: &guest,
             version: seq_of(app, &p.to),
             direction: crate::inplace::Direction::Forward,
+            follow: false,
         };
         match self
             .swap(&m, want.saturating_sub(guest.ready_replicas()), true)
@@ -1038,6 +1064,7 @@ impl Gateway {
             to: &guest,
             version: u64::from(rev.seq),
             direction: crate::inplace::Direction::Forward,
+            follow: true,
         };
         self.swap_rest(&m, &rev).await;
     }
@@ -1159,10 +1186,11 @@ fn in_place_plan(plan: &mut Plan, app: &Served, from: Option<&str>, how: String)
     }
     let (k, share) = crate::inplace::canary_replicas(n, plan.canary);
     plan.in_place = true;
+    plan.canary_asked = plan.canary;
     plan.canary = share;
     match share {
         Some(pct) => format!("in place: canary of {k} of {n} replicas, {pct}% of the traffic"),
-        None => format!("in place: {n} replicas, one at a time"),
+        None => format!("in place: {n} replicas, one at a time, the first for the gate"),
     }
 }
 

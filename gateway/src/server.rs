@@ -144,8 +144,14 @@ impl ReplicaSink for Sink {
     /// Gone from its target's revision, or from the revision that
     /// borrowed it for an in-place promotion.
     fn replica_removed(&self, replica: &Arc<ReplicaHandle>) {
-        if let Some(guest) = self.guests.read().get(&replica.target).cloned() {
-            guest.remove_replica(replica);
+        if let Some(guest) = self.guests.read().get(&replica.target).cloned()
+            && guest.remove_replica(replica)
+            && guest.ready_replicas() == 0
+            && let Some(host) = self.revisions.read().get(&replica.target).cloned()
+        {
+            // Its share of the traffic must not wait for a replica the
+            // guest will not get back: the host serves it.
+            guest.redirect_to(&host);
         }
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
@@ -566,11 +572,34 @@ impl Gateway {
         let serving = served.serving();
         let mut revisions = Vec::new();
         let (mut inflight, mut queued) = (0u32, 0usize);
-        for app in served.live() {
+        let live = served.live();
+        for app in &live {
             let (i, q) = app.load();
             inflight += i;
             queued += q;
             let t = targets.iter().find(|t| t.id == app.target);
+            // Two revisions share a target while one is promoted in place:
+            // each shows the replicas it routes to, the target's own
+            // revision the rest (those starting among them).
+            let elsewhere: std::collections::HashSet<String> = live
+                .iter()
+                .filter(|o| !Arc::ptr_eq(o, app) && o.target == app.target)
+                .flat_map(|o| o.replicas())
+                .map(|r| r.id.clone())
+                .collect();
+            let own: std::collections::HashSet<String> =
+                app.replicas().iter().map(|r| r.id.clone()).collect();
+            let replicas = t
+                .map(|t| {
+                    t.replicas
+                        .iter()
+                        .filter(|r| {
+                            own.contains(&r.id) || (!app.is_guest() && !elsewhere.contains(&r.id))
+                        })
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
             revisions.push(RevisionStatus {
                 id: app.revision.clone(),
                 traffic: shares
@@ -578,10 +607,14 @@ impl Gateway {
                     .find(|(id, _)| *id == app.revision)
                     .map_or(0, |(_, p)| *p),
                 ready: app.ready_replicas(),
-                desired: t.map_or(0, |t| t.desired),
+                desired: if app.is_guest() {
+                    own.len() as u32
+                } else {
+                    t.map_or(0, |t| t.desired)
+                },
                 inflight: i,
                 queued: q,
-                replicas: t.map(|t| t.replicas.clone()).unwrap_or_default(),
+                replicas,
             });
         }
         let (revision, ready, target, handoff) = match &serving {

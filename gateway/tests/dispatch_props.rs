@@ -7,7 +7,7 @@ use std::time::Instant;
 use proptest::prelude::*;
 use warmgate_deploy::AppSpec;
 use warmgate_gateway::ErrorKind;
-use warmgate_gateway::serving::dispatch::{Acquire, App, PendingSlot, SlotGuard};
+use warmgate_gateway::serving::dispatch::{Acquire, App, PendingSlot, SlotGuard, Slotted};
 use warmgate_pool::ReplicaHandle;
 
 #[derive(Debug, Clone)]
@@ -69,6 +69,7 @@ proptest! {
                             waiting.push(Waiting { seq: next_seq, slot: pending });
                             next_seq += 1;
                         }
+                        Ok(Acquire::Moved(_)) => prop_assert!(false, "nothing moved"),
                         Err(e) => {
                             prop_assert!(matches!(e.kind, ErrorKind::QueueFull | ErrorKind::Starting));
                             prop_assert!(e.retry_after.is_some());
@@ -111,10 +112,11 @@ proptest! {
             let mut still = Vec::new();
             for mut w in waiting.drain(..) {
                 match w.slot.try_take() {
-                    Some(Ok((g, _))) => {
+                    Some(Ok(Slotted::Slot(g, _))) => {
                         granted_seqs.push(w.seq);
                         running.push(g);
                     }
+                    Some(Ok(Slotted::Moved(_))) => prop_assert!(false, "nothing moved"),
                     Some(Err(e)) => prop_assert!(false, "unexpected failure {e}"),
                     None => still.push(w),
                 }

@@ -93,6 +93,10 @@ pub trait Backend: Send + Sync + 'static {
     fn adopt(&self, _launch: &Launch) -> Option<Adopted> {
         None
     }
+
+    /// The replica's weights were swapped in place: it no longer runs what
+    /// it was started with, so a later run must not take it over as such.
+    fn weights_swapped(&self, _replica: &str) {}
 }
 
 /// A replica an earlier run left running, taken over instead of started.

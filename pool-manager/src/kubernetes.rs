@@ -29,7 +29,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -257,6 +257,26 @@ impl Backend for KubeBackend {
     /// The pod asks for `nvidia.com/gpu`; the scheduler finds them.
     fn places_gpus(&self) -> bool {
         true
+    }
+
+    /// Takes the pod's interchangeable label off (a merge patch), so a
+    /// new leader does not take it over as a replica of what it was
+    /// started with.
+    fn weights_swapped(&self, replica: &str) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let api = self.api.clone();
+        let name = replica.to_string();
+        handle.spawn(async move {
+            let patch = serde_json::json!({"metadata": {"labels": {INTERCHANGEABLE: null}}});
+            if let Err(e) = api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::warn!(pod = %name, error = %e, "could not mark a pod swapped in place; a new leader might take it over as it was started");
+            }
+        });
     }
 
     fn adoptable(&self, launch: &Launch) -> usize {

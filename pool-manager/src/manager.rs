@@ -380,6 +380,12 @@ impl PoolManager {
         u32::try_from(self.inner.backend.adoptable(&launch)).unwrap_or(u32::MAX)
     }
 
+    /// A replica's weights were swapped in place (see
+    /// [`crate::Backend::weights_swapped`]).
+    pub fn weights_swapped(&self, replica: &str) {
+        self.inner.backend.weights_swapped(replica);
+    }
+
     /// The replica count last asked for.
     pub fn desired(&self, target: &TargetId) -> Option<u32> {
         self.inner

@@ -751,9 +751,19 @@ async fn an_app_of_one_replica_is_promoted_in_place_without_failing_a_request() 
     let root = tempfile::tempdir().expect("dir");
     let v1 = checkpoint(root.path(), "v1", false);
     let v2 = checkpoint(root.path(), "v2", false);
+    // More clients than the replica has slots, and a load that takes a
+    // while: requests are held while it swaps, and none may be lost.
     let config = full_box_config(&v1, "bake = \"1s\"")
         .replace("gpus = [0, 1]", "gpus = [0]")
-        .replace("min = 2\n        max = 2", "min = 1\n        max = 1");
+        .replace("min = 2\n        max = 2", "min = 1\n        max = 1")
+        .replace(
+            "concurrency = 16",
+            "concurrency = 2\n        env = { TEST_WORKER_WEIGHTS_DELAY_MS = \"500\" }",
+        )
+        .replace(
+            "[apps.promotion]",
+            "[apps.queue]\n        timeout = \"10s\"\n\n        [apps.promotion]",
+        );
     let gw = Gateway::start(&config);
     gw.wait_ready("m", 1).await;
     let pids = replica_pids(&gw).await;
@@ -779,4 +789,218 @@ async fn an_app_of_one_replica_is_promoted_in_place_without_failing_a_request() 
         answered_by(&gw).await,
         [("m-00002".to_string(), "2".to_string())].into()
     );
+}
+
+/// A rollback while the first replica is still loading the new weights:
+/// the swap stops, the replica that loaded them is sent back, and no
+/// request fails or is routed to a revision with nothing behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_in_the_middle_of_an_in_place_swap_sends_everything_back() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let cfg = full_box_config(&v1, "").replace(
+        "concurrency = 16",
+        "concurrency = 16\n        env = { TEST_WORKER_WEIGHTS_DELAY_MS = \"1500\" }",
+    );
+    let gw = Gateway::start(&cfg);
+    gw.wait_ready("m", 2).await;
+    let pids = sorted(replica_pids(&gw).await);
+    let load = Load::start(&gw, 8);
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;
+    assert_eq!(status, 202, "{body}");
+    eventually("a replica is loading m-00002", || async {
+        let s = app(&gw).await;
+        let ready: u64 = s["revisions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r["ready"].as_u64())
+            .sum();
+        (ready < 2).then_some(())
+    })
+    .await;
+    let (status, body) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    // Both replicas end on m-00001's weights (the one that was loading
+    // m-00002 loads m-00001's again, reporting its number, 1).
+    eventually("every replica back on m-00001", || async {
+        let s = gw.json("/v1/status").await;
+        let revs = s["apps"][0]["revisions"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let versions: Vec<u64> = revs
+            .iter()
+            .flat_map(|r| r["replicas"].as_array().cloned().unwrap_or_default())
+            .filter_map(|r| r["weights_version"].as_u64())
+            .collect();
+        (revs.len() == 1
+            && revs[0]["id"] == "m-00001"
+            && revs[0]["ready"] == 2
+            && versions.len() == 2
+            && versions.iter().all(|v| *v != 2))
+        .then_some(())
+    })
+    .await;
+    let (ok, failed, _) = load.stop().await;
+    assert_eq!(failed, 0, "{ok} ok, {failed} failed");
+    assert!(
+        answered_by(&gw)
+            .await
+            .iter()
+            .all(|(rev, v)| rev == "m-00001" && v != "2"),
+        "nothing answers with m-00002's weights"
+    );
+    assert_eq!(sorted(replica_pids(&gw).await), pids, "no new process");
+    // A new promotion may start once the swap back is over.
+    let v3 = checkpoint(root.path(), "v3", false);
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v3})).await;
+    assert_eq!(status, 202, "{body}");
+}
+
+/// Without a canary, one replica swaps for the gate and takes only the
+/// gate's pinned requests: a gate that fails keeps every user request on
+/// the old weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_gate_in_place_never_shows_users_the_new_weights() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let broken = checkpoint(root.path(), "broken", true);
+    let gw = Gateway::start(&full_box_config(&v1, "gate_command = [\"false\"]"));
+    gw.wait_ready("m", 2).await;
+    let load = Load::start(&gw, 8);
+    let body = promote_and_wait(&gw, &broken).await;
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    let before = load.ok.load(Ordering::Relaxed);
+    eventually("traffic goes on", || async {
+        (load.ok.load(Ordering::Relaxed) > before + 100).then_some(())
+    })
+    .await;
+    let (ok, failed, seen) = load.stop().await;
+    assert_eq!(
+        failed, 0,
+        "{ok} ok, {failed} failed: a user met the broken weights"
+    );
+    assert_eq!(seen, ["m-00001"], "only the old revision answered users");
+}
+
+/// An in-place canary whose only replica crashes: its share of the
+/// traffic is served by the old revision's replica that replaces it, and
+/// the canary is rolled back at once instead of baking on nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_place_canary_that_loses_its_replicas_is_rolled_back() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let config = full_box_config(&v1, "canary = 50\nbake = \"60s\"");
+    let gw = Gateway::start(&config);
+    gw.wait_ready("m", 2).await;
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;
+    assert_eq!(status, 202, "{body}");
+    let canary = eventually("the canary runs", || async {
+        let s = gw.json("/v1/status").await;
+        if s["apps"][0]["promotion"]["phase"] != "canary" {
+            return None;
+        }
+        first_pid(&s["apps"][0]["revisions"], "m-00002")
+    })
+    .await;
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &canary.to_string()])
+        .status();
+    let body = eventually("rolled back", || async {
+        let s = app(&gw).await;
+        (s["promotion"]["phase"] == "rolled_back").then_some(s)
+    })
+    .await;
+    assert!(
+        body["promotion"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("replicas were lost")),
+        "{body}"
+    );
+    eventually("both replicas serve m-00001 again", || async {
+        (app(&gw).await["ready"] == 2).then_some(())
+    })
+    .await;
+    assert!(
+        answered_by(&gw)
+            .await
+            .iter()
+            .all(|(rev, _)| rev == "m-00001")
+    );
+}
+
+/// The pid of the first replica of revision `id` in a status's revisions.
+fn first_pid(revisions: &Value, id: &str) -> Option<i64> {
+    revisions.as_array()?.iter().find(|r| r["id"] == id)?["replicas"]
+        .as_array()?
+        .first()?["pid"]
+        .as_i64()
+}
+
+/// After two in-place promotions (the app's default being new replicas),
+/// a rollback by hand is in place too: the previous revision's replicas
+/// are the serving one's. While those replicas restart it waits (409)
+/// rather than failing the previous revision for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_after_in_place_promotions_swaps_back_or_waits_for_the_replicas() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let v3 = checkpoint(root.path(), "v3", false);
+    let cfg = full_box_config(&v1, "").replace("in_place = true", "in_place = false");
+    let gw = Gateway::start(&cfg);
+    gw.wait_ready("m", 2).await;
+    let pids = sorted(replica_pids(&gw).await);
+    for v in [&v2, &v3] {
+        let (status, body) = post(
+            &gw,
+            "/v1/apps/m/promote",
+            json!({"checkpoint": v, "wait": true, "in_place": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["promotion"]["phase"], "done", "{body}");
+    }
+    let (status, body) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    eventually("m-00002 serves again", || async {
+        let s = app(&gw).await;
+        (s["revision"] == "m-00002" && s["promotion"]["phase"] == "done").then_some(())
+    })
+    .await;
+    assert_eq!(
+        answered_by(&gw).await,
+        [("m-00002".to_string(), "2".to_string())].into()
+    );
+    assert_eq!(
+        sorted(replica_pids(&gw).await),
+        pids,
+        "in place: no new process"
+    );
+
+    // The replicas crash: a rollback must wait for them, not give up.
+    for p in &pids {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &p.to_string()])
+            .status();
+    }
+    eventually("the replicas are gone", || async {
+        (app(&gw).await["ready"] == 0).then_some(())
+    })
+    .await;
+    let (status, body) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
+    assert_eq!(status, 409, "{body}");
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    assert_eq!(
+        revs["promotion"]["to"], "m-00002",
+        "nothing was saved: {revs}"
+    );
+    eventually("the rollback goes through once they are back", || async {
+        let (status, _) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
+        (status == 200).then_some(())
+    })
+    .await;
 }

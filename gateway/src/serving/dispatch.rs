@@ -50,6 +50,16 @@ pub struct App {
     /// the pool-manager target is that revision's, and this one's
     /// autoscaler does not size it.
     guest: AtomicBool,
+    /// Its in-place promotion was rolled back or failed: what it borrowed
+    /// goes back, and it takes nothing more.
+    retired: AtomicBool,
+    /// While it has no replica, the revision that took its last one: its
+    /// requests go there instead of waiting for a replica that will not
+    /// come.
+    moved_to: Mutex<Option<Arc<App>>>,
+    /// Held by whoever moves replicas to or from it in place: one swap at
+    /// a time (a rollback's waits for the promotion's to stop).
+    pub moves: tokio::sync::Mutex<()>,
     /// Requests answered, and of those failed (the gateway's errors and the
     /// worker's 5xx answers): the canary's health.
     answered: AtomicU64,
@@ -71,7 +81,16 @@ struct Slots {
     meter: Meter,
 }
 
-type Grant = Result<Arc<ReplicaHandle>, ApiError>;
+type Grant = Result<Granted, ApiError>;
+
+/// What a held request is given.
+enum Granted {
+    /// A slot on this replica.
+    Slot(Arc<ReplicaHandle>),
+    /// Its revision gave its last replica to another (an in-place
+    /// promotion or its rollback): ask that one.
+    Moved(Arc<App>),
+}
 
 struct Waiter {
     tx: oneshot::Sender<Grant>,
@@ -81,6 +100,8 @@ struct Waiter {
 pub enum Acquire {
     /// A slot, at once.
     Ready(SlotGuard),
+    /// The revision has no replica and gave its last to this one: ask it.
+    Moved(Arc<App>),
     /// No free slot: wait for one. `cold` is set when the app had no
     /// replica at all.
     Held {
@@ -98,6 +119,14 @@ pub struct SlotGuard {
     replica: Arc<ReplicaHandle>,
     /// When the request asked for a slot: its end-to-end clock.
     start: Instant,
+}
+
+/// What a held request got.
+pub enum Slotted {
+    /// A slot, after waiting this long.
+    Slot(SlotGuard, Duration),
+    /// Its revision gave its last replica to this one: ask it.
+    Moved(Arc<App>),
 }
 
 /// A place in an app's hold queue.
@@ -211,6 +240,9 @@ impl App {
             queued: metrics::histogram!("warmgate_request_queued_seconds", "app" => spec.name.clone()),
             floor: AtomicU32::new(0),
             guest: AtomicBool::new(guest),
+            retired: AtomicBool::new(false),
+            moved_to: Mutex::new(None),
+            moves: tokio::sync::Mutex::new(()),
             answered: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             latencies: Mutex::new(VecDeque::new()),
@@ -238,6 +270,11 @@ impl App {
     /// can be had.
     pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
         let mut s = self.slots.lock();
+        if s.replicas.is_empty()
+            && let Some(to) = self.moved_to.lock().clone()
+        {
+            return Ok(Acquire::Moved(to));
+        }
         let now = Instant::now();
         s.meter.arrivals = s.meter.arrivals.saturating_add(1);
         if s.live_waiters == 0
@@ -305,8 +342,39 @@ impl App {
         if s.replicas.iter().any(|r| Arc::ptr_eq(r, &replica)) {
             return;
         }
+        *self.moved_to.lock() = None;
         s.replicas.push(replica);
         s.dispatch();
+    }
+
+    /// It has no replica left and `to` took the last one: the requests it
+    /// holds, and those that reach it from now on while it has none, are
+    /// sent to `to`. A replica added to it again ends this.
+    pub fn redirect_to(&self, to: &Arc<App>) {
+        let mut s = self.slots.lock();
+        if !s.replicas.is_empty() {
+            return;
+        }
+        *self.moved_to.lock() = Some(to.clone());
+        while let Some(w) = s.waiters.pop_front() {
+            if w.tx.is_closed() {
+                continue;
+            }
+            s.live_waiters -= 1;
+            let _ = w.tx.send(Ok(Granted::Moved(to.clone())));
+        }
+        s.update_meter(Instant::now());
+    }
+
+    /// Marks its in-place promotion over without it (rolled back or
+    /// failed): a swap under way stops giving it replicas.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    /// See [`App::retire`].
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// A replica must take no new requests. Requests in flight on it
@@ -489,7 +557,7 @@ impl Slots {
             replica.acquire();
             self.inflight += 1;
             self.live_waiters -= 1;
-            if w.tx.send(Ok(replica.clone())).is_err() {
+            if w.tx.send(Ok(Granted::Slot(replica.clone()))).is_err() {
                 // The receiver is closed only under this lock, so this does
                 // not happen; undo the slot all the same.
                 replica.release();
@@ -622,6 +690,16 @@ impl Drop for SlotGuard {
 // === impl PendingSlot ===
 
 impl PendingSlot {
+    fn slotted(&self, g: Granted) -> Slotted {
+        match g {
+            Granted::Slot(replica) => {
+                let (guard, waited) = self.granted(replica);
+                Slotted::Slot(guard, waited)
+            }
+            Granted::Moved(to) => Slotted::Moved(to),
+        }
+    }
+
     fn granted(&self, replica: Arc<ReplicaHandle>) -> (SlotGuard, Duration) {
         let waited = self.since.elapsed();
         self.app.queued.record(waited.as_secs_f64());
@@ -633,13 +711,13 @@ impl PendingSlot {
         (guard, waited)
     }
 
-    /// The slot, if one was granted already; `None` while still waiting.
-    pub fn try_take(&mut self) -> Option<Result<(SlotGuard, Duration), ApiError>> {
+    /// What it was given, if anything yet; `None` while still waiting.
+    pub fn try_take(&mut self) -> Option<Result<Slotted, ApiError>> {
         let rx = self.rx.as_mut()?;
         match rx.try_recv() {
             Ok(grant) => {
                 self.rx = None;
-                Some(grant.map(|replica| self.granted(replica)))
+                Some(grant.map(|g| self.slotted(g)))
             }
             Err(oneshot::error::TryRecvError::Empty) => None,
             Err(oneshot::error::TryRecvError::Closed) => {
@@ -653,7 +731,7 @@ impl PendingSlot {
     }
 
     /// Waits for a slot until `timeout`.
-    pub async fn wait(mut self, timeout: Duration) -> Result<(SlotGuard, Duration), ApiError> {
+    pub async fn wait(mut self, timeout: Duration) -> Result<Slotted, ApiError> {
         let rx = self
             .rx
             .as_mut()
@@ -661,8 +739,7 @@ impl PendingSlot {
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(grant)) => {
                 self.rx = None;
-                let replica = grant?;
-                Ok(self.granted(replica))
+                Ok(self.slotted(grant?))
             }
             Ok(Err(_)) => Err(ApiError::new(
                 ErrorKind::NoCapacity,
@@ -689,10 +766,12 @@ impl Drop for PendingSlot {
         rx.close();
         match rx.try_recv() {
             // A slot was granted just as we gave up: give it back.
-            Ok(Ok(replica)) => {
+            Ok(Ok(Granted::Slot(replica))) => {
                 drop(s);
                 self.app.release(&replica);
             }
+            // Sent on: already off the queue.
+            Ok(Ok(Granted::Moved(_))) => {}
             // Failed by the gateway: already off the queue.
             Ok(Err(_)) => {}
             Err(_) => {
@@ -766,15 +845,57 @@ mod tests {
     fn ready(a: Acquire) -> SlotGuard {
         match a {
             Acquire::Ready(g) => g,
-            Acquire::Held { .. } => panic!("expected a free slot"),
+            _ => panic!("expected a free slot"),
         }
     }
 
     fn held(a: Acquire) -> PendingSlot {
         match a {
             Acquire::Held { pending, .. } => pending,
-            Acquire::Ready(_) => panic!("expected to be held"),
+            _ => panic!("expected to be held"),
         }
+    }
+
+    fn slot(s: Slotted) -> SlotGuard {
+        match s {
+            Slotted::Slot(g, _) => g,
+            Slotted::Moved(_) => panic!("expected a slot"),
+        }
+    }
+
+    /// A revision whose last replica went to another (in place) sends what
+    /// it holds there, and what reaches it later, until it has a replica
+    /// again; no request waits for a replica that will not come.
+    #[tokio::test]
+    async fn a_revision_without_replicas_sends_its_requests_where_its_last_one_went() {
+        let old = app(1, 10);
+        let new = app(1, 10);
+        let r = replica("a-1", 1);
+        old.add_replica(r.clone());
+        let g = ready(old.acquire().expect("slot"));
+        let waiting = held(old.acquire().expect("held"));
+        // The replica moves: out of the old revision, into the new one.
+        assert!(old.remove_replica(&r));
+        drop(g);
+        new.add_replica(r.clone());
+        old.redirect_to(&new);
+        match waiting.wait(Duration::from_secs(1)).await.expect("sent on") {
+            Slotted::Moved(to) => assert!(Arc::ptr_eq(&to, &new)),
+            Slotted::Slot(..) => panic!("no slot on a replica it gave away"),
+        }
+        assert_eq!(old.load(), (0, 0), "nothing left held");
+        match old.acquire().expect("sent on") {
+            Acquire::Moved(to) => assert!(Arc::ptr_eq(&to, &new)),
+            _ => panic!("a newcomer goes where the replica went"),
+        }
+        // With a replica of its own again, it serves.
+        old.add_replica(replica("a-2", 1));
+        let _g = ready(old.acquire().expect("slot"));
+        // A redirect while it still has a replica does nothing.
+        let other = app(1, 10);
+        other.add_replica(replica("a-3", 1));
+        other.redirect_to(&new);
+        let _g = ready(other.acquire().expect("slot"));
     }
 
     #[tokio::test]
@@ -790,7 +911,7 @@ mod tests {
         assert_eq!(app.load(), (2, 2));
         drop(g1);
         assert_eq!(r.inflight(), 2, "the slot went straight to a waiter");
-        let (g3, _) = p1.wait(Duration::from_secs(1)).await.expect("granted");
+        let g3 = slot(p1.wait(Duration::from_secs(1)).await.expect("granted"));
         assert_eq!(g3.replica().id, "a-1");
         assert_eq!(app.load(), (2, 1));
         drop(p2);
@@ -833,7 +954,7 @@ mod tests {
         let app = app(4, 10);
         let p = held(app.acquire().expect("held"));
         app.add_replica(replica("a-1", 4));
-        let (g, _) = p.wait(Duration::from_secs(1)).await.expect("granted");
+        let g = slot(p.wait(Duration::from_secs(1)).await.expect("granted"));
         drop(g);
 
         let app2 = self::app(4, 10);

@@ -33,6 +33,10 @@ pub const X_COLD_START: &str = "x-warmgate-cold-start";
 const MAX_REPLAY_BYTES: u64 = 64 * 1024;
 /// Tries of a request whose replicas refuse the connection.
 const MAX_CONNECT_ATTEMPTS: u32 = 3;
+/// How many times a request follows its revision's replicas to another
+/// revision (an in-place promotion hands them on once; a rollback in the
+/// middle hands them back).
+const MAX_MOVES: u32 = 4;
 /// Pause before the next try, times the tries so far.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
 
@@ -192,27 +196,50 @@ impl Pipeline {
         req: Request,
         path_and_query: &str,
     ) -> Result<Response, Forward> {
+        use super::dispatch::Slotted;
         use Forward::Failed;
-        if app.ready_replicas() == 0 {
-            self.refuse_if_failing(app).map_err(Failed)?;
-        }
-        let (slot, queued, cold) = match app.acquire().map_err(Failed)? {
-            Acquire::Ready(slot) => (slot, Duration::ZERO, false),
-            Acquire::Held { pending, cold } => {
-                if cold && !app.is_guest() {
-                    let pool = &self.pool;
-                    app.wake(self.started.elapsed(), |n| {
-                        if pool.desired(&app.target).unwrap_or(0) < n {
-                            pool.scale(&app.target, n);
-                        }
-                    });
-                }
-                let (slot, waited) = pending
-                    .wait(app.spec().queue.timeout)
-                    .await
-                    .map_err(Failed)?;
-                (slot, waited, cold)
+        // A revision whose last replica went to another (swapped in place)
+        // sends its requests there: followed a few times at most, since
+        // two revisions could hand a replica back and forth.
+        let mut app = app.clone();
+        let mut hops = 0;
+        let (slot, queued, cold) = loop {
+            if app.ready_replicas() == 0 {
+                self.refuse_if_failing(&app).map_err(Failed)?;
             }
+            let next = match app.acquire().map_err(Failed)? {
+                Acquire::Ready(slot) => break (slot, Duration::ZERO, false),
+                Acquire::Moved(to) => to,
+                Acquire::Held { pending, cold } => {
+                    if cold && !app.is_guest() {
+                        let pool = &self.pool;
+                        app.wake(self.started.elapsed(), |n| {
+                            if pool.desired(&app.target).unwrap_or(0) < n {
+                                pool.scale(&app.target, n);
+                            }
+                        });
+                    }
+                    match pending
+                        .wait(app.spec().queue.timeout)
+                        .await
+                        .map_err(Failed)?
+                    {
+                        Slotted::Slot(slot, waited) => break (slot, waited, cold),
+                        Slotted::Moved(to) => to,
+                    }
+                }
+            };
+            hops += 1;
+            if hops > MAX_MOVES {
+                return Err(Failed(
+                    ApiError::new(
+                        ErrorKind::NoCapacity,
+                        format!("app '{}' is moving between revisions; try again", app.name),
+                    )
+                    .retry_after(1),
+                ));
+            }
+            app = next;
         };
         let replica = slot.replica().clone();
         let mut resp = super::proxy::forward(&self.upstream, req, path_and_query, slot).await?;

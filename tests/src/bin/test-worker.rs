@@ -18,7 +18,8 @@
 //! manifest and keeps their SHA-256, which `/stats` reports. A replica named
 //! in `TEST_WORKER_WEIGHTS_FAIL` (comma-separated ids) answers 500 to
 //! `POST /weights`; one in `TEST_WORKER_WEIGHTS_HANG` never answers; with
-//! `TEST_WORKER_NO_WEIGHTS` set it has no `POST /weights` at all (404).
+//! `TEST_WORKER_NO_WEIGHTS` set it has no `POST /weights` at all (404);
+//! `TEST_WORKER_WEIGHTS_DELAY_MS` draws each swap out by that long.
 //! `TEST_WORKER_WEIGHTS_NO_HASH=1` skips the hashing (for benchmarks of the
 //! transport). A checkpoint with a file named `BROKEN` makes the worker
 //! answer every other request with 500: a deliberately broken model. One
@@ -466,7 +467,15 @@ async fn swap_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
             .into_response();
     }
     let mut weights = state.weights.lock().await;
-    match load_weights(&state.http, &swap.url, swap.version).await {
+    let loaded = load_weights(&state.http, &swap.url, swap.version).await;
+    // A large model's load, drawn out.
+    if let Some(ms) = std::env::var("TEST_WORKER_WEIGHTS_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    match loaded {
         Ok(loaded) => {
             *weights = loaded.clone();
             state
