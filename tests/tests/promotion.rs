@@ -617,6 +617,7 @@ async fn an_in_place_promotion_on_a_full_box_swaps_the_weights_under_load() {
     })
     .await;
     let (ok, failed, seen) = load.stop().await;
+    eprintln!("IN-PLACE promotion on a full box: {ok} answers under load, {failed} failed");
     assert_eq!(failed, 0, "{ok} ok, {failed} failed");
     assert!(seen.contains(&"m-00001".to_string()), "{seen:?}");
     assert_eq!(seen.last().map(String::as_str), Some("m-00002"), "{seen:?}");
@@ -694,7 +695,11 @@ async fn a_broken_in_place_canary_is_swapped_back_under_load() {
         (load.ok.load(Ordering::Relaxed) > ok_before + 200).then_some(())
     })
     .await;
-    let (_, failed, _) = load.stop().await;
+    let (ok, failed, _) = load.stop().await;
+    eprintln!(
+        "IN-PLACE broken canary: {ok} answers under load, {before} failed while the canary ran, {} after the swap back",
+        failed - before
+    );
     assert_eq!(failed, before, "nothing fails once swapped back");
     assert_eq!(sorted(replica_pids(&gw).await), pids, "no new process");
 
