@@ -46,6 +46,15 @@ use crate::serving::served::Served;
 use crate::upstream::LoadError;
 use crate::weights::Grant;
 
+/// How long a replica's requests in flight may take to finish before it
+/// is swapped: an LLM answer streams for minutes, and a swap must not cut
+/// one off (nor fail for it). A replica still busy after it is put back,
+/// untouched.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// How often a draining replica looks whether its swap was called off.
+const DRAIN_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// How a swap of several replicas ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum SwapError {
@@ -54,6 +63,9 @@ pub(crate) enum SwapError {
     Unsupported(String),
     /// A replica could not load the weights; it is being replaced.
     Failed(String),
+    /// A replica kept serving requests for the whole drain time: it was
+    /// put back as it was, untouched.
+    Busy(String),
 }
 
 /// Which way replicas move.
@@ -131,19 +143,21 @@ impl Gateway {
     }
 
     /// Refuses a new promotion, rollback or roll of `app` while replicas an
-    /// in-place promotion took are being swapped back.
+    /// in-place promotion took are being handed over (swapped back after a
+    /// rollback, or settling after it is done). Called under the app's
+    /// history lock, so nothing can start between the check and the save.
     pub(crate) fn refuse_if_swapping_back(&self, app: &Served) -> Result<(), ApiError> {
         let guests = self.guests.read();
         match guests.values().find(|g| g.name == app.name) {
-            Some(g) if g.is_retired() => Err(ApiError::new(
+            Some(g) => Err(ApiError::new(
                 ErrorKind::Conflict,
                 format!(
-                    "app '{}': the replicas {} took are being swapped back; try again in a moment",
+                    "app '{}': the replicas {} took in place are still being handed over; try again in a moment",
                     app.name, g.revision
                 ),
             )
             .retry_after(1)),
-            _ => Ok(()),
+            None => Ok(()),
         }
     }
 
@@ -181,6 +195,8 @@ impl Gateway {
                 {
                     return Err(SwapError::Unsupported(why));
                 }
+                // Busy: untouched, and another replica may be idler.
+                Err(SwapError::Busy(why)) => failure = Some(why),
                 Err(SwapError::Unsupported(why) | SwapError::Failed(why)) => {
                     if stop_on_failure {
                         return Err(SwapError::Failed(why));
@@ -200,7 +216,7 @@ impl Gateway {
 
     /// Moves one replica; `Ok(false)` when it went away meanwhile.
     async fn move_replica(&self, m: &Move<'_>, r: &Arc<ReplicaHandle>) -> Result<bool, SwapError> {
-        let deadline = Instant::now() + m.app.spec().startup_timeout;
+        let limit = m.app.spec().startup_timeout;
         if !m.from.remove_replica(r) {
             return Ok(false);
         }
@@ -208,41 +224,59 @@ impl Gateway {
         if m.from.ready_replicas() == 0 && m.to.ready_replicas() > 0 {
             m.from.redirect_to(m.to);
         }
-        r.wait_idle(deadline.into()).await;
+        // Its requests finish first (a drain of its own time: one long
+        // request does not fail the swap, it only waits; a swap called off
+        // meanwhile puts the replica back as it was).
+        let drained_by = Instant::now() + DRAIN_LIMIT;
+        while r.inflight() > 0 && Instant::now() < drained_by && !m.cancelled() {
+            r.wait_idle((Instant::now() + DRAIN_POLL).min(drained_by).into())
+                .await;
+        }
+        if m.cancelled() && r.inflight() > 0 {
+            m.from.add_replica(r.clone());
+            return Ok(false);
+        }
+        if r.inflight() > 0 {
+            m.from.add_replica(r.clone());
+            return Err(SwapError::Busy(format!(
+                "replica {} still served {} requests after {}",
+                r.id,
+                r.inflight(),
+                humantime::format_duration(DRAIN_LIMIT)
+            )));
+        }
         let grant = |revision: &str| Grant::Revision {
             target: m.app.name.clone(),
             revision: revision.to_string(),
         };
+        // It is about to stop running what it was started with: a later
+        // leader must not take it over as such (done before the load, so a
+        // crash between the two cannot leave it marked as it was).
+        if let Err(why) = self.pool.weights_swapped(&r.id).await {
+            m.from.add_replica(r.clone());
+            return Err(SwapError::Failed(format!(
+                "replica {}: could not mark it swapped: {why}",
+                r.id
+            )));
+        }
         self.weights.regrant(&r.id, grant(&m.to.revision));
         let url = format!(
             "http://{}/v1/weights/{}/{}",
             self.reach, m.app.name, m.to.revision
         );
-        let loaded = if r.inflight() > 0 {
-            Err(LoadError::Failed(format!(
-                "{} requests were still in flight when the swap's time ran out",
-                r.inflight()
-            )))
-        } else {
-            tokio::time::timeout_at(
-                deadline.into(),
-                self.upstream.load_weights(r.addr, &url, m.version),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(LoadError::Failed(format!(
-                    "did not load the weights within {}",
-                    humantime::format_duration(m.app.spec().startup_timeout)
-                )))
-            })
-        };
+        let loaded =
+            tokio::time::timeout(limit, self.upstream.load_weights(r.addr, &url, m.version))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(LoadError::Failed(format!(
+                        "did not load the weights within {}",
+                        humantime::format_duration(limit)
+                    )))
+                });
         match loaded {
             Ok(()) => {
                 r.weights_version
                     .store(m.version, std::sync::atomic::Ordering::Relaxed);
-                // It no longer runs what it was started with: not one to
-                // take over as such after a failover.
-                self.pool.weights_swapped(&r.id);
                 tracing::info!(app = %m.app.name, replica = %r.id, from = %m.from.revision, to = %m.to.revision, "replica swapped in place");
                 // Even for a guest retired meanwhile: it runs the guest's
                 // weights, and the guest's swap back moves it on.
@@ -289,25 +323,29 @@ impl Gateway {
             tracing::error!(app = %m.app.name, error = %e.message, "cannot serve the promoted checkpoint to new replicas");
         }
         self.point_target_at(m.app, &m.from.target, &rev.id, rev.checkpoint.clone());
-        let all = m.from.replicas().len();
-        if let Err(e) = self.swap(m, all, false).await {
-            tracing::warn!(app = %m.app.name, error = ?e, "the rest of the replicas did not all swap in place");
-        }
-        // Started under the old spec while the swap ran, a replica may
-        // still arrive in `from`: it moves too, within a start's time.
+        // Until the old revision has none left and nothing is starting that
+        // could land in it (a replica started under the old spec while the
+        // swap ran), within a start's time; what is left then is replaced
+        // when the guest settles.
         let until = Instant::now() + m.app.spec().startup_timeout;
-        while Instant::now() < until
-            && !m.cancelled()
-            && self
+        loop {
+            let left = m.from.replicas().len();
+            if left > 0
+                && let Err(e) = self.swap(m, left, false).await
+            {
+                tracing::warn!(app = %m.app.name, error = ?e, "the rest of the replicas did not all swap in place");
+            }
+            let starting = self
                 .pool
                 .health(&m.from.target)
-                .is_some_and(|h| h.starting > 0)
-        {
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            let left = m.from.replicas().len();
-            if left > 0 {
-                let _ = self.swap(m, left, false).await;
+                .is_some_and(|h| h.starting > 0);
+            if m.cancelled()
+                || Instant::now() >= until
+                || (m.from.replicas().is_empty() && !starting)
+            {
+                break;
             }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         if !m.cancelled() {
             follow(m);
@@ -347,9 +385,30 @@ impl Gateway {
         self.revisions
             .write()
             .insert(from.target.clone(), guest.clone());
+        // A replica still on the old weights (it became ready as the last
+        // ones swapped) starts again, on the new.
+        for r in from.replicas() {
+            from.remove_replica(&r);
+            r.set_unroutable();
+            if !self.pool.replace(
+                &from.target,
+                &r.id,
+                "left on the old weights by an in-place promotion",
+            ) {
+                tracing::error!(app = %app.name, replica = %r.id, "could not ask for the replica to be replaced");
+            }
+        }
         from.hold(0);
         self.weights.unregister(&app.name, &from.revision);
         app.remove_live(&from.revision);
+    }
+
+    /// Whether `host` is getting back replicas a rolled-back guest took.
+    pub(crate) fn hands_over(&self, host: &App) -> bool {
+        self.guests
+            .read()
+            .get(&host.target)
+            .is_some_and(|g| g.is_retired() && g.name == host.name && g.revision != host.revision)
     }
 
     /// Whether `from` is the host of a guest that is still promoting (not
@@ -375,8 +434,10 @@ impl Gateway {
                 .get(&host.revision)
                 .map_or(0, |r| u64::from(r.seq));
             // Everything goes to the old weights now, and so does what the
-            // target starts next.
+            // target starts next; the target keeps every replica until they
+            // are all back (the host's autoscaler saw only its share).
             app.set_split(&[(host.revision.clone(), 100)]);
+            host.hold((host.ready_replicas() + guest.ready_replicas()) as u32);
             let checkpoint = host.spec().checkpoint.clone();
             let m = Move {
                 app: &app,
@@ -403,6 +464,9 @@ impl Gateway {
             if guest.ready_replicas() == 0 {
                 guest.redirect_to(&host);
             }
+            // The host holds its own requests from now on.
+            host.clear_redirect_to(&guest);
+            host.hold(0);
             {
                 let mut guests = gw.guests.write();
                 if guests

@@ -297,6 +297,7 @@ impl Gateway {
             if app.is_removed() {
                 return Err(removed_error(&app.name));
             }
+            self.refuse_if_swapping_back(app)?;
             let rev = new_revision(
                 &h,
                 &app.spec(),
@@ -316,7 +317,7 @@ impl Gateway {
                 .canary
                 .map_or("all at once".to_string(), |c| format!("canary {c}%"));
             if req.in_place.unwrap_or(app.spec().promotion.in_place) {
-                how = in_place_plan(&mut plan, app, from.as_deref(), how);
+                how = in_place_plan(&mut plan, app, from.as_deref(), &rev.spec, how);
             }
             let note = format!(
                 "promote {id} from {} ({how}{})",
@@ -422,6 +423,7 @@ impl Gateway {
             if app.is_removed() {
                 return Err(removed_error(&app.name));
             }
+            self.refuse_if_swapping_back(app)?;
             let prev = h.previous_good().cloned().ok_or_else(|| {
                 ApiError::new(
                     ErrorKind::Conflict,
@@ -444,16 +446,17 @@ impl Gateway {
             let hosted = serving_target.is_some_and(|t| Some(t) != own);
             let mut how = String::from("all at once");
             if app.spec().promotion.in_place || hosted {
-                how = in_place_plan(&mut plan, app, from.as_deref(), how);
+                how = in_place_plan(&mut plan, app, from.as_deref(), &prev.spec, how);
             }
             if hosted && !plan.in_place && !plan.at_zero {
-                // Its replicas are starting again (none ready to swap),
-                // and no other replicas may be had for it.
+                // Its replicas run another revision's settings, or are
+                // starting again (none ready to swap), and no other
+                // replicas may be had for it.
                 return Err(ApiError::new(
                     ErrorKind::Conflict,
                     format!(
-                        "app '{}': the replicas to swap back are not ready yet; try again in a moment",
-                        app.name
+                        "app '{}' cannot roll back to {} in place now ({how}); try again once its replicas are ready, or promote {}'s checkpoint",
+                        app.name, prev.id, prev.id
                     ),
                 )
                 .retry_after(2));
@@ -519,6 +522,7 @@ impl Gateway {
             if app.is_removed() {
                 return Err(removed_error(&app.name));
             }
+            self.refuse_if_swapping_back(app)?;
             let rev = new_revision(&h, &spec, spec.checkpoint.clone(), None);
             let id = rev.id.clone();
             let from = h.serving().map(|r| r.id.clone());
@@ -782,7 +786,10 @@ impl Gateway {
             };
             if p.phase.is_terminal() {
                 for a in app.live() {
-                    a.hold(0);
+                    // A swap back holds its host's floor until it is done.
+                    if !self.hands_over(&a) {
+                        a.hold(0);
+                    }
                 }
                 return;
             }
@@ -815,7 +822,14 @@ impl Gateway {
                     Phase::Warming if p.plan.in_place => match self.warm_in_place(&app, &p).await {
                         _ if moved_on(&app) => continue,
                         Event::Ready => {
-                            let gate = self.gate(&app, &p.to).await;
+                            let mut gate = self.gate(&app, &p.to).await;
+                            // Judged on replicas it no longer has (one
+                            // crashed): the verdict was not about them.
+                            if gate == Event::Ready
+                                && app.revision(&p.to).is_some_and(|a| a.ready_replicas() == 0)
+                            {
+                                gate = Event::Unhealthy("the gate's replicas were lost".into());
+                            }
                             if gate == Event::Ready && p.plan.canary.is_none() && !moved_on(&app) {
                                 // Nothing to bake: every replica moves now.
                                 self.commit_in_place(&app, &p).await;
@@ -1044,7 +1058,7 @@ impl Gateway {
             Ok(_) if guest.ready_replicas() > 0 => Event::Ready,
             Ok(_) => Event::StartFailed("no replica could be swapped in place".into()),
             Err(crate::inplace::SwapError::Unsupported(why)) => Event::InPlaceUnsupported(why),
-            Err(crate::inplace::SwapError::Failed(why)) => {
+            Err(crate::inplace::SwapError::Failed(why) | crate::inplace::SwapError::Busy(why)) => {
                 Event::StartFailed(format!("swapping in place failed: {why}"))
             }
         }
@@ -1173,13 +1187,34 @@ fn canary(
 /// Makes `plan` an in-place one when the serving revision has ready
 /// replicas to swap (the canary becomes whole replicas, and its share
 /// theirs); returns how the promotion goes, for its note.
-fn in_place_plan(plan: &mut Plan, app: &Served, from: Option<&str>, how: String) -> String {
+fn in_place_plan(
+    plan: &mut Plan,
+    app: &Served,
+    from: Option<&str>,
+    spec: &str,
+    how: String,
+) -> String {
     if plan.at_zero {
         return format!("{how}; at zero, nothing to swap in place");
     }
     let Some(host) = from.and_then(|f| app.revision(f)) else {
         return format!("{how}; no serving revision to swap in place");
     };
+    // Only the weights change in place: the replicas must run the
+    // revision's settings already (command, environment, resources).
+    let wanted: Option<AppSpec> = serde_json::from_str(spec).ok();
+    let same = wanted.is_some_and(|mut w| {
+        let mut running = (*host.spec()).clone();
+        w.checkpoint = None;
+        running.checkpoint = None;
+        w.autoscale = running.autoscale.clone();
+        w.queue = running.queue.clone();
+        w.promotion = running.promotion.clone();
+        w == running
+    });
+    if !same {
+        return format!("{how}; its settings differ from the serving replicas', so new replicas");
+    }
     let n = host.ready_replicas();
     if n == 0 {
         return format!("{how}; no ready replica to swap in place, so new replicas");

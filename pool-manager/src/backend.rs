@@ -94,9 +94,13 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
-    /// The replica's weights were swapped in place: it no longer runs what
-    /// it was started with, so a later run must not take it over as such.
-    fn weights_swapped(&self, _replica: &str) {}
+    /// The replica's weights are about to be swapped in place: it will no
+    /// longer run what it was started with, so a later run must not take
+    /// it over as such. An error means it could not be marked (the swap
+    /// should not go ahead).
+    async fn weights_swapped(&self, _replica: &str) -> std::result::Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A replica an earlier run left running, taken over instead of started.

@@ -262,21 +262,13 @@ impl Backend for KubeBackend {
     /// Takes the pod's interchangeable label off (a merge patch), so a
     /// new leader does not take it over as a replica of what it was
     /// started with.
-    fn weights_swapped(&self, replica: &str) {
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let api = self.api.clone();
-        let name = replica.to_string();
-        handle.spawn(async move {
-            let patch = serde_json::json!({"metadata": {"labels": {INTERCHANGEABLE: null}}});
-            if let Err(e) = api
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                tracing::warn!(pod = %name, error = %e, "could not mark a pod swapped in place; a new leader might take it over as it was started");
-            }
-        });
+    async fn weights_swapped(&self, replica: &str) -> std::result::Result<(), String> {
+        let patch = serde_json::json!({"metadata": {"labels": {INTERCHANGEABLE: null}}});
+        self.api
+            .patch(replica, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("the API server refused to relabel pod {replica}: {e}"))
     }
 
     fn adoptable(&self, launch: &Launch) -> usize {

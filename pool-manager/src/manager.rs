@@ -380,10 +380,10 @@ impl PoolManager {
         u32::try_from(self.inner.backend.adoptable(&launch)).unwrap_or(u32::MAX)
     }
 
-    /// A replica's weights were swapped in place (see
+    /// A replica's weights are about to be swapped in place (see
     /// [`crate::Backend::weights_swapped`]).
-    pub fn weights_swapped(&self, replica: &str) {
-        self.inner.backend.weights_swapped(replica);
+    pub async fn weights_swapped(&self, replica: &str) -> std::result::Result<(), String> {
+        self.inner.backend.weights_swapped(replica).await
     }
 
     /// The replica count last asked for.

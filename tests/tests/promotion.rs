@@ -1009,3 +1009,209 @@ async fn a_rollback_after_in_place_promotions_swaps_back_or_waits_for_the_replic
     })
     .await;
 }
+
+/// No canary, a gate. The new revision's only replica crashes while the
+/// gate runs (as new weights that run out of memory would): the gate's
+/// requests pinned to it are refused, never answered by the old weights,
+/// so the gate fails and nothing unevaluated is swapped in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_whose_replica_crashes_is_not_answered_by_the_old_weights() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let out = root.path().join("gate.out");
+    let script = root.path().join("gate.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             curl -s -o /dev/null -H \"X-Warmgate-Revision: $WARMGATE_EVAL_REVISION\" \"$WARMGATE_EVAL_URL/x?crash=1\"\n\
+             sleep 1\n\
+             curl -s -D - -o /dev/null -H \"X-Warmgate-Revision: $WARMGATE_EVAL_REVISION\" \"$WARMGATE_EVAL_URL/x\" > {out}\n\
+             grep -q '^HTTP/1.1 200' {out}\n",
+            out = out.display()
+        ),
+    )
+    .expect("script");
+    let cfg = full_box_config(
+        &v1,
+        &format!("gate_command = [\"sh\", \"{}\"]", script.display()),
+    );
+    let gw = Gateway::start(&cfg);
+    gw.wait_ready("m", 2).await;
+    let body = promote_and_wait(&gw, &v2).await;
+    let seen = std::fs::read_to_string(&out).unwrap_or_default();
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    assert!(
+        seen.starts_with("HTTP/1.1 503"),
+        "the gate's pinned request to m-00002 went elsewhere: {seen}"
+    );
+    assert!(
+        !seen
+            .to_ascii_lowercase()
+            .contains("x-warmgate-revision: m-00001"),
+        "{seen}"
+    );
+}
+
+/// A long request on each replica (any client can send one): the swap
+/// waits for them to finish instead of killing the replica or failing the
+/// promotion, and they are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_requests_wait_out_an_in_place_swap_instead_of_failing_it() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let cfg = full_box_config(&v1, "").replace(
+        "concurrency = 16",
+        "concurrency = 16\n        startup_timeout = \"3s\"",
+    );
+    let gw = Gateway::start(&cfg);
+    gw.wait_ready("m", 2).await;
+    let mut long = Vec::new();
+    for _ in 0..4 {
+        let (http, url) = (gw.http.clone(), gw.at("/apps/m/x?latency_ms=8000"));
+        long.push(tokio::spawn(async move {
+            http.get(&url).send().await.map(|r| r.status().as_u16())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let body = promote_and_wait(&gw, &v2).await;
+    let mut statuses = Vec::new();
+    for t in long {
+        statuses.push(t.await.expect("join").ok());
+    }
+    assert_eq!(
+        body["promotion"]["phase"], "done",
+        "{body}; long requests {statuses:?}"
+    );
+    assert!(statuses.iter().all(|s| *s == Some(200)), "{statuses:?}");
+}
+
+/// An app of one replica, in-place canary (all the traffic). The canary's
+/// only replica crashes: neither revision has a replica, and requests are
+/// held for the replacement (which starts on the old weights) instead of
+/// bouncing between the two revisions and failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_of_one_whose_canary_crashes_holds_its_requests_for_the_replacement() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let config = full_box_config(&v1, "canary = 50\nbake = \"60s\"")
+        .replace("gpus = [0, 1]", "gpus = [0]")
+        .replace("min = 2\n        max = 2", "min = 1\n        max = 1")
+        .replace(
+            "concurrency = 16",
+            "concurrency = 16\n        env = { TEST_WORKER_STARTUP_MS = \"1500\" }",
+        )
+        .replace(
+            "[apps.promotion]",
+            "[apps.queue]\n        timeout = \"20s\"\n\n        [apps.promotion]",
+        );
+    let gw = Gateway::start(&config);
+    gw.wait_ready("m", 1).await;
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;
+    assert_eq!(status, 202, "{body}");
+    let canary = eventually("the canary runs", || async {
+        let s = gw.json("/v1/status").await;
+        if s["apps"][0]["promotion"]["phase"] != "canary" {
+            return None;
+        }
+        first_pid(&s["apps"][0]["revisions"], "m-00002")
+    })
+    .await;
+    let load = Load::start(&gw, 4);
+    eventually("traffic flows", || async {
+        (load.ok.load(Ordering::Relaxed) > 20).then_some(())
+    })
+    .await;
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &canary.to_string()])
+        .status();
+    // One request by hand, to see the error.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("get");
+    let st = r.status().as_u16();
+    let text = r.text().await.unwrap_or_default();
+    eventually("served again", || async {
+        (app(&gw).await["ready"] == 1).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (ok, failed, _) = load.stop().await;
+    // Only what was in flight on the replica that died (4 clients).
+    assert!(failed <= 4, "{ok} ok, {failed} failed; e.g. {st} {text}");
+}
+
+/// A rollback to a revision made from other settings (another
+/// environment) is not done in place: swapping only the weights would run
+/// it on the serving replicas' settings. It starts replicas of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_place_rollback_never_runs_a_revision_on_another_s_settings() {
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v3 = checkpoint(root.path(), "v3", false);
+    let script = root.path().join("gate.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n[ \"$WARMGATE_EVAL_REVISION\" != \"m-00003\" ]\n",
+    )
+    .expect("script");
+    let gate = format!("gate_command = [\"sh\", \"{}\"]", script.display());
+    let cfg = full_box_config(&v1, &gate).replace("gpus = [0, 1]", "gpus = [0, 1, 2, 3]");
+    let gw = Gateway::start(&cfg);
+    gw.wait_ready("m", 2).await;
+    // A config change: every request now takes 400 ms (a new engine flag,
+    // say). It rolls to m-00002 on new replicas.
+    let spec = json!({
+        "name": "m",
+        "command": [common::test_worker()],
+        "checkpoint": v1,
+        "concurrency": 16,
+        "gpus": 1,
+        "env": {"TEST_WORKER_LATENCY_MS": "400"},
+        "autoscale": {"min": 2, "max": 2},
+        "promotion": {"in_place": true, "min_requests": 10, "gate_command": ["sh", script.display().to_string()]},
+    });
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/m"))
+        .json(&spec)
+        .send()
+        .await
+        .expect("put");
+    let st = r.status();
+    let txt = r.text().await.unwrap_or_default();
+    assert!(st.is_success(), "{st} {txt}");
+    eventually("m-00002 serves", || async {
+        let s = app(&gw).await;
+        (s["revision"] == "m-00002" && s["promotion"]["phase"] == "done" && s["ready"] == 2)
+            .then_some(())
+    })
+    .await;
+    // An in-place promotion whose gate fails: m-00003 is failed.
+    let body = promote_and_wait(&gw, &v3).await;
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    eventually("swap back over", || async {
+        let (st, _) = post(&gw, "/v1/apps/m/rollback", json!({})).await;
+        (st == 200).then_some(())
+    })
+    .await;
+    eventually("m-00001 serves", || async {
+        let s = app(&gw).await;
+        (s["revision"] == "m-00001" && s["promotion"]["phase"] == "done").then_some(())
+    })
+    .await;
+    let notes = gw.json("/v1/apps/m/revisions").await["notes"].to_string();
+    assert!(
+        notes.contains("its settings differ from the serving replicas', so new replicas"),
+        "{notes}"
+    );
+    assert!(
+        answered_by(&gw)
+            .await
+            .iter()
+            .all(|(rev, _)| rev == "m-00001"),
+        "{notes}"
+    );
+}

@@ -350,7 +350,13 @@ impl App {
     /// It has no replica left and `to` took the last one: the requests it
     /// holds, and those that reach it from now on while it has none, are
     /// sent to `to`. A replica added to it again ends this.
-    pub fn redirect_to(&self, to: &Arc<App>) {
+    pub fn redirect_to(self: &Arc<Self>, to: &Arc<App>) {
+        if Arc::ptr_eq(self, to) {
+            return;
+        }
+        // Never two revisions sending to each other: the other holds its
+        // requests for a replica of its own instead.
+        to.clear_redirect_to(self);
         let mut s = self.slots.lock();
         if !s.replicas.is_empty() {
             return;
@@ -364,6 +370,15 @@ impl App {
             let _ = w.tx.send(Ok(Granted::Moved(to.clone())));
         }
         s.update_meter(Instant::now());
+    }
+
+    /// Ends a redirect to `to` (it was retired, or has no replica
+    /// either): requests are held here for a replica of its own.
+    pub fn clear_redirect_to(&self, to: &App) {
+        let mut m = self.moved_to.lock();
+        if m.as_ref().is_some_and(|t| std::ptr::eq(Arc::as_ptr(t), to)) {
+            *m = None;
+        }
     }
 
     /// Marks its in-place promotion over without it (rolled back or

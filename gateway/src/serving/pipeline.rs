@@ -100,7 +100,7 @@ impl Pipeline {
         span.record("revision", app.revision.as_str());
         let t0 = Instant::now();
         let result = self
-            .serve_app(&app, req, path_and_query)
+            .serve_app(&app, req, path_and_query, pinned.is_some())
             .instrument(span.clone())
             .await;
         match &result {
@@ -140,6 +140,7 @@ impl Pipeline {
         app: &Arc<App>,
         req: Request,
         path_and_query: &str,
+        pinned: bool,
     ) -> Result<Response, ApiError> {
         // A replica that refuses the connection (killed a moment ago, not
         // yet seen to exit) was sent nothing, so the request may try
@@ -154,7 +155,7 @@ impl Pipeline {
                 .to_bytes(),
             _ => {
                 let req = Request::from_parts(parts, body);
-                return self.serve_once(app, req, path_and_query).await;
+                return self.serve_once(app, req, path_and_query, pinned).await;
             }
         };
         let mut attempt = 1;
@@ -165,7 +166,10 @@ impl Pipeline {
             *req.uri_mut() = parts.uri.clone();
             *req.version_mut() = parts.version;
             *req.headers_mut() = parts.headers.clone();
-            match self.serve_once_or_refused(app, req, path_and_query).await {
+            match self
+                .serve_once_or_refused(app, req, path_and_query, pinned)
+                .await
+            {
                 Err(Forward::Refused(e)) if attempt < MAX_CONNECT_ATTEMPTS => {
                     metrics::counter!("warmgate_connect_retries_total").increment(1);
                     tracing::debug!(attempt, error = %e.message, "retrying on another replica");
@@ -184,17 +188,22 @@ impl Pipeline {
         app: &Arc<App>,
         req: Request,
         path_and_query: &str,
+        pinned: bool,
     ) -> Result<Response, ApiError> {
-        self.serve_once_or_refused(app, req, path_and_query)
+        self.serve_once_or_refused(app, req, path_and_query, pinned)
             .await
             .map_err(Forward::into_error)
     }
 
+    /// One request on `app`, following its replicas to the revision they
+    /// moved to, unless it is `pinned` to `app` (an evaluation must be
+    /// answered by the revision it names, or not at all).
     pub(crate) async fn serve_once_or_refused(
         &self,
         app: &Arc<App>,
         req: Request,
         path_and_query: &str,
+        pinned: bool,
     ) -> Result<Response, Forward> {
         use super::dispatch::Slotted;
         use Forward::Failed;
@@ -229,6 +238,18 @@ impl Pipeline {
                     }
                 }
             };
+            if pinned {
+                return Err(Failed(
+                    ApiError::new(
+                        ErrorKind::NoCapacity,
+                        format!(
+                            "revision '{}' has no replica now (they moved to '{}'); a pinned request is not sent to another revision",
+                            app.revision, next.revision
+                        ),
+                    )
+                    .retry_after(1),
+                ));
+            }
             hops += 1;
             if hops > MAX_MOVES {
                 return Err(Failed(
