@@ -414,7 +414,8 @@ async fn a_client_that_stops_reading_is_cut_off_after_the_idle_timeout() {
         r#"
         [limits]
         max_connections = 1
-        idle_timeout = "1s"
+        idle_timeout = "3s"
+        max_body_bytes = "64MiB"
         [[apps]]
         name = "m"
         command = ["{worker}"]
@@ -430,10 +431,14 @@ async fn a_client_that_stops_reading_is_cut_off_after_the_idle_timeout() {
             .filter(|l| l.starts_with("HTTP/1.1 200"))
     })
     .await;
-    // A sends 12 MB for the worker to echo back, and never reads the
-    // answer: the socket buffers fill, and the gateway's writes stall.
+    // A sends 48 MB for the worker to echo back, and never reads the
+    // answer: more than the socket buffers on both sides can take, so the
+    // gateway's writes stall. (12 MB could fit in autotuned buffers: the
+    // answer then went out whole, and the slot was free again a second
+    // later, before a busy machine looked.) The idle timeout leaves a
+    // loaded machine three seconds to see A hold the slot.
     let mut a = TcpStream::connect(&addr).await.expect("connect");
-    let body = vec![b'a'; 12 * 1024 * 1024];
+    let body = vec![b'a'; 48 * 1024 * 1024];
     a.write_all(
         format!(
             "POST /apps/m/echo HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
