@@ -227,6 +227,7 @@ fn every_template_reads_as_its_kubernetes_type() {
         render("servicemonitor.yaml", &v).trim().is_empty(),
         "no ServiceMonitor unless asked"
     );
+    // The weights cache's claim: see the_weights_cache_can_be_a_persistent_volume.
     let mut files: Vec<String> = std::fs::read_dir(chart().join("templates"))
         .expect("templates")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
@@ -239,6 +240,7 @@ fn every_template_reads_as_its_kubernetes_type() {
             "_helpers.tpl",
             "configmap.yaml",
             "deployment.yaml",
+            "pvc.yaml",
             "role.yaml",
             "rolebinding.yaml",
             "secret.yaml",
@@ -473,9 +475,14 @@ fn helm_lints_the_chart_and_every_manifest_validates_against_kubernetes() {
     named["extraEnv"] = serde_json::json!([{"name": "AWS_REGION", "value": "us-east-1"}]);
     named["imagePullSecrets"] = serde_json::json!([{"name": "registry"}]);
     named["tolerations"] = serde_json::json!([{"key": "dedicated", "operator": "Exists"}]);
+    let mut cached = values();
+    cached["weightsCache"]["persistence"] = serde_json::json!({
+        "enabled": true, "existingClaim": "", "size": "500Gi",
+        "storageClassName": "fast-ssd", "accessMode": "ReadWriteMany"});
     for (what, v) in [
         ("defaults", values()),
         ("a named secret and more keys", named),
+        ("a persistent weights cache", cached),
     ] {
         let all = helm_template(None, &v).unwrap_or_else(|e| panic!("{what}: {e}"));
         let dir = tempfile::tempdir().expect("tmp");
@@ -613,4 +620,66 @@ fn the_values_platform_teams_need_reach_the_operators_pods() {
     v["serviceAccount"]["name"] = Value::String(String::new());
     let err = helm_template(Some("deployment.yaml"), &v).expect_err("no name");
     assert!(err.contains("serviceAccount.name is required"), "{err}");
+}
+
+/// The weights cache survives a restart as a claim of its own (or one the
+/// platform team made), mounted where the gateway keeps its cache; by
+/// default it is an emptyDir and there is no claim.
+#[test]
+fn the_weights_cache_can_be_a_persistent_volume() {
+    let v = values();
+    assert_eq!(render("pvc.yaml", &v).trim(), "", "no claim by default");
+    let dep: Deployment = read("deployment.yaml", &v);
+    let spec = dep.spec.template.spec.expect("pod");
+    assert!(
+        spec.volumes
+            .unwrap_or_default()
+            .iter()
+            .all(|vol| vol.persistent_volume_claim.is_none())
+    );
+
+    let mut on = values();
+    on["weightsCache"]["persistence"]["enabled"] = Value::Bool(true);
+    on["weightsCache"]["persistence"]["size"] = Value::String("500Gi".into());
+    on["weightsCache"]["persistence"]["storageClassName"] = Value::String("fast-ssd".into());
+    let pvc: k8s_openapi::api::core::v1::PersistentVolumeClaim = read("pvc.yaml", &on);
+    assert_eq!(pvc.metadata.name.as_deref(), Some("wg-weights-cache"));
+    let pspec = pvc.spec.expect("spec");
+    assert_eq!(pspec.storage_class_name.as_deref(), Some("fast-ssd"));
+    assert_eq!(
+        pspec
+            .resources
+            .expect("resources")
+            .requests
+            .expect("requests")["storage"]
+            .0,
+        "500Gi"
+    );
+    let dep: Deployment = read("deployment.yaml", &on);
+    let spec = dep.spec.template.spec.expect("pod");
+    let claim = spec
+        .volumes
+        .unwrap_or_default()
+        .into_iter()
+        .find_map(|vol| vol.persistent_volume_claim)
+        .expect("the claim is a volume");
+    assert_eq!(claim.claim_name, "wg-weights-cache");
+    let mounts = spec.containers[0].volume_mounts.clone().unwrap_or_default();
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m.mount_path == "/var/lib/warmgate/cache"),
+        "{mounts:?}"
+    );
+
+    // A claim of the platform team's: mounted, and the chart makes none.
+    on["weightsCache"]["persistence"]["existingClaim"] = Value::String("models".into());
+    assert_eq!(render("pvc.yaml", &on).trim(), "");
+    let dep: Deployment = read("deployment.yaml", &on);
+    let spec = dep.spec.template.spec.expect("pod");
+    assert!(spec.volumes.unwrap_or_default().iter().any(|vol| {
+        vol.persistent_volume_claim
+            .as_ref()
+            .is_some_and(|c| c.claim_name == "models")
+    }));
 }

@@ -66,6 +66,8 @@ struct Cluster {
     version: u64,
     /// `POST pod-name` and `DELETE pod-name`, in order.
     calls: Vec<String>,
+    /// Unreachable: every call fails (503) until it is back.
+    down: bool,
 }
 
 impl Cluster {
@@ -108,6 +110,13 @@ async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
         let path = req.uri().path().to_string();
         let watch = req.uri().query().unwrap_or("").contains("watch=true");
         let method = req.method().clone();
+        if cluster.lock().down {
+            send.send_response(json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "ServiceUnavailable", "code": 503}),
+            ));
+            continue;
+        }
         let pods = format!("/api/v1/namespaces/{NS}/pods");
         match (method, path.as_str()) {
             (Method::GET, p) if p == pods && watch => watches.push(send),
@@ -301,5 +310,87 @@ async fn changing_one_app_leaves_every_other_app_s_pods_untouched() {
         .cloned()
         .collect();
     assert!(unexpected.is_empty(), "{unexpected:?}");
+    server.abort();
+}
+
+/// The API server goes away: requests keep flowing to the pods already
+/// known, nothing is deleted, and a change made meanwhile is carried out
+/// once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traffic_flows_while_the_api_server_is_unreachable_and_changes_catch_up() {
+    use tower::ServiceExt as _;
+    let port = healthz_server().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let state = dir.path().join("state");
+    let (service, handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+    let cluster = Arc::new(Mutex::new(Cluster::default()));
+    let server = tokio::spawn(serve(handle, cluster.clone()));
+    let client = kube::Client::new(service, NS);
+    let cfg = config(port, &state, &[("a", "1")]);
+    let backend = Arc::new(KubeBackend::new(
+        client,
+        KubeSettings {
+            namespace: NS.into(),
+            instance: "wg".into(),
+            config: cfg.backend.kubernetes.clone(),
+            stop_grace: Duration::from_secs(1),
+        },
+    ));
+    let gw =
+        warmgate_gateway::Gateway::new(cfg, backend, None, "127.0.0.1:8080".parse().expect("addr"))
+            .expect("the gateway starts");
+    let ready = |gw: &warmgate_gateway::Gateway, app: &str| {
+        gw.status_report()
+            .apps
+            .iter()
+            .find(|a| a.name == app)
+            .is_some_and(|a| a.ready >= 1)
+    };
+    eventually("a is ready", || ready(&gw, "a").then_some(())).await;
+    let router = warmgate_gateway::router(gw.clone());
+    let get = |router: axum::Router| async move {
+        let req = http::Request::get("/apps/a/x")
+            .body(axum::body::Body::empty())
+            .expect("request");
+        router.oneshot(req).await.expect("infallible").status()
+    };
+
+    cluster.lock().down = true;
+    let mark = cluster.lock().calls.len();
+    // Meanwhile an app is added: its pod cannot be made yet.
+    let added = gw
+        .apply_file(config(port, &state, &[("a", "1"), ("c", "1")]))
+        .await;
+    assert!(added.iter().all(|c| c.outcome.is_ok()), "{added:?}");
+    for _ in 0..200 {
+        assert_eq!(
+            get(router.clone()).await,
+            StatusCode::OK,
+            "a stops serving while the API is down"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(ready(&gw, "a"), "a's pod is still known");
+    assert!(!ready(&gw, "c"));
+    assert!(
+        cluster.lock().calls[mark..]
+            .iter()
+            .all(|c| !c.starts_with("DELETE")),
+        "{:?}",
+        cluster.lock().calls
+    );
+
+    // Back: c's pod is made (the pool manager tries again), a untouched.
+    cluster.lock().down = false;
+    eventually("c is ready once the API is back", || {
+        ready(&gw, "c").then_some(())
+    })
+    .await;
+    assert_eq!(get(router.clone()).await, StatusCode::OK);
+    assert!(
+        calls_about(&cluster, mark, "a").is_empty(),
+        "{:?}",
+        cluster.lock().calls
+    );
     server.abort();
 }
