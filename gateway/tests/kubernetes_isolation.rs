@@ -186,6 +186,64 @@ fn config(port: u16, state: &std::path::Path, apps: &[(&str, &str)]) -> Config {
     Config::load(&path).expect("a valid config")
 }
 
+/// A gateway on the kubernetes backend, its mocked cluster, and the
+/// loopback server its pods' health checks reach.
+struct Scene {
+    gw: Arc<warmgate_gateway::Gateway>,
+    cluster: Arc<Mutex<Cluster>>,
+    server: tokio::task::JoinHandle<()>,
+    port: u16,
+    state: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Scene {
+    /// Serves `apps` (name, generation) from a fresh state folder.
+    async fn start(apps: &[(&str, &str)]) -> Scene {
+        let port = healthz_server().await;
+        let dir = tempfile::tempdir().expect("dir");
+        let state = dir.path().join("state");
+        let (service, handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+        let cluster = Arc::new(Mutex::new(Cluster::default()));
+        let server = tokio::spawn(serve(handle, cluster.clone()));
+        let client = kube::Client::new(service, NS);
+        let cfg = config(port, &state, apps);
+        let backend = Arc::new(KubeBackend::new(
+            client,
+            KubeSettings {
+                namespace: NS.into(),
+                instance: "wg".into(),
+                config: cfg.backend.kubernetes.clone(),
+                stop_grace: Duration::from_secs(1),
+            },
+        ));
+        let gw = warmgate_gateway::Gateway::new(
+            cfg,
+            backend,
+            None,
+            "127.0.0.1:8080".parse().expect("addr"),
+        )
+        .expect("the gateway starts");
+        Scene {
+            gw,
+            cluster,
+            server,
+            port,
+            state,
+            _dir: dir,
+        }
+    }
+}
+
+/// Whether `app` has a ready replica.
+fn ready(gw: &warmgate_gateway::Gateway, app: &str) -> bool {
+    gw.status_report()
+        .apps
+        .iter()
+        .find(|a| a.name == app)
+        .is_some_and(|a| a.ready >= 1)
+}
+
 /// The app's pods' names, as the cluster holds them.
 fn pods_of(cluster: &Mutex<Cluster>, app: &str) -> Vec<String> {
     cluster
@@ -223,33 +281,14 @@ fn calls_about(cluster: &Mutex<Cluster>, from: usize, app: &str) -> Vec<String> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changing_one_app_leaves_every_other_app_s_pods_untouched() {
-    let port = healthz_server().await;
-    let dir = tempfile::tempdir().expect("dir");
-    let state = dir.path().join("state");
-    let (service, handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
-    let cluster = Arc::new(Mutex::new(Cluster::default()));
-    let server = tokio::spawn(serve(handle, cluster.clone()));
-    let client = kube::Client::new(service, NS);
-    let cfg = config(port, &state, &[("a", "1"), ("b", "1")]);
-    let backend = Arc::new(KubeBackend::new(
-        client,
-        KubeSettings {
-            namespace: NS.into(),
-            instance: "wg".into(),
-            config: cfg.backend.kubernetes.clone(),
-            stop_grace: Duration::from_secs(1),
-        },
-    ));
-    let gw =
-        warmgate_gateway::Gateway::new(cfg, backend, None, "127.0.0.1:8080".parse().expect("addr"))
-            .expect("the gateway starts");
-    let ready = |gw: &warmgate_gateway::Gateway, app: &str| {
-        gw.status_report()
-            .apps
-            .iter()
-            .find(|a| a.name == app)
-            .is_some_and(|a| a.ready >= 1)
-    };
+    let Scene {
+        gw,
+        cluster,
+        server,
+        port,
+        state,
+        _dir,
+    } = Scene::start(&[("a", "1"), ("b", "1")]).await;
     eventually("a and b are ready", || {
         (ready(&gw, "a") && ready(&gw, "b")).then_some(())
     })
@@ -319,33 +358,14 @@ async fn changing_one_app_leaves_every_other_app_s_pods_untouched() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traffic_flows_while_the_api_server_is_unreachable_and_changes_catch_up() {
     use tower::ServiceExt as _;
-    let port = healthz_server().await;
-    let dir = tempfile::tempdir().expect("dir");
-    let state = dir.path().join("state");
-    let (service, handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
-    let cluster = Arc::new(Mutex::new(Cluster::default()));
-    let server = tokio::spawn(serve(handle, cluster.clone()));
-    let client = kube::Client::new(service, NS);
-    let cfg = config(port, &state, &[("a", "1")]);
-    let backend = Arc::new(KubeBackend::new(
-        client,
-        KubeSettings {
-            namespace: NS.into(),
-            instance: "wg".into(),
-            config: cfg.backend.kubernetes.clone(),
-            stop_grace: Duration::from_secs(1),
-        },
-    ));
-    let gw =
-        warmgate_gateway::Gateway::new(cfg, backend, None, "127.0.0.1:8080".parse().expect("addr"))
-            .expect("the gateway starts");
-    let ready = |gw: &warmgate_gateway::Gateway, app: &str| {
-        gw.status_report()
-            .apps
-            .iter()
-            .find(|a| a.name == app)
-            .is_some_and(|a| a.ready >= 1)
-    };
+    let Scene {
+        gw,
+        cluster,
+        server,
+        port,
+        state,
+        _dir,
+    } = Scene::start(&[("a", "1")]).await;
     eventually("a is ready", || ready(&gw, "a").then_some(())).await;
     let router = warmgate_gateway::router(gw.clone());
     let get = |router: axum::Router| async move {

@@ -181,6 +181,19 @@ impl KubeBackend {
         left.into_keys().collect()
     }
 
+    /// The replica of pod `name`, reached at `addr`, watched through `rx`.
+    fn process(&self, name: String, addr: SocketAddr, rx: watch::Receiver<PodView>) -> KubeProcess {
+        KubeProcess {
+            name,
+            namespace: self.settings.namespace.clone(),
+            addr,
+            api: self.api.clone(),
+            rx,
+            grace: self.settings.stop_grace,
+            shared: self.shared.clone(),
+        }
+    }
+
     /// What the watcher knows of a pod.
     pub fn view(&self, pod: &str) -> Option<PodView> {
         self.shared
@@ -239,15 +252,7 @@ impl Backend for KubeBackend {
                 });
             }
         };
-        Ok(Box::new(KubeProcess {
-            name,
-            namespace: self.settings.namespace.clone(),
-            addr: SocketAddr::new(ip, port),
-            api: self.api.clone(),
-            rx,
-            grace: self.settings.stop_grace,
-            shared: self.shared.clone(),
-        }))
+        Ok(Box::new(self.process(name, SocketAddr::new(ip, port), rx)))
     }
 
     fn pending_reason(&self, replica: &str) -> Option<String> {
@@ -313,15 +318,7 @@ impl Backend for KubeBackend {
         Some(Adopted {
             replica: name.clone(),
             env,
-            process: Box::new(KubeProcess {
-                name,
-                namespace: self.settings.namespace.clone(),
-                addr: SocketAddr::new(ip, port),
-                api: self.api.clone(),
-                rx,
-                grace: self.settings.stop_grace,
-                shared: self.shared.clone(),
-            }),
+            process: Box::new(self.process(name, SocketAddr::new(ip, port), rx)),
         })
     }
 }

@@ -560,6 +560,29 @@ fn full_box_config(v1: &str, extra: &str) -> String {
     )
 }
 
+/// The full box shrunk to one GPU and one replica.
+fn one_replica(config: String) -> String {
+    config
+        .replace("gpus = [0, 1]", "gpus = [0]")
+        .replace("min = 2\n        max = 2", "min = 1\n        max = 1")
+}
+
+/// `config` with the app's worker concurrency and environment, and its
+/// queue's timeout.
+fn with_worker(config: String, concurrency: u32, env: &str, queue_timeout: &str) -> String {
+    config
+        .replace(
+            "concurrency = 16",
+            &format!("concurrency = {concurrency}\n        env = {{ {env} }}"),
+        )
+        .replace(
+            "[apps.promotion]",
+            &format!(
+                "[apps.queue]\n        timeout = \"{queue_timeout}\"\n\n        [apps.promotion]"
+            ),
+        )
+}
+
 /// What the replicas answer now: (revision header, the worker's own
 /// weights version), over a few requests.
 async fn answered_by(gw: &Gateway) -> std::collections::BTreeSet<(String, String)> {
@@ -758,17 +781,12 @@ async fn an_app_of_one_replica_is_promoted_in_place_without_failing_a_request() 
     let v2 = checkpoint(root.path(), "v2", false);
     // More clients than the replica has slots, and a load that takes a
     // while: requests are held while it swaps, and none may be lost.
-    let config = full_box_config(&v1, "bake = \"1s\"")
-        .replace("gpus = [0, 1]", "gpus = [0]")
-        .replace("min = 2\n        max = 2", "min = 1\n        max = 1")
-        .replace(
-            "concurrency = 16",
-            "concurrency = 2\n        env = { TEST_WORKER_WEIGHTS_DELAY_MS = \"500\" }",
-        )
-        .replace(
-            "[apps.promotion]",
-            "[apps.queue]\n        timeout = \"10s\"\n\n        [apps.promotion]",
-        );
+    let config = with_worker(
+        one_replica(full_box_config(&v1, "bake = \"1s\"")),
+        2,
+        "TEST_WORKER_WEIGHTS_DELAY_MS = \"500\"",
+        "10s",
+    );
     let gw = Gateway::start(&config);
     gw.wait_ready("m", 1).await;
     let pids = replica_pids(&gw).await;
@@ -1097,17 +1115,12 @@ async fn an_app_of_one_whose_canary_crashes_holds_its_requests_for_the_replaceme
     let root = tempfile::tempdir().expect("dir");
     let v1 = checkpoint(root.path(), "v1", false);
     let v2 = checkpoint(root.path(), "v2", false);
-    let config = full_box_config(&v1, "canary = 50\nbake = \"60s\"")
-        .replace("gpus = [0, 1]", "gpus = [0]")
-        .replace("min = 2\n        max = 2", "min = 1\n        max = 1")
-        .replace(
-            "concurrency = 16",
-            "concurrency = 16\n        env = { TEST_WORKER_STARTUP_MS = \"1500\" }",
-        )
-        .replace(
-            "[apps.promotion]",
-            "[apps.queue]\n        timeout = \"20s\"\n\n        [apps.promotion]",
-        );
+    let config = with_worker(
+        one_replica(full_box_config(&v1, "canary = 50\nbake = \"60s\"")),
+        16,
+        "TEST_WORKER_STARTUP_MS = \"1500\"",
+        "20s",
+    );
     let gw = Gateway::start(&config);
     gw.wait_ready("m", 1).await;
     let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": v2})).await;

@@ -362,14 +362,7 @@ impl App {
             return;
         }
         *self.moved_to.lock() = Some(to.clone());
-        while let Some(w) = s.waiters.pop_front() {
-            if w.tx.is_closed() {
-                continue;
-            }
-            s.live_waiters -= 1;
-            let _ = w.tx.send(Ok(Granted::Moved(to.clone())));
-        }
-        s.update_meter(Instant::now());
+        s.answer_all(|| Ok(Granted::Moved(to.clone())));
     }
 
     /// Ends a redirect to `to` (it was retired, or has no replica
@@ -424,14 +417,7 @@ impl App {
         if !s.replicas.is_empty() {
             return;
         }
-        while let Some(w) = s.waiters.pop_front() {
-            if w.tx.is_closed() {
-                continue;
-            }
-            s.live_waiters -= 1;
-            let _ = w.tx.send(Err(err.clone()));
-        }
-        s.update_meter(Instant::now());
+        s.answer_all(|| Err(err.clone()));
     }
 
     /// Replicas taking traffic.
@@ -556,6 +542,18 @@ impl App {
 // === impl Slots ===
 
 impl Slots {
+    /// Answers every held request with `grant` (the queue empties).
+    fn answer_all(&mut self, grant: impl Fn() -> Grant) {
+        while let Some(w) = self.waiters.pop_front() {
+            if w.tx.is_closed() {
+                continue;
+            }
+            self.live_waiters -= 1;
+            let _ = w.tx.send(grant());
+        }
+        self.update_meter(Instant::now());
+    }
+
     /// Hands free slots to held requests, oldest first.
     fn dispatch(&mut self) {
         while self.live_waiters > 0 {
