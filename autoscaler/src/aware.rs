@@ -15,12 +15,17 @@
 //! - **A backlog** starts replicas only for the work still waiting when
 //!   they are ready: the queued work, plus what will arrive within a cold
 //!   start, minus what the ready replicas drain meanwhile. A burst is taken
-//!   to go on at today's rate for twice as long as it has lasted so far
-//!   (at most a cold start), then the rate before it resumes; so a spike
-//!   that stopped starts nothing, and one that goes on gets its replicas a
-//!   few seconds in. If the backlog will be gone first, nothing starts;
-//!   otherwise enough start for every request still waiting then to get a
-//!   slot at once.
+//!   to go on at today's rate for [`BURST_PERSISTENCE`] times as long as
+//!   it has lasted so far (at most a cold start), then the rate before it
+//!   resumes; so a spike that stopped starts nothing, and one that goes on
+//!   gets its replicas a few seconds in. If the backlog will be gone
+//!   first, nothing starts; otherwise the count that costs least starts
+//!   ([`to_start`]): a cold start per replica against the waiting left
+//!   once they are ready. Against a long cold start that is fewer replicas
+//!   draining the backlog over a few service times, not one slot for every
+//!   waiting request. The queue is never also counted as lasting demand,
+//!   so a backlog that sits through a cold start does not raise the count
+//!   tick after tick.
 //! - **Warm capacity through gaps.** Replicas that recent demand needed are
 //!   kept for [`HOLD_COLD_STARTS`] cold starts, and after each burst the
 //!   fewest replicas that would have absorbed it stay on standby for as
@@ -42,8 +47,13 @@ pub const HOLD_COLD_STARTS: f64 = 3.0;
 /// The longest standby, in measured cold starts.
 pub const MAX_STANDBY_COLD_STARTS: f64 = 20.0;
 
-/// A burst is taken to go on for this many times its age so far.
+/// Until a few bursts have been seen, a burst is taken to go on for this
+/// many times its age so far.
 pub const BURST_PERSISTENCE: f64 = 3.0;
+
+/// A backlog's replicas are sized to drain it within this share of a cold
+/// start once they are ready (at least one service time).
+pub const BACKLOG_DRAIN: f64 = 0.25;
 
 /// Gaps between bursts remembered for the standby decision.
 const GAPS: usize = 32;
@@ -82,9 +92,11 @@ pub(crate) struct Aware {
     /// service time (Little's law on the replicas).
     busy: f64,
     done: f64,
+    /// The last service time measured.
+    tau: Option<f64>,
     /// Arrivals per observation, newest last.
     arrivals: VecDeque<(Duration, u32)>,
-    /// Demand per observation: in flight, plus the queue when it lasts.
+    /// Demand per observation: the slots in flight.
     demand: VecDeque<(Duration, f64)>,
 
     last_now: Option<Duration>,
@@ -94,6 +106,11 @@ pub(crate) struct Aware {
     /// The backlog going on now: since when, and the lasting demand just
     /// before it began.
     backlog: Option<(Duration, f64)>,
+    /// Consecutive observations whose arrivals ran at least a replica's
+    /// worth above the rate before the backlog.
+    elevated: u32,
+    /// How long recent such runs lasted, in seconds.
+    runs: VecDeque<f64>,
     /// Per observation, the replicas the recent rate needed at full slots.
     recent_need: VecDeque<(Duration, u32)>,
     /// The burst going on now.
@@ -168,26 +185,32 @@ impl Aware {
             lasting
         };
         self.prev_lasting = lasting;
-        let age = self.backlog.map_or(0.0, |(since, _)| {
-            (now.saturating_sub(since) + self.tick()).as_secs_f64()
-        });
-        let goes_on = (BURST_PERSISTENCE * age).min(cold);
+        // A burst's age is how long arrivals have run at least a replica
+        // above the rate before it, counted from the second tick that saw
+        // them: one tick of arrivals alone (a spike) is not yet taken to go
+        // on, and a burst that stopped is not extrapolated, however long
+        // its queue waits. How much longer it goes on is learned from the
+        // runs seen before.
+        let run = self.follow_run(i.queued > 0 && current - before >= i.slots);
+        let age = run.saturating_sub(1) as f64 * self.tick().as_secs_f64();
+        let goes_on = self.expected_rest(age).min(cold);
         let arriving = current * goes_on + before * (cold - goes_on);
         let queued = f64::from(i.queued);
         let left = queued * tau + arriving - f64::from(i.ready) * i.slots * cold;
         let lasts = queued > 0.0 && left > 0.0;
 
-        // Demand as Knative measures it (in flight plus queued, over the
-        // stable window), except a queue the ready replicas drain before a
-        // cold start: that is not demand to scale for.
+        // Demand in flight, averaged over the stable window as Knative does.
+        // The queue is not in it: a backlog is the backlog rule's, which
+        // sizes its replicas once; counted here too, a queue that sits
+        // through a cold start would raise the count every tick for work
+        // the replicas already starting will take.
         let tick = self.tick().as_secs_f64();
         let inflight = if i.busy.is_finite() && i.busy > 0.0 {
             i.busy / tick
         } else {
             0.0
         };
-        let demand = inflight + if lasts { queued } else { 0.0 };
-        push_bounded(&mut self.demand, (now, demand.min(1e12)), cap);
+        push_bounded(&mut self.demand, (now, inflight.min(1e12)), cap);
         while self
             .demand
             .front()
@@ -205,16 +228,61 @@ impl Aware {
         let standby = self.standby.map_or(0, |(n, _)| n);
         let base = lasting_need.max(held).max(standby);
         if lasts {
-            let burst = i.ready.saturating_add(replicas_for(left / tau, i.slots));
+            let burst = i.ready.saturating_add(to_start(left, tau, i.slots, cold));
             Some((base.max(burst), true))
         } else {
             Some((base, false))
         }
     }
 
+    /// Counts one more observation in the run of raised arrivals, or ends
+    /// the run and remembers its length; returns the run's length in
+    /// observations.
+    fn follow_run(&mut self, raised: bool) -> u32 {
+        if raised {
+            self.elevated = self.elevated.saturating_add(1);
+        } else {
+            if self.elevated > 0 {
+                if self.runs.len() == GAPS {
+                    self.runs.pop_front();
+                }
+                let secs = f64::from(self.elevated) * self.tick().as_secs_f64();
+                self.runs.push_back(secs);
+            }
+            self.elevated = 0;
+        }
+        self.elevated
+    }
+
+    /// How much longer a run of raised arrivals `age` seconds old (less
+    /// its first tick) goes on: the mean of what the runs seen that lasted
+    /// longer had left at that age. Before [`MIN_GAPS`] runs are known,
+    /// [`BURST_PERSISTENCE`] times its age; when fewer than that many lasted
+    /// as long, it is taken to end now (a backlog still waiting starts its
+    /// replicas anyway).
+    fn expected_rest(&self, age: f64) -> f64 {
+        if self.runs.len() < MIN_GAPS {
+            return BURST_PERSISTENCE * age;
+        }
+        let seen = age + self.tick().as_secs_f64();
+        let (sum, n) = self
+            .runs
+            .iter()
+            .filter(|&&l| l > seen)
+            .fold((0.0, 0usize), |(s, n), &l| (s + l - seen, n + 1));
+        if n >= MIN_GAPS { sum / n as f64 } else { 0.0 }
+    }
+
     /// The service time in seconds, once a request has finished.
-    fn service_time(&self) -> Option<f64> {
-        (self.done >= 1.0 && self.busy > 0.0).then(|| self.busy / self.done)
+    ///
+    /// After a quiet spell longer than the measurement's memory, the last
+    /// measured value stands: forgetting it would hand a spike after a
+    /// long gap to the windowed rules, which know no cold start.
+    fn service_time(&mut self) -> Option<f64> {
+        if self.done >= 1.0 && self.busy > 0.0 {
+            self.tau = Some(self.busy / self.done);
+        }
+        self.tau
     }
 
     fn tick(&self) -> Duration {
@@ -347,5 +415,68 @@ fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
     q.push_back(item);
     while q.len() > cap.max(1) {
         q.pop_front();
+    }
+}
+
+/// Replicas to start for `left` slot-seconds of work, in requests of `tau`
+/// seconds, that will still wait one cold start from now.
+///
+/// Enough that the backlog drains within [`BACKLOG_DRAIN`] of a cold
+/// start once they are ready, and never less than one service time: a
+/// short cold start gives every waiting request its slot at once, as
+/// before; a long one starts fewer replicas, each serving a few requests
+/// in turn, since every replica costs a cold start of replica-seconds and
+/// the waiting through the cold start is the same whatever the count.
+pub(crate) fn to_start(left: f64, tau: f64, slots: f64, cold: f64) -> u32 {
+    if !(left > 0.0 && tau > 0.0 && slots > 0.0) {
+        return 0;
+    }
+    let drain = tau.max(BACKLOG_DRAIN * cold);
+    replicas_for(left / drain, slots)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Aware, MIN_GAPS, to_start};
+
+    #[test]
+    fn a_short_cold_start_gives_every_waiting_request_a_slot() {
+        // 80 requests of 2 s waiting, 2 s cold start: 10 replicas of 8.
+        assert_eq!(to_start(160.0, 2.0, 8.0, 2.0), 10);
+        // Unknown cold start: the same.
+        assert_eq!(to_start(160.0, 2.0, 8.0, 0.0), 10);
+    }
+
+    #[test]
+    fn a_long_cold_start_starts_fewer() {
+        // 60 s: drained within 15 s, 160 / 15 slots.
+        assert_eq!(to_start(160.0, 2.0, 8.0, 60.0), 2);
+        assert_eq!(to_start(0.0, 2.0, 8.0, 60.0), 0);
+        assert_eq!(to_start(-5.0, 2.0, 8.0, 60.0), 0);
+        assert_eq!(to_start(f64::NAN, 2.0, 8.0, 60.0), 0);
+        assert_eq!(to_start(160.0, 0.0, 8.0, 60.0), 0);
+        assert!(to_start(1e15, 2.0, 8.0, 60.0) > 1000);
+        assert_eq!(to_start(16.0, 2.0, 8.0, 1e9), 1);
+    }
+
+    #[test]
+    fn a_run_goes_on_as_long_as_the_runs_before_it_did() {
+        let mut a = Aware::default();
+        // Unknown: three times its age.
+        assert_eq!(a.expected_rest(2.0), 6.0);
+        // Runs of 3 ticks (1 s each), then of 10.
+        for len in [3, 3, 3, 10, 10, 10] {
+            for _ in 0..len {
+                a.follow_run(true);
+            }
+            a.follow_run(false);
+        }
+        assert!(a.runs.len() >= MIN_GAPS);
+        // At age 0 (one tick seen) all six lasted longer: (2×3 + 9×3) / 6.
+        assert!((a.expected_rest(0.0) - 5.5).abs() < 1e-9);
+        // Past the short ones only the long ones count.
+        assert!((a.expected_rest(4.0) - 5.0).abs() < 1e-9);
+        // Longer than all: taken to end now.
+        assert_eq!(a.expected_rest(20.0), 0.0);
     }
 }

@@ -33,7 +33,7 @@ mod aware;
 pub mod pool;
 pub mod sim;
 
-pub use aware::{BURST_PERSISTENCE, HOLD_COLD_STARTS, MAX_STANDBY_COLD_STARTS};
+pub use aware::{BACKLOG_DRAIN, BURST_PERSISTENCE, HOLD_COLD_STARTS, MAX_STANDBY_COLD_STARTS};
 
 // === defaults ===
 

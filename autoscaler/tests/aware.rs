@@ -137,3 +137,48 @@ fn gaps_shorter_than_a_cold_start_are_ridden_out() {
     // Only the first bursts wait for a cold start.
     assert!(wg.queue_delay[1] < 10.0, "p95 {:?}", wg.queue_delay);
 }
+
+#[test]
+fn a_spike_at_zero_starts_a_few_replicas_and_no_more_while_it_waits() {
+    // Spikes of 100 requests of 4 s, all within half a second, every
+    // 400 s, against a 60 s cold start: the app is at zero before each.
+    // One slot for each would be 13 replicas (780 replica-seconds of cold
+    // start to save each request a few seconds); once the first spikes
+    // have shown how short they are, a few replicas drain each one over
+    // some service times instead.
+    let mut trace = even(0.0, 1.0, 1);
+    for k in 1..=5 {
+        trace.extend(even(f64::from(k) * 400.0, 0.5, 100));
+    }
+    let trace = sorted(trace);
+    let wg = simulate(&trace, &model(4), &mut warmgate(scaling()), &sim(60));
+    let counts = |from: f64| -> Vec<u32> {
+        wg.timeline
+            .iter()
+            .filter(|p| p.0 >= from && p.0 < from + 60.0)
+            .map(|p| p.2)
+            .collect()
+    };
+    let before = wg
+        .timeline
+        .iter()
+        .find(|p| p.0 >= 1999.0)
+        .map_or(99, |p| p.2);
+    assert_eq!(before, 0, "not at zero before the last spike");
+    let last = counts(2000.0);
+    let most = last.iter().copied().max().unwrap_or(0);
+    assert!(
+        (2..=6).contains(&most),
+        "started {most} replicas for the last spike: {last:?}"
+    );
+    // The queue sits through the whole cold start; the count it asked for
+    // early does not creep up tick after tick.
+    let settled = last[5..].to_vec();
+    assert!(
+        settled.windows(2).all(|w| w[1] <= w[0]),
+        "the count grew while the spike waited: {last:?}"
+    );
+    assert_eq!(wg.served, 501);
+    // Each spike waited its cold start and then a few service times.
+    assert!(wg.queue_delay[2] < 60.0 + 6.0 * 4.0, "{:?}", wg.queue_delay);
+}
