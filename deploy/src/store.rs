@@ -1,5 +1,7 @@
-//! Durable revision history: an embedded SQLite database (WAL) under
-//! `state_dir`.
+//! Durable revision history behind one trait, [`StateStore`]: on one
+//! machine an embedded SQLite database (WAL) under `state_dir` ([`Store`]);
+//! on Kubernetes the API server (the operator's store, one Secret per
+//! app), so a new leader reads what the last one wrote.
 //!
 //! Every promotion step is written in one transaction before the gateway
 //! acts on it, so a `kill -9` at any point leaves the last step whole: the
@@ -28,6 +30,12 @@ pub enum StoreError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The cluster's API server did not take or give the state.
+    #[error("state in the cluster: {0}")]
+    Cluster(String),
+    /// The store does not keep this kind of state.
+    #[error("{0}")]
+    Unsupported(&'static str),
     /// A stored row is not what this version writes.
     #[error("state database: a stored {what} is unreadable: {source}")]
     Corrupt {
@@ -39,12 +47,73 @@ pub enum StoreError {
 }
 
 /// One event in an app's history, as `warmgate revisions` shows it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Note {
     /// Unix seconds.
     pub at_unix: f64,
     /// What happened, e.g. `promote m-00002 (canary 10%)`.
     pub what: String,
+}
+
+/// Where the gateway keeps what must outlive it: each app's revision
+/// history and promotion, its notes, and the changes made through the API
+/// over the config file.
+///
+/// Every write is whole before it returns, and the gateway acts on a step
+/// only after it is written: a gateway lost at any point leaves the last
+/// step whole for the next one.
+pub trait StateStore: Send {
+    /// An app's revisions and last promotion (empty for a new app).
+    fn load(&self, app: &str) -> Result<History, StoreError>;
+    /// Writes an app's whole history, and a note, at once.
+    fn save(&mut self, app: &str, h: &History, note: &str) -> Result<(), StoreError>;
+    /// An app's notes, oldest first, at most the last `limit`.
+    fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError>;
+    /// Records that the API put (`Some`, the spec as JSON) or deleted
+    /// (`None`) an app or pool, with a note.
+    fn record_spec(
+        &mut self,
+        kind: SpecKind,
+        name: &str,
+        body: Option<&str>,
+        note: &str,
+    ) -> Result<(), StoreError>;
+    /// Forgets the API's change to one app or pool.
+    fn forget_spec(&mut self, kind: SpecKind, name: &str) -> Result<(), StoreError>;
+    /// Every change the API made, to apply over the config file.
+    fn overlay(&self) -> Result<Overlay, StoreError>;
+    /// Forgets every change the API made.
+    fn clear_overlay(&mut self) -> Result<(), StoreError>;
+}
+
+impl StateStore for Store {
+    fn load(&self, app: &str) -> Result<History, StoreError> {
+        Store::load(self, app)
+    }
+    fn save(&mut self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
+        Store::save(self, app, h, note)
+    }
+    fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError> {
+        Store::notes(self, app, limit)
+    }
+    fn record_spec(
+        &mut self,
+        kind: SpecKind,
+        name: &str,
+        body: Option<&str>,
+        note: &str,
+    ) -> Result<(), StoreError> {
+        Store::record_spec(self, kind, name, body, note)
+    }
+    fn forget_spec(&mut self, kind: SpecKind, name: &str) -> Result<(), StoreError> {
+        Store::forget_spec(self, kind, name)
+    }
+    fn overlay(&self) -> Result<Overlay, StoreError> {
+        Store::overlay(self)
+    }
+    fn clear_overlay(&mut self) -> Result<(), StoreError> {
+        Store::clear_overlay(self)
+    }
 }
 
 /// The mode of `state.db` and its `-wal`/`-shm` files: owner only.

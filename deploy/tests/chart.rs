@@ -218,6 +218,7 @@ fn every_template_reads_as_its_kubernetes_type() {
     let svc: Service = read("service.yaml", &v);
     let dep: Deployment = read("deployment.yaml", &v);
     let _: Secret = read("secret.yaml", &v);
+    let state: Secret = read("state-secret.yaml", &v);
     let test: Pod = read("tests/connection.yaml", &v);
     assert_eq!(
         test.metadata.annotations.expect("annotations")["helm.sh/hook"],
@@ -247,6 +248,7 @@ fn every_template_reads_as_its_kubernetes_type() {
             "service.yaml",
             "serviceaccount.yaml",
             "servicemonitor.yaml",
+            "state-secret.yaml",
             "tests"
         ],
         "a new template needs a check here"
@@ -320,7 +322,39 @@ fn every_template_reads_as_its_kubernetes_type() {
     let mut events = grants("events.k8s.io", "events");
     events.sort();
     assert_eq!(events, ["create", "patch"]);
-    assert!(grants("", "secrets").is_empty(), "no access to secrets");
+    // Secrets: the one that holds the revision histories, read and
+    // written by name, and no other (no list, no create, no watch).
+    let secret_rules: Vec<_> = rules
+        .iter()
+        .filter(|r| {
+            r.resources
+                .as_deref()
+                .unwrap_or(&[])
+                .iter()
+                .any(|x| x == "secrets")
+        })
+        .collect();
+    assert_eq!(secret_rules.len(), 1);
+    assert_eq!(
+        secret_rules[0].resource_names.as_deref(),
+        Some(&["wg-state".to_string()][..])
+    );
+    let mut verbs = secret_rules[0].verbs.clone();
+    verbs.sort();
+    assert_eq!(verbs, ["get", "patch"]);
+    // The chart makes it empty and keeps it on uninstall; the operator is
+    // told its name.
+    assert_eq!(state.metadata.name.as_deref(), Some("wg-state"));
+    assert!(state.data.is_none(), "the chart never writes the histories");
+    assert_eq!(
+        state.metadata.annotations.expect("annotations")["helm.sh/resource-policy"],
+        "keep"
+    );
+    let env = c.env.clone().expect("env");
+    assert!(
+        env.iter()
+            .any(|e| e.name == "WARMGATE_STATE_SECRET" && e.value.as_deref() == Some("wg-state"))
+    );
 }
 
 /// The `WARMGATE_ADMIN_TOKEN` variable of the operator's container: the

@@ -48,7 +48,7 @@ pub struct Gateway {
     /// The workers' working directory.
     pub(crate) workdir: Option<std::path::PathBuf>,
     /// Revision history, on disk.
-    pub(crate) store: parking_lot::Mutex<warmgate_deploy::store::Store>,
+    pub(crate) store: parking_lot::Mutex<Box<dyn warmgate_deploy::store::StateStore>>,
     /// `WARMGATE_ADMIN_TOKEN`: the control plane's bearer token.
     pub(crate) admin_token: Option<String>,
     /// Data-plane API keys and quotas (`None`: the data plane is open).
@@ -212,6 +212,19 @@ impl Gateway {
         metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
         addr: std::net::SocketAddr,
     ) -> anyhow::Result<Arc<Self>> {
+        Self::with_state(config, backend, metrics, addr, None)
+    }
+
+    /// [`Gateway::new`] with the state kept in `state` (the operator's,
+    /// in the API server) instead of the SQLite database under
+    /// `state_dir`.
+    pub fn with_state(
+        config: Config,
+        backend: Arc<dyn Backend>,
+        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+        addr: std::net::SocketAddr,
+        state: Option<Box<dyn warmgate_deploy::store::StateStore>>,
+    ) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context as _;
         let workdir = config.state_dir.parent().map(|p| p.to_path_buf());
         let base = workdir
@@ -230,9 +243,16 @@ impl Gateway {
         let tenants =
             crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
                 .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?;
+        // The task journal stays here in every mode: tasks are the pools'
+        // and last as long as their gateway.
         let db = config.state_dir.join("state.db");
-        let store = warmgate_deploy::store::Store::open(&db)
-            .with_context(|| format!("open {}", db.display()))?;
+        let store: Box<dyn warmgate_deploy::store::StateStore> = match state {
+            Some(s) => s,
+            None => Box::new(
+                warmgate_deploy::store::Store::open(&db)
+                    .with_context(|| format!("open {}", db.display()))?,
+            ),
+        };
         let w = &config.weights;
         let cache =
             warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)

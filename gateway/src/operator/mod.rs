@@ -38,6 +38,7 @@ use warmgate_deploy::crd::{
 };
 
 pub mod events;
+pub mod state;
 use warmgate_deploy::{BackendKind, Config};
 use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
 use warmgate_pool::{ReplicaState, TargetStatus};
@@ -432,7 +433,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         client.clone(),
         KubeSettings {
             namespace: ns.clone(),
-            instance,
+            instance: instance.clone(),
             config: config.backend.kubernetes.clone(),
             stop_grace: config.backend.stop_grace,
         },
@@ -462,9 +463,12 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
-    // The resources are the whole truth: changes an earlier leader made
-    // through the API are not laid over them.
-    forget_api_changes(&config);
+    // Revision histories and promotions as the last leader left them.
+    let state_secret =
+        std::env::var("WARMGATE_STATE_SECRET").unwrap_or_else(|_| format!("{instance}-state"));
+    let state = state::KubeState::load(Api::namespaced(client.clone(), &ns), &state_secret)
+        .await
+        .context("read the apps' revision histories from the cluster")?;
     let resources = Resources {
         apps: apps.into_iter().map(|a| (a.name_any(), a)).collect(),
         pools: pools.into_iter().map(|p| (p.name_any(), p)).collect(),
@@ -480,32 +484,27 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         }
     });
     let settings = base_settings(&config);
-    crate::runtime::serve_with(config, backend.clone(), listener, move |gw| {
-        // Before the listener opens.
-        gw.refuse_api_changes();
-        async move {
-            let reason = tokio::select! {
-                r = leading.wait_for(|l| !*l) => match r {
-                    Ok(_) => "lost the leader lease".to_string(),
-                    Err(_) => "the lease manager stopped".to_string(),
-                },
-                r = reconcile(gw, settings, backend, apps_api, pools_api, resources) => r,
-            };
-            reason
-        }
-    })
+    crate::runtime::serve_with(
+        config,
+        backend.clone(),
+        Some(Box::new(state)),
+        listener,
+        move |gw| {
+            // Before the listener opens.
+            gw.refuse_api_changes();
+            async move {
+                let reason = tokio::select! {
+                    r = leading.wait_for(|l| !*l) => match r {
+                        Ok(_) => "lost the leader lease".to_string(),
+                        Err(_) => "the lease manager stopped".to_string(),
+                    },
+                    r = reconcile(gw, settings, backend, apps_api, pools_api, resources) => r,
+                };
+                reason
+            }
+        },
+    )
     .await
-}
-
-/// Drops the changes made through the API from the state store.
-fn forget_api_changes(config: &Config) {
-    let db = config.state_dir.join("state.db");
-    if !db.exists() {
-        return;
-    }
-    if let Err(e) = warmgate_deploy::store::Store::open(&db).and_then(|mut s| s.clear_overlay()) {
-        tracing::warn!(error = %e, "could not drop the changes made through the API");
-    }
 }
 
 /// The running config without its apps and pools: what `config_from`

@@ -22,7 +22,7 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
     let backend = backend_for(&config).await?;
-    serve_with(config, backend, listener, move |gw| {
+    serve_with(config, backend, None, listener, move |gw| {
         reload_on_hangup(gw, path)
     })
     .await
@@ -133,6 +133,7 @@ static ORPHANS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 pub async fn serve_with<F, Fut>(
     config: Config,
     backend: Arc<dyn warmgate_pool::Backend>,
+    state: Option<Box<dyn warmgate_deploy::store::StateStore>>,
     listener: tokio::net::TcpListener,
     side: F,
 ) -> anyhow::Result<()>
@@ -146,7 +147,7 @@ where
         .increment(ORPHANS.load(std::sync::atomic::Ordering::Relaxed));
     let grace = config.backend.stop_grace;
     let conn_limits = crate::listener::ConnLimits::from(&config.limits);
-    let gw = Gateway::new(config, backend, metrics, addr)?;
+    let gw = Gateway::with_state(config, backend, metrics, addr, state)?;
     let autoscaler = autoscale::spawn(&gw);
     let mut side = tokio::spawn(side(gw.clone()));
 

@@ -1,0 +1,283 @@
+//! The operator's state in the API server: a leader that dies in the
+//! middle of a canary leaves the revision history, the split and the
+//! promotion in the cluster (the state Secret), and the next leader, with
+//! an empty state folder of its own, reads them back and finishes the
+//! promotion. Every call either leader makes is answered and recorded by
+//! the mocked API server in `kube_mock`; nothing here has met a real one.
+
+mod kube_mock;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use kube_mock::{Cluster, NS, eventually, healthz_server, ready, unexpected};
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use tower::ServiceExt as _;
+use warmgate_deploy::Config;
+use warmgate_gateway::operator::state::KubeState;
+use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
+
+const SECRET: &str = "wg-state";
+
+/// One app `a` on `ck/v1`, its checkpoints allowed under `ck/`.
+fn config(port: u16, dir: &std::path::Path, state: &str) -> Config {
+    let ck = dir.join("ck");
+    let text = format!(
+        r#"
+state_dir = "{state}"
+[backend]
+kind = "kubernetes"
+[backend.kubernetes]
+advertise = "wg.ml.svc:8080"
+[weights]
+allowed_prefixes = ["file://{ck}"]
+[[apps]]
+name = "a"
+image = "registry.example/worker:1"
+checkpoint = "file://{v1}"
+[apps.kubernetes]
+port = {port}
+[apps.autoscale]
+min = 1
+max = 1
+"#,
+        state = dir.join(state).display(),
+        ck = ck.display(),
+        v1 = ck.join("v1").display(),
+    );
+    let path = dir.join(format!("{state}.toml"));
+    std::fs::write(&path, text).expect("write");
+    Config::load(&path).expect("a valid config")
+}
+
+/// A leader: the gateway on the kubernetes backend with its state in the
+/// cluster's Secret, and its own (fresh) state folder.
+async fn leader(cluster: &Arc<Mutex<Cluster>>, cfg: Config) -> Arc<warmgate_gateway::Gateway> {
+    let (client, _server) = kube_mock::client(cluster);
+    let backend = Arc::new(KubeBackend::new(
+        client.clone(),
+        KubeSettings {
+            namespace: NS.into(),
+            instance: "wg".into(),
+            config: cfg.backend.kubernetes.clone(),
+            stop_grace: Duration::from_secs(1),
+        },
+    ));
+    backend
+        .find_previous()
+        .await
+        .expect("list the pods an earlier leader left");
+    let state = KubeState::load(kube::Api::namespaced(client, NS), SECRET)
+        .await
+        .expect("read the state Secret");
+    warmgate_gateway::Gateway::with_state(
+        cfg,
+        backend,
+        None,
+        "127.0.0.1:8080".parse().expect("addr"),
+        Some(Box::new(state)),
+    )
+    .expect("the gateway starts")
+}
+
+async fn call(
+    gw: &Arc<warmgate_gateway::Gateway>,
+    req: http::Request<axum::body::Body>,
+) -> (StatusCode, Value) {
+    let resp = warmgate_gateway::router(gw.clone())
+        .oneshot(req)
+        .await
+        .expect("infallible");
+    let status = resp.status();
+    let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+async fn revisions(gw: &Arc<warmgate_gateway::Gateway>) -> Value {
+    let req = http::Request::get("/v1/apps/a/revisions")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let (status, body) = call(gw, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    body
+}
+
+/// The state Secret's `a.json`, as the cluster holds it.
+fn stored(cluster: &Mutex<Cluster>) -> Option<Value> {
+    let c = cluster.lock();
+    let b64 = c.secrets.get(SECRET)?["data"]["a.json"].clone();
+    let bytes: k8s_openapi::ByteString = serde_json::from_value(b64).ok()?;
+    serde_json::from_slice(&bytes.0).ok()
+}
+
+fn phase(v: &Value) -> &str {
+    v["promotion"]["phase"].as_str().unwrap_or("")
+}
+
+#[test]
+fn a_new_leader_reads_the_history_and_the_canary_back_from_the_cluster_and_finishes_it() {
+    let driver = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    driver.block_on(async {
+        let port = healthz_server().await;
+        let dir = tempfile::tempdir().expect("dir");
+        for v in ["v1", "v2"] {
+            let ck = dir.path().join("ck").join(v);
+            std::fs::create_dir_all(&ck).expect("mkdir");
+            std::fs::write(ck.join("model.bin"), v).expect("write");
+        }
+        let cluster = Arc::new(Mutex::new(Cluster::default()));
+
+        // The first leader runs on a runtime of its own, so that it can
+        // die whole, every task at once, as a killed pod does.
+        let first = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (c1, cfg1, ck2) = (
+            cluster.clone(),
+            config(port, dir.path(), "first"),
+            format!("file://{}", dir.path().join("ck").join("v2").display()),
+        );
+        let before = first
+            .spawn(async move {
+                let gw = leader(&c1, cfg1).await;
+                eventually("a is ready", || ready(&gw, "a").then_some(())).await;
+                let req = http::Request::post("/v1/apps/a/promote")
+                    .header("content-type", "application/json")
+                    .body(axum::body::Body::from(
+                        json!({"checkpoint": ck2, "canary": 50, "bake": "3s"}).to_string(),
+                    ))
+                    .expect("request");
+                let (status, body) = call(&gw, req).await;
+                assert!(status.is_success(), "{status} {body}");
+                // Canary: the new revision takes half the traffic.
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+                loop {
+                    let r = revisions(&gw).await;
+                    if phase(&r) == "canary" {
+                        return r;
+                    }
+                    assert!(tokio::time::Instant::now() < deadline, "no canary: {r}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await
+            .expect("the first leader's steps");
+        // It dies in the middle of the bake.
+        first.shutdown_background();
+
+        // What it left in the cluster is what it showed.
+        let left = stored(&cluster).expect("the state Secret holds a.json");
+        assert_eq!(left["history"]["promotion"]["to"], "a-00002", "{left}");
+        assert_eq!(left["history"]["promotion"]["phase"], "canary", "{left}");
+        let split: Vec<(String, u64)> = left["history"]["revisions"]
+            .as_array()
+            .expect("revisions")
+            .iter()
+            .map(|r| {
+                (
+                    r["id"].as_str().unwrap_or("").to_string(),
+                    r["traffic"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        assert_eq!(
+            split,
+            [("a-00001".to_string(), 50), ("a-00002".to_string(), 50)]
+        );
+
+        // The next leader: a fresh state folder (the dead pod's emptyDir
+        // is gone), the same cluster.
+        let gw = leader(&cluster, config(port, dir.path(), "second")).await;
+        let after = revisions(&gw).await;
+        let ids = |v: &Value| -> Vec<String> {
+            v["revisions"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|r| r["id"].as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        assert_eq!(ids(&after), ids(&before), "the history was not read back");
+        assert_eq!(after["promotion"]["to"], "a-00002");
+        assert!(
+            after["notes"].as_array().is_some_and(|n| n
+                .iter()
+                .any(|n| n["what"].as_str().is_some_and(|w| w.contains("a-00002")))),
+            "the first leader's notes were lost: {after}"
+        );
+        // It carries the canary on and finishes it.
+        let done = eventually("the promotion finishes under the new leader", || {
+            let r = stored(&cluster)?;
+            (r["history"]["promotion"]["phase"] == "done").then_some(r)
+        })
+        .await;
+        let serving: Vec<&Value> = done["history"]["revisions"]
+            .as_array()
+            .expect("revisions")
+            .iter()
+            .filter(|r| r["traffic"].as_u64().unwrap_or(0) > 0)
+            .collect();
+        assert_eq!(serving.len(), 1, "{done}");
+        assert_eq!(serving[0]["id"], "a-00002");
+        assert_eq!(serving[0]["traffic"], 100);
+        let r = revisions(&gw).await;
+        assert_eq!(phase(&r), "done", "{r}");
+        assert!(
+            unexpected(&cluster).is_empty(),
+            "{:?}",
+            unexpected(&cluster)
+        );
+    });
+    driver.shutdown_background();
+}
+
+/// The API server unreachable when a promotion would start: the step
+/// cannot be written, so nothing starts and the user is told why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_the_cluster_cannot_store_is_not_taken() {
+    let port = healthz_server().await;
+    let dir = tempfile::tempdir().expect("dir");
+    for v in ["v1", "v2"] {
+        let ck = dir.path().join("ck").join(v);
+        std::fs::create_dir_all(&ck).expect("mkdir");
+        std::fs::write(ck.join("model.bin"), v).expect("write");
+    }
+    let cluster = Arc::new(Mutex::new(Cluster::default()));
+    let gw = leader(&cluster, config(port, dir.path(), "only")).await;
+    eventually("a is ready", || ready(&gw, "a").then_some(())).await;
+    let pods = cluster.lock().pods.len();
+    cluster.lock().down = true;
+    let ck2 = format!("file://{}", dir.path().join("ck").join("v2").display());
+    let req = http::Request::post("/v1/apps/a/promote")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(
+            json!({"checkpoint": ck2, "canary": 50}).to_string(),
+        ))
+        .expect("request");
+    let (status, body) = call(&gw, req).await;
+    assert!(status.is_server_error(), "{status} {body}");
+    let message = body["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains(SECRET), "{body}");
+    let r = revisions(&gw).await;
+    assert_eq!(r["revisions"].as_array().map(Vec::len), Some(1), "{r}");
+    assert_ne!(r["promotion"]["to"], "a-00002", "{r}");
+    cluster.lock().down = false;
+    assert_eq!(cluster.lock().pods.len(), pods, "a replica started anyway");
+    let left = stored(&cluster).expect("a.json");
+    assert_eq!(
+        left["history"]["revisions"].as_array().map(Vec::len),
+        Some(1)
+    );
+}
