@@ -62,58 +62,65 @@ pub struct Note {
 /// Every write is whole before it returns, and the gateway acts on a step
 /// only after it is written: a gateway lost at any point leaves the last
 /// step whole for the next one.
-pub trait StateStore: Send {
+pub trait StateStore: Send + Sync {
     /// An app's revisions and last promotion (empty for a new app).
     fn load(&self, app: &str) -> Result<History, StoreError>;
     /// Writes an app's whole history, and a note, at once.
-    fn save(&mut self, app: &str, h: &History, note: &str) -> Result<(), StoreError>;
+    fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError>;
     /// An app's notes, oldest first, at most the last `limit`.
     fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError>;
     /// Records that the API put (`Some`, the spec as JSON) or deleted
     /// (`None`) an app or pool, with a note.
     fn record_spec(
-        &mut self,
+        &self,
         kind: SpecKind,
         name: &str,
         body: Option<&str>,
         note: &str,
     ) -> Result<(), StoreError>;
     /// Forgets the API's change to one app or pool.
-    fn forget_spec(&mut self, kind: SpecKind, name: &str) -> Result<(), StoreError>;
+    fn forget_spec(&self, kind: SpecKind, name: &str) -> Result<(), StoreError>;
     /// Every change the API made, to apply over the config file.
     fn overlay(&self) -> Result<Overlay, StoreError>;
     /// Forgets every change the API made.
-    fn clear_overlay(&mut self) -> Result<(), StoreError>;
+    fn clear_overlay(&self) -> Result<(), StoreError>;
 }
 
-impl StateStore for Store {
+/// The SQLite database, one call at a time.
+impl StateStore for std::sync::Mutex<Store> {
     fn load(&self, app: &str) -> Result<History, StoreError> {
-        Store::load(self, app)
+        lock(self).load(app)
     }
-    fn save(&mut self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
-        Store::save(self, app, h, note)
+    fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
+        lock(self).save(app, h, note)
     }
     fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError> {
-        Store::notes(self, app, limit)
+        lock(self).notes(app, limit)
     }
     fn record_spec(
-        &mut self,
+        &self,
         kind: SpecKind,
         name: &str,
         body: Option<&str>,
         note: &str,
     ) -> Result<(), StoreError> {
-        Store::record_spec(self, kind, name, body, note)
+        lock(self).record_spec(kind, name, body, note)
     }
-    fn forget_spec(&mut self, kind: SpecKind, name: &str) -> Result<(), StoreError> {
-        Store::forget_spec(self, kind, name)
+    fn forget_spec(&self, kind: SpecKind, name: &str) -> Result<(), StoreError> {
+        lock(self).forget_spec(kind, name)
     }
     fn overlay(&self) -> Result<Overlay, StoreError> {
-        Store::overlay(self)
+        lock(self).overlay()
     }
-    fn clear_overlay(&mut self) -> Result<(), StoreError> {
-        Store::clear_overlay(self)
+    fn clear_overlay(&self) -> Result<(), StoreError> {
+        lock(self).clear_overlay()
     }
+}
+
+/// The store, even after a panic elsewhere held it (each call is one
+/// transaction, so nothing is left half done).
+fn lock(m: &std::sync::Mutex<Store>) -> std::sync::MutexGuard<'_, Store> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The mode of `state.db` and its `-wal`/`-shm` files: owner only.

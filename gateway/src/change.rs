@@ -107,15 +107,12 @@ impl Gateway {
         body: Option<&str>,
         note: &str,
     ) -> Result<(), ApiError> {
-        self.store
-            .lock()
-            .record_spec(kind, name, body, note)
-            .map_err(|e| {
-                ApiError::new(
-                    ErrorKind::Internal,
-                    format!("the gateway could not save the change, so it did not make it: {e}"),
-                )
-            })
+        self.store.record_spec(kind, name, body, note).map_err(|e| {
+            ApiError::new(
+                ErrorKind::Internal,
+                format!("the gateway could not save the change, so it did not make it: {e}"),
+            )
+        })
     }
 
     /// Puts an app: creates it, or changes the one of that name.
@@ -168,7 +165,7 @@ impl Gateway {
             )?;
             if let Err(e) = self.start_app(spec) {
                 // Not kept: a restart would trip on it.
-                let _ = self.store.lock().forget_spec(SpecKind::App, &name);
+                let _ = self.store.forget_spec(SpecKind::App, &name);
                 return Err(ApiError::new(
                     ErrorKind::Internal,
                     format!("app '{name}': {e:#}"),
@@ -279,7 +276,6 @@ impl Gateway {
             let mut next = h.clone();
             next.config = Some(config);
             self.store
-                .lock()
                 .save(&app.name, &next, "")
                 .map_err(|e| ApiError::new(ErrorKind::Internal, format!("could not save: {e}")))?;
             *h = next;
@@ -424,7 +420,7 @@ impl Gateway {
         let json = encode_spec(&spec)?;
         self.record(SpecKind::Pool, &name, Some(&json), "")?;
         if let Err(e) = self.start_pool(spec) {
-            let _ = self.store.lock().forget_spec(SpecKind::Pool, &name);
+            let _ = self.store.forget_spec(SpecKind::Pool, &name);
             return Err(ApiError::new(
                 ErrorKind::Internal,
                 format!("pool '{name}': {e:#}"),
@@ -655,7 +651,7 @@ impl Gateway {
     /// Drops the changes made through the API from the state store: the
     /// config file is the whole truth again at the next start.
     pub fn forget_api_changes(&self) -> Result<(), ApiError> {
-        self.store.lock().clear_overlay().map_err(|e| {
+        self.store.clear_overlay().map_err(|e| {
             ApiError::new(
                 ErrorKind::Internal,
                 format!("could not drop the changes made through the API: {e}"),

@@ -65,7 +65,7 @@ impl Gateway {
                     "{} rolled back: the gateway restarted during the in-place promotion",
                     p.to
                 );
-                self.store.lock().save(&app.name, &h, &note)?;
+                self.store.save(&app.name, &h, &note)?;
                 *history = h;
             }
             if history.revisions.is_empty() || history.config.as_deref() != Some(config.as_str()) {
@@ -105,7 +105,7 @@ impl Gateway {
                 };
                 // Saved as a whole before it counts: a failed save leaves
                 // the history as it was loaded, and the start fails.
-                self.store.lock().save(&app.name, &h, &note)?;
+                self.store.save(&app.name, &h, &note)?;
                 *history = h;
             }
             let h = history;
@@ -557,7 +557,7 @@ impl Gateway {
         for r in &mut next.revisions {
             r.traffic = 0;
         }
-        if let Err(e) = self.store.lock().save(&app.name, &next, note) {
+        if let Err(e) = self.store.save(&app.name, &next, note) {
             return Err(ApiError::new(
                 ErrorKind::Internal,
                 format!("the gateway could not save the deletion, so it did not delete: {e}"),
@@ -687,7 +687,7 @@ impl Gateway {
             next.config = config;
         }
         next.apply(p, fx);
-        if let Err(e) = self.store.lock().save(&app.name, &next, note) {
+        if let Err(e) = self.store.save(&app.name, &next, note) {
             tracing::error!(app = %app.name, error = %e, "a promotion step could not be saved: {note}");
             return Err(ApiError::new(
                 ErrorKind::Internal,

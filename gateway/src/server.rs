@@ -48,7 +48,7 @@ pub struct Gateway {
     /// The workers' working directory.
     pub(crate) workdir: Option<std::path::PathBuf>,
     /// Revision history, on disk.
-    pub(crate) store: parking_lot::Mutex<Box<dyn warmgate_deploy::store::StateStore>>,
+    pub(crate) store: Box<dyn warmgate_deploy::store::StateStore>,
     /// `WARMGATE_ADMIN_TOKEN`: the control plane's bearer token.
     pub(crate) admin_token: Option<String>,
     /// Data-plane API keys and quotas (`None`: the data plane is open).
@@ -248,10 +248,10 @@ impl Gateway {
         let db = config.state_dir.join("state.db");
         let store: Box<dyn warmgate_deploy::store::StateStore> = match state {
             Some(s) => s,
-            None => Box::new(
+            None => Box::new(std::sync::Mutex::new(
                 warmgate_deploy::store::Store::open(&db)
                     .with_context(|| format!("open {}", db.display()))?,
-            ),
+            )),
         };
         let w = &config.weights;
         let cache =
@@ -368,7 +368,7 @@ impl Gateway {
             tasks,
             reach,
             workdir,
-            store: parking_lot::Mutex::new(store),
+            store,
             admin_token: admin_token(),
             tenants,
             changes: tokio::sync::Mutex::new(()),
@@ -473,7 +473,6 @@ impl Gateway {
         use anyhow::Context as _;
         let history = self
             .store
-            .lock()
             .load(&spec.name)
             .context("read its revision history")?;
         let app = Arc::new(Served::new(spec, history));

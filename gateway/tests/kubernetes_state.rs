@@ -281,3 +281,41 @@ async fn a_step_the_cluster_cannot_store_is_not_taken() {
         Some(1)
     );
 }
+
+/// A deposed leader that still reaches the API server cannot write over
+/// its successor: each write applies over the version it last saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_cannot_write_over_the_next_one() {
+    use warmgate_deploy::revision::History;
+    use warmgate_deploy::store::StateStore as _;
+    let cluster = Arc::new(Mutex::new(Cluster::default()));
+    let (client, _server) = kube_mock::client(&cluster);
+    let api = || kube::Api::namespaced(client.clone(), NS);
+    let old = KubeState::load(api(), SECRET).await.expect("load");
+    old.save("a", &History::default(), "the old leader's first step")
+        .expect("the first write");
+    // The next leader reads what the old one wrote, and writes.
+    let new = KubeState::load(api(), SECRET).await.expect("load");
+    assert_eq!(
+        new.notes("a", 10).expect("notes")[0].what,
+        "the old leader's first step"
+    );
+    new.save("a", &History::default(), "the new leader's step")
+        .expect("the new leader writes");
+    // The old one, still running, tries again: refused, nothing lost.
+    let err = old
+        .save("a", &History::default(), "a stale step")
+        .expect_err("a stale write is refused");
+    assert!(err.to_string().contains("another leader"), "{err}");
+    let again = KubeState::load(api(), SECRET).await.expect("load");
+    let notes: Vec<String> = again
+        .notes("a", 10)
+        .expect("notes")
+        .into_iter()
+        .map(|n| n.what)
+        .collect();
+    assert_eq!(
+        notes,
+        ["the old leader's first step", "the new leader's step"]
+    );
+}

@@ -316,7 +316,7 @@ pub(crate) async fn revisions(
 ) -> Response {
     let result = served(&gw, &name).and_then(|app| {
         let h = app.history.lock().clone();
-        let notes = gw.store.lock().notes(&app.name, 50).map_err(|e| {
+        let notes = gw.store.notes(&app.name, 50).map_err(|e| {
             ApiError::new(
                 ErrorKind::NoCapacity,
                 format!("cannot read the history: {e}"),

@@ -15,8 +15,10 @@
 //! waits for the API server on the calling worker thread
 //! ([`tokio::task::block_in_place`]), for at most [`WRITE_TIMEOUT`]. Writes
 //! are control-plane steps (a promotion step, a changed spec), never on a
-//! request's path. Reads come from memory: what was read at start and what
-//! this process wrote since.
+//! request's path. Reads come from memory (what was read at start and what
+//! this process wrote since) and never wait on a write. Each write applies
+//! over the `resourceVersion` last seen, so a deposed leader that still
+//! reaches the API server is refused rather than writing over the next.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -54,31 +56,43 @@ fn key(app: &str) -> String {
 pub struct KubeState {
     api: Api<Secret>,
     name: String,
+    /// What was read and written; readers never wait on a write.
+    held: parking_lot::RwLock<Held>,
+    /// One write at a time, from read to answer.
+    writing: parking_lot::Mutex<()>,
+}
+
+#[derive(Clone, Default)]
+struct Held {
     /// By app, its state.
     apps: BTreeMap<String, AppState>,
     /// By app, a stored state this version cannot read: why, and its
     /// bytes, written back as they were.
     unreadable: BTreeMap<String, (String, Vec<u8>)>,
+    /// The Secret's `resourceVersion` as last read or written: a write
+    /// applies only over it, so a deposed leader that still reaches the
+    /// API server cannot write over its successor.
+    version: Option<String>,
 }
 
 impl KubeState {
     /// Reads the Secret `name` (none yet: no state).
     pub async fn load(api: Api<Secret>, name: &str) -> Result<KubeState, kube::Error> {
-        let mut apps = BTreeMap::new();
-        let mut unreadable = BTreeMap::new();
+        let mut held = Held::default();
         if let Some(secret) = api.get_opt(name).await? {
+            held.version = secret.metadata.resource_version.clone();
             for (k, v) in secret.data.unwrap_or_default() {
                 let Some(app) = k.strip_suffix(".json") else {
                     continue;
                 };
                 match serde_json::from_slice::<AppState>(&v.0) {
                     Ok(state) => {
-                        apps.insert(app.to_string(), state);
+                        held.apps.insert(app.to_string(), state);
                     }
                     Err(e) => {
                         let e = format!("Secret {name}'s key {k} is unreadable: {e}");
                         tracing::error!(%app, error = %e, "the app's state in the cluster is unreadable; the app will not start until the key is fixed or removed");
-                        unreadable.insert(app.to_string(), (e, v.0));
+                        held.unreadable.insert(app.to_string(), (e, v.0));
                     }
                 }
             }
@@ -86,18 +100,19 @@ impl KubeState {
         Ok(KubeState {
             api,
             name: name.to_string(),
-            apps,
-            unreadable,
+            held: parking_lot::RwLock::new(held),
+            writing: parking_lot::Mutex::new(()),
         })
     }
 
     /// The Secret holding `apps`, as this process applies it: its data
     /// only, so the labels and annotations the chart gives it stay the
     /// chart's.
-    fn secret(&self, apps: &BTreeMap<String, Vec<u8>>) -> Secret {
+    fn secret(&self, apps: &BTreeMap<String, Vec<u8>>, version: Option<String>) -> Secret {
         Secret {
             metadata: ObjectMeta {
                 name: Some(self.name.clone()),
+                resource_version: version,
                 ..ObjectMeta::default()
             },
             data: Some(
@@ -181,21 +196,24 @@ fn wait<F: std::future::Future>(f: F) -> Result<F::Output, StoreError> {
 
 impl StateStore for KubeState {
     fn load(&self, app: &str) -> Result<History, StoreError> {
-        if let Some((e, _)) = self.unreadable.get(app) {
+        let held = self.held.read();
+        if let Some((e, _)) = held.unreadable.get(app) {
             return Err(StoreError::Cluster(e.clone()));
         }
-        Ok(self
+        Ok(held
             .apps
             .get(app)
             .map(|s| s.history.clone())
             .unwrap_or_default())
     }
 
-    fn save(&mut self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
-        if let Some((e, _)) = self.unreadable.get(app) {
+    fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
+        let _one = self.writing.lock();
+        let held = self.held.read().clone();
+        if let Some((e, _)) = held.unreadable.get(app) {
             return Err(StoreError::Cluster(e.clone()));
         }
-        let mut next = self.apps.get(app).cloned().unwrap_or_default();
+        let mut next = held.apps.get(app).cloned().unwrap_or_default();
         next.history = h.clone();
         if !note.is_empty() {
             next.notes.push(Note {
@@ -207,9 +225,9 @@ impl StateStore for KubeState {
         }
         // The Secret is written whole: every app's state with this one's
         // next, and the keys this version cannot read as they were.
-        let mut all = self.apps.clone();
+        let mut all = held.apps.clone();
         all.insert(app.to_string(), next);
-        let kept: usize = self
+        let kept: usize = held
             .unreadable
             .iter()
             .map(|(a, (_, raw))| a.len() + raw.len())
@@ -219,29 +237,38 @@ impl StateStore for KubeState {
                 "the apps' live revisions and promotions alone exceed {MAX_STATE_BYTES} bytes, more than a Secret holds"
             ))
         })?;
-        for (a, (_, raw)) in &self.unreadable {
+        for (a, (_, raw)) in &held.unreadable {
             bodies.insert(a.clone(), raw.clone());
         }
-        let secret = self.secret(&bodies);
+        let secret = self.secret(&bodies, held.version.clone());
         let params = PatchParams::apply("warmgate").force();
-        wait(self.api.patch(&self.name, &params, &Patch::Apply(&secret)))?
-            .map_err(|e| StoreError::Cluster(format!("write Secret {}: {e}", self.name)))?;
-        self.apps = all;
+        let written = wait(self.api.patch(&self.name, &params, &Patch::Apply(&secret)))?
+            .map_err(|e| match e {
+                kube::Error::Api(a) if a.code == 409 => StoreError::Cluster(format!(
+                    "Secret {} changed since this operator read it (another leader wrote it); this one must not write over it",
+                    self.name
+                )),
+                e => StoreError::Cluster(format!("write Secret {}: {e}", self.name)),
+            })?;
+        let mut held = self.held.write();
+        held.apps = all;
+        held.version = written.metadata.resource_version;
         Ok(())
     }
 
     fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError> {
-        if let Some((e, _)) = self.unreadable.get(app) {
+        let held = self.held.read();
+        if let Some((e, _)) = held.unreadable.get(app) {
             return Err(StoreError::Cluster(e.clone()));
         }
-        Ok(self.apps.get(app).map_or_else(Vec::new, |s| {
+        Ok(held.apps.get(app).map_or_else(Vec::new, |s| {
             let skip = s.notes.len().saturating_sub(limit);
             s.notes[skip..].to_vec()
         }))
     }
 
     fn record_spec(
-        &mut self,
+        &self,
         _kind: SpecKind,
         _name: &str,
         _body: Option<&str>,
@@ -252,7 +279,7 @@ impl StateStore for KubeState {
         ))
     }
 
-    fn forget_spec(&mut self, _kind: SpecKind, _name: &str) -> Result<(), StoreError> {
+    fn forget_spec(&self, _kind: SpecKind, _name: &str) -> Result<(), StoreError> {
         Ok(())
     }
 
@@ -261,7 +288,7 @@ impl StateStore for KubeState {
         Ok(Overlay::default())
     }
 
-    fn clear_overlay(&mut self) -> Result<(), StoreError> {
+    fn clear_overlay(&self) -> Result<(), StoreError> {
         Ok(())
     }
 }

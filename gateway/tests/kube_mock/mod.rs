@@ -186,6 +186,23 @@ pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
                         "PATCH secret/{name} (unexpected: not an apply of it)"
                     ));
                 }
+                // A resourceVersion in the applied object is a
+                // precondition.
+                let held = c
+                    .secrets
+                    .get(&name)
+                    .map(|s| s["metadata"]["resourceVersion"].clone());
+                let asked = &patch["metadata"]["resourceVersion"];
+                if !asked.is_null() && held.as_ref() != Some(asked) {
+                    c.calls.push(format!("PATCH secret/{name} refused: stale"));
+                    send.send_response(json_response(
+                        StatusCode::CONFLICT,
+                        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "reason": "Conflict", "code": 409,
+                            "message": "the object has been modified; please apply your changes to the latest version and try again"}),
+                    ));
+                    continue;
+                }
                 let rv = c.bump();
                 let secret = c.secrets.entry(name.clone()).or_insert_with(|| {
                     json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
