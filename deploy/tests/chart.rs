@@ -323,7 +323,7 @@ fn every_template_reads_as_its_kubernetes_type() {
     events.sort();
     assert_eq!(events, ["create", "patch"]);
     // Secrets: the one that holds the revision histories, read and
-    // written by name, and no other (no list, no create, no watch).
+    // written by name, and no other (no list, no watch).
     let secret_rules: Vec<_> = rules
         .iter()
         .filter(|r| {
@@ -341,7 +341,7 @@ fn every_template_reads_as_its_kubernetes_type() {
     );
     let mut verbs = secret_rules[0].verbs.clone();
     verbs.sort();
-    assert_eq!(verbs, ["get", "patch"]);
+    assert_eq!(verbs, ["create", "get", "patch"]);
     // The chart makes it empty and keeps it on uninstall; the operator is
     // told its name.
     assert_eq!(state.metadata.name.as_deref(), Some("wg-state"));

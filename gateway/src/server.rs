@@ -246,6 +246,7 @@ impl Gateway {
         // The task journal stays here in every mode: tasks are the pools'
         // and last as long as their gateway.
         let db = config.state_dir.join("state.db");
+        let tolerant = state.is_some();
         let store: Box<dyn warmgate_deploy::store::StateStore> = match state {
             Some(s) => s,
             None => Box::new(std::sync::Mutex::new(
@@ -381,8 +382,18 @@ impl Gateway {
             gw.start_pool(spec.clone())?;
         }
         for spec in &gw.config.apps {
-            gw.start_app(spec.clone())
-                .with_context(|| format!("app '{}'", spec.name))?;
+            match gw.start_app(spec.clone()) {
+                Ok(_) => {}
+                // Under the operator one app that cannot start (its state
+                // in the cluster unreadable, a step it cannot store) is
+                // left out, and the operator reports it on its resource
+                // and tries again; the others serve.
+                Err(e) if tolerant => tracing::error!(
+                    app = %spec.name, error = format!("{e:#}"),
+                    "the app cannot start; it is left out until its next try"
+                ),
+                Err(e) => return Err(e).with_context(|| format!("app '{}'", spec.name)),
+            }
         }
         Ok(gw)
     }

@@ -54,7 +54,11 @@ max = 1
 
 /// A leader: the gateway on the kubernetes backend with its state in the
 /// cluster's Secret, and its own (fresh) state folder.
-async fn leader(cluster: &Arc<Mutex<Cluster>>, cfg: Config) -> Arc<warmgate_gateway::Gateway> {
+async fn leader(
+    cluster: &Arc<Mutex<Cluster>>,
+    cfg: Config,
+    identity: &str,
+) -> Arc<warmgate_gateway::Gateway> {
     let (client, _server) = kube_mock::client(cluster);
     let backend = Arc::new(KubeBackend::new(
         client.clone(),
@@ -69,9 +73,9 @@ async fn leader(cluster: &Arc<Mutex<Cluster>>, cfg: Config) -> Arc<warmgate_gate
         .find_previous()
         .await
         .expect("list the pods an earlier leader left");
-    let state = KubeState::load(kube::Api::namespaced(client, NS), SECRET)
+    let state = KubeState::load(move || Ok(client), NS, SECRET, identity)
         .await
-        .expect("read the state Secret");
+        .expect("read and claim the state Secret");
     warmgate_gateway::Gateway::with_state(
         cfg,
         backend,
@@ -149,7 +153,7 @@ fn a_new_leader_reads_the_history_and_the_canary_back_from_the_cluster_and_finis
         );
         let before = first
             .spawn(async move {
-                let gw = leader(&c1, cfg1).await;
+                let gw = leader(&c1, cfg1, "first").await;
                 eventually("a is ready", || ready(&gw, "a").then_some(())).await;
                 let req = http::Request::post("/v1/apps/a/promote")
                     .header("content-type", "application/json")
@@ -197,7 +201,7 @@ fn a_new_leader_reads_the_history_and_the_canary_back_from_the_cluster_and_finis
 
         // The next leader: a fresh state folder (the dead pod's emptyDir
         // is gone), the same cluster.
-        let gw = leader(&cluster, config(port, dir.path(), "second")).await;
+        let gw = leader(&cluster, config(port, dir.path(), "second"), "second").await;
         let after = revisions(&gw).await;
         let ids = |v: &Value| -> Vec<String> {
             v["revisions"]
@@ -255,7 +259,7 @@ async fn a_step_the_cluster_cannot_store_is_not_taken() {
         std::fs::write(ck.join("model.bin"), v).expect("write");
     }
     let cluster = Arc::new(Mutex::new(Cluster::default()));
-    let gw = leader(&cluster, config(port, dir.path(), "only")).await;
+    let gw = leader(&cluster, config(port, dir.path(), "only"), "only").await;
     eventually("a is ready", || ready(&gw, "a").then_some(())).await;
     let pods = cluster.lock().pods.len();
     cluster.lock().down = true;
@@ -283,39 +287,67 @@ async fn a_step_the_cluster_cannot_store_is_not_taken() {
 }
 
 /// A deposed leader that still reaches the API server cannot write over
-/// its successor: each write applies over the version it last saw.
+/// its successor, whichever writes first after the handover: the new one
+/// claims the state as soon as it has read it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deposed_leader_cannot_write_over_the_next_one() {
     use warmgate_deploy::revision::History;
     use warmgate_deploy::store::StateStore as _;
     let cluster = Arc::new(Mutex::new(Cluster::default()));
     let (client, _server) = kube_mock::client(&cluster);
-    let api = || kube::Api::namespaced(client.clone(), NS);
-    let old = KubeState::load(api(), SECRET).await.expect("load");
-    old.save("a", &History::default(), "the old leader's first step")
+    let load = |who: &'static str| {
+        let client = client.clone();
+        async move {
+            KubeState::load(move || Ok(client), NS, SECRET, who)
+                .await
+                .expect("load and claim")
+        }
+    };
+    let notes = |s: &KubeState| -> Vec<String> {
+        s.notes("a", 10)
+            .expect("notes")
+            .into_iter()
+            .map(|n| n.what)
+            .collect()
+    };
+    let old = load("old").await;
+    old.save("a", &History::default(), "old 1")
         .expect("the first write");
-    // The next leader reads what the old one wrote, and writes.
-    let new = KubeState::load(api(), SECRET).await.expect("load");
-    assert_eq!(
-        new.notes("a", 10).expect("notes")[0].what,
-        "the old leader's first step"
-    );
-    new.save("a", &History::default(), "the new leader's step")
-        .expect("the new leader writes");
-    // The old one, still running, tries again: refused, nothing lost.
+    // The next leader reads and claims; the old one, still running,
+    // writes before the new one's first step: refused.
+    let new = load("new").await;
+    assert_eq!(notes(&new), ["old 1"]);
     let err = old
-        .save("a", &History::default(), "a stale step")
+        .save("a", &History::default(), "old 2, stale")
         .expect_err("a stale write is refused");
-    assert!(err.to_string().contains("another leader"), "{err}");
-    let again = KubeState::load(api(), SECRET).await.expect("load");
-    let notes: Vec<String> = again
-        .notes("a", 10)
-        .expect("notes")
-        .into_iter()
-        .map(|n| n.what)
-        .collect();
+    assert!(err.to_string().contains("another writer"), "{err}");
+    new.save("a", &History::default(), "new 1")
+        .expect("the new leader writes");
+    assert!(old.save("a", &History::default(), "old 3, stale").is_err());
+    assert_eq!(notes(&load("reader").await), ["old 1", "new 1"]);
+    {
+        let c = cluster.lock();
+        assert_eq!(
+            c.secrets[SECRET]["metadata"]["annotations"]["warmgate.dev/leader"],
+            "reader"
+        );
+    }
+
+    // Someone labels the Secret by hand (its version moves, its data does
+    // not): the leader's next write goes through over the new version.
+    let leader = load("leader").await;
+    {
+        let mut c = cluster.lock();
+        let rv = c.bump();
+        let s = c.secrets.get_mut(SECRET).expect("secret");
+        s["metadata"]["labels"] = json!({"team": "ml"});
+        s["metadata"]["resourceVersion"] = json!(rv);
+    }
+    leader
+        .save("a", &History::default(), "after a label")
+        .expect("a metadata change does not lock the leader out");
     assert_eq!(
-        notes,
-        ["the old leader's first step", "the new leader's step"]
+        notes(&load("reader 2").await),
+        ["old 1", "new 1", "after a label"]
     );
 }

@@ -466,9 +466,17 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     // Revision histories and promotions as the last leader left them.
     let state_secret =
         std::env::var("WARMGATE_STATE_SECRET").unwrap_or_else(|_| format!("{instance}-state"));
-    let state = state::KubeState::load(Api::namespaced(client.clone(), &ns), &state_secret)
+    let kube_config = kube::Config::infer()
         .await
-        .context("read the apps' revision histories from the cluster")?;
+        .context("read the Kubernetes client config")?;
+    let state = state::KubeState::load(
+        move || kube::Client::try_from(kube_config).map_err(|e| e.to_string()),
+        &ns,
+        &state_secret,
+        &identity,
+    )
+    .await
+    .context("read and claim the apps' revision histories in the cluster")?;
     let resources = Resources {
         apps: apps.into_iter().map(|a| (a.name_any(), a)).collect(),
         pools: pools.into_iter().map(|p| (p.name_any(), p)).collect(),
@@ -585,6 +593,10 @@ async fn reconcile(
         pool_events.map(|e| e.map(|e| map_event(e, Kind::Pool))),
     );
     let recorder = events::Events::new(apps.clone().into_client(), std::env::var("POD_NAME").ok());
+    // Level-triggered from the start: an app that could not start with
+    // the gateway (its state unreadable, a step it could not store) is
+    // tried again here, and refused on its resource until it starts.
+    seen.refused = apply_resources(&gw, &base, &seen).await;
     let mut tick = tokio::time::interval(STATUS_INTERVAL);
     // A re-list (the first, or after the watch restarted): what it holds
     // replaces what was seen once it is done, since a resource deleted

@@ -203,13 +203,22 @@ pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
                     ));
                     continue;
                 }
-                let rv = c.bump();
+                // The applied manager's fields replace its own; an apply
+                // that changes nothing leaves the version as it was.
+                let same = c.secrets.get(&name).is_some_and(|s| {
+                    s["data"] == patch["data"]
+                        && s["metadata"]["annotations"] == patch["metadata"]["annotations"]
+                });
+                let rv = if same { String::new() } else { c.bump() };
                 let secret = c.secrets.entry(name.clone()).or_insert_with(|| {
                     json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                         "metadata": {"name": name, "namespace": NS}})
                 });
-                secret["data"] = patch["data"].clone();
-                secret["metadata"]["resourceVersion"] = json!(rv);
+                if !same {
+                    secret["data"] = patch["data"].clone();
+                    secret["metadata"]["annotations"] = patch["metadata"]["annotations"].clone();
+                    secret["metadata"]["resourceVersion"] = json!(rv);
+                }
                 let secret = secret.clone();
                 send.send_response(json_response(StatusCode::OK, &secret));
             }
