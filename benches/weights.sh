@@ -88,7 +88,27 @@ GW=$(sed -n 's/^warmgate listening on //p' "$WORK/gw.out")
 # the file had arrived then; the rest of the download overlaps the load.
 GWF="$GW/v1/weights/ck/ck-00001/model.safetensors"
 PLAIN=$(curl -s -o /dev/null -w '%{time_total}' -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GWF")
-KIT=$(STREAM_PROBE_DIGEST=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")
+KIT=$(STREAM_PROBE_DIGEST=0 STREAM_PROBE_LOCAL=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")
+# A worker on the gateway's machine: the manifest offers the cached file's
+# path, and the kit reads it there. Against reading that file directly
+# (into one buffer, as a loader would, from the page cache).
+KITL=$(STREAM_PROBE_DIGEST=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")
+CACHED=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GW/v1/weights/ck/ck-00001" |
+  python3 -c 'import json,sys; print(next(f.get("path","") for f in json.load(sys.stdin)["files"] if f["name"]=="model.safetensors"))')
+RAW=$(python3 - "$CACHED" <<'PY'
+import os, sys, time
+p = sys.argv[1]
+n = os.path.getsize(p)
+t = time.monotonic()
+buf = bytearray(n)
+view = memoryview(buf)
+got = 0
+with open(p, "rb", buffering=0) as f:
+    while got < n:
+        got += f.readinto(view[got:got + (64 << 20)])
+print(time.monotonic() - t)
+PY
+)
 RUST=$(WARMGATE_WEIGHTS_TOKEN="$WARMGATE_ADMIN_TOKEN" "$BIN/weights-bench" stream --url "$GWF")
 {
   echo
@@ -96,16 +116,34 @@ RUST=$(WARMGATE_WEIGHTS_TOKEN="$WARMGATE_ADMIN_TOKEN" "$BIN/weights-bench" strea
   echo
   echo "| reader | total (s) | vs plain download | first tensor (s) | bytes in at first tensor | peak RSS / size |"
   echo "|---|---:|---:|---:|---:|---:|"
-  python3 - "$PLAIN" "$KIT" "$RUST" <<'PY'
+  python3 - "$PLAIN" "$KIT" "$RUST" "$KITL" <<'PY'
 import json, sys
 plain = float(sys.argv[1])
 print(f"| plain download (curl, discarded) | {plain:.2f} | 1.00 | — | — | — |")
-for name, raw in (("Python kit (`stream_checkpoint`)", sys.argv[2]), ("embedder loader (`Fetcher::stream_safetensors`)", sys.argv[3])):
+for name, raw in (("Python kit over HTTP (`stream_checkpoint`)", sys.argv[2]), ("embedder loader (`Fetcher::stream_safetensors`)", sys.argv[3]), ("Python kit, local path (worker on the gateway's machine)", sys.argv[4])):
     s = json.loads(raw)
     rss = s.get("peak_rss_bytes")
     rss = f"{rss / s['bytes']:.2f}" if rss else "—"
     print(f"| {name} | {s['seconds']:.2f} | {s['seconds'] / plain:.2f} | {s['first_tensor_s']:.3f} | "
           f"{100 * s['first_tensor_bytes'] / s['bytes']:.1f}% | {rss} |")
+PY
+} | tee -a "$OUT/weights.md"
+{
+  echo
+  echo "## A warm-cache load against reading the file directly (${SIZE_MIB} MiB)"
+  echo
+  echo "| load | seconds | speed vs reading the file directly |"
+  echo "|---|---:|---:|"
+  python3 - "$RAW" "$KIT" "$KITL" "$OUT/weights-local.json" "$SIZE_MIB" <<'PY'
+import json, sys
+raw = float(sys.argv[1])
+http, local = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+print(f"| the cached file read directly (Python `readinto`, one buffer) | {raw:.2f} | 1.00 |")
+print(f"| Python kit, local path (`local_files` = {local['local_files']}) | {local['seconds']:.2f} | {raw / local['seconds']:.2f} |")
+print(f"| Python kit over HTTP from the cache | {http['seconds']:.2f} | {raw / http['seconds']:.2f} |")
+json.dump({"size_mib": int(sys.argv[5]), "direct_s": raw, "kit_local_s": local["seconds"],
+           "kit_http_s": http["seconds"], "local_vs_direct": raw / local["seconds"],
+           "http_vs_direct": raw / http["seconds"]}, open(sys.argv[4], "w"))
 PY
 } | tee -a "$OUT/weights.md"
 

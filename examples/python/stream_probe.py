@@ -5,7 +5,9 @@ and a digest of every tensor's bytes in file order.
     python3 stream_probe.py URL [TOKEN]
 
 Set ``STREAM_PROBE_DIGEST=0`` to skip the digest (for timing the kit
-alone: hashing a gigabyte in Python takes seconds of its own).
+alone: hashing a gigabyte in Python takes seconds of its own), and
+``STREAM_PROBE_LOCAL=0`` to download every file even where the manifest
+offers a local path.
 """
 
 import hashlib
@@ -29,7 +31,8 @@ def main():
             digest.update(t.raw)
         held.append(t)  # kept, as a model keeps its weights
 
-    stats = stream_checkpoint(url, token, on_tensor)
+    local = os.environ.get("STREAM_PROBE_LOCAL", "1") != "0"
+    stats = stream_checkpoint(url, token, on_tensor, local=local)
     stats["sha256"] = digest.hexdigest() if digest is not None else None
     stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stats["held"] = sum(len(t.raw) for t in held)

@@ -31,6 +31,7 @@ import http.client
 import json
 import os
 import signal
+import stat
 import struct
 import sys
 import threading
@@ -149,14 +150,22 @@ def _sha256sums(text):
     return sums
 
 
-def stream_checkpoint(url, token=None, on_tensor=None, timeout=60.0):
+def stream_checkpoint(url, token=None, on_tensor=None, timeout=60.0, local=True):
     """Streams every ``.safetensors`` file of the checkpoint at ``url``.
 
     Calls ``on_tensor(Tensor)`` for each tensor as soon as it is whole, in
     file order, and returns ``{"tensors", "bytes", "first_tensor_s",
-    "first_tensor_bytes", "seconds", "files"}`` (``first_tensor_bytes``:
-    bytes downloaded when the first tensor was handed on). Raises ``WeightsError`` on anything short,
-    malformed or not matching ``SHA256SUMS``.
+    "first_tensor_bytes", "seconds", "files", "local_files"}``
+    (``first_tensor_bytes``: bytes downloaded when the first tensor was
+    handed on; ``local_files``: files read straight from the gateway's
+    machine). Raises ``WeightsError`` on anything short, malformed or not
+    matching ``SHA256SUMS``.
+
+    A file the manifest offers a ``path`` for (the gateway's cached copy,
+    when the worker runs on the gateway's machine) is read from that path
+    at page-cache speed, checked the same way; one that cannot be opened,
+    or is not the size the manifest says, is downloaded instead
+    (``local=False``: every file is downloaded).
     """
     token = token if token is not None else os.environ.get("WARMGATE_WEIGHTS_TOKEN")
     t0 = time.monotonic()
@@ -176,16 +185,46 @@ def stream_checkpoint(url, token=None, on_tensor=None, timeout=60.0):
             sums = _sha256sums(resp.read(1024 * 1024).decode("utf-8", "replace"))
         finally:
             conn.close()
-    stats = {"tensors": 0, "bytes": 0, "first_tensor_s": None, "files": []}
+    stats = {"tensors": 0, "bytes": 0, "first_tensor_s": None, "files": [], "local_files": 0}
     for f in files:
         name, size = f.get("name", ""), int(f.get("size", 0))
         if not name.endswith(".safetensors"):
             continue
-        _stream_file(f"{url}/{urllib.parse.quote(name)}", name, size, token, timeout,
-                     sums.get(name), on_tensor, stats, t0)
+        here = _open_local(f.get("path"), size) if local else None
+        if here is not None:
+            try:
+                _read_file(here, name, size, sums.get(name), on_tensor, stats, t0)
+            except OSError as e:
+                raise WeightsError(f"{name}: reading {f.get('path')} failed: {e}") from None
+            finally:
+                here.close()
+            stats["local_files"] += 1
+        else:
+            _stream_file(f"{url}/{urllib.parse.quote(name)}", name, size, token, timeout,
+                         sums.get(name), on_tensor, stats, t0)
         stats["files"].append(name)
     stats["seconds"] = time.monotonic() - t0
     return stats
+
+
+def _open_local(path, size):
+    """The file at ``path`` opened for reading, when it is a regular file
+    of ``size`` bytes; otherwise None (download it instead)."""
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        f = open(path, "rb", buffering=0)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            f.close()
+            return None
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 def _stream_file(url, name, size, token, timeout, expected, on_tensor, stats, t0):
@@ -194,40 +233,46 @@ def _stream_file(url, name, size, token, timeout, expected, on_tensor, stats, t0
         length = resp.getheader("content-length")
         if length is not None and int(length) != size:
             raise WeightsError(f"{name}: the manifest says {size} bytes, the answer {length}")
-        digest = hashlib.sha256() if expected else None
-        head = bytearray(8)
-        _read_exact(resp, memoryview(head), f"{name} header length", digest)
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > MAX_HEADER or 8 + hlen > size:
-            raise WeightsError(f"{name}: a header of {hlen} bytes does not fit a file of {size}")
-        hbuf = bytearray(hlen)
-        _read_exact(resp, memoryview(hbuf), f"{name} header", digest)
-        try:
-            header = json.loads(hbuf)
-        except ValueError as e:
-            raise WeightsError(f"{name}: the header is not JSON: {e}") from None
-        if not isinstance(header, dict):
-            raise WeightsError(f"{name}: the header is not a JSON object")
-        for start, end, tname, dtype, shape in _check_header(header, size - 8 - hlen, name):
-            data, view = _buffer(dtype, shape, end - start)
-            _read_exact(resp, view, f"{name}: tensor {tname!r}", digest)
-            stats["tensors"] += 1
-            stats["bytes"] += end - start
-            if stats["first_tensor_s"] is None:
-                # How far the download was when the first tensor was whole:
-                # the rest streams while the caller loads this one.
-                stats["first_tensor_s"] = time.monotonic() - t0
-                stats["first_tensor_bytes"] = 8 + hlen + end
-            if on_tensor is not None:
-                on_tensor(Tensor(tname, dtype, shape, data, view, name))
-        if resp.read(1):
-            raise WeightsError(f"{name}: bytes follow the last tensor")
-        if expected and digest.hexdigest() != expected:
-            raise WeightsError(f"{name}: sha256 {digest.hexdigest()} does not match SHA256SUMS ({expected})")
+        _read_file(resp, name, size, expected, on_tensor, stats, t0)
     except (OSError, http.client.HTTPException) as e:
         raise WeightsError(f"{name}: the download failed: {e}") from None
     finally:
         conn.close()
+
+
+def _read_file(resp, name, size, expected, on_tensor, stats, t0):
+    """Reads one safetensors file of ``size`` bytes from ``resp`` (an HTTP
+    answer or a file), tensor by tensor."""
+    digest = hashlib.sha256() if expected else None
+    head = bytearray(8)
+    _read_exact(resp, memoryview(head), f"{name} header length", digest)
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > MAX_HEADER or 8 + hlen > size:
+        raise WeightsError(f"{name}: a header of {hlen} bytes does not fit a file of {size}")
+    hbuf = bytearray(hlen)
+    _read_exact(resp, memoryview(hbuf), f"{name} header", digest)
+    try:
+        header = json.loads(hbuf)
+    except ValueError as e:
+        raise WeightsError(f"{name}: the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{name}: the header is not a JSON object")
+    for start, end, tname, dtype, shape in _check_header(header, size - 8 - hlen, name):
+        data, view = _buffer(dtype, shape, end - start)
+        _read_exact(resp, view, f"{name}: tensor {tname!r}", digest)
+        stats["tensors"] += 1
+        stats["bytes"] += end - start
+        if stats["first_tensor_s"] is None:
+            # How far the download was when the first tensor was whole:
+            # the rest streams while the caller loads this one.
+            stats["first_tensor_s"] = time.monotonic() - t0
+            stats["first_tensor_bytes"] = 8 + hlen + end
+        if on_tensor is not None:
+            on_tensor(Tensor(tname, dtype, shape, data, view, name))
+    if resp.read(1):
+        raise WeightsError(f"{name}: bytes follow the last tensor")
+    if expected and digest.hexdigest() != expected:
+        raise WeightsError(f"{name}: sha256 {digest.hexdigest()} does not match SHA256SUMS ({expected})")
 
 
 class Worker:

@@ -291,6 +291,16 @@ impl Weights {
         Ok(listing)
     }
 
+    /// Where a worker on this machine can read `item` itself: the cache's
+    /// verified copy when it holds one, else the checkpoint's own file
+    /// when it is on this machine (`file://`). `None`: only over HTTP.
+    pub fn local_path(&self, item: &PullItem) -> Option<std::path::PathBuf> {
+        let key = Cache::key(item.source.uri(), &item.meta);
+        self.cache
+            .lookup(&key, item.meta.size)
+            .or_else(|| item.source.local_path())
+    }
+
     /// One file of a revision's checkpoint, as a streamed body, and its size.
     pub async fn file(
         self: &Arc<Self>,
@@ -575,6 +585,33 @@ mod tests {
         w.register("m", "r2", b);
         assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), b"aaaaaaaa");
         assert_eq!(read(&w, "m", "r2", "model.bin").await.unwrap(), b"bbbbbbbb");
+    }
+
+    #[tokio::test]
+    async fn a_file_is_offered_locally_once_the_cache_holds_it_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = weights(dir.path());
+        let data = vec![3u8; 3 * CHUNK / 2];
+        let src = checkpoint(&[("model.bin", &data)], "memory://one/ck").await;
+        w.register("m", "r1", src);
+        let item = || async { w.files("m", "r1").await.expect("listed").items[0].clone() };
+        // Not on this machine (an object store), not cached: HTTP only.
+        assert_eq!(w.local_path(&item().await), None);
+        assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), data);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let path = loop {
+            if let Some(p) = w.local_path(&item().await) {
+                break p;
+            }
+            assert!(std::time::Instant::now() < deadline, "never offered");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        assert!(
+            path.starts_with(dir.path().join("cache")),
+            "{}",
+            path.display()
+        );
+        assert_eq!(std::fs::read(&path).expect("read"), data);
     }
 
     #[tokio::test]

@@ -120,10 +120,13 @@ async fn a_one_gib_checkpoint_streams_tensor_by_tensor_with_one_copy_in_memory()
         &[("WARMGATE_ADMIN_TOKEN", TOKEN)],
     );
     let url = gw.at("/v1/weights/big/big-00001");
+    // Over HTTP (a worker on another machine), not from the local path
+    // the manifest offers.
     let out = tokio::task::spawn_blocking(move || {
         Command::new("python3")
             .arg(kit("stream_probe.py"))
             .args([url.as_str(), TOKEN])
+            .env("STREAM_PROBE_LOCAL", "0")
             .stdin(Stdio::null())
             .output()
             .expect("run python3")
@@ -151,6 +154,101 @@ async fn a_one_gib_checkpoint_streams_tensor_by_tensor_with_one_copy_in_memory()
     // arrived: loading overlaps the rest of the download.
     let first = stats["first_tensor_bytes"].as_u64().expect("first");
     assert!(first < size / 20, "first tensor at byte {first} of {size}");
+    assert_eq!(stats["local_files"], 0, "{stats}");
+}
+
+/// The probe's stats for `url`, reading local paths where offered.
+async fn probe(url: String) -> Value {
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(kit("stream_probe.py"))
+            .args([url.as_str(), TOKEN])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run python3")
+    })
+    .await
+    .expect("join");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+/// On the local backend the manifest offers each file's path on this
+/// machine (the checkpoint's own `file://` file, then the cache's verified
+/// copy once there is one), and the kit reads it there, checked as a
+/// download is; a path that does not match the manifest is not trusted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_on_the_gateway_s_machine_reads_the_weights_where_they_lie() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path().join("ck");
+    let (size, data_sha) = checkpoint(&dir, 8, 1 << 20, Sums::Right);
+    let gw = Gateway::start_with(
+        &config(&[("ck", &dir)]),
+        &[],
+        &[("WARMGATE_ADMIN_TOKEN", TOKEN)],
+    );
+    let http = reqwest::Client::new();
+    let manifest: Value = http
+        .get(gw.at("/v1/weights/ck/ck-00001"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("manifest")
+        .json()
+        .await
+        .expect("json");
+    let file = manifest["files"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["name"] == "model.safetensors"))
+        .expect("listed")
+        .clone();
+    assert_eq!(file["size"].as_u64(), Some(size));
+    let path = file["path"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no local path: {manifest}"))
+        .to_string();
+    assert_eq!(
+        std::fs::metadata(&path).expect("the path exists").len(),
+        size
+    );
+
+    let stats = probe(gw.at("/v1/weights/ck/ck-00001")).await;
+    assert_eq!(stats["local_files"], 1, "{stats}");
+    assert_eq!(stats["tensors"], 8, "{stats}");
+    assert_eq!(stats["sha256"].as_str(), Some(data_sha.as_str()), "{stats}");
+
+    // A local file that is not what the manifest says (grown under the
+    // gateway after it listed it) is not read there: the kit downloads
+    // instead, and that download is what any check then judges.
+    let f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join("model.safetensors"))
+        .expect("open");
+    f.set_len(size + 8).expect("grow");
+    let url = gw.at("/v1/weights/ck/ck-00001");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(kit("stream_probe.py"))
+            .args([url.as_str(), TOKEN])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run python3")
+    })
+    .await
+    .expect("join");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !err.contains("reading "),
+        "the grown local file was read: {err}"
+    );
+    if out.status.success() {
+        let stats: Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(stats["local_files"], 0, "{stats}");
+    }
 }
 
 /// `POST url` with a JSON body: the status and the JSON answer.

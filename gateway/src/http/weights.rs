@@ -44,10 +44,19 @@ pub(crate) async fn weights_manifest(
         let target = gw.target_name(&target);
         weights_auth(&gw, &headers, &target, &revision)?;
         let files = gw.weights.files(&target, &revision).await?;
+        // Workers on this machine may read a file where it lies, at the
+        // page cache's speed; on Kubernetes they are on other nodes.
+        let local = gw.config().backend.kind == warmgate_deploy::BackendKind::Local;
         let list: Vec<_> = files
             .items
             .iter()
-            .map(|f| json!({"name": f.relative.to_string_lossy(), "size": f.meta.size}))
+            .map(|f| {
+                let mut entry = json!({"name": f.relative.to_string_lossy(), "size": f.meta.size});
+                if let Some(path) = local.then(|| gw.weights.local_path(f)).flatten() {
+                    entry["path"] = json!(path.to_string_lossy());
+                }
+                entry
+            })
             .collect();
         Ok::<_, ApiError>(axum::Json(json!({
             "target": target,
