@@ -23,7 +23,10 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
         .with_context(|| format!("listen on {}", config.listen))?;
     let backend = backend_for(&config).await?;
     serve_with(config, backend, None, listener, move |gw| {
-        reload_on_hangup(gw, path)
+        // Listened for before the gateway says it is listening: a SIGHUP
+        // that comes right after must reload, not kill (its default).
+        let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
+        reload_on_hangup(gw, path, hup)
     })
     .await
 }
@@ -32,9 +35,12 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
 /// pools as `warmgate apply` does, logging each change. A file that does
 /// not load changes nothing. Settings other than apps and pools need a
 /// restart; a change to them is logged. Runs until the gateway stops.
-async fn reload_on_hangup(gw: Arc<Gateway>, path: PathBuf) -> String {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = match signal(SignalKind::hangup()) {
+async fn reload_on_hangup(
+    gw: Arc<Gateway>,
+    path: PathBuf,
+    hup: std::io::Result<tokio::signal::unix::Signal>,
+) -> String {
+    let mut hup = match hup {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(error = %e, "cannot listen for SIGHUP; reload with `warmgate apply`");
@@ -156,6 +162,9 @@ where
         let _ = stop_rx.wait_for(|s| *s).await;
     });
     let mut server = tokio::spawn(server);
+    // Before the gateway says it listens: a SIGTERM right after must
+    // drain it, not kill it (its default).
+    let stop = shutdown_signal();
     tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
     println!("warmgate listening on http://{addr}");
     let _ = std::io::stdout().flush();
@@ -166,7 +175,7 @@ where
             gw.shutdown().await;
             return r.context("the server task failed");
         }
-        _ = shutdown_signal() => {}
+        _ = stop => {}
         reason = &mut side => {
             tracing::warn!(reason = %reason.unwrap_or_else(|e| e.to_string()), "stopping the gateway");
         }
@@ -217,18 +226,23 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     }
 }
 
-/// Returns on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
+/// A future that returns on SIGTERM or Ctrl-C. SIGTERM is listened for
+/// from the call on, not from the first poll, so one that comes before the
+/// future is awaited is not lost (nor fatal).
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot listen for SIGTERM");
-            return std::future::pending().await;
+    let term = signal(SignalKind::terminate());
+    async move {
+        let mut term = match term {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                return std::future::pending().await;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
         }
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
     }
 }
