@@ -52,6 +52,17 @@ max = 1
     Config::load(&path).expect("a valid config")
 }
 
+/// A folder with two checkpoints, `ck/v1` and `ck/v2`.
+fn checkpoints() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("dir");
+    for v in ["v1", "v2"] {
+        let ck = dir.path().join("ck").join(v);
+        std::fs::create_dir_all(&ck).expect("mkdir");
+        std::fs::write(ck.join("model.bin"), v).expect("write");
+    }
+    dir
+}
+
 /// A leader: the gateway on the kubernetes backend with its state in the
 /// cluster's Secret, and its own (fresh) state folder.
 async fn leader(
@@ -131,12 +142,7 @@ fn a_new_leader_reads_the_history_and_the_canary_back_from_the_cluster_and_finis
         .expect("runtime");
     driver.block_on(async {
         let port = healthz_server().await;
-        let dir = tempfile::tempdir().expect("dir");
-        for v in ["v1", "v2"] {
-            let ck = dir.path().join("ck").join(v);
-            std::fs::create_dir_all(&ck).expect("mkdir");
-            std::fs::write(ck.join("model.bin"), v).expect("write");
-        }
+        let dir = checkpoints();
         let cluster = Arc::new(Mutex::new(Cluster::default()));
 
         // The first leader runs on a runtime of its own, so that it can
@@ -252,12 +258,7 @@ fn a_new_leader_reads_the_history_and_the_canary_back_from_the_cluster_and_finis
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_the_cluster_cannot_store_is_not_taken() {
     let port = healthz_server().await;
-    let dir = tempfile::tempdir().expect("dir");
-    for v in ["v1", "v2"] {
-        let ck = dir.path().join("ck").join(v);
-        std::fs::create_dir_all(&ck).expect("mkdir");
-        std::fs::write(ck.join("model.bin"), v).expect("write");
-    }
+    let dir = checkpoints();
     let cluster = Arc::new(Mutex::new(Cluster::default()));
     let gw = leader(&cluster, config(port, dir.path(), "only"), "only").await;
     eventually("a is ready", || ready(&gw, "a").then_some(())).await;

@@ -157,9 +157,9 @@ async fn a_one_gib_checkpoint_streams_tensor_by_tensor_with_one_copy_in_memory()
     assert_eq!(stats["local_files"], 0, "{stats}");
 }
 
-/// The probe's stats for `url`, reading local paths where offered.
-async fn probe(url: String) -> Value {
-    let out = tokio::task::spawn_blocking(move || {
+/// The probe run on `url`, reading local paths where offered.
+async fn run_probe(url: String) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
         Command::new("python3")
             .arg(kit("stream_probe.py"))
             .args([url.as_str(), TOKEN])
@@ -168,7 +168,12 @@ async fn probe(url: String) -> Value {
             .expect("run python3")
     })
     .await
-    .expect("join");
+    .expect("join")
+}
+
+/// The probe's stats for `url`, reading local paths where offered.
+async fn probe(url: String) -> Value {
+    let out = run_probe(url).await;
     assert!(
         out.status.success(),
         "{}",
@@ -229,17 +234,7 @@ async fn a_worker_on_the_gateway_s_machine_reads_the_weights_where_they_lie() {
         .open(dir.join("model.safetensors"))
         .expect("open");
     f.set_len(size + 8).expect("grow");
-    let url = gw.at("/v1/weights/ck/ck-00001");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .arg(kit("stream_probe.py"))
-            .args([url.as_str(), TOKEN])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run python3")
-    })
-    .await
-    .expect("join");
+    let out = run_probe(gw.at("/v1/weights/ck/ck-00001")).await;
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !err.contains("reading "),
