@@ -88,14 +88,14 @@ GW=$(sed -n 's/^warmgate listening on //p' "$WORK/gw.out")
 # the file had arrived then; the rest of the download overlaps the load.
 GWF="$GW/v1/weights/ck/ck-00001/model.safetensors"
 PLAIN=$(curl -s -o /dev/null -w '%{time_total}' -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GWF")
-KIT=$(STREAM_PROBE_DIGEST=0 STREAM_PROBE_LOCAL=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")
 # A worker on the gateway's machine: the manifest offers the cached file's
 # path, and the kit reads it there. Against reading that file directly
-# (into one buffer, as a loader would, from the page cache).
-KITL=$(STREAM_PROBE_DIGEST=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")
+# (into one buffer, as a loader would, from the page cache) and the kit
+# over HTTP; three interleaved rounds, the median of each.
 CACHED=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GW/v1/weights/ck/ck-00001" |
   python3 -c 'import json,sys; print(next(f.get("path","") for f in json.load(sys.stdin)["files"] if f["name"]=="model.safetensors"))')
-RAW=$(python3 - "$CACHED" <<'PY'
+direct_read() {
+  python3 - "$CACHED" <<'PY'
 import os, sys, time
 p = sys.argv[1]
 n = os.path.getsize(p)
@@ -108,7 +108,18 @@ with open(p, "rb", buffering=0) as f:
         got += f.readinto(view[got:got + (64 << 20)])
 print(time.monotonic() - t)
 PY
-)
+}
+RAWS=(); KITS=(); KITLS=()
+for _ in 1 2 3; do
+  RAWS+=("$(direct_read)")
+  KITLS+=("$(STREAM_PROBE_DIGEST=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")")
+  KITS+=("$(STREAM_PROBE_DIGEST=0 STREAM_PROBE_LOCAL=0 python3 examples/python/stream_probe.py "$GW/v1/weights/ck/ck-00001" "$WARMGATE_ADMIN_TOKEN")")
+done
+# The median round of each, by seconds.
+median_json() { python3 -c 'import json,sys; r=sorted((json.loads(a) for a in sys.argv[1:]), key=lambda s: s["seconds"]); print(json.dumps(r[len(r)//2]))' "$@"; }
+RAW=$(printf '%s\n' "${RAWS[@]}" | sort -n | sed -n 2p)
+KIT=$(median_json "${KITS[@]}")
+KITL=$(median_json "${KITLS[@]}")
 RUST=$(WARMGATE_WEIGHTS_TOKEN="$WARMGATE_ADMIN_TOKEN" "$BIN/weights-bench" stream --url "$GWF")
 {
   echo
@@ -130,7 +141,7 @@ PY
 } | tee -a "$OUT/weights.md"
 {
   echo
-  echo "## A warm-cache load against reading the file directly (${SIZE_MIB} MiB)"
+  echo "## A warm-cache load against reading the file directly (${SIZE_MIB} MiB, median of 3 interleaved rounds)"
   echo
   echo "| load | seconds | speed vs reading the file directly |"
   echo "|---|---:|---:|"
