@@ -33,9 +33,6 @@ pub enum StoreError {
     /// The cluster's API server did not take or give the state.
     #[error("state in the cluster: {0}")]
     Cluster(String),
-    /// The store does not keep this kind of state.
-    #[error("{0}")]
-    Unsupported(&'static str),
     /// A stored row is not what this version writes.
     #[error("state database: a stored {what} is unreadable: {source}")]
     Corrupt {
@@ -84,6 +81,13 @@ pub trait StateStore: Send + Sync {
     fn overlay(&self) -> Result<Overlay, StoreError>;
     /// Forgets every change the API made.
     fn clear_overlay(&self) -> Result<(), StoreError>;
+    /// Drops the state of an app that was deleted and whose replicas have
+    /// stopped, where the store is bounded (the operator's, shared by all
+    /// apps). By default it is kept: on one machine an app put again under
+    /// the same name continues its revision numbering.
+    fn forget(&self, _app: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// The SQLite database, one call at a time.

@@ -372,6 +372,13 @@ impl Gateway {
             self.revisions.write().remove(id);
         }
         self.retiring_apps.lock().remove(&app.name);
+        // Its history too, where the store is shared and bounded; not if
+        // an app of that name was put again meanwhile.
+        if self.registry.load().app(&app.name).is_none()
+            && let Err(e) = self.store.forget(&app.name)
+        {
+            tracing::warn!(app = %app.name, error = %e, "could not drop the deleted app's state");
+        }
         tracing::info!(app = %app.name, "deleted app's replicas stopped");
     }
 

@@ -352,3 +352,48 @@ async fn a_deposed_leader_cannot_write_over_the_next_one() {
         ["old 1", "new 1", "after a label"]
     );
 }
+
+/// Apps come and go as their resources do: one added is stored beside
+/// the others, and a deleted one's state leaves the shared Secret once its
+/// replicas have stopped (the Secret is bounded, and app names come and
+/// go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apps_added_and_deleted_come_and_go_from_the_secret() {
+    let port = healthz_server().await;
+    let dir = checkpoints();
+    let cluster = Arc::new(Mutex::new(Cluster::default()));
+    let cfg = config(port, dir.path(), "only");
+    let gw = leader(&cluster, cfg.clone(), "only").await;
+    eventually("a is ready", || ready(&gw, "a").then_some(())).await;
+    assert!(stored(&cluster).is_some(), "a's state is in the Secret");
+    // b is added, as a new ServingApp is.
+    let mut with_b = cfg.clone();
+    let mut b = with_b.apps[0].clone();
+    b.name = "b".into();
+    with_b.apps.push(b);
+    let changed = gw.apply_file(with_b).await;
+    assert!(changed.iter().all(|c| c.outcome.is_ok()), "{changed:?}");
+    eventually("b is ready", || ready(&gw, "b").then_some(())).await;
+    assert!(
+        cluster.lock().secrets[SECRET]["data"]
+            .get("b.json")
+            .is_some(),
+        "b's state is in the Secret"
+    );
+    // Both are deleted.
+    let mut without = cfg;
+    without.apps.clear();
+    let changed = gw.apply_file(without).await;
+    assert!(changed.iter().all(|c| c.outcome.is_ok()), "{changed:?}");
+    eventually("a's and b's keys leave the Secret", || {
+        let c = cluster.lock();
+        let data = &c.secrets.get(SECRET)?["data"];
+        (data.get("a.json").is_none() && data.get("b.json").is_none()).then_some(())
+    })
+    .await;
+    assert!(
+        unexpected(&cluster).is_empty(),
+        "{:?}",
+        unexpected(&cluster)
+    );
+}

@@ -448,6 +448,8 @@ impl StateStore for KubeState {
         }))
     }
 
+    /// Nothing to record: under the operator the resources are the whole
+    /// truth, and the API's own changes are refused before they get here.
     fn record_spec(
         &self,
         _kind: SpecKind,
@@ -455,9 +457,7 @@ impl StateStore for KubeState {
         _body: Option<&str>,
         _note: &str,
     ) -> Result<(), StoreError> {
-        Err(StoreError::Unsupported(
-            "under the operator, apps and pools change through their ServingApp and WarmPool resources",
-        ))
+        Ok(())
     }
 
     fn forget_spec(&self, _kind: SpecKind, _name: &str) -> Result<(), StoreError> {
@@ -470,6 +470,22 @@ impl StateStore for KubeState {
     }
 
     fn clear_overlay(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Its key goes: the Secret is shared by every app and bounded, and on
+    /// Kubernetes a deleted resource takes its revisions with it (an app
+    /// made again numbers them from 1).
+    fn forget(&self, app: &str) -> Result<(), StoreError> {
+        let _one = self.writing.lock();
+        let mut data = self.held.read().data.clone();
+        if data.remove(&key(app)).is_none() {
+            return Ok(());
+        }
+        self.write(&data)?;
+        let mut h = self.held.write();
+        h.apps.remove(app);
+        h.unreadable.remove(app);
         Ok(())
     }
 }
