@@ -484,13 +484,6 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     };
     let backend = Arc::new(backend);
     let sweeper = backend.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(ADOPTION_GRACE).await;
-        let gone = sweeper.delete_unadopted();
-        if !gone.is_empty() {
-            tracing::info!(pods = ?gone, "deleted the pods an earlier leader left that nothing took over");
-        }
-    });
     let settings = base_settings(&config);
     crate::runtime::serve_with(
         config,
@@ -500,6 +493,16 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         move |gw| {
             // Before the listener opens.
             gw.refuse_api_changes();
+            // Every app and pool has been restored (from the state in the
+            // cluster, however slow it was to read): the grace for taking
+            // over the earlier leader's pods counts from now.
+            tokio::spawn(async move {
+                tokio::time::sleep(ADOPTION_GRACE).await;
+                let gone = sweeper.delete_unadopted();
+                if !gone.is_empty() {
+                    tracing::info!(pods = ?gone, "deleted the pods an earlier leader left that nothing took over");
+                }
+            });
             async move {
                 let reason = tokio::select! {
                     r = leading.wait_for(|l| !*l) => match r {
