@@ -371,13 +371,17 @@ impl Gateway {
             self.pool.remove_target(id).await;
             self.revisions.write().remove(id);
         }
-        self.retiring_apps.lock().remove(&app.name);
         // Its history too, where the store is shared and bounded; not if
-        // an app of that name was put again meanwhile.
-        if self.registry.load().app(&app.name).is_none()
-            && let Err(e) = self.store.forget(&app.name)
+        // an app of that name was put again meanwhile. One registry change
+        // at a time: a put of that name waits for this, or this sees it.
         {
-            tracing::warn!(app = %app.name, error = %e, "could not drop the deleted app's state");
+            let _one = self.changes.lock().await;
+            if self.registry.load().app(&app.name).is_none()
+                && let Err(e) = self.store.forget(&app.name)
+            {
+                tracing::warn!(app = %app.name, error = %e, "could not drop the deleted app's state; it stays in the store");
+            }
+            self.retiring_apps.lock().remove(&app.name);
         }
         tracing::info!(app = %app.name, "deleted app's replicas stopped");
     }

@@ -366,6 +366,11 @@ pub struct OperatorArgs {
 
 /// Runs the operator until SIGTERM.
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
+    // Listened for from the first moment to the last: a SIGTERM while
+    // this replica stands by, takes the lease or restores its apps stops
+    // it cleanly rather than being lost.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("listen for SIGTERM")?;
     let base = match &args.config {
         Some(p) => Config::load(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => Config::default(),
@@ -400,7 +405,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     while !*leading.borrow_and_update() {
         tokio::select! {
             r = leading.changed() => r.context("the lease manager stopped")?,
-            () = crate::runtime::shutdown_signal() => {
+            _ = term.recv() => {
                 standby.abort();
                 return Ok(());
             }
@@ -505,6 +510,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
             });
             async move {
                 let reason = tokio::select! {
+                    _ = term.recv() => "SIGTERM".to_string(),
                     r = leading.wait_for(|l| !*l) => match r {
                         Ok(_) => "lost the leader lease".to_string(),
                         Err(_) => "the lease manager stopped".to_string(),

@@ -78,6 +78,10 @@ enum Job {
     Apply(Box<Secret>),
 }
 
+/// A job, the time after which nobody waits for it, and where its answer
+/// goes.
+type Queued = (Job, std::time::Instant, mpsc::SyncSender<Reply>);
+
 type Reply = Result<Option<Secret>, kube::Error>;
 
 /// Revision histories and promotions in one Secret in the API server.
@@ -85,7 +89,7 @@ pub struct KubeState {
     name: String,
     /// This operator, as its claim names it.
     identity: String,
-    jobs: mpsc::Sender<(Job, mpsc::SyncSender<Reply>)>,
+    jobs: mpsc::Sender<Queued>,
     /// What was read and written; readers never wait on a write.
     held: parking_lot::RwLock<Held>,
     /// One write at a time, from read to answer.
@@ -133,22 +137,19 @@ impl Held {
 }
 
 /// Runs `job` on the API thread and waits for its answer, out of the
-/// runtime's way, for at most [`WRITE_TIMEOUT`].
+/// runtime's way, until `deadline`; a job not begun by then is dropped
+/// there, and one under way is cut off at it.
 fn call(
-    jobs: &mpsc::Sender<(Job, mpsc::SyncSender<Reply>)>,
+    jobs: &mpsc::Sender<Queued>,
     job: Job,
+    deadline: std::time::Instant,
 ) -> Result<Reply, StoreError> {
-    use tokio::runtime::{Handle, RuntimeFlavor};
     let (tx, rx) = mpsc::sync_channel(1);
-    jobs.send((job, tx))
+    jobs.send((job, deadline, tx))
         .map_err(|_| StoreError::Cluster("the state store's API thread stopped".into()))?;
-    let wait = || rx.recv_timeout(WRITE_TIMEOUT);
-    let got = match Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(wait)
-        }
-        _ => wait(),
-    };
+    let got = out_of_the_way(|| {
+        rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    });
     got.map_err(|e| match e {
         mpsc::RecvTimeoutError::Timeout => StoreError::Cluster(format!(
             "the API server did not answer within {}s",
@@ -160,17 +161,27 @@ fn call(
     })
 }
 
+/// Runs `f`, which blocks, out of the runtime's way when on one of its
+/// worker threads.
+fn out_of_the_way<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 /// The thread that makes every API call, on a runtime and a client of its
 /// own.
 fn spawn_api_thread<F>(
     client: F,
     namespace: String,
     name: String,
-) -> std::io::Result<mpsc::Sender<(Job, mpsc::SyncSender<Reply>)>>
+) -> std::io::Result<mpsc::Sender<Queued>>
 where
     F: FnOnce() -> Result<kube::Client, String> + Send + 'static,
 {
-    let (jobs, rx) = mpsc::channel::<(Job, mpsc::SyncSender<Reply>)>();
+    let (jobs, rx) = mpsc::channel::<Queued>();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -181,7 +192,12 @@ where
             let api: Result<Api<Secret>, String> =
                 rt.block_on(async { client().map(|c| Api::namespaced(c, &namespace)) });
             let params = PatchParams::apply("warmgate").force();
-            while let Ok((job, reply)) = rx.recv() {
+            while let Ok((job, deadline, reply)) = rx.recv() {
+                // Nobody waits for it any more: a write left in the queue
+                // must not land behind the writer's back.
+                let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
+                    continue;
+                };
                 let api = match &api {
                     Ok(api) => api,
                     Err(e) => {
@@ -191,15 +207,20 @@ where
                     }
                 };
                 let answer = rt.block_on(async {
-                    match job {
-                        Job::Get => api.get_opt(&name).await,
-                        Job::Apply(s) => api
-                            .patch(&name, &params, &Patch::Apply(&*s))
-                            .await
-                            .map(Some),
-                    }
+                    let run = async {
+                        match job {
+                            Job::Get => api.get_opt(&name).await,
+                            Job::Apply(s) => api
+                                .patch(&name, &params, &Patch::Apply(&*s))
+                                .await
+                                .map(Some),
+                        }
+                    };
+                    tokio::time::timeout(left, run).await
                 });
-                let _ = reply.send(answer);
+                if let Ok(answer) = answer {
+                    let _ = reply.send(answer);
+                }
             }
         })?;
     Ok(jobs)
@@ -223,7 +244,8 @@ impl KubeState {
             .map_err(|e| StoreError::Cluster(format!("start the state store's thread: {e}")))?;
         let store = KubeState {
             name: name.to_string(),
-            identity: identity.to_string(),
+            // One process, even in a pod of the same name restarted.
+            identity: format!("{identity}-{:08x}", fastrand::u32(..)),
             jobs,
             held: parking_lot::RwLock::new(Held::default()),
             writing: parking_lot::Mutex::new(()),
@@ -231,20 +253,18 @@ impl KubeState {
         let jobs = store.jobs.clone();
         let name = store.name.clone();
         let held = tokio::task::spawn_blocking(move || -> Result<Held, StoreError> {
-            let secret = call(&jobs, Job::Get)?
+            let deadline = std::time::Instant::now() + WRITE_TIMEOUT;
+            let secret = call(&jobs, Job::Get, deadline)?
                 .map_err(|e| StoreError::Cluster(format!("read Secret {name}: {e}")))?;
             Ok(Held::from_secret(&name, secret))
         })
         .await
         .map_err(|e| StoreError::Cluster(format!("read the state: {e}")))??;
         *store.held.write() = held;
-        // The claim: the same data under this leader's name, a change
-        // that moves the version past anything a deposed leader saw.
-        {
-            let _one = store.writing.lock();
-            let data = store.held.read().data.clone();
-            store.write(&data)?;
-        }
+        // The claim: the data as it is, under this process's name, a
+        // change that moves the version past anything a deposed leader
+        // saw. A deposed leader's write landing first is taken over.
+        store.write(true, |h| Ok(h.clone()))?;
         Ok(store)
     }
 
@@ -271,83 +291,76 @@ impl KubeState {
         }
     }
 
-    /// Applies `data` over the version held, with the checks of the
-    /// module's fencing; on success the held data and version are the
-    /// written ones. The caller holds `writing`.
-    fn write(&self, data: &Data) -> Result<(), StoreError> {
+    /// Writes what `next` makes of the state held (the next state, its
+    /// `data` the Secret's), over the version held, with the module's
+    /// fencing, and holds it once written. A refused write, or one whose
+    /// outcome is unknown, reads the Secret again and holds what it finds:
+    /// claimed by another leader, this one stops (unless `claim`: taking
+    /// over); holding what was written, it counts; otherwise `next` is
+    /// made again over what is there (a hand edit, a write whose answer was
+    /// lost) and applied again. All within [`WRITE_TIMEOUT`].
+    fn write(
+        &self,
+        claim: bool,
+        next: impl Fn(&Held) -> Result<Held, StoreError>,
+    ) -> Result<(), StoreError> {
+        let _one = out_of_the_way(|| self.writing.lock());
+        let deadline = std::time::Instant::now() + WRITE_TIMEOUT;
         let deposed = || {
             StoreError::Cluster(format!(
-                "Secret {} was changed by another writer (another leader?) since this operator read it; this one must not write over it",
+                "Secret {} was claimed by another leader since this operator read it; this one must not write over it",
                 self.name
             ))
         };
         for _ in 0..ATTEMPTS {
-            let (version, before) = {
-                let h = self.held.read();
-                (h.version.clone(), h.data.clone())
-            };
-            let secret = self.secret(data, version);
-            let answer = call(&self.jobs, Job::Apply(Box::new(secret)));
-            let refused = match answer {
+            let held = self.held.read().clone();
+            let mut made = next(&held)?;
+            let secret = self.secret(&made.data, held.version.clone());
+            let refused = match call(&self.jobs, Job::Apply(Box::new(secret)), deadline) {
                 Ok(Ok(Some(written))) => {
-                    let mut h = self.held.write();
-                    h.version = written.metadata.resource_version;
-                    h.data = data.clone();
+                    made.version = written.metadata.resource_version;
+                    *self.held.write() = made;
                     return Ok(());
                 }
                 Ok(Ok(None)) => {
                     StoreError::Cluster(format!("write Secret {}: no answer", self.name))
                 }
-                Ok(Err(kube::Error::Api(a))) if a.code == 409 => deposed(),
-                Ok(Err(e)) => {
+                // Refused for good (forbidden, invalid): say so.
+                Ok(Err(kube::Error::Api(a))) if a.code != 409 && a.code < 500 => {
                     return Err(StoreError::Cluster(format!(
-                        "write Secret {}: {e}",
-                        self.name
+                        "write Secret {}: {} ({})",
+                        self.name, a.message, a.code
                     )));
                 }
-                Err(e) => e,
+                Ok(Err(e)) => StoreError::Cluster(format!("write Secret {}: {e}", self.name)),
+                Err(e) => StoreError::Cluster(format!("write Secret {}: {e}", self.name)),
             };
-            // Refused over a moved version, or unanswered: what does the
-            // Secret hold now?
-            let now = match call(&self.jobs, Job::Get)? {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not read the state Secret back after a failed write");
-                    return Err(refused);
-                }
+            // What does the Secret hold now?
+            let now = match call(&self.jobs, Job::Get, deadline) {
+                Ok(Ok(s)) => s,
+                _ => return Err(refused),
             };
-            let version = now
-                .as_ref()
-                .and_then(|s| s.metadata.resource_version.clone());
             let claimed_by = now
                 .as_ref()
                 .and_then(|s| s.metadata.annotations.as_ref())
                 .and_then(|a| a.get(LEADER_ANNOTATION))
                 .cloned();
-            let held_now: Data = now
-                .and_then(|s| s.data)
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.0))
-                .collect();
-            if claimed_by.is_some_and(|c| c != self.identity) {
-                // A later leader has claimed it.
+            if !claim && claimed_by.as_ref().is_some_and(|c| *c != self.identity) {
                 return Err(deposed());
             }
-            if held_now == *data {
-                // It was written (its answer lost), or is there anyway.
-                let mut h = self.held.write();
-                h.version = version;
-                h.data = data.clone();
+            let there = Held::from_secret(&self.name, now);
+            if there.data == made.data && claimed_by.as_deref() == Some(self.identity.as_str()) {
+                // It was written; its answer was lost.
+                made.version = there.version;
+                *self.held.write() = made;
                 return Ok(());
             }
-            if held_now != before {
-                return Err(deposed());
-            }
-            // Only its metadata moved: try again over the new version.
-            self.held.write().version = version;
+            *self.held.write() = there;
         }
-        Err(deposed())
+        Err(StoreError::Cluster(format!(
+            "write Secret {}: it kept changing under this operator",
+            self.name
+        )))
     }
 }
 
@@ -400,41 +413,50 @@ impl StateStore for KubeState {
     }
 
     fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
-        let _one = self.writing.lock();
-        let held = self.held.read().clone();
-        if let Some((e, _)) = held.unreadable.get(app) {
-            return Err(StoreError::Cluster(e.clone()));
-        }
-        let mut next = held.apps.get(app).cloned().unwrap_or_default();
-        next.history = h.clone();
-        if !note.is_empty() {
-            next.notes.push(Note {
-                at_unix: unix_now(),
-                what: note.to_string(),
-            });
-            let extra = next.notes.len().saturating_sub(NOTES_KEPT);
-            next.notes.drain(..extra);
-        }
-        // The Secret is written whole: every app's state with this one's
-        // next, and the keys this version cannot read as they were.
-        let mut all = held.apps.clone();
-        all.insert(app.to_string(), next);
-        let kept: usize = held
-            .unreadable
-            .iter()
-            .map(|(a, (_, raw))| key(a).len() + raw.len())
-            .sum();
-        let mut data = fit(&mut all, app, MAX_STATE_BYTES.saturating_sub(kept)).ok_or_else(|| {
-            StoreError::Cluster(format!(
-                "{app}'s live revisions and promotion do not fit in the {MAX_STATE_BYTES} bytes the state Secret may hold beside the other apps'"
-            ))
-        })?;
-        for (a, (_, raw)) in &held.unreadable {
-            data.insert(key(a), raw.clone());
-        }
-        self.write(&data)?;
-        self.held.write().apps = all;
-        Ok(())
+        let note = (!note.is_empty()).then(|| Note {
+            at_unix: unix_now(),
+            what: note.to_string(),
+        });
+        self.write(false, |held| {
+            if let Some((e, _)) = held.unreadable.get(app) {
+                return Err(StoreError::Cluster(e.clone()));
+            }
+            let mut state = held.apps.get(app).cloned().unwrap_or_default();
+            state.history = h.clone();
+            if let Some(n) = &note {
+                state.notes.push(n.clone());
+                let extra = state.notes.len().saturating_sub(NOTES_KEPT);
+                state.notes.drain(..extra);
+            }
+            // The Secret is written whole: every app's state with this
+            // one's next, and the keys this version cannot read as they
+            // were.
+            let mut apps = held.apps.clone();
+            apps.insert(app.to_string(), state);
+            let kept: usize = held
+                .unreadable
+                .iter()
+                .map(|(a, (_, raw))| key(a).len() + raw.len())
+                .sum();
+            let mut data = fit(&mut apps, app, MAX_STATE_BYTES.saturating_sub(kept)).ok_or_else(|| {
+                StoreError::Cluster(format!(
+                    "{app}'s live revisions and promotion do not fit in the {MAX_STATE_BYTES} bytes the state Secret may hold beside the other apps'"
+                ))
+            })?;
+            for (a, (_, raw)) in &held.unreadable {
+                data.insert(key(a), raw.clone());
+            }
+            // Keys that are no app's, as they were.
+            for (k, v) in held.data.iter().filter(|(k, _)| !k.ends_with(".json")) {
+                data.insert(k.clone(), v.clone());
+            }
+            Ok(Held {
+                apps,
+                unreadable: held.unreadable.clone(),
+                data,
+                version: None,
+            })
+        })
     }
 
     fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError> {
@@ -477,16 +499,16 @@ impl StateStore for KubeState {
     /// Kubernetes a deleted resource takes its revisions with it (an app
     /// made again numbers them from 1).
     fn forget(&self, app: &str) -> Result<(), StoreError> {
-        let _one = self.writing.lock();
-        let mut data = self.held.read().data.clone();
-        if data.remove(&key(app)).is_none() {
+        if !self.held.read().data.contains_key(&key(app)) {
             return Ok(());
         }
-        self.write(&data)?;
-        let mut h = self.held.write();
-        h.apps.remove(app);
-        h.unreadable.remove(app);
-        Ok(())
+        self.write(false, |held| {
+            let mut next = held.clone();
+            next.apps.remove(app);
+            next.unreadable.remove(app);
+            next.data.remove(&key(app));
+            Ok(next)
+        })
     }
 }
 
