@@ -164,8 +164,10 @@ def stream_checkpoint(url, token=None, on_tensor=None, timeout=60.0, local=True)
     A file the manifest offers a ``path`` for (the gateway's cached copy,
     when the worker runs on the gateway's machine) is read from that path
     at page-cache speed, checked the same way; one that cannot be opened,
-    or is not the size the manifest says, is downloaded instead
-    (``local=False``: every file is downloaded).
+    or is not the size the manifest says, is downloaded instead, and so is
+    one whose local read fails its checks (its tensors are then handed to
+    ``on_tensor`` a second time). ``local=False``: every file is
+    downloaded.
     """
     token = token if token is not None else os.environ.get("WARMGATE_WEIGHTS_TOKEN")
     t0 = time.monotonic()
@@ -191,13 +193,20 @@ def stream_checkpoint(url, token=None, on_tensor=None, timeout=60.0, local=True)
         if not name.endswith(".safetensors"):
             continue
         here = _open_local(f.get("path"), size) if local else None
+        read_here = False
         if here is not None:
             try:
                 _read_file(here, name, size, sums.get(name), on_tensor, stats, t0)
-            except OSError as e:
-                raise WeightsError(f"{name}: reading {f.get('path')} failed: {e}") from None
+                read_here = True
+            except (OSError, WeightsError) as e:
+                # The copy here is not what it should be (changed, or
+                # corrupt on disk): the gateway's own read checks it again,
+                # drops a bad cache entry and fetches the file anew. Its
+                # tensors are handed on a second time.
+                sys.stderr.write(f"warmgate_worker: {name}: the local copy failed ({e}); downloading it\n")
             finally:
                 here.close()
+        if read_here:
             stats["local_files"] += 1
         else:
             _stream_file(f"{url}/{urllib.parse.quote(name)}", name, size, token, timeout,
