@@ -379,11 +379,15 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         base.apps.is_empty() && base.pools.is_empty(),
         "the operator's --config holds settings only; apps and pools come from ServingApp and WarmPool resources"
     );
-    let client = kube::Client::try_default().await.map_err(|e| {
+    // Inferred once: the operator's client and the state store's own (on
+    // its thread) are made from it.
+    let kube_config = kube::Config::infer().await.map_err(|e| {
         anyhow::anyhow!(
             "cannot reach the Kubernetes API (no in-cluster config, and no KUBECONFIG): {e}"
         )
     })?;
+    let client =
+        kube::Client::try_from(kube_config.clone()).context("make the Kubernetes client")?;
     let ns = args
         .namespace
         .clone()
@@ -471,9 +475,6 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     // Revision histories and promotions as the last leader left them.
     let state_secret =
         std::env::var("WARMGATE_STATE_SECRET").unwrap_or_else(|_| format!("{instance}-state"));
-    let kube_config = kube::Config::infer()
-        .await
-        .context("read the Kubernetes client config")?;
     let state = state::KubeState::load(
         move || kube::Client::try_from(kube_config).map_err(|e| e.to_string()),
         &ns,
@@ -837,6 +838,12 @@ async fn write_statuses(
 ) {
     let now = now_rfc3339();
     let generations = seen.generations();
+    let generation = |kind: &str, name: &str| {
+        generations
+            .get(&format!("{kind}/{name}"))
+            .copied()
+            .flatten()
+    };
     let app_was = |name: &str| {
         let a = seen.apps.get(name);
         Was {
@@ -858,10 +865,7 @@ async fn write_statuses(
             ResourceKind::App => {
                 let status = ServingAppStatus {
                     conditions: refused_conditions(r, &now),
-                    observed_generation: generations
-                        .get(&format!("app/{}", r.name))
-                        .copied()
-                        .flatten(),
+                    observed_generation: generation("app", &r.name),
                     ..ServingAppStatus::default()
                 };
                 write_if_changed(apps, &r.name, app_was(&r.name), status, &now).await
@@ -869,10 +873,7 @@ async fn write_statuses(
             ResourceKind::Pool => {
                 let status = WarmPoolStatus {
                     conditions: refused_conditions(r, &now),
-                    observed_generation: generations
-                        .get(&format!("pool/{}", r.name))
-                        .copied()
-                        .flatten(),
+                    observed_generation: generation("pool", &r.name),
                     ..WarmPoolStatus::default()
                 };
                 write_if_changed(pools, &r.name, pool_was(&r.name), status, &now).await
@@ -885,7 +886,7 @@ async fn write_statuses(
     let status = gw.status_report();
     for a in &status.apps {
         let name = a.name.as_str();
-        let g = generations.get(&format!("app/{name}")).copied().flatten();
+        let g = generation("app", name);
         let next = app_status(a, g, &now);
         if let Err(e) = write_if_changed(apps, name, app_was(name), next, &now).await {
             tracing::warn!(app = %name, error = %e, "could not write the ServingApp status");
@@ -893,7 +894,7 @@ async fn write_statuses(
     }
     for p in &status.pools {
         let name = p.name.as_str();
-        let g = generations.get(&format!("pool/{name}")).copied().flatten();
+        let g = generation("pool", name);
         let next = pool_status(p, g, &now);
         if let Err(e) = write_if_changed(pools, name, pool_was(name), next, &now).await {
             tracing::warn!(pool = %name, error = %e, "could not write the WarmPool status");
