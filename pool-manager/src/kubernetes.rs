@@ -165,8 +165,29 @@ impl KubeBackend {
     /// Deletes the pods an earlier leader left that no target took over
     /// (their app or pool is gone, or changed). Returns their names.
     pub fn delete_unadopted(&self) -> Vec<String> {
-        let left = std::mem::take(&mut *self.shared.previous.lock());
-        for name in left.keys() {
+        self.delete_unadopted_except(|_| false)
+    }
+
+    /// [`KubeBackend::delete_unadopted`], but keeps the pods whose app or
+    /// pool (by its label) `keep` names, for a later try: one that could
+    /// not start yet may take them over once it does.
+    pub fn delete_unadopted_except(&self, keep: impl Fn(&str) -> bool) -> Vec<String> {
+        let left: Vec<(String, Pod)> = {
+            let mut previous = self.shared.previous.lock();
+            let gone: Vec<String> = previous
+                .iter()
+                .filter(|(_, p)| {
+                    let labels = p.labels();
+                    let owner = labels.get(APP).or_else(|| labels.get(POOL));
+                    !owner.is_some_and(|o| keep(o))
+                })
+                .map(|(n, _)| n.clone())
+                .collect();
+            gone.into_iter()
+                .filter_map(|n| previous.remove(&n).map(|p| (n, p)))
+                .collect()
+        };
+        for (name, _) in &left {
             tracing::info!(pod = %name, "deleting a pod an earlier leader left that no app or pool took over");
             delete(
                 self.api.clone(),
@@ -178,7 +199,13 @@ impl KubeBackend {
                     .unwrap_or(u32::MAX),
             );
         }
-        left.into_keys().collect()
+        left.into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// How many pods an earlier leader left are still kept, not taken
+    /// over.
+    pub fn previous_left(&self) -> usize {
+        self.shared.previous.lock().len()
     }
 
     /// The replica of pod `name`, reached at `addr`, watched through `rx`.

@@ -832,7 +832,15 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
     assert_eq!(status[0].replicas[0].id, "llm-00002-7");
     assert_eq!(status[0].replicas[0].addr.map(|a| a.port()), Some(port));
 
+    // Kept while its app may still take it over (it could not start yet).
+    assert!(
+        backend
+            .delete_unadopted_except(|app| app == "llm")
+            .is_empty()
+    );
+    assert_eq!(backend.previous_left(), 1);
     assert_eq!(backend.delete_unadopted(), ["llm-00002-8"]);
+    assert_eq!(backend.previous_left(), 0);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !calls
         .lock()
