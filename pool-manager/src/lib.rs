@@ -17,6 +17,7 @@ pub mod backend;
 pub mod gpu;
 pub mod kubernetes;
 mod manager;
+pub mod peer;
 pub mod probe;
 pub mod replica;
 pub mod weights;

@@ -161,6 +161,11 @@ struct Inner {
     gpu_freed: Notify,
     prober: Prober,
     targets: RwLock<HashMap<TargetId, Target>>,
+    /// This gateway's part of every replica's concurrency.
+    share: Arc<crate::replica::Share>,
+    /// The app replicas' handles made, while anything holds them (their
+    /// requests in flight included).
+    shared_handles: Mutex<Vec<std::sync::Weak<ReplicaHandle>>>,
 }
 
 struct Target {
@@ -247,8 +252,25 @@ impl PoolManager {
                 gpu_freed: Notify::new(),
                 prober: Prober::new(),
                 targets: RwLock::new(HashMap::new()),
+                share: Arc::new(crate::replica::Share::default()),
+                shared_handles: Mutex::new(Vec::new()),
             }),
         }
+    }
+
+    /// How this gateway splits every replica's `concurrency` with the
+    /// others that serve the same replicas (one gateway, all of it, until
+    /// told otherwise).
+    pub fn share(&self) -> &Arc<crate::replica::Share> {
+        &self.inner.share
+    }
+
+    /// Every app replica's handle still held: ready, draining, or with a
+    /// request in flight after it left its target.
+    pub fn shared_handles(&self) -> Vec<Arc<ReplicaHandle>> {
+        let mut v = self.inner.shared_handles.lock();
+        v.retain(|w| w.strong_count() > 0);
+        v.iter().filter_map(std::sync::Weak::upgrade).collect()
     }
 
     /// Starts managing a target, at zero replicas. Must be called from
@@ -1066,6 +1088,13 @@ impl ReplicaTask {
                 self.spec.concurrency,
                 ready_at,
             )
+            // Apps' replicas are served by every gateway replica; a
+            // pool's tasks only by the one that leads.
+            .with_share(if matches!(self.spec.id, TargetId::Revision { .. }) {
+                self.inner.share.clone()
+            } else {
+                Arc::new(crate::replica::Share::default())
+            })
             // A replica taken over did not cold-start: it teaches the
             // autoscaler nothing about cold starts.
             .with_startup(if was_running {
@@ -1074,6 +1103,11 @@ impl ReplicaTask {
                 ready_at.saturating_duration_since(t0)
             }),
         );
+        if matches!(self.spec.id, TargetId::Revision { .. }) {
+            let mut v = self.inner.shared_handles.lock();
+            v.retain(|w| w.strong_count() > 0);
+            v.push(Arc::downgrade(&handle));
+        }
         handle.weights_version.store(
             weights_version.unwrap_or(0),
             std::sync::atomic::Ordering::Relaxed,

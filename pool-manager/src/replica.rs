@@ -1,8 +1,8 @@
 //! A replica's lifecycle state, and the handle the gateway routes to.
 
 use std::net::SocketAddr;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -102,6 +102,85 @@ pub struct ReplicaHandle {
     last_active_ns: AtomicU64,
     first_forward: AtomicBool,
     idle: Notify,
+    share: Arc<Share>,
+    /// Which gateway gets the remainder of the split for this replica.
+    salt: u32,
+    /// Its requests in flight at the other gateways serving it.
+    elsewhere: parking_lot::Mutex<Elsewhere>,
+}
+
+/// A replica's requests at the other gateways, as they last reported.
+#[derive(Debug, Default, Clone, Copy)]
+struct Elsewhere {
+    inflight: u32,
+    /// What the other gateways knew when they counted: the time the
+    /// oldest replica list any of them had applied was made (`None`: no
+    /// other gateway reports).
+    as_of: Option<Instant>,
+    /// When it was taken out of rotation.
+    drained_at: Option<Instant>,
+    /// When that was set.
+    set_at: Option<Instant>,
+}
+
+/// Counts from the other gateways older than this are not waited for:
+/// they stopped reporting (they went, or this gateway stops).
+pub const ELSEWHERE_STALE: Duration = Duration::from_secs(5);
+
+/// How many gateways serve the same replicas and which of them this one
+/// is. Each allows only its part of a replica's `concurrency` in flight,
+/// so the per-replica limit holds in total, as Knative's activators split
+/// a revision's capacity between them.
+#[derive(Debug)]
+pub struct Share {
+    /// `index << 32 | count`, read on every request.
+    packed: AtomicU64,
+}
+
+impl Default for Share {
+    fn default() -> Self {
+        Share {
+            packed: AtomicU64::new(1),
+        }
+    }
+}
+
+impl Share {
+    /// This gateway is number `index` (from 0) of `count`.
+    pub fn set(&self, index: u32, count: u32) {
+        let count = count.max(1);
+        let index = index.min(count - 1);
+        self.packed
+            .store(u64::from(index) << 32 | u64::from(count), Ordering::Release);
+    }
+
+    /// (index, count).
+    pub fn get(&self) -> (u32, u32) {
+        let v = self.packed.load(Ordering::Acquire);
+        ((v >> 32) as u32, (v as u32).max(1))
+    }
+}
+
+/// Gateway `index`'s part of a replica's `concurrency` when `count`
+/// gateways serve it: an even split, the remainder going one each to a
+/// run of gateways that starts at `salt`, so the parts add up to
+/// `concurrency` exactly and different replicas favour different
+/// gateways. A part may be 0: that gateway sends the replica nothing, and
+/// its waiting requests ask for more replicas.
+pub fn part_of(concurrency: u32, index: u32, count: u32, salt: u32) -> u32 {
+    let count = count.max(1);
+    let rest = concurrency % count;
+    let pos = (u64::from(index) + u64::from(salt)) % u64::from(count);
+    concurrency / count + u32::from(pos < u64::from(rest))
+}
+
+/// Where the run of gateways that get the remainder of a replica's split
+/// starts: from its address, the same in every gateway.
+pub fn salt_of(addr: &SocketAddr) -> u32 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    addr.hash(&mut h);
+    h.finish() as u32
 }
 
 impl ReplicaHandle {
@@ -130,7 +209,26 @@ impl ReplicaHandle {
             last_active_ns: AtomicU64::new(now_ns()),
             first_forward: AtomicBool::new(false),
             idle: Notify::new(),
+            share: Arc::new(Share::default()),
+            salt: 0,
+            elsewhere: parking_lot::Mutex::new(Elsewhere::default()),
         }
+    }
+
+    /// The same handle, its limit split as `share` says between the
+    /// gateways that serve it. Which gateway gets the remainder follows
+    /// from the replica's address, which every gateway knows it by.
+    pub fn with_share(mut self, share: Arc<Share>) -> Self {
+        self.salt = salt_of(&self.addr);
+        self.share = share;
+        self
+    }
+
+    /// How many requests this gateway may have in flight on it: its part
+    /// of `concurrency`.
+    pub fn limit(&self) -> u32 {
+        let (index, count) = self.share.get();
+        part_of(self.concurrency, index, count, self.salt)
     }
 
     /// The same handle with its measured cold start.
@@ -146,7 +244,7 @@ impl ReplicaHandle {
 
     /// Whether it has a free slot.
     pub fn has_free_slot(&self) -> bool {
-        self.inflight() < self.concurrency
+        self.inflight() < self.limit()
     }
 
     /// Whether the gateway may send it new requests.
@@ -157,7 +255,39 @@ impl ReplicaHandle {
     /// Stops new requests from being routed to it.
     pub fn set_unroutable(&self) {
         self.routable.store(false, Ordering::Release);
+        self.elsewhere
+            .lock()
+            .drained_at
+            .get_or_insert_with(Instant::now);
         self.idle.notify_waiters();
+    }
+
+    /// The other gateways have `inflight` requests on it, counted when
+    /// each had applied a replica list made at `as_of` or later (`None`:
+    /// no other gateway serves it).
+    pub fn set_elsewhere(&self, inflight: u32, as_of: Option<Instant>) {
+        {
+            let mut e = self.elsewhere.lock();
+            e.inflight = inflight;
+            e.as_of = as_of;
+            e.set_at = Some(Instant::now());
+        }
+        self.idle.notify_waiters();
+    }
+
+    /// Whether the other gateways have nothing on it: none serves it, they
+    /// stopped reporting, or each counted nothing on it after applying a
+    /// replica list made after it left rotation (so none sends it more).
+    fn idle_elsewhere(&self) -> bool {
+        let e = *self.elsewhere.lock();
+        if e.set_at.is_none_or(|t| t.elapsed() > ELSEWHERE_STALE) {
+            return true;
+        }
+        match (e.as_of, e.drained_at) {
+            (None, _) => true,
+            (Some(knew), Some(drained)) => e.inflight == 0 && knew > drained,
+            (Some(_), None) => e.inflight == 0,
+        }
     }
 
     /// Counts one more request in flight. The caller enforces the limit.
@@ -191,16 +321,21 @@ impl ReplicaHandle {
         !self.first_forward.swap(true, Ordering::AcqRel)
     }
 
-    /// Waits until nothing is in flight, or `deadline` passes.
+    /// Waits until nothing is in flight, here or at the other gateways
+    /// serving it, or `deadline` passes. Looks again at least every
+    /// second, so counts from gateways that stopped reporting go stale.
     pub async fn wait_idle(&self, deadline: tokio::time::Instant) {
         loop {
             let notified = self.idle.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.inflight() == 0 {
+            if self.inflight() == 0 && self.idle_elsewhere() {
                 return;
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            let wake = deadline.min(tokio::time::Instant::now() + Duration::from_secs(1));
+            if tokio::time::timeout_at(wake, notified).await.is_err()
+                && tokio::time::Instant::now() >= deadline
+            {
                 return;
             }
         }
@@ -248,6 +383,87 @@ fn now_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_parts_of_a_replica_s_limit_add_up_to_it_whoever_gets_the_rest() {
+        for concurrency in 0..12u32 {
+            for count in 1..6u32 {
+                for salt in [0u32, 1, 7, u32::MAX] {
+                    let parts: Vec<u32> = (0..count)
+                        .map(|i| part_of(concurrency, i, count, salt))
+                        .collect();
+                    assert_eq!(parts.iter().sum::<u32>(), concurrency, "{parts:?}");
+                    let (lo, hi) = (parts.iter().min().unwrap(), parts.iter().max().unwrap());
+                    assert!(hi - lo <= 1, "an even split: {parts:?}");
+                }
+            }
+        }
+        // One gateway has it all.
+        assert_eq!(part_of(8, 0, 1, 3), 8);
+    }
+
+    /// A handle of `m-00001` at 127.0.0.1:1.
+    fn revision_handle(id: &str, concurrency: u32) -> ReplicaHandle {
+        ReplicaHandle::new(
+            id.into(),
+            warmgate_deploy::TargetId::Revision {
+                app: "m".into(),
+                seq: 1,
+            },
+            "m-00001".into(),
+            "127.0.0.1:1".parse().unwrap(),
+            concurrency,
+            Instant::now(),
+        )
+    }
+
+    #[test]
+    fn a_drain_waits_for_the_other_gateways_to_count_nothing_on_it_after_they_knew() {
+        let h = revision_handle("m-1", 2);
+        assert!(h.idle_elsewhere(), "no other gateway: nothing to wait for");
+        let before = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        h.set_unroutable();
+        h.set_elsewhere(0, Some(before));
+        assert!(
+            !h.idle_elsewhere(),
+            "counted by a gateway that still had it in rotation"
+        );
+        let after = Instant::now();
+        h.set_elsewhere(1, Some(after));
+        assert!(!h.idle_elsewhere(), "one still runs there");
+        h.set_elsewhere(0, Some(after));
+        assert!(h.idle_elsewhere());
+        h.set_elsewhere(0, None);
+        assert!(h.idle_elsewhere(), "the others went");
+    }
+
+    #[test]
+    fn a_handle_allows_only_its_gateway_s_part() {
+        let share = Arc::new(Share::default());
+        let h = revision_handle("m-1", 3).with_share(share.clone());
+        assert_eq!(h.limit(), 3);
+        let parts: Vec<u32> = (0..2)
+            .map(|i| {
+                share.set(i, 2);
+                h.limit()
+            })
+            .collect();
+        assert_eq!(parts.iter().sum::<u32>(), 3, "{parts:?}");
+        share.set(0, 2);
+        for _ in 0..h.limit() {
+            assert!(h.has_free_slot());
+            h.acquire();
+        }
+        assert!(!h.has_free_slot(), "full at its part, not at 3");
+        // Another gateway may name the same replica otherwise: the parts
+        // follow its address, so they still add up.
+        let other = revision_handle("follower-slot-7", 3);
+        let theirs = Arc::new(Share::default());
+        theirs.set(1, 2);
+        let other = other.with_share(theirs);
+        assert_eq!(h.limit() + other.limit(), 3);
+    }
 
     #[test]
     fn lifecycle_transitions() {
