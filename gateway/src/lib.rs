@@ -12,6 +12,8 @@ pub mod inplace;
 pub mod listener;
 pub mod metric_catalog;
 pub mod operator;
+pub mod peering;
+pub mod peers;
 pub mod promote;
 pub mod registry;
 pub mod runtime;

@@ -65,6 +65,8 @@ pub struct Gateway {
     /// Cleared under the operator: apps and pools come from resources, and
     /// the API may not change them.
     pub(crate) api_changes: AtomicBool,
+    /// The other gateway replicas serving with this one.
+    pub(crate) peers: crate::peers::Peers,
 }
 
 /// The admin token from the environment, when set and not empty.
@@ -377,6 +379,7 @@ impl Gateway {
             retiring_pools: parking_lot::Mutex::default(),
             retiring_apps: parking_lot::Mutex::default(),
             api_changes: AtomicBool::new(true),
+            peers: crate::peers::Peers::default(),
         });
         for spec in &gw.config.pools {
             gw.start_pool(spec.clone())?;

@@ -178,9 +178,23 @@ impl Tenants {
 impl Tenant {
     /// Admits one request: within the rate, and within `max_inflight`.
     pub fn admit(self: &Arc<Self>) -> Result<InflightGuard, ApiError> {
-        if let Some(limiter) = &self.limiter
-            && let Err(not_until) = limiter.check()
-        {
+        self.admit_as_one_of(1)
+    }
+
+    /// [`Tenant::admit`] on one of `gateways` gateways serving the tenant
+    /// together (the operator's replicas): each allows its part of the
+    /// rate (a request costs `gateways` of the limiter's cells, or one when
+    /// the burst is smaller) and of `max_inflight` (rounded up, at least
+    /// one), so the quotas hold in total within a request or so a gateway.
+    pub fn admit_as_one_of(self: &Arc<Self>, gateways: u32) -> Result<InflightGuard, ApiError> {
+        let gateways = gateways.max(1);
+        let cells = NonZeroU32::new(gateways).unwrap_or(NonZeroU32::MIN);
+        let checked = self.limiter.as_ref().map(|l| match l.check_n(cells) {
+            Ok(r) => r,
+            // The burst is smaller than the count: one cell, as alone.
+            Err(_) => l.check(),
+        });
+        if let Some(Err(not_until)) = checked {
             let wait = not_until.wait_time_from(DefaultClock::default().now());
             return Err(self.refuse(
                 format!(
@@ -194,7 +208,7 @@ impl Tenant {
         let now = self.inflight.fetch_add(1, Ordering::AcqRel) + 1;
         let guard = InflightGuard(self.clone());
         if let Some(max) = self.max_inflight
-            && now > max
+            && now > max.div_ceil(gateways).max(1)
         {
             drop(guard);
             return Err(self.refuse(
@@ -437,6 +451,25 @@ mod tests {
         drop(p);
         assert!(a.pending_permit().is_ok());
         assert_eq!(t.status()[0].rejected, 2);
+    }
+
+    #[test]
+    fn each_of_several_gateways_allows_its_part_of_the_quotas() {
+        let mut s = spec("a", "k");
+        s.max_inflight = Some(4);
+        s.rps = Some(1.0);
+        s.burst = Some(4);
+        let t = Tenants::from_config(&[s], |_| None)
+            .expect("ok")
+            .expect("some");
+        let a = t.identify(&bearer("k")).expect("tenant");
+        // One of two gateways: 2 in flight of 4, and the burst of 4 is two
+        // requests here.
+        let _g1 = a.admit_as_one_of(2).expect("first");
+        let _g2 = a.admit_as_one_of(2).expect("second");
+        let e = a.admit_as_one_of(2).expect_err("over its part");
+        assert_eq!(e.kind, ErrorKind::QuotaExceeded);
+        assert!(e.message.contains("rate"), "{}", e.message);
     }
 
     #[test]

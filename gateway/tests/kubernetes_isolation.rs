@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use kube_mock::{Cluster, NS, calls_about, eventually, healthz_server, pods_of, ready, unexpected};
+use kube_mock::{Cluster, NS, calls_about, eventually, healthz_server, pods_of, ready};
 use parking_lot::Mutex;
 use warmgate_deploy::Config;
 use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
@@ -134,17 +134,7 @@ async fn changing_one_app_leaves_every_other_app_s_pods_untouched() {
     .await;
 
     // Through all of it, a's pod was neither deleted nor made again.
-    assert!(
-        calls_about(&cluster, mark, "a").is_empty(),
-        "a was touched: {:?}",
-        calls_about(&cluster, mark, "a")
-    );
-    assert_eq!(pods_of(&cluster, "a"), a_pods);
-    assert!(
-        unexpected(&cluster).is_empty(),
-        "{:?}",
-        unexpected(&cluster)
-    );
+    kube_mock::assert_untouched(&cluster, mark, "a", &a_pods);
     server.abort();
 }
 

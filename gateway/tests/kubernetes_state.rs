@@ -440,3 +440,53 @@ async fn apps_added_and_deleted_come_and_go_from_the_secret() {
         unexpected(&cluster)
     );
 }
+
+/// An app whose key in the Secret is unreadable is left out, the others
+/// are not; once the key is fixed by hand (here: removed), the app's next
+/// try reads the Secret again and starts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_key_fixed_by_hand_is_read_again_at_the_app_s_next_try() {
+    let port = healthz_server().await;
+    let dir = checkpoints();
+    let cluster = Arc::new(Mutex::new(Cluster::default()));
+    {
+        let mut c = cluster.lock();
+        let rv = c.bump();
+        c.secrets.insert(
+            SECRET.into(),
+            json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": SECRET, "namespace": NS, "resourceVersion": rv},
+                // "not json"
+                "data": {"a.json": "bm90IGpzb24="}}),
+        );
+    }
+    let cfg = config(port, dir.path(), "fixed");
+    let gw = leader(&cluster, cfg.clone(), "fixed").await;
+    assert!(
+        !gw.status_report().apps.iter().any(|a| a.name == "a"),
+        "an app whose state cannot be read does not start"
+    );
+    // Still unreadable: the next try is refused with the key named.
+    let tried = gw.apply_file(cfg.clone()).await;
+    let a = tried.iter().find(|c| c.name == "a").expect("a was tried");
+    let why = a.outcome.as_ref().expect_err("refused").message.clone();
+    assert!(why.contains("a.json"), "{why}");
+
+    // Fixed by hand: the key removed.
+    {
+        let mut c = cluster.lock();
+        let rv = c.bump();
+        let s = c.secrets.get_mut(SECRET).expect("the Secret");
+        s["data"] = json!({});
+        s["metadata"]["resourceVersion"] = json!(rv);
+    }
+    let tried = gw.apply_file(cfg).await;
+    let a = tried.iter().find(|c| c.name == "a").expect("a was tried");
+    assert!(a.outcome.is_ok(), "{a}");
+    eventually("a is ready", || ready(&gw, "a").then_some(())).await;
+    let left = stored(&cluster).expect("a.json written again");
+    assert_eq!(
+        left["history"]["revisions"].as_array().map(Vec::len),
+        Some(1)
+    );
+}

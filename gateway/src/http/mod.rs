@@ -120,11 +120,77 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
+        .route(crate::peers::PEERS_PATH, post(peer_report))
         .merge(control)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id))
         .with_state(gw)
+}
+
+/// The leader's side of [`crate::peers`]: a follower's report in, the
+/// table out. Needs `Authorization: Bearer <WARMGATE_PEER_TOKEN>`; without
+/// that variable the gateway has no peers and answers 404.
+async fn peer_report(
+    State(gw): State<Arc<Gateway>>,
+    headers: http::HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let Some(token) = gw.peers.token() else {
+        return ApiError::new(
+            ErrorKind::NotFound,
+            "this gateway serves alone (WARMGATE_PEER_TOKEN is not set)",
+        )
+        .into_response();
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !crate::tenants::same_secret(presented, token) {
+        return ApiError::new(
+            ErrorKind::Unauthorized,
+            "this endpoint needs Authorization: Bearer <the operator's WARMGATE_PEER_TOKEN>",
+        )
+        .into_response();
+    }
+    if gw.peers.follower().is_some() {
+        return ApiError::new(
+            ErrorKind::Conflict,
+            "this gateway replica does not lead; report to the leader",
+        )
+        .into_response();
+    }
+    let bytes = match axum::body::to_bytes(body, crate::peers::MAX_REPORT_BYTES).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::new(
+                ErrorKind::TooLarge,
+                format!(
+                    "a peer report is at most {} bytes",
+                    crate::peers::MAX_REPORT_BYTES
+                ),
+            )
+            .into_response();
+        }
+    };
+    match serde_json::from_slice::<crate::peers::Report>(&bytes) {
+        Ok(report) => match gw.answer_peer(&report) {
+            Some(table) => axum::Json(table).into_response(),
+            None => ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "{} gateway replicas serve already, the most counted",
+                    crate::peers::MAX_PEERS
+                ),
+            )
+            .into_response(),
+        },
+        Err(e) => {
+            ApiError::new(ErrorKind::BadRequest, format!("not a peer report: {e}")).into_response()
+        }
+    }
 }
 
 /// Lets a control-plane request through when no admin token is configured,
@@ -176,7 +242,8 @@ pub(crate) async fn require_tenant(
         )
         .into_response();
     };
-    let guard = match tenant.admit() {
+    // Each gateway serving together allows its part of the quotas.
+    let guard = match tenant.admit_as_one_of(gw.pool.share().get().1) {
         Ok(g) => g,
         Err(e) => return e.into_response(),
     };

@@ -4,9 +4,13 @@
 //!
 //! - One replica leads, through a `coordination.k8s.io` Lease
 //!   (kube-lease-manager). The leader runs the gateway with the kubernetes
-//!   backend: pool manager, autoscaler and data plane. The others stand by
-//!   with `/readyz` at 503, so the Service sends them nothing, and take
-//!   over within the lease's duration when the leader goes.
+//!   backend: pool manager, autoscaler and data plane. The others follow
+//!   (`follower.rs`, [`crate::peers`]): they serve the apps' traffic on
+//!   the leader's pods, each with its part of every replica's
+//!   concurrency, pass every other request to the leader, and take over
+//!   within the lease's duration when it goes. Without a peer token (the
+//!   admin token, or `WARMGATE_PEER_TOKEN`) they stand by with `/readyz`
+//!   at 503.
 //! - On taking over, the leader takes over the replica pods an earlier
 //!   leader left that its apps and pools want as they are (same model,
 //!   weights and settings: the pod's `warmgate.dev/interchangeable`
@@ -15,20 +19,20 @@
 //!   deleted.
 //! - A resource's status is patched every few seconds: replicas by state,
 //!   revisions with their traffic, conditions.
-//! - A new `spec.checkpoint` on a `ServingApp` is promoted (canary and
-//!   automatic rollback, as `warmgate promote`). Any other change (a
-//!   resource added, changed or deleted) is applied to the running gateway
-//!   as `warmgate apply` applies a file: unchanged resources keep their
-//!   pods, autoscaling and queue settings apply in place, other changes
-//!   roll to new pods, deleted ones drain. A resource refused after an
-//!   edit keeps running as it was.
+//! - Each resource is reconciled on its own by kube-runtime's
+//!   `Controller` (`operator/reconcile.rs`). A new `spec.checkpoint` on a
+//!   `ServingApp` is promoted (canary and automatic rollback, as
+//!   `warmgate promote`). Any other change (a resource added, changed or
+//!   deleted) is put into the running gateway as `warmgate apply` puts
+//!   it: autoscaling and queue settings apply in place, other changes
+//!   roll that resource's pods, deleted ones drain, and nothing else is
+//!   touched. A resource refused after an edit keeps running as it was.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use futures_util::StreamExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt as _};
 use serde_json::json;
@@ -38,6 +42,8 @@ use warmgate_deploy::crd::{
 };
 
 pub mod events;
+pub mod follower;
+mod reconcile;
 pub mod state;
 use warmgate_deploy::{BackendKind, Config};
 use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
@@ -50,6 +56,9 @@ use crate::status::{AppStatus, PoolStatus};
 /// is made at start, so a few seconds would do; this leaves room for a
 /// slow API server.
 const ADOPTION_GRACE: Duration = Duration::from_secs(30);
+/// Rounds of [`ADOPTION_GRACE`] the pods of an app that has not started
+/// are kept for it (5 minutes), before they are deleted all the same.
+const ADOPTION_ROUNDS: u32 = 10;
 
 /// How often statuses are written.
 const STATUS_INTERVAL: Duration = Duration::from_secs(5);
@@ -57,7 +66,7 @@ const STATUS_INTERVAL: Duration = Duration::from_secs(5);
 const LEASE: &str = "warmgate-leader";
 
 /// Which kind of resource.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ResourceKind {
     /// A `ServingApp`.
     App,
@@ -403,20 +412,31 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         .context("set up the leader election Lease")?;
     let (mut leading, _lease_task) = manager.watch().await;
 
-    // Standby: alive, not ready, until this replica leads.
+    // Until this replica leads it follows: it serves the apps on the
+    // leader's pods and passes the rest to the leader. Peers show each
+    // other the admin token (or WARMGATE_PEER_TOKEN); with neither, it
+    // stands by, alive and not ready.
+    let peer_token = std::env::var("WARMGATE_PEER_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .or_else(crate::server::admin_token);
     tracing::info!(%identity, namespace = %ns, "waiting for the leader lease");
-    let standby = tokio::spawn(standby_server(args.listen));
+    let standby = match peer_token.clone() {
+        Some(token) if !*leading.borrow() => Standby::Following(start_following(
+            &base, &args, &client, &ns, &identity, token,
+        )?),
+        _ => Standby::Idle(tokio::spawn(standby_server(args.listen))),
+    };
     while !*leading.borrow_and_update() {
         tokio::select! {
             r = leading.changed() => r.context("the lease manager stopped")?,
             _ = term.recv() => {
-                standby.abort();
+                standby.stop().await;
                 return Ok(());
             }
         }
     }
-    standby.abort();
-    let _ = standby.await;
+    standby.stop().await;
     tracing::info!(%identity, "leading");
 
     let apps_api: Api<ServingApp> = Api::namespaced(client.clone(), &ns);
@@ -483,11 +503,6 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     )
     .await
     .context("read and claim the apps' revision histories in the cluster")?;
-    let resources = Resources {
-        apps: apps.into_iter().map(|a| (a.name_any(), a)).collect(),
-        pools: pools.into_iter().map(|p| (p.name_any(), p)).collect(),
-        refused,
-    };
     let backend = Arc::new(backend);
     let sweeper = backend.clone();
     let settings = base_settings(&config);
@@ -499,14 +514,35 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         move |gw| {
             // Before the listener opens.
             gw.refuse_api_changes();
+            if let Some(t) = peer_token {
+                gw.set_peer_token(t);
+            }
             // Every app and pool has been restored (from the state in the
             // cluster, however slow it was to read): the grace for taking
             // over the earlier leader's pods counts from now.
+            // An app that could not start yet (its state unreadable, say)
+            // keeps its pods for a few more rounds, to take them over once
+            // it starts; an app or pool that runs has taken what it wanted.
+            let serving = gw.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(ADOPTION_GRACE).await;
-                let gone = sweeper.delete_unadopted();
-                if !gone.is_empty() {
-                    tracing::info!(pods = ?gone, "deleted the pods an earlier leader left that nothing took over");
+                for round in 1..=ADOPTION_ROUNDS {
+                    tokio::time::sleep(ADOPTION_GRACE).await;
+                    let running = serving.desired_config();
+                    let runs = |owner: &str| {
+                        running.apps.iter().any(|a| a.name == owner)
+                            || running.pools.iter().any(|p| p.name == owner)
+                    };
+                    let gone = if round == ADOPTION_ROUNDS {
+                        sweeper.delete_unadopted()
+                    } else {
+                        sweeper.delete_unadopted_except(|owner| !runs(owner))
+                    };
+                    if !gone.is_empty() {
+                        tracing::info!(pods = ?gone, "deleted the pods an earlier leader left that nothing took over");
+                    }
+                    if sweeper.previous_left() == 0 {
+                        break;
+                    }
                 }
             });
             async move {
@@ -516,11 +552,33 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
                         Ok(_) => "lost the leader lease".to_string(),
                         Err(_) => "the lease manager stopped".to_string(),
                     },
-                    r = reconcile(gw, settings, backend, apps_api, pools_api, resources) => r,
+                    r = reconcile::run(gw, settings, backend, apps_api, pools_api, refused) => r,
                 };
                 reason
             }
         },
+    )
+    .await
+}
+
+/// Reconciles the namespace's `ServingApp`s and `WarmPool`s into `gw`,
+/// which runs on `backend`, until a controller ends: what the leader does
+/// once its gateway serves (public for the tests against a mocked API
+/// server).
+pub async fn reconcile_into(
+    gw: Arc<crate::Gateway>,
+    backend: Arc<KubeBackend>,
+    client: kube::Client,
+    namespace: &str,
+) -> String {
+    let settings = base_settings(gw.config());
+    reconcile::run(
+        gw,
+        settings,
+        backend,
+        Api::namespaced(client.clone(), namespace),
+        Api::namespaced(client, namespace),
+        Vec::new(),
     )
     .await
 }
@@ -563,6 +621,151 @@ fn generations_of(
         .collect()
 }
 
+/// What a replica that does not lead runs.
+enum Standby {
+    /// Serving with the leader.
+    Following(Following),
+    /// `/healthz` only.
+    Idle(tokio::task::JoinHandle<()>),
+}
+
+/// A follower's gateway and its tasks.
+struct Following {
+    gw: Arc<crate::Gateway>,
+    /// Its listener, which stops on `closing`.
+    serve: tokio::task::JoinHandle<()>,
+    closing: tokio::sync::oneshot::Sender<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Standby {
+    /// Stops serving, and frees the listen address for the leader's
+    /// gateway. The leader's pods are not touched.
+    async fn stop(self) {
+        match self {
+            Standby::Idle(t) => {
+                t.abort();
+                let _ = t.await;
+            }
+            Standby::Following(f) => {
+                for t in &f.tasks {
+                    t.abort();
+                }
+                for t in f.tasks {
+                    let _ = t.await;
+                }
+                // Its connections close too (a keep-alive one would go on
+                // asking the follower's router), within a few seconds.
+                let _ = f.closing.send(());
+                let mut serve = f.serve;
+                if tokio::time::timeout(Duration::from_secs(5), &mut serve)
+                    .await
+                    .is_err()
+                {
+                    serve.abort();
+                    let _ = serve.await;
+                }
+                f.gw.start_draining();
+                let _ = tokio::time::timeout(Duration::from_secs(5), f.gw.shutdown()).await;
+            }
+        }
+    }
+}
+
+/// Starts following: a gateway on the leader's replicas (its own state
+/// folder beside the leader's), its autoscale tick (which sizes each
+/// revision as the leader lists it), the reports, and the listener.
+fn start_following(
+    base: &Config,
+    args: &OperatorArgs,
+    client: &kube::Client,
+    ns: &str,
+    identity: &str,
+    token: String,
+) -> anyhow::Result<Following> {
+    let mut config = base.clone();
+    config.listen = args.listen;
+    config.state_dir = base.state_dir.join("follower");
+    let peer = Arc::new(warmgate_pool::peer::PeerBackend::new());
+    let gw = crate::Gateway::new(
+        config,
+        peer.clone(),
+        crate::runtime::install_metrics(),
+        args.listen,
+    )
+    .context("start the follower's gateway")?;
+    gw.set_peer_token(token);
+    gw.set_follower(peer);
+    let leader: follower::LeaderAddr = Arc::default();
+    let listen = args.listen;
+    let router = follower::router(gw.clone(), leader.clone());
+    let (closing, closed) = tokio::sync::oneshot::channel::<()>();
+    let serve = tokio::spawn(async move {
+        match tokio::net::TcpListener::bind(listen).await {
+            Ok(l) => {
+                let _ = axum::serve(l, router)
+                    .with_graceful_shutdown(async move {
+                        let _ = closed.await;
+                    })
+                    .await;
+            }
+            Err(e) => tracing::error!(addr = %listen, error = %e, "follower: cannot listen"),
+        }
+    });
+    let instance = std::env::var("WARMGATE_INSTANCE").unwrap_or_else(|_| "warmgate".into());
+    let (client, ns, me) = (client.clone(), ns.to_string(), identity.to_string());
+    let find = move || {
+        let (client, ns, me, instance) = (client.clone(), ns.clone(), me.clone(), instance.clone());
+        async move { find_leader(&client, &ns, &me, &instance, listen.port()).await }
+    };
+    let reports = tokio::spawn(follower::follow(
+        gw.clone(),
+        identity.to_string(),
+        leader,
+        find,
+    ));
+    let tick = crate::runtime::autoscale::spawn(&gw);
+    tracing::info!("following: serving the apps on the leader's replicas");
+    Ok(Following {
+        gw,
+        serve,
+        closing,
+        tasks: vec![reports, tick],
+    })
+}
+
+/// The leader's address: the Lease's holder, and that pod's IP, when the
+/// pod is one of this release's operator pods (the chart's labels): the
+/// token is not sent to whatever pod a Lease names.
+async fn find_leader(
+    client: &kube::Client,
+    ns: &str,
+    me: &str,
+    instance: &str,
+    port: u16,
+) -> Option<std::net::SocketAddr> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::core::v1::Pod;
+    let lease = Api::<Lease>::namespaced(client.clone(), ns)
+        .get(LEASE)
+        .await
+        .ok()?;
+    let holder = lease.spec?.holder_identity.filter(|h| h != me)?;
+    let pod = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(&holder)
+        .await
+        .ok()?;
+    let labels = pod.labels();
+    let ours = labels.get("app.kubernetes.io/name").map(String::as_str) == Some("warmgate")
+        && labels.get("app.kubernetes.io/instance").map(String::as_str) == Some(instance);
+    if !ours {
+        tracing::warn!(pod = %holder, "the leader Lease names a pod that is not one of this release's operator pods; not reporting to it");
+        return None;
+    }
+    let ip: std::net::IpAddr = pod.status?.pod_ip?.parse().ok()?;
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
 /// Answers `/healthz` 200 and `/readyz` 503 while this replica stands by.
 async fn standby_server(addr: std::net::SocketAddr) {
     use axum::routing::get;
@@ -585,210 +788,6 @@ async fn standby_server(addr: std::net::SocketAddr) {
     }
 }
 
-/// Writes statuses, and applies every change to the resources to the
-/// running gateway. Returns only when the resource watch ends.
-async fn reconcile(
-    gw: Arc<crate::Gateway>,
-    base: Config,
-    backend: Arc<KubeBackend>,
-    apps: Api<ServingApp>,
-    pools: Api<WarmPool>,
-    mut seen: Resources,
-) -> String {
-    use kube::runtime::watcher;
-    let app_events = watcher(apps.clone(), watcher::Config::default()).boxed();
-    let pool_events = watcher(pools.clone(), watcher::Config::default()).boxed();
-    let mut events = futures_util::stream::select(
-        app_events.map(|e| e.map(|e| map_event(e, Kind::App))),
-        pool_events.map(|e| e.map(|e| map_event(e, Kind::Pool))),
-    );
-    let recorder = events::Events::new(apps.clone().into_client(), std::env::var("POD_NAME").ok());
-    // Level-triggered from the start: an app that could not start with
-    // the gateway (its state unreadable, a step it could not store) is
-    // tried again here, and refused on its resource until it starts.
-    seen.refused = apply_resources(&gw, &base, &seen).await;
-    let mut tick = tokio::time::interval(STATUS_INTERVAL);
-    // A re-list (the first, or after the watch restarted): what it holds
-    // replaces what was seen once it is done, since a resource deleted
-    // meanwhile has no event of its own.
-    let mut relist: Option<Relist> = None;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {
-                // A change the gateway refused (during a promotion, say)
-                // is tried again until it goes through.
-                // A pool's is not: changing a running pool is refused
-                // until its resource changes again.
-                if seen
-                    .refused
-                    .iter()
-                    .any(|r| r.key == "(change)" && r.kind == ResourceKind::App)
-                {
-                    seen.refused = apply_resources(&gw, &base, &seen).await;
-                }
-                write_statuses(&gw, &apps, &pools, &seen, &recorder).await
-            }
-            ev = events.next() => {
-                let Some(ev) = ev else { return "the resource watch ended".into() };
-                let ev = match ev {
-                    Ok(ev) => ev,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the resource watch failed; it restarts");
-                        continue;
-                    }
-                };
-                let changed = match ev {
-                    watcher::Event::Init => {
-                        relist = Some(Relist::default());
-                        false
-                    }
-                    watcher::Event::InitApply(k) => {
-                        if let Some(r) = &mut relist {
-                            match k {
-                                Kind::App(x) => {
-                                    r.apps.insert(x.name_any(), *x);
-                                }
-                                Kind::Pool(x) => {
-                                    r.pools.insert(x.name_any(), *x);
-                                }
-                            }
-                        }
-                        false
-                    }
-                    watcher::Event::InitDone => match relist.take() {
-                        Some(r) => {
-                            let changed = generations_of(&r.apps, &r.pools) != seen.generations();
-                            seen.apps = r.apps;
-                            seen.pools = r.pools;
-                            changed
-                        }
-                        None => false,
-                    },
-                    watcher::Event::Apply(Kind::App(a)) => {
-                        let name = a.name_any();
-                        let same = seen.apps.get(&name).map(|o| o.metadata.generation)
-                            == Some(a.metadata.generation);
-                        seen.apps.insert(name, *a);
-                        !same
-                    }
-                    watcher::Event::Apply(Kind::Pool(p)) => {
-                        let name = p.name_any();
-                        let same = seen.pools.get(&name).map(|o| o.metadata.generation)
-                            == Some(p.metadata.generation);
-                        seen.pools.insert(name, *p);
-                        !same
-                    }
-                    watcher::Event::Delete(Kind::App(a)) => seen.apps.remove(&a.name_any()).is_some(),
-                    watcher::Event::Delete(Kind::Pool(p)) => seen.pools.remove(&p.name_any()).is_some(),
-                };
-                if changed {
-                    for a in seen.apps.values() {
-                        if let Some(o) = owner_of(a) {
-                            backend.set_owner(&a.name_any(), o);
-                        }
-                    }
-                    for p in seen.pools.values() {
-                        if let Some(o) = owner_of(p) {
-                            backend.set_owner(&p.name_any(), o);
-                        }
-                    }
-                    seen.refused = apply_resources(&gw, &base, &seen).await;
-                }
-            }
-        }
-    }
-}
-
-/// The resources a re-list has delivered so far.
-#[derive(Default)]
-struct Relist {
-    apps: BTreeMap<String, ServingApp>,
-    pools: BTreeMap<String, WarmPool>,
-}
-
-/// Makes the gateway serve `seen`: a checkpoint-only change is promoted,
-/// everything else applied as `warmgate apply` does. A refused resource
-/// that runs keeps running as it was. Returns the refusals.
-async fn apply_resources(
-    gw: &Arc<crate::Gateway>,
-    base: &Config,
-    seen: &Resources,
-) -> Vec<Refusal> {
-    let apps: Vec<ServingApp> = seen.apps.values().cloned().collect();
-    let pools: Vec<WarmPool> = seen.pools.values().cloned().collect();
-    let (mut config, refused) = match config_from(base.clone(), &apps, &pools) {
-        Ok(c) => c,
-        Err((key, message)) => {
-            tracing::error!(%key, %message, "the operator's own config is not valid; nothing applied");
-            return seen.refused.clone();
-        }
-    };
-    let running = gw.desired_config();
-    keep_refused_running(&mut config, &running, &refused);
-    for spec in &mut config.apps {
-        let Some((old, new)) = checkpoint_only_change(spec, &running) else {
-            continue;
-        };
-        match gw.promote_checkpoint(&spec.name, &new).await {
-            Ok(rev) => {
-                tracing::info!(app = %spec.name, revision = %rev, "promoting the new checkpoint");
-                // The app's spec names it now, so the apply below finds
-                // the app unchanged, and so does the next event.
-                gw.adopt_checkpoint(&spec.name, &new);
-            }
-            Err(e) => {
-                tracing::warn!(app = %spec.name, error = %e.message, "could not promote the new checkpoint");
-                // Left as it runs; the next change to the resource tries
-                // again.
-                spec.checkpoint = old;
-            }
-        }
-    }
-    let mut refused = refused;
-    for change in gw.apply_file(config).await {
-        match &change.outcome {
-            Ok(what) if what == "unchanged" => tracing::debug!("{change}"),
-            Ok(_) => tracing::info!("{change}"),
-            Err(e) => {
-                tracing::error!("{change}");
-                // Shown on the resource, and tried again on the next tick
-                // (a change refused during a promotion goes through after
-                // it).
-                refused.push(Refusal {
-                    kind: if change.kind == "pool" {
-                        ResourceKind::Pool
-                    } else {
-                        ResourceKind::App
-                    },
-                    name: change.name.clone(),
-                    key: "(change)".into(),
-                    message: e.message.clone(),
-                });
-            }
-        }
-    }
-    refused
-}
-
-/// Puts back, as they run, the refused resources that run: an edit that
-/// is refused does not take a working app or pool away.
-fn keep_refused_running(config: &mut Config, running: &Config, refused: &[Refusal]) {
-    for r in refused {
-        match r.kind {
-            ResourceKind::App => {
-                if let Some(a) = running.apps.iter().find(|a| a.name == r.name) {
-                    config.apps.push(a.clone());
-                }
-            }
-            ResourceKind::Pool => {
-                if let Some(p) = running.pools.iter().find(|p| p.name == r.name) {
-                    config.pools.push(p.clone());
-                }
-            }
-        }
-    }
-}
-
 /// When `spec` differs from the running app of its name in its checkpoint
 /// only: the running checkpoint and the new one, to promote.
 fn checkpoint_only_change(
@@ -803,25 +802,6 @@ fn checkpoint_only_change(
     let mut rest = spec.clone();
     rest.checkpoint = old.checkpoint.clone();
     (rest == *old).then(|| (old.checkpoint.clone(), new))
-}
-
-fn map_event<K>(
-    e: kube::runtime::watcher::Event<K>,
-    f: fn(Box<K>) -> Kind,
-) -> kube::runtime::watcher::Event<Kind> {
-    use kube::runtime::watcher::Event as E;
-    match e {
-        E::Apply(k) => E::Apply(f(Box::new(k))),
-        E::InitApply(k) => E::InitApply(f(Box::new(k))),
-        E::Delete(k) => E::Delete(f(Box::new(k))),
-        E::Init => E::Init,
-        E::InitDone => E::InitDone,
-    }
-}
-
-enum Kind {
-    App(Box<ServingApp>),
-    Pool(Box<WarmPool>),
 }
 
 /// Writes each resource's status, only where it changed from the status
@@ -1075,42 +1055,6 @@ mod tests {
         let (other, _) =
             config_from(base, &[app("n", json!({"image": "r/n:1"}))], &[]).expect("valid");
         assert_eq!(checkpoint_only_change(&other.apps[0], &running), None);
-    }
-
-    #[test]
-    fn an_edit_that_is_refused_leaves_the_resource_running_as_it_was() {
-        let base = Config::default();
-        let (running, _) = config_from(
-            base.clone(),
-            &[
-                app("m", json!({"image": "r/m:1"})),
-                app("n", json!({"image": "r/n:1"})),
-            ],
-            &[],
-        )
-        .expect("valid");
-        // m now asks for a gate command, which the operator does not allow.
-        let (mut next, refused) = config_from(
-            base,
-            &[
-                app(
-                    "m",
-                    json!({"image": "r/m:2", "promotion": {"gate_command": ["sh"]}}),
-                ),
-                app("n", json!({"image": "r/n:1"})),
-            ],
-            &[],
-        )
-        .expect("valid");
-        assert_eq!(refused.len(), 1);
-        assert_eq!(next.apps.len(), 1);
-        keep_refused_running(&mut next, &running, &refused);
-        let m = next.apps.iter().find(|a| a.name == "m").expect("m kept");
-        assert_eq!(m.image.as_deref(), Some("r/m:1"));
-        // A refused resource that never ran stays out.
-        let mut fresh = Config::default();
-        keep_refused_running(&mut fresh, &Config::default(), &refused);
-        assert!(fresh.apps.is_empty());
     }
 
     #[test]

@@ -50,6 +50,12 @@ pub const NOTES_KEPT: usize = 100;
 /// on a Secret, with room for its metadata.
 pub const MAX_STATE_BYTES: usize = 900 * 1024;
 
+/// The most one app's state may take, so one app (a huge `env` in every
+/// revision, say) cannot crowd out the others' promotions: a quarter of
+/// the whole. Past it the app loses its idle revisions and notes; its
+/// live revisions alone may take more while the whole fits.
+pub const MAX_APP_STATE_BYTES: usize = MAX_STATE_BYTES / 4;
+
 /// The annotation naming the leader that last claimed the state.
 pub const LEADER_ANNOTATION: &str = "warmgate.dev/leader";
 
@@ -365,9 +371,10 @@ impl KubeState {
 }
 
 /// Every app's state as JSON, `app` made to fit in `limit` bytes with the
-/// others as they are: its oldest revision that neither takes traffic nor
-/// takes part in a promotion goes first, then its oldest note. `None` when
-/// even that is not enough; no other app loses anything for it.
+/// others as they are, and in [`MAX_APP_STATE_BYTES`] of its own: its
+/// oldest revision that neither takes traffic nor takes part in a
+/// promotion goes first, then its oldest note. `None` when even that is
+/// not enough; no other app loses anything for it.
 fn fit(apps: &mut BTreeMap<String, AppState>, app: &str, limit: usize) -> Option<Data> {
     loop {
         let bodies: Data = apps
@@ -375,7 +382,11 @@ fn fit(apps: &mut BTreeMap<String, AppState>, app: &str, limit: usize) -> Option
             .map(|(a, s)| (key(a), serde_json::to_vec(s).unwrap_or_default()))
             .collect();
         let total: usize = bodies.iter().map(|(k, b)| k.len() + b.len()).sum();
-        if total <= limit {
+        let mine = bodies
+            .iter()
+            .find(|(k, _)| **k == key(app))
+            .map_or(0, |(k, b)| k.len() + b.len());
+        if total <= limit && mine <= MAX_APP_STATE_BYTES {
             return Some(bodies);
         }
         let s = apps.get_mut(app)?;
@@ -393,14 +404,48 @@ fn fit(apps: &mut BTreeMap<String, AppState>, app: &str, limit: usize) -> Option
             s.history.revisions.remove(i);
         } else if !s.notes.is_empty() {
             s.notes.remove(0);
+        } else if total <= limit {
+            // Over its part with nothing left to drop (its live revisions
+            // alone): kept while the whole fits, so a running app's steps
+            // are not refused for it.
+            return Some(bodies);
         } else {
             return None;
         }
     }
 }
 
+impl KubeState {
+    /// Reads the Secret again and holds what it holds, when this process
+    /// still holds its claim: a key fixed by hand is seen at the app's
+    /// next try.
+    fn reread(&self) -> Result<(), StoreError> {
+        let _one = out_of_the_way(|| self.writing.lock());
+        let deadline = std::time::Instant::now() + WRITE_TIMEOUT;
+        let secret = call(&self.jobs, Job::Get, deadline)?
+            .map_err(|e| StoreError::Cluster(format!("read Secret {}: {e}", self.name)))?;
+        let claimed_by = secret
+            .as_ref()
+            .and_then(|s| s.metadata.annotations.as_ref())
+            .and_then(|a| a.get(LEADER_ANNOTATION))
+            .cloned();
+        if claimed_by.is_some_and(|c| c != self.identity) {
+            return Err(StoreError::Cluster(format!(
+                "Secret {} was claimed by another leader since this operator read it",
+                self.name
+            )));
+        }
+        *self.held.write() = Held::from_secret(&self.name, secret);
+        Ok(())
+    }
+}
+
 impl StateStore for KubeState {
     fn load(&self, app: &str) -> Result<History, StoreError> {
+        // An unreadable key may have been fixed by hand since: read again.
+        if self.held.read().unreadable.contains_key(app) {
+            self.reread()?;
+        }
         let held = self.held.read();
         if let Some((e, _)) = held.unreadable.get(app) {
             return Err(StoreError::Cluster(e.clone()));
@@ -564,6 +609,33 @@ mod tests {
             "notes go only when no revision can"
         );
         assert_eq!(apps["b"], b, "the small app is not touched");
+
+        // One app within the whole but over its own part: cut to its part,
+        // however much room is left.
+        let mut apps = BTreeMap::new();
+        let mut big = AppState::default();
+        big.history.revisions.push(rev("d", 1, 100, 1_000));
+        for seq in 2..=8 {
+            big.history.revisions.push(rev("d", seq, 0, 50_000));
+        }
+        apps.insert("d".to_string(), big);
+        let bodies = fit(&mut apps, "d", MAX_STATE_BYTES).expect("it fits");
+        let mine: usize = bodies.iter().map(|(k, v)| k.len() + v.len()).sum();
+        assert!(mine <= MAX_APP_STATE_BYTES, "{mine}");
+        assert!(apps["d"].history.revisions.len() < 8);
+        assert_eq!(
+            apps["d"].history.revisions[0].seq, 1,
+            "the serving one stays"
+        );
+
+        // Live revisions alone over its part, the whole within bounds:
+        // kept, so a running app's canary goes on.
+        let mut live = AppState::default();
+        live.history.revisions.push(rev("e", 1, 50, 150_000));
+        live.history.revisions.push(rev("e", 2, 50, 150_000));
+        let mut apps = BTreeMap::from([("e".to_string(), live)]);
+        assert!(fit(&mut apps, "e", MAX_STATE_BYTES).is_some());
+        assert_eq!(apps["e"].history.revisions.len(), 2);
 
         // Live revisions alone too big: refused, not cut.
         let mut live = AppState::default();

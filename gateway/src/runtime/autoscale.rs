@@ -30,6 +30,20 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
             }
             let now = gw.now();
             let registry = gw.registry.load_full();
+            gw.expire_peers();
+            // A follower sizes nothing: each revision has the replicas the
+            // leader lists, and what it saw goes to the leader.
+            if let Some(peer) = gw.peers.follower() {
+                for served in registry.apps() {
+                    for app in served.live() {
+                        gw.pool.scale(&app.target, peer.listed(&app.revision));
+                        gw.peers
+                            .note(&app.revision, app.take_reading(), app.health());
+                    }
+                }
+                record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
+                continue;
+            }
             for served in registry.apps() {
                 let (mut desired, mut inflight, mut queued) = (0u32, 0u32, 0usize);
                 let mut panicking = false;

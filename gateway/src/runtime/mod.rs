@@ -195,7 +195,15 @@ where
     Ok(())
 }
 
-fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+/// The process's Prometheus recorder, installed at the first call: the
+/// operator's follower and then its leader share it.
+pub(crate) fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+    static HANDLE: std::sync::OnceLock<Option<metrics_exporter_prometheus::PrometheusHandle>> =
+        std::sync::OnceLock::new();
+    HANDLE.get_or_init(install_recorder).clone()
+}
+
+fn install_recorder() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     let mut builder = PrometheusBuilder::new();
     for m in crate::metric_catalog::METRICS

@@ -35,6 +35,9 @@ pub struct App {
     spec: arc_swap::ArcSwap<AppSpec>,
     slots: Mutex<Slots>,
     scaler: Mutex<Autoscaler>,
+    /// What the other gateway replicas saw of it since the last tick
+    /// (the leader's autoscaler counts every gateway's demand).
+    remote: Mutex<std::collections::BTreeMap<String, (Instant, crate::peers::PeerReading)>>,
     handoff: Mutex<Option<Duration>>,
     /// `warmgate_requests_total` by outcome: `ok`, then [`ErrorKind::ALL`].
     outcomes: Vec<metrics::Counter>,
@@ -224,6 +227,7 @@ impl App {
                 },
             }),
             scaler: Mutex::new(Autoscaler::new(scaling)),
+            remote: Mutex::new(std::collections::BTreeMap::new()),
             handoff: Mutex::new(None),
             outcomes: std::iter::once("ok")
                 .chain(ErrorKind::ALL.iter().map(|k| k.as_str()))
@@ -442,17 +446,77 @@ impl App {
             let r = s.meter.take(Instant::now());
             (r, s.replicas.len() as u32, s.live_waiters as u32)
         };
+        let remote = self.remote_reading();
         let decision = scaler.observe(Observation {
             now,
-            concurrency: reading.concurrency,
+            concurrency: reading.concurrency + remote.concurrency,
             ready,
-            queued,
-            arrivals: reading.arrivals,
-            completions: reading.completions,
-            busy: reading.busy,
+            queued: queued.saturating_add(remote.queued),
+            arrivals: reading.arrivals.saturating_add(remote.arrivals),
+            completions: reading.completions.saturating_add(remote.completions),
+            busy: reading.busy + remote.busy,
         });
         apply(decision.desired.max(self.floor.load(Ordering::Relaxed)));
         decision.panicking
+    }
+
+    /// What this gateway saw of it since the last call, for the leader's
+    /// autoscaler (a gateway replica that does not lead scales nothing).
+    pub(crate) fn take_reading(&self) -> crate::peers::PeerReading {
+        let mut s = self.slots.lock();
+        let r = s.meter.take(Instant::now());
+        crate::peers::PeerReading {
+            concurrency: r.concurrency,
+            busy: r.busy,
+            arrivals: r.arrivals,
+            completions: r.completions,
+            queued: s.live_waiters as u32,
+            answered: 0,
+            failed: 0,
+        }
+    }
+
+    /// Adds what gateway `member` saw to the next tick's reading: its
+    /// counts add up until that tick, its levels (in flight, held) stand
+    /// until its next report, or for [`crate::peers::PEER_TTL`] if none
+    /// comes. Demand held there wakes an app at zero here, as local demand
+    /// does.
+    pub(crate) fn add_remote(
+        &self,
+        member: &str,
+        r: &crate::peers::PeerReading,
+        now: Duration,
+        wake: impl FnOnce(u32),
+    ) {
+        let r = r.sane();
+        {
+            let mut remote = self.remote.lock();
+            let e = remote
+                .entry(member.to_string())
+                .or_insert_with(|| (Instant::now(), crate::peers::PeerReading::default()));
+            *e = (Instant::now(), e.1.then(r));
+        }
+        if r.queued > 0 && self.ready_replicas() == 0 {
+            self.wake(now, wake);
+        }
+    }
+
+    /// Every fresh member's reading, summed; their counts are taken.
+    fn remote_reading(&self) -> crate::peers::PeerReading {
+        let mut remote = self.remote.lock();
+        remote.retain(|_, (at, _)| at.elapsed() < crate::peers::PEER_TTL);
+        let mut sum = crate::peers::PeerReading::default();
+        for (_, r) in remote.values_mut() {
+            sum.concurrency += r.concurrency;
+            sum.busy += r.busy;
+            sum.arrivals = sum.arrivals.saturating_add(r.arrivals);
+            sum.completions = sum.completions.saturating_add(r.completions);
+            sum.queued = sum.queued.saturating_add(r.queued);
+            r.busy = 0.0;
+            r.arrivals = 0;
+            r.completions = 0;
+        }
+        sum
     }
 
     /// Demand arrived with no replica ready: applies the count to scale to
@@ -480,6 +544,15 @@ impl App {
             self.answered.load(Ordering::Relaxed),
             self.failed.load(Ordering::Relaxed),
         )
+    }
+
+    /// Counts another gateway's answers for the canary's health (their
+    /// latencies are not known here).
+    pub(crate) fn add_answers(&self, answered: u32, failed: u32) {
+        self.answered
+            .fetch_add(u64::from(answered), Ordering::Relaxed);
+        self.failed
+            .fetch_add(u64::from(failed.min(answered)), Ordering::Relaxed);
     }
 
     /// Counts an answer for the canary's health: `failed` for a gateway

@@ -131,7 +131,7 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// Removes the headers that belong to one connection, not to the message
 /// (RFC 9110 §7.6.1), including any named by `Connection`.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if headers.contains_key(header::CONNECTION) {
         strip_connection_named(headers);
     }

@@ -1,6 +1,8 @@
 //! A mocked Kubernetes API server for the gateway's tests (`tower_test`):
 //! it answers what the gateway asks (pods: list, watch, create, delete;
-//! Secrets: get and server-side apply) as an API server would, records
+//! Secrets: get and server-side apply; `ServingApp`s and `WarmPool`s:
+//! list, watch and status merge patches; Events: create) as an API server
+//! would, records
 //! every call, and can be made unreachable. The pods "run" on loopback,
 //! where a tiny server answers their health checks.
 //!
@@ -35,6 +37,12 @@ pub fn json_response(status: StatusCode, v: &Value) -> Response<Full<Bytes>> {
 
 /// Health checks of every pod, on loopback: `200 {}`.
 pub async fn healthz_server() -> u16 {
+    worker_server(Arc::new(tokio::sync::Notify::new())).await
+}
+
+/// A worker on loopback for every pod: it answers `200 {}` at once, but a
+/// request whose path has `slow` only once `release` is notified.
+pub async fn worker_server(release: Arc<tokio::sync::Notify>) -> u16 {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -42,9 +50,14 @@ pub async fn healthz_server() -> u16 {
     let port = l.local_addr().expect("addr").port();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
+            let release = release.clone();
             tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = s.read(&mut buf).await;
+                let mut buf = vec![0u8; 8192];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                if head.lines().next().is_some_and(|l| l.contains("slow")) {
+                    release.notified().await;
+                }
                 let _ = s
                     .write_all(
                         b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
@@ -56,14 +69,82 @@ pub async fn healthz_server() -> u16 {
     port
 }
 
+/// The operator's settings for a test: its state folder, the kubernetes
+/// backend.
+pub fn operator_base(state: &std::path::Path) -> warmgate_deploy::Config {
+    let path = state.join("warmgate.toml");
+    std::fs::create_dir_all(state).expect("mkdir");
+    std::fs::write(
+        &path,
+        format!(
+            "state_dir = \"{}\"\n[backend]\nkind = \"kubernetes\"\n[backend.kubernetes]\nadvertise = \"wg.ml.svc:8080\"\n",
+            state.display()
+        ),
+    )
+    .expect("write");
+    warmgate_deploy::Config::load(&path).expect("a valid config")
+}
+
+/// A leader's gateway on the resources `cluster` holds, as the operator
+/// starts it, and its reconcile loop; with the task answering the API
+/// calls.
+pub fn leader_on(
+    cluster: &Arc<Mutex<Cluster>>,
+    state: &std::path::Path,
+) -> (
+    Arc<warmgate_gateway::Gateway>,
+    tokio::task::JoinHandle<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (client, server) = client(cluster);
+    let apps: Vec<warmgate_deploy::crd::ServingApp> = cluster
+        .lock()
+        .resources
+        .values()
+        .map(|v| serde_json::from_value(v.clone()).expect("a ServingApp"))
+        .collect();
+    let (config, refused) =
+        warmgate_gateway::operator::config_from(operator_base(state), &apps, &[]).expect("valid");
+    assert!(refused.is_empty(), "{refused:?}");
+    let backend = Arc::new(warmgate_pool::kubernetes::KubeBackend::new(
+        client.clone(),
+        warmgate_pool::kubernetes::KubeSettings {
+            namespace: NS.into(),
+            instance: "wg".into(),
+            config: config.backend.kubernetes.clone(),
+            stop_grace: Duration::from_secs(1),
+        },
+    ));
+    let gw = warmgate_gateway::Gateway::new(
+        config,
+        backend.clone(),
+        None,
+        "127.0.0.1:8080".parse().expect("addr"),
+    )
+    .expect("the gateway starts");
+    let reconciling = tokio::spawn({
+        let gw = gw.clone();
+        async move {
+            warmgate_gateway::operator::reconcile_into(gw, backend, client, NS).await;
+        }
+    });
+    (gw, reconciling, server)
+}
+
 /// What the fake API server holds and has been asked.
 #[derive(Default)]
 pub struct Cluster {
     pub pods: BTreeMap<String, Value>,
     /// Secrets by name.
     pub secrets: BTreeMap<String, Value>,
-    /// Watch events not yet sent: (type, pod).
+    /// Watch events not yet sent: (type, object), a pod or a resource.
     pub pending: Vec<(String, Value)>,
+    /// `ServingApp`s and `WarmPool`s, by (plural, name).
+    pub resources: BTreeMap<(String, String), Value>,
+    /// Events created: (reason, the object's name).
+    pub events: Vec<(String, String)>,
+    /// The events as created (and counted since), by name.
+    pub event_objects: BTreeMap<String, Value>,
     pub version: u64,
     /// `POST pod-name`, `DELETE pod-name` and `PATCH secret/name`, in
     /// order.
@@ -77,21 +158,120 @@ impl Cluster {
         self.version += 1;
         self.version.to_string()
     }
+
+    /// Creates or replaces a `ServingApp` (`servingapps`) or `WarmPool`
+    /// (`warmpools`) spec, as `kubectl apply` would: a changed spec bumps
+    /// the generation, and watchers are told.
+    pub fn put_resource(&mut self, plural: &str, name: &str, spec: Value) {
+        let rv = self.bump();
+        let key = (plural.to_string(), name.to_string());
+        let kind = if plural == "servingapps" {
+            "ServingApp"
+        } else {
+            "WarmPool"
+        };
+        let (event, obj) = match self.resources.get_mut(&key) {
+            Some(obj) => {
+                if obj["spec"] != spec {
+                    let g = obj["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
+                    obj["metadata"]["generation"] = json!(g);
+                    obj["spec"] = spec;
+                }
+                obj["metadata"]["resourceVersion"] = json!(rv);
+                ("MODIFIED", obj.clone())
+            }
+            None => {
+                let obj = json!({
+                    "apiVersion": "warmgate.dev/v1alpha1", "kind": kind,
+                    "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{plural}-{name}"),
+                        "generation": 1, "resourceVersion": rv},
+                    "spec": spec,
+                });
+                self.resources.insert(key, obj.clone());
+                ("ADDED", obj)
+            }
+        };
+        self.pending.push((event.into(), obj));
+    }
+
+    /// Deletes a resource; watchers are told.
+    pub fn delete_resource(&mut self, plural: &str, name: &str) {
+        if let Some(mut obj) = self
+            .resources
+            .remove(&(plural.to_string(), name.to_string()))
+        {
+            obj["metadata"]["resourceVersion"] = json!(self.bump());
+            self.pending.push(("DELETED".into(), obj));
+        }
+    }
+
+    /// The status a resource holds.
+    pub fn status_of(&self, plural: &str, name: &str) -> Value {
+        self.resources
+            .get(&(plural.to_string(), name.to_string()))
+            .map(|o| o["status"].clone())
+            .unwrap_or(Value::Null)
+    }
+}
+
+/// The collection a watch event belongs to.
+fn collection_of(obj: &Value) -> String {
+    match obj["kind"].as_str() {
+        Some("ServingApp") => format!("{CRDS}/servingapps"),
+        Some("WarmPool") => format!("{CRDS}/warmpools"),
+        _ => format!("/api/v1/namespaces/{NS}/pods"),
+    }
+}
+
+/// Where the namespace's resources are.
+const CRDS: &str = "/apis/warmgate.dev/v1alpha1/namespaces/ml";
+
+/// JSON merge patch (RFC 7386) of `patch` onto `target`.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        _ => *target = patch.clone(),
+    }
 }
 
 /// Answers the gateway's calls as an API server would, forever.
 pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
-    let mut watches: Vec<Send> = Vec::new();
+    // Open watches, by the collection they watch.
+    let mut watches: Vec<(String, Send)> = Vec::new();
     loop {
-        // Events for whoever watches, once there are some.
+        // Events for whoever watches their collection, once there are
+        // some; the others wait for a watcher.
         let events = std::mem::take(&mut cluster.lock().pending);
-        if !events.is_empty() && !watches.is_empty() {
+        let mut by_collection: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+        for e in events {
+            by_collection
+                .entry(collection_of(&e.1))
+                .or_default()
+                .push(e);
+        }
+        for (collection, events) in by_collection {
+            if !watches.iter().any(|(c, _)| *c == collection) {
+                cluster.lock().pending.extend(events);
+                continue;
+            }
             let mut text = String::new();
             for (kind, obj) in &events {
                 text.push_str(&json!({"type": kind, "object": obj}).to_string());
                 text.push('\n');
             }
-            for w in watches.drain(..) {
+            let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut watches)
+                .into_iter()
+                .partition(|(c, _)| *c == collection);
+            watches = later;
+            for (_, w) in now {
                 w.send_response(
                     Response::builder()
                         .status(StatusCode::OK)
@@ -99,8 +279,6 @@ pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
                         .expect("response"),
                 );
             }
-        } else {
-            cluster.lock().pending.extend(events);
         }
         let next = tokio::time::timeout(Duration::from_millis(20), handle.next_request()).await;
         let Ok(Some((req, send))) = next else {
@@ -121,8 +299,55 @@ pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
         }
         let pods = format!("/api/v1/namespaces/{NS}/pods");
         let secrets = format!("/api/v1/namespaces/{NS}/secrets/");
+        let resource = ["servingapps", "warmpools"]
+            .into_iter()
+            .find(|r| path.starts_with(&format!("{CRDS}/{r}")));
+        if let Some(plural) = resource {
+            answer_resource(
+                &cluster,
+                plural,
+                method,
+                &path,
+                watch,
+                req,
+                send,
+                &mut watches,
+            )
+            .await;
+            continue;
+        }
+        if method == Method::POST && path == "/apis/events.k8s.io/v1/namespaces/ml/events" {
+            let bytes = req.into_body().collect_bytes().await.expect("body");
+            let ev: Value = serde_json::from_slice(&bytes).expect("an event");
+            let reason = ev["reason"].as_str().unwrap_or("").to_string();
+            let about = ev["regarding"]["name"].as_str().unwrap_or("").to_string();
+            let mut c = cluster.lock();
+            c.events.push((reason, about));
+            let name = ev["metadata"]["name"].as_str().unwrap_or("").to_string();
+            c.event_objects.insert(name, ev.clone());
+            send.send_response(json_response(StatusCode::CREATED, &ev));
+            continue;
+        }
+        // A repeated event: the recorder counts it in the event's series.
+        if method == Method::PATCH
+            && let Some(name) = path.strip_prefix("/apis/events.k8s.io/v1/namespaces/ml/events/")
+        {
+            let name = name.to_string();
+            let bytes = req.into_body().collect_bytes().await.expect("body");
+            let patch: Value = serde_json::from_slice(&bytes).expect("a patch");
+            let mut c = cluster.lock();
+            match c.event_objects.get_mut(&name) {
+                Some(ev) => {
+                    merge(ev, &patch);
+                    let ev = ev.clone();
+                    send.send_response(json_response(StatusCode::OK, &ev));
+                }
+                None => send.send_response(not_found()),
+            }
+            continue;
+        }
         match (method, path.as_str()) {
-            (Method::GET, p) if p == pods && watch => watches.push(send),
+            (Method::GET, p) if p == pods && watch => watches.push((p.to_string(), send)),
             (Method::GET, p) if p == pods => {
                 let mut c = cluster.lock();
                 let rv = c.bump();
@@ -230,6 +455,68 @@ pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
     }
 }
 
+/// Answers a call about `ServingApp`s or `WarmPool`s: a list, a watch
+/// (held until there are events), or a merge patch of one's status.
+#[allow(clippy::too_many_arguments)]
+async fn answer_resource(
+    cluster: &Mutex<Cluster>,
+    plural: &str,
+    method: Method,
+    path: &str,
+    watch: bool,
+    req: Request<Body>,
+    send: Send,
+    watches: &mut Vec<(String, Send)>,
+) {
+    let collection = format!("{CRDS}/{plural}");
+    let rest = path.strip_prefix(&collection).unwrap_or("");
+    match (method, rest) {
+        (Method::GET, "") if watch => watches.push((collection, send)),
+        (Method::GET, "") => {
+            let mut c = cluster.lock();
+            let rv = c.bump();
+            let items: Vec<Value> = c
+                .resources
+                .iter()
+                .filter(|((p, _), _)| p == plural)
+                .map(|(_, v)| v.clone())
+                .collect();
+            send.send_response(json_response(
+                StatusCode::OK,
+                &json!({"apiVersion": "warmgate.dev/v1alpha1", "kind": "List", "metadata": {"resourceVersion": rv}, "items": items}),
+            ));
+        }
+        (Method::PATCH, r) if r.ends_with("/status") => {
+            let name = r
+                .trim_start_matches('/')
+                .trim_end_matches("/status")
+                .to_string();
+            let bytes = req.into_body().collect_bytes().await.expect("body");
+            let patch: Value = serde_json::from_slice(&bytes).expect("a patch");
+            let mut c = cluster.lock();
+            c.calls.push(format!("PATCH {plural}/{name}/status"));
+            let rv = c.bump();
+            match c.resources.get_mut(&(plural.to_string(), name)) {
+                Some(obj) => {
+                    merge(obj, &patch);
+                    obj["metadata"]["resourceVersion"] = json!(rv);
+                    let obj = obj.clone();
+                    send.send_response(json_response(StatusCode::OK, &obj));
+                    c.pending.push(("MODIFIED".into(), obj));
+                }
+                None => send.send_response(not_found()),
+            }
+        }
+        (m, p) => {
+            cluster
+                .lock()
+                .calls
+                .push(format!("{m} {plural}{p} (unexpected)"));
+            send.send_response(json_response(StatusCode::NOT_FOUND, &json!({})));
+        }
+    }
+}
+
 /// Whether `app` has a ready replica.
 pub fn ready(gw: &warmgate_gateway::Gateway, app: &str) -> bool {
     gw.status_report()
@@ -298,4 +585,14 @@ pub fn unexpected(cluster: &Mutex<Cluster>) -> Vec<String> {
         .filter(|c| c.contains("(unexpected"))
         .cloned()
         .collect()
+}
+
+/// Asserts that `app` got no pod call since `from` and holds `pods` still,
+/// and that nobody made a call the mock did not expect.
+pub fn assert_untouched(cluster: &Mutex<Cluster>, from: usize, app: &str, pods: &[String]) {
+    let calls = calls_about(cluster, from, app);
+    assert!(calls.is_empty(), "{app} was touched: {calls:?}");
+    assert_eq!(pods_of(cluster, app), pods);
+    let odd = unexpected(cluster);
+    assert!(odd.is_empty(), "{odd:?}");
 }
