@@ -4,9 +4,9 @@
 //! (the revision of an app, or `v<N>` for weights synced into a pool):
 //! `GET` on it lists the checkpoint's files, and `GET <url>/<file>` streams
 //! one. A file comes from the node-local cache when it is there; otherwise
-//! one download from the store fills the cache, and every reader of that
-//! file, however many replicas start at once, follows the same download as
-//! it grows.
+//! one download from the store feeds every reader of that file, however
+//! many replicas start at once, from memory as its parts arrive, and fills
+//! the cache beside them ([`warmgate_pool::weights::fanout`]).
 //!
 //! Only checkpoint URIs under the allowed prefixes are opened
 //! ([`Weights::open`]). Reading needs a credential: the admin token, or
@@ -26,25 +26,16 @@ use futures_util::StreamExt;
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
-use tokio::sync::watch;
-use warmgate_pool::weights::{AllowList, Cache, PullItem, Source, StreamConfig, checksums, plan};
+use warmgate_pool::weights::fanout::{Next, Reader};
+use warmgate_pool::weights::{
+    AllowList, Cache, Fanout, PullItem, Source, StreamConfig, checksums, plan,
+};
 
 use crate::error::{ApiError, ErrorKind};
 
 /// Bytes read from disk per body chunk: large enough that the per-read
 /// hop to tokio's blocking pool is amortised.
 const CHUNK: usize = 4 * 1024 * 1024;
-
-/// How far a download has got.
-#[derive(Debug, Clone)]
-enum Progress {
-    /// Bytes written to `tmp` so far.
-    Writing { tmp: PathBuf, written: u64 },
-    /// Done: the cache entry.
-    Done(PathBuf),
-    /// Failed, with the reason.
-    Failed(String),
-}
 
 /// A checkpoint's files and the checksums its `SHA256SUMS` gives.
 pub struct Listing {
@@ -100,7 +91,7 @@ pub struct Weights {
     base: PathBuf,
     sources: Mutex<HashMap<Key, Source>>,
     listings: Mutex<HashMap<Key, Arc<Listing>>>,
-    downloads: Mutex<HashMap<String, watch::Receiver<Progress>>>,
+    downloads: Mutex<HashMap<String, Arc<Fanout>>>,
     /// Live weights tokens by replica id: each replica's own, with what it
     /// may read.
     tokens: Mutex<HashMap<String, (Grant, String)>>,
@@ -325,185 +316,261 @@ impl Weights {
             .clone();
         let size = item.meta.size;
         let key = Cache::key(item.source.uri(), &item.meta);
+        let origin = |fanout, entry| Origin {
+            fanout,
+            source: item.source.clone(),
+            cfg: self.share_of_memory(4),
+            entry,
+        };
         if let Some(path) = self.cache.lookup(&key, size) {
             metrics::counter!("warmgate_weights_cache_bytes_total").increment(size);
-            let rx = watch::channel(Progress::Done(path)).1;
-            return Ok((follow(rx, size, expected), size));
+            let hit = origin(Fanout::committed(size, path.clone()), Some(path));
+            return Ok((follow(hit, size, expected), size));
         }
-        let rx = self.download(key, item, expected.clone()).await?;
-        Ok((follow(rx, size, expected), size))
+        let fanout = self.download(key, item.clone(), expected.clone()).await?;
+        Ok((follow(origin(fanout, None), size, expected), size))
     }
 
-    /// The download of `item`: the one in flight, or a new one.
+    /// The download of `item`: the one in flight, or a new one. It feeds
+    /// its readers from memory as the parts arrive, and a cache writer of
+    /// its own beside them (see [`warmgate_pool::weights::fanout`]).
     async fn download(
         self: &Arc<Self>,
         key: String,
         item: PullItem,
         sha256: Option<String>,
-    ) -> Result<watch::Receiver<Progress>, ApiError> {
-        if let Some(rx) = self.downloads.lock().get(&key) {
-            return Ok(rx.clone());
+    ) -> Result<Arc<Fanout>, ApiError> {
+        if let Some(f) = self.downloads.lock().get(&key) {
+            return Ok(f.clone());
         }
         let mut writer = self
             .cache
             .writer(&key)
             .await
             .map_err(|e| weights_error(&e))?;
-        let (tx, rx) = watch::channel(Progress::Writing {
-            tmp: writer.path().to_owned(),
-            written: 0,
-        });
+        let size = item.meta.size;
+        let fanout = Fanout::new(size, self.window_bytes(), writer.path().to_owned());
         {
             let mut downloads = self.downloads.lock();
             if let Some(existing) = downloads.get(&key) {
                 // Another reader started the same download meanwhile.
                 return Ok(existing.clone());
             }
-            downloads.insert(key.clone(), rx.clone());
+            downloads.insert(key.clone(), fanout.clone());
         }
-        let this = self.clone();
-        let cfg = self.cfg.clone();
+        // The writer joins before the download starts, so it runs for it.
+        let mut from_window = fanout.reader(0, false);
+        let feed = fanout.clone();
+        let (source, cfg) = (item.source.clone(), self.share_of_memory(2));
         tokio::spawn(async move {
-            let size = item.meta.size;
-            let tmp = writer.path().to_owned();
-            let mut parts = item.source.parts(0..size, &cfg);
-            let mut outcome = Ok(());
-            while let Some(part) = parts.next().await {
-                let part = match part {
-                    Ok(p) => p,
-                    Err(e) => {
-                        outcome = Err(e.to_string());
-                        break;
-                    }
-                };
-                if let Err(e) = writer.write(&part).await {
-                    outcome = Err(e.to_string());
-                    break;
+            let mut parts = source.parts(0..size, &cfg);
+            let outcome = loop {
+                if !feed.room().await {
+                    break Ok(());
                 }
-                metrics::counter!("warmgate_weights_store_bytes_total")
-                    .increment(part.len() as u64);
-                let written = writer.written();
-                let _ = tx.send(Progress::Writing {
-                    tmp: tmp.clone(),
-                    written,
-                });
-            }
-            let done = match outcome {
-                Ok(()) => match writer.commit(size, sha256.as_deref()).await {
-                    Ok(path) => Progress::Done(path),
-                    Err(e) => Progress::Failed(e.to_string()),
-                },
-                Err(e) => {
-                    drop(writer);
-                    Progress::Failed(e)
+                match parts.next().await {
+                    None => break Ok(()),
+                    Some(Ok(part)) => {
+                        metrics::counter!("warmgate_weights_store_bytes_total")
+                            .increment(part.len() as u64);
+                        feed.update(|s| s.push(part));
+                    }
+                    Some(Err(e)) => break Err(e.to_string()),
                 }
             };
-            if let Progress::Failed(e) = &done {
-                tracing::warn!(uri = %item.source.uri(), error = %e, "checkpoint download failed");
+            if let Err(e) = &outcome {
+                tracing::warn!(uri = %source.uri(), error = %e, "checkpoint download failed");
             }
-            let _ = tx.send(done);
+            feed.update(|s| s.end(outcome));
+        });
+        let this = self.clone();
+        let (fill, cfg) = (fanout.clone(), self.share_of_memory(4));
+        tokio::spawn(async move {
+            let outcome: Result<PathBuf, String> = async {
+                loop {
+                    match from_window.next(CHUNK).await {
+                        Next::Memory(b) => {
+                            writer.write(&b).await.map_err(|e| e.to_string())?;
+                            from_window.consumed(b.len() as u64);
+                            let written = writer.written();
+                            fill.update(|s| s.written(written));
+                        }
+                        Next::Store => {
+                            // The disk is slower than the store: read the
+                            // rest again, at the disk's pace, and leave the
+                            // readers the window.
+                            from_window.leave();
+                            let from = from_window.offset();
+                            tracing::info!(uri = %item.source.uri(), from, size, "the cache file fell behind the download; reading the rest for it from the store");
+                            let mut rest = item.source.parts(from..size, &cfg);
+                            while let Some(part) = rest.next().await {
+                                let part = part.map_err(|e| e.to_string())?;
+                                metrics::counter!("warmgate_weights_store_bytes_total")
+                                    .increment(part.len() as u64);
+                                writer.write(&part).await.map_err(|e| e.to_string())?;
+                                let written = writer.written();
+                                fill.update(|s| s.written(written));
+                            }
+                            break;
+                        }
+                        Next::End => break,
+                        Next::Failed(e) => return Err(e),
+                        Next::File { .. } | Next::Wait => {
+                            unreachable!("the writer never reads the file, and next() waits")
+                        }
+                    }
+                }
+                drop(from_window);
+                writer
+                    .commit(size, sha256.as_deref())
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            .await;
+            if let Err(e) = &outcome {
+                tracing::warn!(uri = %item.source.uri(), error = %e, "the checkpoint's cache file was not kept");
+            }
+            fill.update(|s| s.filled(outcome.ok()));
             this.downloads.lock().remove(&key);
         });
-        Ok(rx)
+        Ok(fanout)
+    }
+
+    /// Bytes each download holds for its readers in memory: a quarter of
+    /// the memory limit per object. The parts in flight take half, and the
+    /// cache writer's own reads, when it falls behind, the last quarter.
+    fn window_bytes(&self) -> u64 {
+        (self.cfg.memory_limit / 4).max(self.cfg.part_size)
+    }
+
+    /// The streamer's settings within `1/part` of the memory limit.
+    fn share_of_memory(&self, part: u64) -> StreamConfig {
+        StreamConfig {
+            memory_limit: (self.cfg.memory_limit / part).max(self.cfg.part_size),
+            ..self.cfg.clone()
+        }
     }
 }
 
-/// A body that reads a file as a download writes it: from the temporary
-/// file while it grows, from the cache entry once it is done. With an
-/// expected SHA-256 it hashes what it sends and holds the last chunk back
-/// until the digest matches; on a mismatch the body ends with an error
-/// (and a cache entry that was read is removed), so no reader sees a clean
-/// end of bad bytes.
-fn follow(rx: watch::Receiver<Progress>, size: u64, sha256: Option<String>) -> Body {
-    Body::from_stream(follow_stream(rx, size, sha256))
+/// Where a body reads the object from: its download (or a cache hit), and
+/// the store, for the bytes that are neither in memory nor on file.
+struct Origin {
+    fanout: Arc<Fanout>,
+    source: Source,
+    cfg: StreamConfig,
+    /// A cache hit's entry, removed if its bytes fail their digest.
+    entry: Option<PathBuf>,
+}
+
+/// A body that reads an object as its download brings it: from memory
+/// while the bytes are in the download's window, from the cache file
+/// behind it, from the store where neither has them. With an expected
+/// SHA-256 it hashes what it sends and holds the last chunk back until
+/// the digest matches; on a mismatch the body ends with an error (and a
+/// cache entry that was read is removed), so no reader sees a clean end
+/// of bad bytes.
+fn follow(origin: Origin, size: u64, sha256: Option<String>) -> Body {
+    Body::from_stream(follow_stream(origin, size, sha256))
 }
 
 fn follow_stream(
-    rx: watch::Receiver<Progress>,
+    origin: Origin,
     size: u64,
     sha256: Option<String>,
 ) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> {
     struct St {
-        rx: watch::Receiver<Progress>,
-        file: Option<(tokio::fs::File, PathBuf)>,
+        reader: Reader,
+        origin: Origin,
+        /// The cache file open, and where its position is.
+        file: Option<(tokio::fs::File, u64)>,
+        /// The store, once the reader fell out of both.
+        store:
+            Option<futures_util::stream::BoxStream<'static, warmgate_pool::Result<bytes::Bytes>>>,
         offset: u64,
         size: u64,
         sha256: Option<(String, Sha256)>,
     }
     let st = St {
-        rx,
+        reader: origin.fanout.reader(0, true),
+        origin,
         file: None,
+        store: None,
         offset: 0,
         size,
         sha256: sha256.map(|s| (s, Sha256::new())),
     };
     futures_util::stream::try_unfold(st, |mut st| async move {
-        loop {
-            if st.offset >= st.size {
-                return Ok::<_, std::io::Error>(None);
-            }
-            let progress = st.rx.borrow_and_update().clone();
-            let (path, available) = match &progress {
-                Progress::Writing { tmp, written } => (tmp.clone(), *written),
-                Progress::Done(path) => (path.clone(), st.size),
-                Progress::Failed(e) => return Err(std::io::Error::other(e.clone())),
-            };
-            if st.offset < available {
-                if st.file.is_none() {
-                    // The temporary file may have been renamed a moment ago;
-                    // the next progress then names the entry.
-                    match tokio::fs::File::open(&path).await {
-                        Ok(mut f) => {
-                            f.seek(std::io::SeekFrom::Start(st.offset)).await?;
-                            st.file = Some((f, path.clone()));
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                            if st.rx.changed().await.is_err() {
-                                return Err(std::io::Error::other("the download stopped"));
-                            }
-                            continue;
-                        }
-                        Err(e) => return Err(e),
+        if st.offset >= st.size {
+            return Ok::<_, std::io::Error>(None);
+        }
+        let chunk = match st.store.as_mut() {
+            Some(store) => match store.next().await {
+                Some(part) => part.map_err(std::io::Error::other)?,
+                None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            },
+            None => match st.reader.next(CHUNK).await {
+                Next::Memory(b) => b,
+                Next::File { path, until } => {
+                    if st.file.is_none() {
+                        // An open file outlives its rename from the
+                        // temporary name to the entry.
+                        st.file = Some((tokio::fs::File::open(&path).await?, 0));
                     }
-                }
-                let want = ((available - st.offset) as usize).min(CHUNK);
-                let mut buf = bytes::BytesMut::with_capacity(want);
-                let (file, opened) = st.file.as_mut().expect("opened above");
-                let mut limited = file.take(want as u64);
-                while buf.len() < want {
-                    if limited.read_buf(&mut buf).await? == 0 {
-                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    let (file, pos) = st.file.as_mut().expect("opened above");
+                    if *pos != st.offset {
+                        file.seek(std::io::SeekFrom::Start(st.offset)).await?;
                     }
-                }
-                st.offset += want as u64;
-                if let Some((expected, hasher)) = st.sha256.as_mut() {
-                    hasher.update(&buf);
-                    if st.offset == st.size {
-                        let got: String = std::mem::take(hasher)
-                            .finalize()
-                            .iter()
-                            .map(|b| format!("{b:02x}"))
-                            .collect();
-                        if !got.eq_ignore_ascii_case(expected) {
-                            if matches!(progress, Progress::Done(_)) {
-                                tracing::warn!(path = %opened.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
-                                let _ = std::fs::remove_file(&*opened);
-                            }
-                            return Err(std::io::Error::other(format!(
-                                "sha256 mismatch: the checkpoint's SHA256SUMS says {expected}, the bytes hash to {got}"
-                            )));
+                    let want = ((until - st.offset) as usize).min(CHUNK);
+                    let mut buf = bytes::BytesMut::with_capacity(want);
+                    let mut limited = (&mut *file).take(want as u64);
+                    while buf.len() < want {
+                        if limited.read_buf(&mut buf).await? == 0 {
+                            return Err(std::io::ErrorKind::UnexpectedEof.into());
                         }
                     }
+                    *pos = st.offset + want as u64;
+                    buf.freeze()
                 }
-                return Ok(Some((buf.freeze(), st)));
-            }
-            if st.rx.changed().await.is_err() {
-                // The sender is gone: look at its last word once more.
-                if matches!(&*st.rx.borrow(), Progress::Writing { .. }) {
-                    return Err(std::io::Error::other("the download stopped"));
+                Next::Store => {
+                    st.reader.leave();
+                    let mut store = st.origin.source.parts(st.offset..st.size, &st.origin.cfg);
+                    let first = match store.next().await {
+                        Some(part) => part.map_err(std::io::Error::other)?,
+                        None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    };
+                    st.store = Some(store);
+                    first
+                }
+                Next::End => return Ok(None),
+                Next::Failed(e) => return Err(std::io::Error::other(e)),
+                Next::Wait => unreachable!("next() waits"),
+            },
+        };
+        let chunk = chunk.slice(..chunk.len().min((st.size - st.offset) as usize));
+        st.offset += chunk.len() as u64;
+        if st.store.is_none() {
+            st.reader.consumed(chunk.len() as u64);
+        }
+        if let Some((expected, hasher)) = st.sha256.as_mut() {
+            hasher.update(&chunk);
+            if st.offset == st.size {
+                let got: String = std::mem::take(hasher)
+                    .finalize()
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                if !got.eq_ignore_ascii_case(expected) {
+                    if let Some(entry) = &st.origin.entry {
+                        tracing::warn!(path = %entry.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
+                        let _ = std::fs::remove_file(entry);
+                    }
+                    return Err(std::io::Error::other(format!(
+                        "sha256 mismatch: the checkpoint's SHA256SUMS says {expected}, the bytes hash to {got}"
+                    )));
                 }
             }
         }
+        Ok(Some((chunk, st)))
     })
 }
 
@@ -564,6 +631,18 @@ mod tests {
             .map_err(|e| e.to_string())
     }
 
+    /// Registers `data` as `model.bin` of `m` at `r1`, with its digest in
+    /// `SHA256SUMS`.
+    async fn register_with_sums(w: &Arc<Weights>, data: &[u8]) {
+        let sums = format!("{}  model.bin\n", sha(data));
+        let src = checkpoint(
+            &[("model.bin", data), ("SHA256SUMS", sums.as_bytes())],
+            "memory://one/ck",
+        )
+        .await;
+        w.register("m", "r1", src);
+    }
+
     fn sha(data: &[u8]) -> String {
         Sha256::digest(data)
             .iter()
@@ -585,6 +664,82 @@ mod tests {
         w.register("m", "r2", b);
         assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), b"aaaaaaaa");
         assert_eq!(read(&w, "m", "r2", "model.bin").await.unwrap(), b"bbbbbbbb");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readers_fast_slow_and_late_of_one_cold_download_all_get_every_byte() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cache = Cache::open(dir.path().join("cache"), u64::MAX).expect("cache");
+        // A window of a few parts, so the slow and the late readers fall
+        // behind it and read the cache file or the store instead.
+        let cfg = StreamConfig {
+            concurrency: 4,
+            part_size: 64 * 1024,
+            memory_limit: 512 * 1024,
+        };
+        let w = Arc::new(Weights::new(
+            cache,
+            cfg,
+            AllowList::default(),
+            dir.path().to_path_buf(),
+        ));
+        let data: Vec<u8> = (0..(6u32 << 20))
+            .map(|i| (i * 7 + i / 4099) as u8)
+            .collect();
+        register_with_sums(&w, &data).await;
+        let reader = |pause: Option<std::time::Duration>| {
+            let w = w.clone();
+            tokio::spawn(async move {
+                let (body, _) = w.file("m", "r1", "model.bin").await.expect("file");
+                let mut stream = body.into_data_stream();
+                let mut got = Vec::new();
+                while let Some(chunk) = stream.next().await {
+                    got.extend_from_slice(&chunk.expect("chunk"));
+                    if let Some(p) = pause {
+                        tokio::time::sleep(p).await;
+                    }
+                }
+                got
+            })
+        };
+        let fast = [reader(None), reader(None)];
+        let slow = reader(Some(std::time::Duration::from_millis(20)));
+        // One that comes when the first ones are well into the object.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let arrived = || {
+            w.downloads
+                .lock()
+                .values()
+                .next()
+                .map_or(u64::MAX, |f| f.read(|s| s.received()))
+        };
+        while arrived() < 2 << 20 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the download never got going"
+            );
+            tokio::task::yield_now().await;
+        }
+        let late = reader(None);
+        for h in fast.into_iter().chain([slow, late]) {
+            let got = h.await.expect("reader");
+            assert_eq!(got.len(), data.len());
+            assert!(got == data, "a reader got other bytes");
+        }
+        // The cache holds it whole in the end, and a cache hit reads it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !w.downloads.lock().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "never committed");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let listing = w.files("m", "r1").await.expect("listed");
+        let item = listing
+            .items
+            .iter()
+            .find(|i| i.relative.to_str() == Some("model.bin"))
+            .expect("listed");
+        assert!(w.local_path(item).is_some(), "not cached");
+        assert!(read(&w, "m", "r1", "model.bin").await.unwrap() == data);
     }
 
     #[tokio::test]
@@ -619,13 +774,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let w = weights(dir.path());
         let data = vec![7u8; 3 * CHUNK / 2];
-        let sums = format!("{}  model.bin\n", sha(&data));
-        let src = checkpoint(
-            &[("model.bin", &data), ("SHA256SUMS", sums.as_bytes())],
-            "memory://one/ck",
-        )
-        .await;
-        w.register("m", "r1", src);
+        register_with_sums(&w, &data).await;
         assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), data);
         // The entry is corrupted on disk, keeping its size.
         // The reader may finish before the download commits its entry.
@@ -667,11 +816,20 @@ mod tests {
         let bad = vec![1u8; CHUNK + 10];
         std::fs::write(&tmp, &bad).expect("write");
         // Every byte is written; the writer has not committed yet.
-        let (_tx, rx) = watch::channel(Progress::Writing {
-            tmp,
-            written: bad.len() as u64,
-        });
-        let mut stream = std::pin::pin!(follow_stream(rx, bad.len() as u64, Some(sha(b"good"))));
+        let fanout = Fanout::new(bad.len() as u64, 1 << 20, tmp);
+        fanout.update(|s| s.written(bad.len() as u64));
+        let origin = Origin {
+            fanout,
+            source: Source::new(
+                Arc::new(InMemory::new()),
+                object_store::path::Path::from("x"),
+                "memory://x",
+            ),
+            cfg: StreamConfig::default(),
+            entry: None,
+        };
+        let mut stream =
+            std::pin::pin!(follow_stream(origin, bad.len() as u64, Some(sha(b"good"))));
         let mut got = 0usize;
         let mut failed = false;
         while let Some(chunk) = stream.next().await {

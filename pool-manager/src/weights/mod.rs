@@ -8,16 +8,20 @@
 //! worker can place tensor N while tensor N+1 is still arriving. [`Cache`]
 //! keeps objects on local disk, keyed by what the store says about their
 //! content and identity, so a second replica or a rollback never downloads them
-//! again. [`AllowList`] says which checkpoint URIs may be opened at all.
+//! again. [`Fanout`] feeds one download to many readers from memory, with
+//! the cache file written beside them. [`AllowList`] says which checkpoint
+//! URIs may be opened at all.
 
 mod allow;
 mod cache;
+pub mod fanout;
 pub mod header;
 mod pull;
 mod source;
 
 pub use allow::AllowList;
 pub use cache::{Cache, CacheWriter, parse_sha256sums, sha256_file};
+pub use fanout::Fanout;
 pub use header::{Header, TensorEntry};
 pub use pull::{PullItem, PullReport, SHA256SUMS, checksums, plan, pull};
 pub use source::{Source, StreamConfig, Tensor};
