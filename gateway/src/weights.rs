@@ -26,9 +26,9 @@ use futures_util::StreamExt;
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
-use warmgate_pool::weights::fanout::{Next, Reader};
+use warmgate_pool::weights::fanout::{Next, Reader, State};
 use warmgate_pool::weights::{
-    AllowList, Cache, Fanout, PullItem, Source, StreamConfig, checksums, plan,
+    AllowList, Cache, CacheWriter, Fanout, PullItem, Source, StreamConfig, checksums, plan,
 };
 
 use crate::error::{ApiError, ErrorKind};
@@ -81,6 +81,10 @@ pub enum Grant {
 /// A registration: the checkpoint of `target` at `revision`.
 type Key = (String, String);
 
+/// A download in flight, and where its cache entry will be (`None`: it
+/// has no cache file).
+type Download = (Arc<Fanout>, Option<PathBuf>);
+
 /// Checkpoints of the apps' revisions and of the pools' weight versions,
 /// their listings, downloads in flight, and the workers' tokens.
 pub struct Weights {
@@ -91,7 +95,8 @@ pub struct Weights {
     base: PathBuf,
     sources: Mutex<HashMap<Key, Source>>,
     listings: Mutex<HashMap<Key, Arc<Listing>>>,
-    downloads: Mutex<HashMap<String, Arc<Fanout>>>,
+    /// Downloads in flight, by cache key.
+    downloads: Mutex<HashMap<String, Download>>,
     /// Live weights tokens by replica id: each replica's own, with what it
     /// may read.
     tokens: Mutex<HashMap<String, (Grant, String)>>,
@@ -316,56 +321,70 @@ impl Weights {
             .clone();
         let size = item.meta.size;
         let key = Cache::key(item.source.uri(), &item.meta);
-        let origin = |fanout, entry| Origin {
-            fanout,
-            source: item.source.clone(),
-            cfg: self.share_of_memory(4),
-            entry,
-        };
         if let Some(path) = self.cache.lookup(&key, size) {
             metrics::counter!("warmgate_weights_cache_bytes_total").increment(size);
-            let hit = origin(Fanout::committed(size, path.clone()), Some(path));
+            let hit = Origin {
+                reader: Fanout::committed(size, path.clone()).reader(0, true),
+                entry: Some(path),
+                hit: true,
+            };
             return Ok((follow(hit, size, expected), size));
         }
-        let fanout = self.download(key, item.clone(), expected.clone()).await?;
-        Ok((follow(origin(fanout, None), size, expected), size))
+        let (reader, entry) = self.download(key, item, expected.clone()).await?;
+        let origin = Origin {
+            reader,
+            entry,
+            hit: false,
+        };
+        Ok((follow(origin, size, expected), size))
     }
 
     /// The download of `item`: the one in flight, or a new one. It feeds
     /// its readers from memory as the parts arrive, and a cache writer of
-    /// its own beside them (see [`warmgate_pool::weights::fanout`]).
+    /// its own beside them (see [`warmgate_pool::weights::fanout`]). When
+    /// the cache file cannot be created, the readers are served from
+    /// memory alone. Returns the caller's reader of it, joined before the
+    /// download starts, with the cache entry's path.
     async fn download(
         self: &Arc<Self>,
         key: String,
         item: PullItem,
         sha256: Option<String>,
-    ) -> Result<Arc<Fanout>, ApiError> {
-        if let Some(f) = self.downloads.lock().get(&key) {
-            return Ok(f.clone());
+    ) -> Result<(Reader, Option<PathBuf>), ApiError> {
+        if let Some((fanout, entry)) = self.downloads.lock().get(&key) {
+            return Ok((fanout.reader(0, true), entry.clone()));
         }
-        let mut writer = self
-            .cache
-            .writer(&key)
-            .await
-            .map_err(|e| weights_error(&e))?;
+        let writer = match self.cache.writer(&key).await {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(uri = %item.source.uri(), error = %e, "cannot write the checkpoint's cache file; serving it from memory alone");
+                None
+            }
+        };
         let size = item.meta.size;
-        let fanout = Fanout::new(size, self.window_bytes(), writer.path().to_owned());
+        let fanout = Fanout::new(
+            size,
+            self.window_bytes(),
+            writer.as_ref().map(|w| w.path().to_owned()),
+        );
+        let entry = writer.as_ref().map(|w| w.entry().to_owned());
         {
             let mut downloads = self.downloads.lock();
-            if let Some(existing) = downloads.get(&key) {
+            if let Some((existing, entry)) = downloads.get(&key) {
                 // Another reader started the same download meanwhile.
-                return Ok(existing.clone());
+                return Ok((existing.reader(0, true), entry.clone()));
             }
-            downloads.insert(key.clone(), fanout.clone());
+            downloads.insert(key.clone(), (fanout.clone(), entry.clone()));
         }
+        let caller = fanout.reader(0, true);
         // The writer joins before the download starts, so it runs for it.
-        let mut from_window = fanout.reader(0, false);
-        let feed = fanout.clone();
-        let (source, cfg) = (item.source.clone(), self.share_of_memory(2));
+        let from_window = writer.as_ref().map(|_| fanout.reader(0, false));
+        let (this, feed) = (self.clone(), fanout.clone());
+        let (source, cfg, key2) = (item.source.clone(), self.share_of_memory(2), key.clone());
         tokio::spawn(async move {
             let mut parts = source.parts(0..size, &cfg);
             let outcome = loop {
-                if !feed.room().await {
+                if feed.read(State::received) >= size || !feed.room().await {
                     break Ok(());
                 }
                 match parts.next().await {
@@ -382,58 +401,35 @@ impl Weights {
                 tracing::warn!(uri = %source.uri(), error = %e, "checkpoint download failed");
             }
             feed.update(|s| s.end(outcome));
+            this.retire(&key2, &feed);
         });
-        let this = self.clone();
-        let (fill, cfg) = (fanout.clone(), self.share_of_memory(4));
-        tokio::spawn(async move {
-            let outcome: Result<PathBuf, String> = async {
-                loop {
-                    match from_window.next(CHUNK).await {
-                        Next::Memory(b) => {
-                            writer.write(&b).await.map_err(|e| e.to_string())?;
-                            from_window.consumed(b.len() as u64);
-                            let written = writer.written();
-                            fill.update(|s| s.written(written));
-                        }
-                        Next::Store => {
-                            // The disk is slower than the store: read the
-                            // rest again, at the disk's pace, and leave the
-                            // readers the window.
-                            from_window.leave();
-                            let from = from_window.offset();
-                            tracing::info!(uri = %item.source.uri(), from, size, "the cache file fell behind the download; reading the rest for it from the store");
-                            let mut rest = item.source.parts(from..size, &cfg);
-                            while let Some(part) = rest.next().await {
-                                let part = part.map_err(|e| e.to_string())?;
-                                metrics::counter!("warmgate_weights_store_bytes_total")
-                                    .increment(part.len() as u64);
-                                writer.write(&part).await.map_err(|e| e.to_string())?;
-                                let written = writer.written();
-                                fill.update(|s| s.written(written));
-                            }
-                            break;
-                        }
-                        Next::End => break,
-                        Next::Failed(e) => return Err(e),
-                        Next::File { .. } | Next::Wait => {
-                            unreachable!("the writer never reads the file, and next() waits")
-                        }
-                    }
+        if let (Some(writer), Some(from_window)) = (writer, from_window) {
+            let this = self.clone();
+            let (fill, cfg) = (fanout.clone(), self.share_of_memory(4));
+            tokio::spawn(async move {
+                let outcome = fill_cache(writer, from_window, &fill, &item, &cfg, sha256).await;
+                if let Err(e) = &outcome {
+                    tracing::warn!(uri = %item.source.uri(), error = %e, "the checkpoint's cache file was not kept");
                 }
-                drop(from_window);
-                writer
-                    .commit(size, sha256.as_deref())
-                    .await
-                    .map_err(|e| e.to_string())
+                fill.update(|s| s.filled(outcome.ok()));
+                this.retire(&key, &fill);
+            });
+        }
+        Ok((caller, entry))
+    }
+
+    /// Forgets the download of `key` if it is `fanout` and new readers
+    /// should no longer join it.
+    fn retire(&self, key: &str, fanout: &Arc<Fanout>) {
+        if fanout.read(State::retired) {
+            let mut downloads = self.downloads.lock();
+            if downloads
+                .get(key)
+                .is_some_and(|(f, _)| Arc::ptr_eq(f, fanout))
+            {
+                downloads.remove(key);
             }
-            .await;
-            if let Err(e) = &outcome {
-                tracing::warn!(uri = %item.source.uri(), error = %e, "the checkpoint's cache file was not kept");
-            }
-            fill.update(|s| s.filled(outcome.ok()));
-            this.downloads.lock().remove(&key);
-        });
-        Ok(fanout)
+        }
     }
 
     /// Bytes each download holds for its readers in memory: a quarter of
@@ -452,23 +448,73 @@ impl Weights {
     }
 }
 
-/// Where a body reads the object from: its download (or a cache hit), and
-/// the store, for the bytes that are neither in memory nor on file.
+/// Writes the cache file of a download from its window, and from the store
+/// once it falls behind the window; then commits it. Returns the entry.
+async fn fill_cache(
+    mut writer: CacheWriter,
+    mut from_window: Reader,
+    fill: &Fanout,
+    item: &PullItem,
+    cfg: &StreamConfig,
+    sha256: Option<String>,
+) -> Result<PathBuf, String> {
+    let size = item.meta.size;
+    loop {
+        match from_window.next(CHUNK).await {
+            Next::Memory(b) => {
+                writer.write(&b).await.map_err(|e| e.to_string())?;
+                from_window.consumed(b.len() as u64);
+                let written = writer.written();
+                fill.update(|s| s.written(written));
+            }
+            Next::Store => {
+                // The disk is slower than the store: read the rest again, at
+                // the disk's pace, and leave the readers the window.
+                from_window.leave();
+                let from = from_window.offset();
+                tracing::info!(uri = %item.source.uri(), from, size, "the cache file fell behind the download; reading the rest for it from the store");
+                let mut rest = item.source.parts(from..size, cfg);
+                while let Some(part) = rest.next().await {
+                    let part = part.map_err(|e| e.to_string())?;
+                    metrics::counter!("warmgate_weights_store_bytes_total")
+                        .increment(part.len() as u64);
+                    writer.write(&part).await.map_err(|e| e.to_string())?;
+                    let written = writer.written();
+                    fill.update(|s| s.written(written));
+                }
+                break;
+            }
+            Next::End => break,
+            Next::Failed(e) => return Err(e),
+            Next::File { .. } | Next::Wait => {
+                unreachable!("the writer never reads the file, and next() waits")
+            }
+        }
+    }
+    drop(from_window);
+    writer
+        .commit(size, sha256.as_deref())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Where a body reads the object from: its download (or a cache hit).
 struct Origin {
-    fanout: Arc<Fanout>,
-    source: Source,
-    cfg: StreamConfig,
-    /// A cache hit's entry, removed if its bytes fail their digest.
+    reader: Reader,
+    /// Where the cache entry is, or will be once committed: a reader
+    /// whose temporary file was renamed a moment ago opens it there.
     entry: Option<PathBuf>,
+    /// Whether it is a cache hit, whose entry is removed if its bytes fail
+    /// their digest.
+    hit: bool,
 }
 
 /// A body that reads an object as its download brings it: from memory
 /// while the bytes are in the download's window, from the cache file
-/// behind it, from the store where neither has them. With an expected
-/// SHA-256 it hashes what it sends and holds the last chunk back until
-/// the digest matches; on a mismatch the body ends with an error (and a
-/// cache entry that was read is removed), so no reader sees a clean end
-/// of bad bytes.
+/// behind it. With an expected SHA-256 it hashes what it sends and holds
+/// the last chunk back until the digest matches; on a mismatch the body
+/// ends with an error (and a cache entry that was read is removed), so no
+/// reader sees a clean end of bad bytes.
 fn follow(origin: Origin, size: u64, sha256: Option<String>) -> Body {
     Body::from_stream(follow_stream(origin, size, sha256))
 }
@@ -479,22 +525,16 @@ fn follow_stream(
     sha256: Option<String>,
 ) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> {
     struct St {
-        reader: Reader,
         origin: Origin,
         /// The cache file open, and where its position is.
         file: Option<(tokio::fs::File, u64)>,
-        /// The store, once the reader fell out of both.
-        store:
-            Option<futures_util::stream::BoxStream<'static, warmgate_pool::Result<bytes::Bytes>>>,
         offset: u64,
         size: u64,
         sha256: Option<(String, Sha256)>,
     }
     let st = St {
-        reader: origin.fanout.reader(0, true),
         origin,
         file: None,
-        store: None,
         offset: 0,
         size,
         sha256: sha256.map(|s| (s, Sha256::new())),
@@ -503,54 +543,36 @@ fn follow_stream(
         if st.offset >= st.size {
             return Ok::<_, std::io::Error>(None);
         }
-        let chunk = match st.store.as_mut() {
-            Some(store) => match store.next().await {
-                Some(part) => part.map_err(std::io::Error::other)?,
-                None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            },
-            None => match st.reader.next(CHUNK).await {
-                Next::Memory(b) => b,
-                Next::File { path, until } => {
-                    if st.file.is_none() {
-                        // An open file outlives its rename from the
-                        // temporary name to the entry.
-                        st.file = Some((tokio::fs::File::open(&path).await?, 0));
-                    }
-                    let (file, pos) = st.file.as_mut().expect("opened above");
-                    if *pos != st.offset {
-                        file.seek(std::io::SeekFrom::Start(st.offset)).await?;
-                    }
-                    let want = ((until - st.offset) as usize).min(CHUNK);
-                    let mut buf = bytes::BytesMut::with_capacity(want);
-                    let mut limited = (&mut *file).take(want as u64);
-                    while buf.len() < want {
-                        if limited.read_buf(&mut buf).await? == 0 {
-                            return Err(std::io::ErrorKind::UnexpectedEof.into());
-                        }
-                    }
-                    *pos = st.offset + want as u64;
-                    buf.freeze()
+        let chunk = match st.origin.reader.next(CHUNK).await {
+            Next::Memory(b) => b,
+            Next::File { path, until } => {
+                if st.file.is_none() {
+                    st.file = Some((open_following(&path, st.origin.entry.as_deref()).await?, 0));
                 }
-                Next::Store => {
-                    st.reader.leave();
-                    let mut store = st.origin.source.parts(st.offset..st.size, &st.origin.cfg);
-                    let first = match store.next().await {
-                        Some(part) => part.map_err(std::io::Error::other)?,
-                        None => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                    };
-                    st.store = Some(store);
-                    first
+                let (file, pos) = st.file.as_mut().expect("opened above");
+                if *pos != st.offset {
+                    file.seek(std::io::SeekFrom::Start(st.offset)).await?;
                 }
-                Next::End => return Ok(None),
-                Next::Failed(e) => return Err(std::io::Error::other(e)),
-                Next::Wait => unreachable!("next() waits"),
-            },
+                let want = ((until - st.offset) as usize).min(CHUNK);
+                let mut buf = bytes::BytesMut::with_capacity(want);
+                let mut limited = (&mut *file).take(want as u64);
+                while buf.len() < want {
+                    if limited.read_buf(&mut buf).await? == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                }
+                *pos = st.offset + want as u64;
+                buf.freeze()
+            }
+            Next::End => return Ok(None),
+            Next::Failed(e) => return Err(std::io::Error::other(e)),
+            Next::Store | Next::Wait => {
+                unreachable!("readers of the file are never sent to the store, and next() waits")
+            }
         };
         let chunk = chunk.slice(..chunk.len().min((st.size - st.offset) as usize));
         st.offset += chunk.len() as u64;
-        if st.store.is_none() {
-            st.reader.consumed(chunk.len() as u64);
-        }
+        st.origin.reader.consumed(chunk.len() as u64);
         if let Some((expected, hasher)) = st.sha256.as_mut() {
             hasher.update(&chunk);
             if st.offset == st.size {
@@ -560,7 +582,7 @@ fn follow_stream(
                     .map(|b| format!("{b:02x}"))
                     .collect();
                 if !got.eq_ignore_ascii_case(expected) {
-                    if let Some(entry) = &st.origin.entry {
+                    if let (true, Some(entry)) = (st.origin.hit, &st.origin.entry) {
                         tracing::warn!(path = %entry.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
                         let _ = std::fs::remove_file(entry);
                     }
@@ -572,6 +594,22 @@ fn follow_stream(
         }
         Ok(Some((chunk, st)))
     })
+}
+
+/// Opens the cache file a reader is told to read: the temporary file, or
+/// the entry it was renamed to a moment ago. (An open file outlives the
+/// rename.)
+async fn open_following(
+    path: &std::path::Path,
+    entry: Option<&std::path::Path>,
+) -> std::io::Result<tokio::fs::File> {
+    match tokio::fs::File::open(path).await {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match entry {
+            Some(entry) if entry != path => tokio::fs::File::open(entry).await,
+            _ => Err(e),
+        },
+        other => other,
+    }
 }
 
 fn weights_error(e: &warmgate_pool::Error) -> ApiError {
@@ -711,7 +749,7 @@ mod tests {
                 .lock()
                 .values()
                 .next()
-                .map_or(u64::MAX, |f| f.read(|s| s.received()))
+                .map_or(u64::MAX, |(f, _)| f.read(State::received))
         };
         while arrived() < 2 << 20 {
             assert!(
@@ -740,6 +778,32 @@ mod tests {
             .expect("listed");
         assert!(w.local_path(item).is_some(), "not cached");
         assert!(read(&w, "m", "r1", "model.bin").await.unwrap() == data);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_a_cache_file_the_readers_are_served_from_memory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = weights(dir.path());
+        // The cache's folder is gone: no file can be created in it.
+        std::fs::remove_dir_all(dir.path().join("cache")).expect("rm");
+        let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i / 3) as u8).collect();
+        register_with_sums(&w, &data).await;
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let w = w.clone();
+                tokio::spawn(async move { read(&w, "m", "r1", "model.bin").await })
+            })
+            .collect();
+        for r in readers {
+            assert!(r.await.expect("reader").expect("served") == data);
+        }
+        // Nothing is cached, and a later read downloads again.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !w.downloads.lock().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "never retired");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(read(&w, "m", "r1", "model.bin").await.expect("again") == data);
     }
 
     #[tokio::test]
@@ -816,17 +880,12 @@ mod tests {
         let bad = vec![1u8; CHUNK + 10];
         std::fs::write(&tmp, &bad).expect("write");
         // Every byte is written; the writer has not committed yet.
-        let fanout = Fanout::new(bad.len() as u64, 1 << 20, tmp);
+        let fanout = Fanout::new(bad.len() as u64, 1 << 20, Some(tmp));
         fanout.update(|s| s.written(bad.len() as u64));
         let origin = Origin {
-            fanout,
-            source: Source::new(
-                Arc::new(InMemory::new()),
-                object_store::path::Path::from("x"),
-                "memory://x",
-            ),
-            cfg: StreamConfig::default(),
+            reader: fanout.reader(0, true),
             entry: None,
+            hit: false,
         };
         let mut stream =
             std::pin::pin!(follow_stream(origin, bad.len() as u64, Some(sha(b"good"))));

@@ -171,6 +171,11 @@ impl CacheWriter {
         &self.tmp
     }
 
+    /// Where the entry will be once committed.
+    pub fn entry(&self) -> &Path {
+        &self.target
+    }
+
     /// Bytes written so far.
     pub fn written(&self) -> u64 {
         self.written

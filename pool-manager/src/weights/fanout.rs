@@ -8,7 +8,10 @@
 //! everyone's critical path. A reader that falls behind the window reads
 //! what the cache file already holds and then waits for the writer (it is
 //! the slowest there is anyway); the writer, when it falls behind, reads
-//! the rest from the store on its own, at the disk's pace.
+//! the rest from the store on its own, at the disk's pace. Without a cache
+//! file (the disk refused it), readers are served from the window alone,
+//! and one that falls behind it fails rather than read the store again:
+//! the memory and the store reads a download costs stay bounded.
 //!
 //! The download runs no faster than its leading reader needs: it waits
 //! while that reader is a whole window behind, and stops when nobody
@@ -44,7 +47,7 @@ pub enum Next {
     /// Not there yet: wait for a change.
     Wait,
     /// Neither in memory nor on file, and nothing will bring them here:
-    /// read them from the store.
+    /// read them from the store (only the cache writer is told this).
     Store,
     /// The object is read whole.
     End,
@@ -94,8 +97,9 @@ pub struct State {
 
 impl State {
     /// A download of `size` bytes holding at most about `cap` of them in
-    /// memory, its cache file being written at `tmp`.
-    pub fn new(size: u64, cap: u64, tmp: PathBuf) -> State {
+    /// memory, its cache file being written at `tmp` (`None`: it has
+    /// none).
+    pub fn new(size: u64, cap: u64, tmp: Option<PathBuf>) -> State {
         State {
             size,
             cap: cap.max(1),
@@ -104,7 +108,10 @@ impl State {
             window_bytes: 0,
             received: 0,
             feed: Feed::Running,
-            fill: Fill::Writing { tmp, written: 0 },
+            fill: match tmp {
+                Some(tmp) => Fill::Writing { tmp, written: 0 },
+                None => Fill::Gone,
+            },
             readers: BTreeMap::new(),
             next_id: 0,
         }
@@ -196,6 +203,15 @@ impl State {
         self.feed == Feed::Running || matches!(self.fill, Fill::Writing { .. })
     }
 
+    /// Whether new readers should start a download of their own instead
+    /// of joining this one: its file is committed (they read the cache),
+    /// or it failed, or it has neither a file nor bytes arriving.
+    pub fn retired(&self) -> bool {
+        matches!(self.fill, Fill::Committed(_))
+            || matches!(self.feed, Feed::Failed(_))
+            || (self.fill == Fill::Gone && self.feed != Feed::Running)
+    }
+
     /// What a reader at `offset` gets next, at most `max` bytes of it;
     /// `use_file`: whether it may read the cache file (the writer may not).
     pub fn next(&self, offset: u64, max: usize, use_file: bool) -> Next {
@@ -239,8 +255,15 @@ impl State {
                     }
                 }
                 Fill::Gone => {
-                    if offset < self.window_start {
-                        return Next::Store;
+                    if offset < self.window_start || self.feed != Feed::Running {
+                        return match &self.feed {
+                            Feed::Failed(e) if offset >= self.received => Next::Failed(e.clone()),
+                            _ => Next::Failed(
+                                "these bytes have left the download's memory, and the cache \
+                                 file that would hold them could not be written"
+                                    .into(),
+                            ),
+                        };
                     }
                 }
             }
@@ -250,6 +273,7 @@ impl State {
         match &self.feed {
             Feed::Running => Next::Wait,
             Feed::Failed(e) => Next::Failed(e.clone()),
+            // Only the writer gets here: readers of the file wait for it.
             Feed::Stopped | Feed::Done => Next::Store,
         }
     }
@@ -259,36 +283,50 @@ impl State {
 /// wake-up on every change.
 pub struct Fanout {
     state: Mutex<State>,
-    changed: watch::Sender<()>,
+    /// Bytes arrived, the file grew, the download or the file ended: what
+    /// readers wait for.
+    arrived: watch::Sender<()>,
+    /// A reader joined, moved or left: what the download waits for.
+    moved: watch::Sender<()>,
 }
 
 impl Fanout {
     /// See [`State::new`].
-    pub fn new(size: u64, cap: u64, tmp: PathBuf) -> Arc<Fanout> {
+    pub fn new(size: u64, cap: u64, tmp: Option<PathBuf>) -> Arc<Fanout> {
+        Fanout::with(State::new(size, cap, tmp))
+    }
+
+    fn with(state: State) -> Arc<Fanout> {
         Arc::new(Fanout {
-            state: Mutex::new(State::new(size, cap, tmp)),
-            changed: watch::channel(()).0,
+            state: Mutex::new(state),
+            arrived: watch::channel(()).0,
+            moved: watch::channel(()).0,
         })
     }
 
     /// A finished download: the object whole in the cache entry at
     /// `path`, for a reader of a cache hit.
     pub fn committed(size: u64, path: PathBuf) -> Arc<Fanout> {
-        let mut state = State::new(size, 1, path.clone());
+        let mut state = State::new(size, 1, None);
         state.feed = Feed::Done;
         state.received = size;
         state.window_start = size;
         state.filled(Some(path));
-        Arc::new(Fanout {
-            state: Mutex::new(state),
-            changed: watch::channel(()).0,
-        })
+        Fanout::with(state)
     }
 
-    /// Changes the state and wakes everyone waiting on it.
+    /// Changes what readers read (bytes, the file, how the download
+    /// ended) and wakes the readers.
     pub fn update<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let r = f(&mut self.state.lock());
-        self.changed.send_replace(());
+        self.arrived.send_replace(());
+        r
+    }
+
+    /// Changes the readers' positions and wakes the download.
+    fn reposition<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let r = f(&mut self.state.lock());
+        self.moved.send_replace(());
         r
     }
 
@@ -297,15 +335,10 @@ impl Fanout {
         f(&self.state.lock())
     }
 
-    /// A wake-up for changes from now on.
-    pub fn subscribe(&self) -> watch::Receiver<()> {
-        self.changed.subscribe()
-    }
-
     /// Waits until the download may take another part: `false` when it
     /// should stop instead.
     pub async fn room(&self) -> bool {
-        let mut rx = self.subscribe();
+        let mut rx = self.moved.subscribe();
         loop {
             rx.borrow_and_update();
             match self.read(State::may_push) {
@@ -322,10 +355,10 @@ impl Fanout {
 
     /// A reader from `offset`; see [`State::next`] for `use_file`.
     pub fn reader(self: &Arc<Self>, offset: u64, use_file: bool) -> Reader {
-        let id = self.update(|s| s.join(offset));
+        let id = self.reposition(|s| s.join(offset));
         Reader {
             fanout: self.clone(),
-            rx: self.subscribe(),
+            rx: self.arrived.subscribe(),
             id: Some(id),
             offset,
             use_file,
@@ -370,7 +403,7 @@ impl Reader {
         self.offset += n;
         if let Some(id) = self.id {
             let offset = self.offset;
-            self.fanout.update(|s| s.advance(id, offset));
+            self.fanout.reposition(|s| s.advance(id, offset));
         }
     }
 
@@ -378,7 +411,7 @@ impl Reader {
     /// the download no longer runs for it.
     pub fn leave(&mut self) {
         if let Some(id) = self.id.take() {
-            self.fanout.update(|s| s.leave(id));
+            self.fanout.reposition(|s| s.leave(id));
         }
     }
 }
@@ -417,7 +450,7 @@ mod tests {
 
     #[test]
     fn readers_take_parts_from_memory_as_they_arrive() {
-        let mut s = State::new(30, 100, tmp());
+        let mut s = State::new(30, 100, Some(tmp()));
         let r = s.join(0);
         assert_eq!(s.next(0, 100, true), Next::Wait);
         s.push(part(10, 1));
@@ -431,7 +464,7 @@ mod tests {
 
     #[test]
     fn the_download_runs_at_most_a_window_ahead_of_its_lead_and_stops_without_readers() {
-        let mut s = State::new(100, 20, tmp());
+        let mut s = State::new(100, 20, Some(tmp()));
         assert_eq!(s.may_push(), None);
         let slow = s.join(0);
         let fast = s.join(0);
@@ -464,7 +497,7 @@ mod tests {
 
     #[test]
     fn a_writer_behind_the_window_reads_the_store_and_never_the_file() {
-        let mut s = State::new(100, 10, tmp());
+        let mut s = State::new(100, 10, Some(tmp()));
         let _lead = s.join(0);
         s.push(part(10, 1));
         s.push(part(10, 2));
@@ -475,7 +508,7 @@ mod tests {
 
     #[test]
     fn a_reader_past_a_stopped_download_waits_for_the_file_then_reads_it() {
-        let mut s = State::new(100, 10, tmp());
+        let mut s = State::new(100, 10, Some(tmp()));
         let r = s.join(0);
         s.push(part(10, 1));
         s.leave(r);
@@ -497,20 +530,43 @@ mod tests {
     }
 
     #[test]
-    fn without_a_file_a_reader_behind_the_window_reads_the_store() {
-        let mut s = State::new(100, 10, tmp());
+    fn without_a_file_readers_are_served_from_the_window_and_one_behind_it_fails() {
+        let mut s = State::new(100, 10, Some(tmp()));
         let _r = s.join(0);
         s.push(part(10, 1));
         s.push(part(10, 2));
         s.filled(None);
-        assert_eq!(s.next(0, 100, true), Next::Store);
+        assert!(matches!(s.next(0, 100, true), Next::Failed(_)));
         assert_eq!(s.next(10, 100, true), Next::Memory(part(10, 2)));
         assert_eq!(s.next(20, 100, true), Next::Wait);
+        assert!(!s.retired(), "bytes still arrive for the window's readers");
+        // A download that never had a file serves the same way.
+        let mut s = State::new(100, 10, None);
+        let r = s.join(0);
+        s.push(part(10, 1));
+        assert_eq!(s.next(0, 100, true), Next::Memory(part(10, 1)));
+        s.leave(r);
+        s.end(Ok(()));
+        assert!(s.retired(), "nothing arrives and nothing is on file");
+        assert!(matches!(s.next(10, 100, true), Next::Failed(_)));
+    }
+
+    #[test]
+    fn a_download_is_retired_once_committed_or_failed() {
+        let mut s = State::new(10, 100, Some(tmp()));
+        assert!(!s.retired());
+        s.push(part(10, 1));
+        assert!(!s.retired(), "the file is not written yet");
+        s.filled(Some(PathBuf::from("/cache/x")));
+        assert!(s.retired());
+        let mut s = State::new(100, 100, Some(tmp()));
+        s.end(Err("500".into()));
+        assert!(s.retired(), "new readers start again at once");
     }
 
     #[test]
     fn a_failed_download_fails_readers_past_what_arrived_only() {
-        let mut s = State::new(100, 100, tmp());
+        let mut s = State::new(100, 100, Some(tmp()));
         let _r = s.join(0);
         s.push(part(10, 1));
         s.end(Err("store said 500".into()));
@@ -521,7 +577,7 @@ mod tests {
             Next::Failed("store said 500".into())
         );
         // Failing after the end changes nothing.
-        let mut s = State::new(10, 100, tmp());
+        let mut s = State::new(10, 100, Some(tmp()));
         s.push(part(10, 1));
         s.end(Err("late".into()));
         assert_eq!(s.next(0, 100, true), Next::Memory(part(10, 1)));
@@ -529,7 +585,7 @@ mod tests {
 
     #[test]
     fn memory_stays_within_the_cap_plus_one_part() {
-        let mut s = State::new(1000, 25, tmp());
+        let mut s = State::new(1000, 25, Some(tmp()));
         let r = s.join(0);
         for i in 0..100 {
             s.push(part(10, i as u8));
@@ -541,7 +597,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_reader_wakes_on_a_part_and_the_download_on_a_read() {
-        let f = Fanout::new(20, 10, tmp());
+        let f = Fanout::new(20, 10, Some(tmp()));
         let mut r = f.reader(0, true);
         let f2 = f.clone();
         let feeder = tokio::spawn(async move {
