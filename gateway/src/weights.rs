@@ -355,6 +355,7 @@ impl Weights {
             return Ok((fanout.reader(0, true), entry.clone()));
         }
         let writer = match self.cache.writer(&key).await {
+            Ok(w) if sha256.is_none() => Some(w.without_digest()),
             Ok(w) => Some(w),
             Err(e) => {
                 tracing::warn!(uri = %item.source.uri(), error = %e, "cannot write the checkpoint's cache file; serving it from memory alone");
@@ -460,7 +461,8 @@ async fn fill_cache(
 ) -> Result<PathBuf, String> {
     let size = item.meta.size;
     loop {
-        match from_window.next(CHUNK).await {
+        // A whole part at a time: one write for each.
+        match from_window.next(usize::MAX).await {
             Next::Memory(b) => {
                 writer.write(&b).await.map_err(|e| e.to_string())?;
                 from_window.consumed(b.len() as u64);

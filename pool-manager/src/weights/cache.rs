@@ -13,7 +13,6 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use object_store::ObjectMeta;
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncWriteExt;
 
 use crate::{Error, Result};
 
@@ -30,11 +29,16 @@ pub struct Cache {
 /// removes its temporary file.
 #[derive(Debug)]
 pub struct CacheWriter {
-    file: Option<tokio::fs::File>,
+    /// Written on tokio's blocking pool, from the caller's buffers as
+    /// they are (no copy into an async file's own buffer).
+    file: Option<std::fs::File>,
     tmp: PathBuf,
     target: PathBuf,
     written: u64,
-    hasher: Sha256,
+    /// The digest of what was written, unless the caller expects none.
+    hasher: Option<Sha256>,
+    /// Renamed into place: nothing to remove when dropped.
+    committed: bool,
     cache: Cache,
 }
 
@@ -108,11 +112,12 @@ impl Cache {
                 reason: e.to_string(),
             })?;
         Ok(CacheWriter {
-            file: Some(file),
+            file: Some(file.into_std().await),
             target: self.dir.join(key),
             tmp,
             written: 0,
-            hasher: Sha256::new(),
+            hasher: Some(Sha256::new()),
+            committed: false,
             cache: self.clone(),
         })
     }
@@ -181,24 +186,39 @@ impl CacheWriter {
         self.written
     }
 
-    /// Appends bytes.
+    /// Hashes nothing: the caller will commit without an expected digest
+    /// (one given anyway is then checked by reading the file back).
+    pub fn without_digest(mut self) -> Self {
+        self.hasher = None;
+        self
+    }
+
+    /// Appends bytes. Once it returns they are in the file, visible to
+    /// readers that follow it as it grows.
     pub async fn write(&mut self, data: &Bytes) -> Result<()> {
-        let file = self.file.as_mut().ok_or_else(|| Error::Cache {
+        let err = |reason: String| Error::Cache {
             path: self.tmp.clone(),
-            reason: "written after commit".into(),
-        })?;
-        // tokio's File writes in the background; flushing makes the bytes
-        // visible to readers that follow the file as it grows.
-        let io = async {
-            file.write_all(data).await?;
-            file.flush().await
+            reason,
         };
-        io.await.map_err(|e| Error::Cache {
-            path: self.tmp.clone(),
-            reason: e.to_string(),
-        })?;
-        self.written += data.len() as u64;
-        self.hasher.update(data);
+        let mut file = self
+            .file
+            .take()
+            .ok_or_else(|| err("written after commit".into()))?;
+        let mut hasher = self.hasher.take();
+        let data = data.clone();
+        let (file, hasher, outcome) = tokio::task::spawn_blocking(move || {
+            use std::io::Write as _;
+            let outcome = file.write_all(&data);
+            if let Some(h) = hasher.as_mut() {
+                h.update(&data);
+            }
+            (file, hasher, outcome.map(|()| data.len() as u64))
+        })
+        .await
+        .map_err(|e| err(format!("the write's thread failed: {e}")))?;
+        self.file = Some(file);
+        self.hasher = hasher;
+        self.written += outcome.map_err(|e| err(e.to_string()))?;
         Ok(())
     }
 
@@ -217,7 +237,10 @@ impl CacheWriter {
             ));
         }
         if let Some(want) = sha256 {
-            let got = hex(&std::mem::take(&mut self.hasher).finalize());
+            let got = match self.hasher.take() {
+                Some(h) => hex(&h.finalize()),
+                None => sha256_file(&self.tmp).await?,
+            };
             if !got.eq_ignore_ascii_case(want) {
                 return Err(err(
                     &self.tmp,
@@ -227,18 +250,15 @@ impl CacheWriter {
                 ));
             }
         }
-        let mut file = self.file.take().expect("committed once");
-        file.flush()
+        let file = self.file.take().expect("committed once");
+        tokio::task::spawn_blocking(move || file.sync_all())
             .await
+            .map_err(|e| err(&self.tmp, e.to_string()))?
             .map_err(|e| err(&self.tmp, e.to_string()))?;
-        file.sync_all()
-            .await
-            .map_err(|e| err(&self.tmp, e.to_string()))?;
-        drop(file);
         if let Err(e) = tokio::fs::rename(&self.tmp, &self.target).await {
-            let _ = tokio::fs::remove_file(&self.tmp).await;
             return Err(err(&self.target, e.to_string()));
         }
+        self.committed = true;
         let cache = self.cache.clone();
         let target = self.target.clone();
         let keep = target.clone();
@@ -249,7 +269,7 @@ impl CacheWriter {
 
 impl Drop for CacheWriter {
     fn drop(&mut self) {
-        if self.file.is_some() {
+        if !self.committed {
             let _ = std::fs::remove_file(&self.tmp);
         }
     }

@@ -167,6 +167,9 @@ pub async fn pull(
             report.from_cache += size;
         } else if let Some(cache) = cache {
             let mut w = cache.writer(&key).await?;
+            if expected.is_none() {
+                w = w.without_digest();
+            }
             let mut parts = item.source.parts(0..size, cfg);
             while let Some(part) = parts.next().await {
                 let part = part?;
