@@ -126,17 +126,34 @@ pub(crate) async fn submit_task(
         let record = rx.await.map_err(|_| {
             ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
         })??;
-        Ok(axum::Json(json!({
-            "id": record.id,
-            "output": record.output,
-            "replica": record.replica,
-            "weights_version": record.weights_version,
-            "attempts": record.attempts,
-        }))
-        .into_response())
+        Ok(axum::Json(Finished::of(&record)).into_response())
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The answer to a task run to its end: written straight from the record,
+/// the worker's output as the text it sent (no JSON tree is built for it),
+/// keys in the order `json!` gave them.
+#[derive(serde::Serialize)]
+pub(crate) struct Finished<'a> {
+    attempts: u32,
+    id: &'a str,
+    output: Option<&'a crate::tasks::record::Output>,
+    replica: Option<&'a str>,
+    weights_version: Option<u64>,
+}
+
+impl<'a> Finished<'a> {
+    pub(crate) fn of(r: &'a crate::tasks::pool::TaskRecord) -> Finished<'a> {
+        Finished {
+            attempts: r.attempts,
+            id: &r.id,
+            output: r.output.as_ref(),
+            replica: r.replica.as_deref(),
+            weights_version: r.weights_version,
+        }
+    }
 }
 
 /// The client's `traceparent`, if it sent one.
