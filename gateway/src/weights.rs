@@ -81,10 +81,6 @@ pub enum Grant {
 /// A registration: the checkpoint of `target` at `revision`.
 type Key = (String, String);
 
-/// A download in flight, and where its cache entry will be (`None`: it
-/// has no cache file).
-type Download = (Arc<Fanout>, Option<PathBuf>);
-
 /// Checkpoints of the apps' revisions and of the pools' weight versions,
 /// their listings, downloads in flight, and the workers' tokens.
 pub struct Weights {
@@ -96,7 +92,7 @@ pub struct Weights {
     sources: Mutex<HashMap<Key, Source>>,
     listings: Mutex<HashMap<Key, Arc<Listing>>>,
     /// Downloads in flight, by cache key.
-    downloads: Mutex<HashMap<String, Download>>,
+    downloads: Mutex<HashMap<String, Arc<Fanout>>>,
     /// Live weights tokens by replica id: each replica's own, with what it
     /// may read.
     tokens: Mutex<HashMap<String, (Grant, String)>>,
@@ -325,12 +321,13 @@ impl Weights {
             metrics::counter!("warmgate_weights_cache_bytes_total").increment(size);
             let hit = Origin {
                 reader: Fanout::committed(size, path.clone()).reader(0, true),
-                entry: Some(path),
+                entry: path,
                 hit: true,
             };
             return Ok((follow(hit, size, expected), size));
         }
-        let (reader, entry) = self.download(key, item, expected.clone()).await?;
+        let entry = self.cache.entry_path(&key);
+        let reader = self.download(key, item, expected.clone()).await?;
         let origin = Origin {
             reader,
             entry,
@@ -344,15 +341,15 @@ impl Weights {
     /// its own beside them (see [`warmgate_pool::weights::fanout`]). When
     /// the cache file cannot be created, the readers are served from
     /// memory alone. Returns the caller's reader of it, joined before the
-    /// download starts, with the cache entry's path.
+    /// download starts.
     async fn download(
         self: &Arc<Self>,
         key: String,
         item: PullItem,
         sha256: Option<String>,
-    ) -> Result<(Reader, Option<PathBuf>), ApiError> {
-        if let Some((fanout, entry)) = self.downloads.lock().get(&key) {
-            return Ok((fanout.reader(0, true), entry.clone()));
+    ) -> Result<Reader, ApiError> {
+        if let Some(fanout) = self.downloads.lock().get(&key) {
+            return Ok(fanout.reader(0, true));
         }
         let writer = match self.cache.writer(&key).await {
             Ok(w) if sha256.is_none() => Some(w.without_digest()),
@@ -368,14 +365,13 @@ impl Weights {
             self.window_bytes(),
             writer.as_ref().map(|w| w.path().to_owned()),
         );
-        let entry = writer.as_ref().map(|w| w.entry().to_owned());
         {
             let mut downloads = self.downloads.lock();
-            if let Some((existing, entry)) = downloads.get(&key) {
+            if let Some(existing) = downloads.get(&key) {
                 // Another reader started the same download meanwhile.
-                return Ok((existing.reader(0, true), entry.clone()));
+                return Ok(existing.reader(0, true));
             }
-            downloads.insert(key.clone(), (fanout.clone(), entry.clone()));
+            downloads.insert(key.clone(), fanout.clone());
         }
         let caller = fanout.reader(0, true);
         // The writer joins before the download starts, so it runs for it.
@@ -416,7 +412,7 @@ impl Weights {
                 this.retire(&key, &fill);
             });
         }
-        Ok((caller, entry))
+        Ok(caller)
     }
 
     /// Forgets the download of `key` if it is `fanout` and new readers
@@ -424,10 +420,7 @@ impl Weights {
     fn retire(&self, key: &str, fanout: &Arc<Fanout>) {
         if fanout.read(State::retired) {
             let mut downloads = self.downloads.lock();
-            if downloads
-                .get(key)
-                .is_some_and(|(f, _)| Arc::ptr_eq(f, fanout))
-            {
+            if downloads.get(key).is_some_and(|f| Arc::ptr_eq(f, fanout)) {
                 downloads.remove(key);
             }
         }
@@ -505,7 +498,7 @@ struct Origin {
     reader: Reader,
     /// Where the cache entry is, or will be once committed: a reader
     /// whose temporary file was renamed a moment ago opens it there.
-    entry: Option<PathBuf>,
+    entry: PathBuf,
     /// Whether it is a cache hit, whose entry is removed if its bytes fail
     /// their digest.
     hit: bool,
@@ -549,7 +542,7 @@ fn follow_stream(
             Next::Memory(b) => b,
             Next::File { path, until } => {
                 if st.file.is_none() {
-                    st.file = Some((open_following(&path, st.origin.entry.as_deref()).await?, 0));
+                    st.file = Some((open_following(&path, &st.origin.entry).await?, 0));
                 }
                 let (file, pos) = st.file.as_mut().expect("opened above");
                 if *pos != st.offset {
@@ -584,7 +577,8 @@ fn follow_stream(
                     .map(|b| format!("{b:02x}"))
                     .collect();
                 if !got.eq_ignore_ascii_case(expected) {
-                    if let (true, Some(entry)) = (st.origin.hit, &st.origin.entry) {
+                    if st.origin.hit {
+                        let entry = &st.origin.entry;
                         tracing::warn!(path = %entry.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
                         let _ = std::fs::remove_file(entry);
                     }
@@ -603,13 +597,12 @@ fn follow_stream(
 /// rename.)
 async fn open_following(
     path: &std::path::Path,
-    entry: Option<&std::path::Path>,
+    entry: &std::path::Path,
 ) -> std::io::Result<tokio::fs::File> {
     match tokio::fs::File::open(path).await {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match entry {
-            Some(entry) if entry != path => tokio::fs::File::open(entry).await,
-            _ => Err(e),
-        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && entry != path => {
+            tokio::fs::File::open(entry).await
+        }
         other => other,
     }
 }
@@ -751,7 +744,7 @@ mod tests {
                 .lock()
                 .values()
                 .next()
-                .map_or(u64::MAX, |(f, _)| f.read(State::received))
+                .map_or(u64::MAX, |f| f.read(State::received))
         };
         while arrived() < 2 << 20 {
             assert!(
@@ -886,7 +879,7 @@ mod tests {
         fanout.update(|s| s.written(bad.len() as u64));
         let origin = Origin {
             reader: fanout.reader(0, true),
-            entry: None,
+            entry: dir.path().join("entry"),
             hit: false,
         };
         let mut stream =

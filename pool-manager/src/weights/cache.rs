@@ -85,7 +85,7 @@ impl Cache {
     /// The entry's path if it is present and has the expected size; marks
     /// it as recently used. An entry of the wrong size is removed.
     pub fn lookup(&self, key: &str, size: u64) -> Option<PathBuf> {
-        let path = self.dir.join(key);
+        let path = self.entry_path(key);
         let meta = std::fs::metadata(&path).ok()?;
         if meta.len() != size {
             tracing::warn!(path = %path.display(), expected = size, found = meta.len(), "removing a cache entry of the wrong size");
@@ -96,6 +96,11 @@ impl Cache {
             let _ = f.set_modified(SystemTime::now());
         }
         Some(path)
+    }
+
+    /// Where the entry of `key` is once committed.
+    pub fn entry_path(&self, key: &str) -> PathBuf {
+        self.dir.join(key)
     }
 
     /// Starts writing an entry.
@@ -113,7 +118,7 @@ impl Cache {
             })?;
         Ok(CacheWriter {
             file: Some(file.into_std().await),
-            target: self.dir.join(key),
+            target: self.entry_path(key),
             tmp,
             written: 0,
             hasher: Some(Sha256::new()),
@@ -174,11 +179,6 @@ impl CacheWriter {
     /// The temporary file being written; readers may follow it as it grows.
     pub fn path(&self) -> &Path {
         &self.tmp
-    }
-
-    /// Where the entry will be once committed.
-    pub fn entry(&self) -> &Path {
-        &self.target
     }
 
     /// Bytes written so far.
