@@ -204,8 +204,10 @@ impl IntoResponse for ApiError {
         };
         let mut resp = (self.kind.status(), Json(body)).into_response();
         if !self.kind.retryable() {
-            resp.headers_mut()
-                .insert("x-should-retry", HeaderValue::from_static("false"));
+            resp.headers_mut().insert(
+                http::HeaderName::from_static("x-should-retry"),
+                HeaderValue::from_static("false"),
+            );
         }
         if let Some(secs) = self.retry_after {
             resp.headers_mut()
@@ -227,18 +229,6 @@ impl std::fmt::Display for BodyTooLarge {
 }
 
 impl std::error::Error for BodyTooLarge {}
-
-/// The error for a request body that could not be read.
-pub(crate) fn body_error(e: &axum::Error, limit: u64) -> ApiError {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if err.is::<BodyTooLarge>() || err.is::<http_body_util::LengthLimitError>() {
-            return too_large(limit);
-        }
-        cur = err.source();
-    }
-    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
-}
 
 pub(crate) fn too_large(limit: u64) -> ApiError {
     too_large_for(limit, "limits.max_body_bytes")

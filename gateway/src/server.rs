@@ -16,7 +16,7 @@ use crate::serving::served::Served;
 use crate::status::{AppStatus, GatewayStatus, PoolStatus, RevisionStatus};
 use crate::upstream::Upstream;
 
-pub(crate) const X_REQUEST_ID: &str = "x-request-id";
+pub(crate) const X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 pub(crate) const X_TENANT: &str = "x-warmgate-tenant";
 /// The longest timeout a client may ask for: past it, deadline arithmetic
 /// could overflow, and no task or sync should wait a month.
@@ -356,7 +356,6 @@ impl Gateway {
                 upstream.clone(),
                 pool.clone(),
                 started,
-                config.limits.max_body_bytes,
             ),
             config: Arc::new(config),
             registry,

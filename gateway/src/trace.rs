@@ -5,24 +5,32 @@
 use http::{HeaderMap, HeaderValue};
 
 /// The header.
-pub const TRACEPARENT: &str = "traceparent";
+pub const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
 
 /// Whether `v` is a valid version-00 `traceparent`:
 /// `00-<32 hex trace id, not all zero>-<16 hex parent id, not all zero>-<2 hex flags>`.
 pub fn is_valid(v: &str) -> bool {
-    let parts: Vec<&str> = v.split('-').collect();
     let hex = |s: &str, n: usize| {
         s.len() == n
             && s.bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     };
-    parts.len() == 4
-        && parts[0] == "00"
-        && hex(parts[1], 32)
-        && parts[1].bytes().any(|b| b != b'0')
-        && hex(parts[2], 16)
-        && parts[2].bytes().any(|b| b != b'0')
-        && hex(parts[3], 2)
+    let mut parts = v.split('-');
+    let (Some(version), Some(trace), Some(parent), Some(flags), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return false;
+    };
+    version == "00"
+        && hex(trace, 32)
+        && trace.bytes().any(|b| b != b'0')
+        && hex(parent, 16)
+        && parent.bytes().any(|b| b != b'0')
+        && hex(flags, 2)
 }
 
 /// A new sampled `traceparent`.
@@ -35,18 +43,21 @@ pub fn new_traceparent() -> String {
 }
 
 /// The request's `traceparent`, set to a new one when it is missing or
-/// invalid.
-pub fn ensure_traceparent(headers: &mut HeaderMap) -> String {
-    if let Some(v) = headers.get(TRACEPARENT).and_then(|v| v.to_str().ok())
-        && is_valid(v)
-    {
-        return v.to_string();
+/// invalid (one allocation, for the new one's text).
+pub fn ensure_traceparent(headers: &mut HeaderMap) -> &str {
+    let valid = headers
+        .get(&TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(is_valid);
+    if !valid {
+        let v = HeaderValue::from_maybe_shared(bytes::Bytes::from(new_traceparent()))
+            .expect("a traceparent is a valid header value");
+        headers.insert(TRACEPARENT, v);
     }
-    let v = new_traceparent();
-    if let Ok(h) = HeaderValue::from_str(&v) {
-        headers.insert(TRACEPARENT, h);
-    }
-    v
+    headers
+        .get(&TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
 }
 
 /// The trace id of a valid `traceparent`.
@@ -80,8 +91,15 @@ mod tests {
             assert!(is_valid(&new_traceparent()));
         }
         let mut h = HeaderMap::new();
-        let made = ensure_traceparent(&mut h);
+        let made = ensure_traceparent(&mut h).to_string();
+        assert!(is_valid(&made), "{made}");
         assert_eq!(h[TRACEPARENT], made.as_str());
+        assert!(!is_valid(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x"
+        ));
+        assert!(!is_valid(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7"
+        ));
         h.insert(TRACEPARENT, HeaderValue::from_static(v));
         assert_eq!(ensure_traceparent(&mut h), v, "a valid one is kept");
     }

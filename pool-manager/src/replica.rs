@@ -86,8 +86,9 @@ pub struct ReplicaHandle {
     pub revision: String,
     /// Where it listens.
     pub addr: SocketAddr,
-    /// `addr` as a URI authority, built once for every request to reuse.
-    pub authority: http::uri::Authority,
+    /// `id` as a header value, built once: every answer names the replica
+    /// that gave it. `None` if the id cannot be a header value.
+    pub id_header: Option<http::HeaderValue>,
     /// Concurrency limit of this replica.
     pub concurrency: u32,
     /// When `/healthz` first answered 200.
@@ -193,13 +194,13 @@ impl ReplicaHandle {
         concurrency: u32,
         ready_at: Instant,
     ) -> Self {
+        let id_header = http::HeaderValue::from_str(&id).ok();
         ReplicaHandle {
             id,
             target,
             revision,
             addr,
-            authority: http::uri::Authority::try_from(addr.to_string().as_str())
-                .expect("a socket address is a valid authority"),
+            id_header,
             concurrency,
             ready_at,
             startup: Duration::ZERO,

@@ -270,6 +270,55 @@ async fn a_worker_that_refuses_connections_is_a_502_then_replaced() {
     .await;
 }
 
+/// A replica that refuses connections (its listener closed, its process
+/// not yet seen to fail) was sent nothing: the request goes to the other
+/// replica with its whole body, however large (the gateway used to replay
+/// only bodies of at most 64 KiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "deaf"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 2
+        max = 2
+        "#,
+    );
+    gw.wait_ready("deaf", 2).await;
+    let resp = gw
+        .http
+        .post(gw.at("/apps/deaf/close-listener"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 202);
+    let size = 256 * 1024;
+    let body = vec![b'z'; size];
+    eventually(
+        "a request is refused by the deaf replica and sent on",
+        || {
+            let body = body.clone();
+            let gw = &gw;
+            async move {
+                let r = gw
+                    .http
+                    .post(gw.at("/apps/deaf/upload"))
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("send");
+                assert_eq!(r.status(), 200, "every request is answered");
+                let v: Value = r.json().await.expect("json");
+                assert_eq!(v["body_bytes"], size, "the whole body arrived: {v}");
+                (gw.metric("warmgate_connect_retries_total").await >= 1.0).then_some(())
+            }
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_never_becomes_ready_fails_held_requests_clearly() {
     let gw = Gateway::start(

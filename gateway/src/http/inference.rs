@@ -145,19 +145,30 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
 /// ignored. Returns the path refused.
 pub(crate) fn worker_control_path(path: &str) -> Option<&'static str> {
     let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
-    let mut segments: Vec<String> = Vec::new();
+    // Only the first segment left once `..` is applied matters: keep it
+    // and the depth, not the segments (this runs for every request).
+    let mut first: Option<&str> = None;
+    let mut depth = 0usize;
     for seg in decoded.split(['/', '\\']) {
         match seg {
             "" | "." => {}
             ".." => {
-                segments.pop();
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    first = None;
+                }
             }
-            s => segments.push(s.to_ascii_lowercase()),
+            s => {
+                if depth == 0 {
+                    first = Some(s);
+                }
+                depth += 1;
+            }
         }
     }
-    match segments.first().map(String::as_str) {
-        Some("weights") => Some("/weights"),
-        Some("invoke") => Some("/invoke"),
+    match first {
+        Some(s) if s.eq_ignore_ascii_case("weights") => Some("/weights"),
+        Some(s) if s.eq_ignore_ascii_case("invoke") => Some("/invoke"),
         _ => None,
     }
 }
@@ -261,10 +272,21 @@ mod tests {
             "/%77eights",
             "/%2Fweights",
             "\\weights",
+            "/a/b/../../weights",
+            "/../weights",
+            "/a/../b/../Invoke",
         ] {
             assert!(worker_control_path(p).is_some(), "{p}");
         }
-        for p in ["/", "/v1/weights", "/weightsx", "/healthz", "/invoke-me"] {
+        for p in [
+            "/",
+            "/v1/weights",
+            "/weightsx",
+            "/healthz",
+            "/invoke-me",
+            "/weights/../x",
+            "/a/b/../weights",
+        ] {
             assert!(worker_control_path(p).is_none(), "{p}");
         }
     }

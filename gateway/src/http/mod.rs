@@ -34,7 +34,7 @@ pub(crate) mod prelude {
     pub(crate) use http_body_util::{BodyExt, Limited};
     pub(crate) use serde_json::json;
 
-    pub(crate) use crate::error::{ApiError, ErrorKind, body_error, too_large, too_large_for};
+    pub(crate) use crate::error::{ApiError, ErrorKind, too_large, too_large_for};
     pub(crate) use crate::server::*;
     pub(crate) use crate::serving::dispatch::App;
     pub(crate) use crate::serving::proxy::LimitedBody;
@@ -365,16 +365,27 @@ pub(crate) async fn method_not_allowed(req: Request) -> Response {
     .into_response()
 }
 
+/// `n` as 16 lowercase hex digits.
+fn hex_id(n: u64) -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut buf = [0u8; 16];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = HEX[((n >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    HeaderValue::from_bytes(&buf).expect("hex is a valid header value")
+}
+
 /// Echoes `X-Request-Id`, generating one when the client sent none, and
 /// passes it on to the worker.
 pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
     let id = match req.headers().get(X_REQUEST_ID) {
         Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
         _ => {
-            let v = HeaderValue::from_str(&format!("{:016x}", fastrand::u64(..)))
-                .expect("hex is a valid header value");
-            req.headers_mut().insert(X_REQUEST_ID, v.clone());
-            v
+            // Formatted twice rather than cloned: a clone of a fresh
+            // header value allocates as much as a copy, and `format!` more.
+            let n = fastrand::u64(..);
+            req.headers_mut().insert(X_REQUEST_ID, hex_id(n));
+            hex_id(n)
         }
     };
     let mut resp = next.run(req).await;
@@ -385,6 +396,13 @@ pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_ids_are_sixteen_hex_digits() {
+        assert_eq!(hex_id(0), "0000000000000000");
+        assert_eq!(hex_id(0x0123_4567_89ab_cdef), "0123456789abcdef");
+        assert_eq!(hex_id(u64::MAX), "ffffffffffffffff");
+    }
 
     #[test]
     fn model_field_errors_are_clear() {
@@ -587,14 +605,14 @@ mod tests {
             let mut h = header_map(&[
                 ("x-warmgate-priority", priority),
                 ("x-warmgate-tenant", tenant),
-                (crate::trace::TRACEPARENT, trace),
+                ("traceparent", trace),
             ]);
             if let Ok((_, tenant, _)) = task_options(&h, None, &Scalar::Absent) {
                 prop_assert!(!tenant.is_empty());
             }
             let tp = crate::trace::ensure_traceparent(&mut h);
-            prop_assert!(crate::trace::is_valid(&tp));
-            prop_assert_eq!(crate::trace::trace_id(&tp).len(), 32);
+            prop_assert!(crate::trace::is_valid(tp));
+            prop_assert_eq!(crate::trace::trace_id(tp).len(), 32);
             let served = Served::new(
                 warmgate_deploy::AppSpec { name: "m".into(), ..Default::default() },
                 warmgate_deploy::revision::History::default(),

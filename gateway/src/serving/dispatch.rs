@@ -30,6 +30,8 @@ pub struct App {
     pub target: TargetId,
     /// The revision traffic goes to, as users see it (`target` shown).
     pub revision: String,
+    /// `revision` as a header value, built once for every answer.
+    pub(crate) revision_header: Option<http::HeaderValue>,
     /// Its spec; [`App::retune`] swaps in new autoscaling and queue
     /// settings.
     spec: arc_swap::ArcSwap<AppSpec>,
@@ -208,6 +210,7 @@ impl App {
         App {
             name: spec.name.clone(),
             target,
+            revision_header: http::HeaderValue::from_str(&revision).ok(),
             revision,
             slots: Mutex::new(Slots {
                 replicas: Vec::new(),

@@ -6,31 +6,25 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
-use bytes::Bytes;
-use http::HeaderValue;
-use http_body_util::BodyExt;
+use http::{HeaderName, HeaderValue};
 use warmgate_pool::PoolManager;
 
 use super::dispatch::{Acquire, App};
 use super::proxy::{Forward, Slot as _};
 use super::served::Served;
-use crate::error::{ApiError, ErrorKind, body_error};
+use crate::error::{ApiError, ErrorKind};
 use crate::upstream::Upstream;
 
 /// The replica that answered.
-pub const X_REPLICA: &str = "x-warmgate-replica";
+pub const X_REPLICA: HeaderName = HeaderName::from_static("x-warmgate-replica");
 /// The revision that answered; on a request, pins one.
-pub const X_REVISION: &str = "x-warmgate-revision";
+pub const X_REVISION: HeaderName = HeaderName::from_static("x-warmgate-revision");
 /// Milliseconds the request waited for a slot.
-pub const X_QUEUED_MS: &str = "x-warmgate-queued-ms";
+pub const X_QUEUED_MS: HeaderName = HeaderName::from_static("x-warmgate-queued-ms");
 /// Set when the request woke its app from zero.
-pub const X_COLD_START: &str = "x-warmgate-cold-start";
-/// Request bodies up to this size are kept so that a request refused by a
-/// dying replica can go to another; larger ones stream through once.
-const MAX_REPLAY_BYTES: u64 = 64 * 1024;
+pub const X_COLD_START: HeaderName = HeaderName::from_static("x-warmgate-cold-start");
 /// Tries of a request whose replicas refuse the connection.
 const MAX_CONNECT_ATTEMPTS: u32 = 3;
 /// How many times a request follows its revision's replicas to another
@@ -48,22 +42,15 @@ pub struct Pipeline {
     upstream: Upstream,
     pool: PoolManager,
     started: Instant,
-    max_body_bytes: u64,
 }
 
 impl Pipeline {
     /// A pipeline over these parts; `started` is the autoscaler's clock.
-    pub fn new(
-        upstream: Upstream,
-        pool: PoolManager,
-        started: Instant,
-        max_body_bytes: u64,
-    ) -> Self {
+    pub fn new(upstream: Upstream, pool: PoolManager, started: Instant) -> Self {
         Pipeline {
             upstream,
             pool,
             started,
-            max_body_bytes,
         }
     }
 
@@ -81,7 +68,7 @@ impl Pipeline {
         let span = tracing::info_span!(
             "request",
             app = %served.name,
-            trace_id = %crate::trace::trace_id(&traceparent),
+            trace_id = %crate::trace::trace_id(traceparent),
             revision = tracing::field::Empty,
             replica = tracing::field::Empty,
             queued_ms = tracing::field::Empty,
@@ -106,7 +93,7 @@ impl Pipeline {
         match &result {
             Ok(r) => {
                 let h = r.headers();
-                let text = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+                let text = |n: HeaderName| h.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
                 span.record("replica", text(X_REPLICA));
                 span.record("queued_ms", text(X_QUEUED_MS));
                 span.record("status", r.status().as_u16());
@@ -138,61 +125,33 @@ impl Pipeline {
     pub(crate) async fn serve_app(
         &self,
         app: &Arc<App>,
-        req: Request,
+        mut req: Request,
         path_and_query: &str,
         pinned: bool,
     ) -> Result<Response, ApiError> {
+        // What the proxy uses of the request; its extensions stay behind.
+        req.extensions_mut().clear();
         // A replica that refuses the connection (killed a moment ago, not
-        // yet seen to exit) was sent nothing, so the request may try
-        // another one, if its body can be sent again.
-        let (parts, body) = req.into_parts();
-        let bytes = match http_body::Body::size_hint(&body).exact() {
-            Some(0) => Bytes::new(),
-            Some(n) if n <= MAX_REPLAY_BYTES => body
-                .collect()
-                .await
-                .map_err(|e| body_error(&e, self.max_body_bytes))?
-                .to_bytes(),
-            _ => {
-                let req = Request::from_parts(parts, body);
-                return self.serve_once(app, req, path_and_query, pinned).await;
-            }
-        };
+        // yet seen to exit) was sent nothing and hands the request back,
+        // body and all, so it may try another one.
         let mut attempt = 1;
         loop {
-            // What the proxy uses of the request; its extensions stay behind.
-            let mut req = Request::new(Body::from(bytes.clone()));
-            *req.method_mut() = parts.method.clone();
-            *req.uri_mut() = parts.uri.clone();
-            *req.version_mut() = parts.version;
-            *req.headers_mut() = parts.headers.clone();
             match self
                 .serve_once_or_refused(app, req, path_and_query, pinned)
                 .await
             {
-                Err(Forward::Refused(e)) if attempt < MAX_CONNECT_ATTEMPTS => {
+                Err(Forward::Refused(e, back)) if attempt < MAX_CONNECT_ATTEMPTS => {
                     metrics::counter!("warmgate_connect_retries_total").increment(1);
                     tracing::debug!(attempt, error = %e.message, "retrying on another replica");
                     // The pool manager sees a dead process within
                     // milliseconds; give it that long to drop the replica.
                     tokio::time::sleep(CONNECT_RETRY_PAUSE * attempt).await;
                     attempt += 1;
+                    req = *back;
                 }
                 other => return other.map_err(Forward::into_error),
             }
         }
-    }
-
-    pub(crate) async fn serve_once(
-        &self,
-        app: &Arc<App>,
-        req: Request,
-        path_and_query: &str,
-        pinned: bool,
-    ) -> Result<Response, ApiError> {
-        self.serve_once_or_refused(app, req, path_and_query, pinned)
-            .await
-            .map_err(Forward::into_error)
     }
 
     /// One request on `app`, following its replicas to the revision they
@@ -265,15 +224,15 @@ impl Pipeline {
         let replica = slot.replica().clone();
         let mut resp = super::proxy::forward(&self.upstream, req, path_and_query, slot).await?;
         let h = resp.headers_mut();
-        if let Ok(v) = HeaderValue::from_str(&replica.id) {
-            h.insert(X_REPLICA, v);
+        if let Some(v) = &replica.id_header {
+            h.insert(X_REPLICA, v.clone());
         }
         // The revision that served it: a replica swapped in place keeps
         // the name of the revision it started with.
-        if let Ok(v) = HeaderValue::from_str(&app.revision) {
-            h.insert(X_REVISION, v);
+        if let Some(v) = &app.revision_header {
+            h.insert(X_REVISION, v.clone());
         }
-        h.insert(X_QUEUED_MS, HeaderValue::from(queued.as_millis() as u64));
+        h.insert(X_QUEUED_MS, queued_ms(queued));
         if cold {
             h.insert(X_COLD_START, HeaderValue::from_static("true"));
         }
@@ -303,5 +262,14 @@ impl Pipeline {
             .retry_after(secs));
         }
         Ok(())
+    }
+}
+
+/// `X-Warmgate-Queued-Ms` for a wait: most requests waited 0 ms, which
+/// needs no allocation.
+pub(crate) fn queued_ms(waited: Duration) -> HeaderValue {
+    match waited.as_millis() {
+        0 => HeaderValue::from_static("0"),
+        ms => HeaderValue::from(ms as u64),
     }
 }

@@ -9,14 +9,13 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
 use http::{Request, Response, Uri};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
 
 use std::sync::Arc;
 
 use warmgate_pool::ReplicaHandle;
 
 use crate::error::{ApiError, ErrorKind};
-use crate::upstream::Upstream;
+use crate::upstream::{Returned, SendError, Upstream};
 
 /// A slot on a replica, freed when dropped: an app revision's
 /// ([`SlotGuard`](super::dispatch::SlotGuard)) or a shared pool's.
@@ -38,11 +37,8 @@ pub async fn forward<S: Slot>(
     slot: S,
 ) -> Result<Response<Body>, Forward> {
     let replica = slot.replica().clone();
-    let uri = Uri::builder()
-        .scheme(http::uri::Scheme::HTTP)
-        .authority(replica.authority.clone())
-        .path_and_query(path_and_query)
-        .build()
+    let uri = http::uri::PathAndQuery::try_from(path_and_query)
+        .map(Uri::from)
         .map_err(|_| {
             Forward::Failed(ApiError::new(
                 ErrorKind::BadRequest,
@@ -54,14 +50,13 @@ pub async fn forward<S: Slot>(
     strip_hop_by_hop(req.headers_mut());
     req.headers_mut().remove(header::HOST);
     slot.note_forward();
-    let resp = match upstream.send(req).await {
+    let resp = match upstream.send_to(replica.addr, req).await {
         Ok(r) => r,
-        Err(e) => {
-            let err = upstream_error(&e, &replica.id, replica.target.owner());
-            return Err(if e.is_connect() {
-                Forward::Refused(err)
-            } else {
-                Forward::Failed(err)
+        Err(failed) => {
+            let err = upstream_error(&failed.error, &replica.id, replica.target.owner());
+            return Err(match failed.unsent {
+                Some(req) => Forward::Refused(err, req),
+                None => Forward::Failed(err),
             });
         }
     };
@@ -78,9 +73,9 @@ pub async fn forward<S: Slot>(
 /// Why a forward failed.
 #[derive(Debug)]
 pub enum Forward {
-    /// The replica could not be connected to: nothing was sent, so the
-    /// request may go to another replica.
-    Refused(ApiError),
+    /// The replica could not be connected to: nothing was sent, and here
+    /// is the request to send to another replica.
+    Refused(ApiError, Box<Request<Body>>),
     /// The request failed after it was (or may have been) sent.
     Failed(ApiError),
 }
@@ -89,20 +84,25 @@ impl Forward {
     /// The error the client sees if no retry is made.
     pub fn into_error(self) -> ApiError {
         match self {
-            Forward::Refused(e) | Forward::Failed(e) => e,
+            Forward::Refused(e, _) | Forward::Failed(e) => e,
         }
     }
 }
 
 pub use crate::error::BodyTooLarge;
 
-fn upstream_error(e: &hyper_util::client::legacy::Error, replica: &str, app: &str) -> ApiError {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(too_large) = err.downcast_ref::<BodyTooLarge>() {
-            return ApiError::new(ErrorKind::TooLarge, too_large.to_string());
-        }
-        cur = err.source();
+fn upstream_error(e: &SendError, replica: &str, app: &str) -> ApiError {
+    let chain = || {
+        std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
+            e.source()
+        })
+    };
+    if let Some(too_large) = chain().find_map(|e| e.downcast_ref::<BodyTooLarge>()) {
+        return ApiError::new(ErrorKind::TooLarge, too_large.to_string());
+    }
+    // The client's body broke off while it streamed to the replica.
+    if chain().any(|e| e.is::<axum::Error>()) {
+        return ApiError::new(ErrorKind::BadRequest, "could not read the request body");
     }
     if e.is_connect() {
         tracing::warn!(%replica, %app, error = %e, "replica refused the connection");
@@ -173,7 +173,7 @@ fn kept_end_to_end(name: &HeaderName) -> bool {
     let n = name.as_str();
     n.starts_with("x-warmgate-")
         || n == "x-request-id"
-        || n == crate::trace::TRACEPARENT
+        || *name == crate::trace::TRACEPARENT
         || n == "tracestate"
         || *name == header::CONTENT_LENGTH
         || *name == header::CONTENT_TYPE
@@ -182,7 +182,7 @@ fn kept_end_to_end(name: &HeaderName) -> bool {
 /// A response body that frees its slot when it ends, fails or is dropped
 /// (the client went away).
 struct GuardedBody<S> {
-    inner: Incoming,
+    inner: Returned,
     slot: Option<S>,
     /// No byte of the body has passed yet.
     first: bool,

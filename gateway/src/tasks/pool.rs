@@ -272,6 +272,45 @@ pub struct Pool {
     /// Told whenever a request of the pool's app might now find a slot: a
     /// slot freed, a replica added, a sync over.
     freed: Notify,
+    metrics: TaskMetrics,
+}
+
+/// The task's id, on its `POST /invoke`.
+const X_TASK_ID: http::HeaderName = http::HeaderName::from_static("x-warmgate-task-id");
+/// Which try of the task this is, from 1.
+const X_ATTEMPT: http::HeaderName = http::HeaderName::from_static("x-warmgate-attempt");
+
+/// The metrics every task updates, resolved once for the pool: looking
+/// them up by name and labels cost more than updating them.
+struct TaskMetrics {
+    /// `warmgate_tasks_total` by outcome: `ok`, then [`ErrorKind::ALL`].
+    outcomes: Vec<metrics::Counter>,
+    /// `warmgate_task_queued_seconds`.
+    queued: metrics::Histogram,
+    /// `warmgate_task_duration_seconds`.
+    duration: metrics::Histogram,
+}
+
+impl TaskMetrics {
+    fn new(pool: &str) -> Self {
+        TaskMetrics {
+            outcomes: std::iter::once("ok")
+                .chain(ErrorKind::ALL.iter().map(|k| k.as_str()))
+                .map(|outcome| {
+                    metrics::counter!("warmgate_tasks_total", "pool" => pool.to_string(), "outcome" => outcome)
+                })
+                .collect(),
+            queued: metrics::histogram!("warmgate_task_queued_seconds", "pool" => pool.to_string()),
+            duration: metrics::histogram!("warmgate_task_duration_seconds", "pool" => pool.to_string()),
+        }
+    }
+
+    fn finished(&self, outcome: Option<ErrorKind>) {
+        let i = outcome.map_or(0, |k| k as usize + 1);
+        if let Some(c) = self.outcomes.get(i) {
+            c.increment(1);
+        }
+    }
 }
 
 struct PoolState {
@@ -316,6 +355,7 @@ impl Pool {
         client: crate::upstream::Upstream,
     ) -> Arc<Self> {
         Arc::new(Pool {
+            metrics: TaskMetrics::new(&spec.name),
             name: spec.name.clone(),
             state: Mutex::new(PoolState {
                 queue: TaskQueue::new(Limits {
@@ -1215,7 +1255,8 @@ impl Pool {
         if task.dispatched.is_none() {
             let now = Instant::now();
             task.dispatched = Some(now);
-            metrics::histogram!("warmgate_task_queued_seconds", "pool" => self.name.clone())
+            self.metrics
+                .queued
                 .record(now.saturating_duration_since(task.accepted).as_secs_f64());
         }
         let id = task.id.clone();
@@ -1310,19 +1351,18 @@ impl Pool {
     }
 
     async fn invoke(&self, task: &Task, replica: &ReplicaHandle) -> Result<Output, Failure> {
-        let uri = format!("http://{}/invoke", replica.addr);
-        let req = http::Request::post(uri)
+        let req = http::Request::post("/invoke")
             .header(http::header::CONTENT_TYPE, "application/json")
-            .header("x-warmgate-task-id", task.id.as_str())
-            .header("x-warmgate-attempt", task.attempts)
+            .header(X_TASK_ID, task.id.as_str())
+            .header(X_ATTEMPT, task.attempts)
             .header(crate::trace::TRACEPARENT, task.traceparent.as_str())
             .body(axum::body::Body::from(task.input.clone()))
             .map_err(|e| Failure::User(format!("bad request: {e}")))?;
         let resp = self
             .client
-            .send(req)
+            .send_to(replica.addr, req)
             .await
-            .map_err(|e| Failure::System(format!("replica {}: {e}", replica.id)))?;
+            .map_err(|e| Failure::System(format!("replica {}: {}", replica.id, e.error)))?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), MAX_OUTPUT_BYTES)
             .collect()
@@ -1348,12 +1388,9 @@ impl Pool {
         replica: Option<&ReplicaHandle>,
     ) {
         let weights_version = replica.map(|r| r.weights_version.load(Ordering::Relaxed));
-        let outcome_label = match &result {
-            Ok(_) => "ok",
-            Err(e) => e.kind.as_str(),
-        };
-        metrics::counter!("warmgate_tasks_total", "pool" => self.name.clone(), "outcome" => outcome_label).increment(1);
-        metrics::histogram!("warmgate_task_duration_seconds", "pool" => self.name.clone())
+        self.metrics.finished(result.as_ref().err().map(|e| e.kind));
+        self.metrics
+            .duration
             .record(task.accepted.elapsed().as_secs_f64());
         let record = self.store.update(&task.id, |r| {
             r.attempts = task.attempts;

@@ -20,9 +20,11 @@ use crate::upstream::Upstream;
 
 /// On a request: the oldest weights version it may run on. On an answer:
 /// the version of the replica that ran it.
-pub const X_MIN_WEIGHTS_VERSION: &str = "x-warmgate-min-weights-version";
+pub const X_MIN_WEIGHTS_VERSION: http::HeaderName =
+    http::HeaderName::from_static("x-warmgate-min-weights-version");
 /// The weights version of the replica that answered.
-pub const X_WEIGHTS_VERSION: &str = "x-warmgate-weights-version";
+pub const X_WEIGHTS_VERSION: http::HeaderName =
+    http::HeaderName::from_static("x-warmgate-weights-version");
 
 /// The version a request asks for at least: 0 without the header.
 pub fn min_version(req: &Request) -> Result<u64, ApiError> {
@@ -40,9 +42,6 @@ pub fn min_version(req: &Request) -> Result<u64, ApiError> {
         })
 }
 
-/// Request bodies up to this size are kept so that a request refused by a
-/// dying replica can go to another; larger ones stream through once.
-const MAX_REPLAY_BYTES: u64 = 64 * 1024;
 /// Tries of a request whose replicas refuse the connection.
 const MAX_CONNECT_ATTEMPTS: u32 = 3;
 /// Pause before the next try, times the tries so far.
@@ -51,8 +50,8 @@ const CONNECT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_milli
 /// Serves `req` of app `app` on one of `pool`'s replicas at
 /// `path_and_query`. `on_wait` runs once if the request must wait for a
 /// slot (to wake the pool at once rather than at its next tick). When a
-/// replica refuses the connection (its process is gone) and the body can
-/// be sent again, the request tries another replica.
+/// replica refuses the connection (its process is gone), nothing was
+/// sent, and the request tries another replica.
 pub async fn serve(
     pool: &Arc<Pool>,
     app: &str,
@@ -63,18 +62,7 @@ pub async fn serve(
     on_wait: impl FnOnce(),
 ) -> Result<Response, ApiError> {
     let min = min_version(&req)?;
-    let (parts, body) = req.into_parts();
-    // A small body is kept to be sent again; a large one streams once.
-    let (replay, mut once) = match http_body::Body::size_hint(&body).exact() {
-        Some(n) if n <= MAX_REPLAY_BYTES => {
-            let bytes = http_body_util::BodyExt::collect(body)
-                .await
-                .map_err(|e| crate::error::body_error(&e, MAX_REPLAY_BYTES))?
-                .to_bytes();
-            (Some(bytes), None)
-        }
-        _ => (None, Some(body)),
-    };
+    let mut req = req;
     let mut on_wait = Some(on_wait);
     let mut attempt = 1;
     let mut refused: Vec<String> = Vec::new();
@@ -90,33 +78,28 @@ pub async fn serve(
             .record(queued.as_secs_f64());
         let replica = slot.replica().clone();
         let version = replica.weights_version.load(Ordering::Relaxed);
-        // Only a kept body is tried again, so a streamed one is there.
-        let body = match (&replay, once.take()) {
-            (Some(bytes), _) => axum::body::Body::from(bytes.clone()),
-            (None, Some(b)) => b,
-            (None, None) => axum::body::Body::empty(),
-        };
-        let req = Request::from_parts(parts.clone(), body);
         match crate::serving::proxy::forward(upstream, req, path_and_query, slot).await {
             Ok(mut resp) => {
                 let h = resp.headers_mut();
-                if let Ok(v) = HeaderValue::from_str(&replica.id) {
-                    h.insert(X_REPLICA, v);
+                if let Some(v) = &replica.id_header {
+                    h.insert(X_REPLICA, v.clone());
                 }
                 h.insert(X_WEIGHTS_VERSION, HeaderValue::from(version));
-                h.insert(X_QUEUED_MS, HeaderValue::from(queued.as_millis() as u64));
+                h.insert(X_QUEUED_MS, crate::serving::pipeline::queued_ms(queued));
                 return Ok(resp);
             }
-            Err(Forward::Refused(e)) if replay.is_some() && attempt < MAX_CONNECT_ATTEMPTS => {
+            Err(Forward::Refused(e, back)) if attempt < MAX_CONNECT_ATTEMPTS => {
                 // Nothing was sent: the process is gone (the pool manager
-                // removes it within moments). The request tries another.
+                // removes it within moments). The request, handed back
+                // whole, tries another.
+                req = *back;
                 refused.push(replica.id.clone());
                 metrics::counter!("warmgate_connect_retries_total").increment(1);
                 tracing::debug!(attempt, replica = %replica.id, error = %e.message, "retrying on another replica");
                 tokio::time::sleep(CONNECT_RETRY_PAUSE * attempt).await;
                 attempt += 1;
             }
-            Err(Forward::Refused(e) | Forward::Failed(e)) => return Err(e),
+            Err(Forward::Refused(e, _) | Forward::Failed(e)) => return Err(e),
         }
     }
 }

@@ -1,8 +1,13 @@
-//! The gateway's one HTTP client to workers and hooks: forwarded
-//! requests, tasks to `/invoke`, weights to `/weights` and promotion hooks
-//! share its keep-alive connections and settings.
+//! The gateway's HTTP client to workers and hooks. Forwarded requests and
+//! tasks to `/invoke` go to a replica's address over [`conns`], the
+//! gateway's own keep-alive connections per replica; weights to
+//! `/weights`, promotion hooks and calls to the leader go through a
+//! generic pooled client, since they name URLs.
+
+pub mod conns;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -36,10 +41,16 @@ pub enum LoadError {
     Failed(String),
 }
 
+/// A connect that has not finished by then fails.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub use conns::{Failed, Returned, SendError};
+
 /// A pooled HTTP/1 client to replicas.
 #[derive(Clone)]
 pub struct Upstream {
     client: Client<HttpConnector, Body>,
+    conns: Arc<conns::Conns>,
 }
 
 impl Default for Upstream {
@@ -53,16 +64,38 @@ impl Upstream {
     pub fn new() -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
             .build(connector);
-        Upstream { client }
+        let conns = Arc::new(conns::Conns::new(conns::Settings {
+            connect_timeout: CONNECT_TIMEOUT,
+            idle_timeout: POOL_IDLE_TIMEOUT,
+            max_idle_per_host: POOL_MAX_IDLE_PER_HOST,
+        }));
+        Upstream { client, conns }
     }
 
-    /// Sends a request of the gateway's own (a task to `/invoke`, weights
-    /// to `/weights`) through the same pooled client as forwarded traffic.
+    /// Sends `req` to the replica at `addr` on one of its keep-alive
+    /// connections: the path of a forwarded request and of a task. The
+    /// URI goes in origin form; `Host` is `addr` unless the request has one.
+    /// A request no connection could be made for comes back unsent.
+    pub async fn send_to(
+        &self,
+        addr: SocketAddr,
+        req: Request<Body>,
+    ) -> Result<Response<Returned>, Failed> {
+        self.conns.send(addr, req).await
+    }
+
+    /// Idle keep-alive connections to the replica at `addr`.
+    pub fn idle_connections(&self, addr: SocketAddr) -> usize {
+        self.conns.idle(addr)
+    }
+
+    /// Sends a request to the URL it names (weights to `/weights`, a call
+    /// to the leader) through the generic pooled client.
     pub async fn send(
         &self,
         req: Request<Body>,
