@@ -7,6 +7,7 @@ pub(crate) mod body;
 pub(crate) mod control;
 pub(crate) mod inference;
 pub(crate) mod ops;
+pub(crate) mod request_id;
 pub(crate) mod tasks;
 pub(crate) mod weights;
 
@@ -124,7 +125,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .merge(control)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn(request_id))
+        .layer(request_id::RequestIdLayer)
         .with_state(gw)
 }
 
@@ -365,44 +366,9 @@ pub(crate) async fn method_not_allowed(req: Request) -> Response {
     .into_response()
 }
 
-/// `n` as 16 lowercase hex digits.
-fn hex_id(n: u64) -> HeaderValue {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut buf = [0u8; 16];
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = HEX[((n >> (60 - 4 * i)) & 0xf) as usize];
-    }
-    HeaderValue::from_bytes(&buf).expect("hex is a valid header value")
-}
-
-/// Echoes `X-Request-Id`, generating one when the client sent none, and
-/// passes it on to the worker.
-pub(crate) async fn request_id(mut req: Request, next: Next) -> Response {
-    let id = match req.headers().get(X_REQUEST_ID) {
-        Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
-        _ => {
-            // Formatted twice rather than cloned: a clone of a fresh
-            // header value allocates as much as a copy, and `format!` more.
-            let n = fastrand::u64(..);
-            req.headers_mut().insert(X_REQUEST_ID, hex_id(n));
-            hex_id(n)
-        }
-    };
-    let mut resp = next.run(req).await;
-    resp.headers_mut().insert(X_REQUEST_ID, id);
-    resp
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn request_ids_are_sixteen_hex_digits() {
-        assert_eq!(hex_id(0), "0000000000000000");
-        assert_eq!(hex_id(0x0123_4567_89ab_cdef), "0123456789abcdef");
-        assert_eq!(hex_id(u64::MAX), "ffffffffffffffff");
-    }
 
     #[test]
     fn model_field_errors_are_clear() {
