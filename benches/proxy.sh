@@ -217,4 +217,15 @@ lines += [
 text = "\n".join(lines) + "\n"
 open(sys.argv[1], "w").write(text)
 print(text)
+import json, os, platform, datetime
+json.dump({
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.release()}",
+    "rounds": ${ROUNDS}, "rate": ${RATE}, "duration_s": ${DURATION}, "connections": ${CONNS},
+    "saturation_rps": rps, "p50_ms": p50, "p99_ms": p99, "p999_ms": p999, "errors": err,
+    "added_p50_ms": add50, "added_p99_ms": add99,
+    "throughput_vs_nginx": rps["warmgate"] / rps["nginx"],
+    "added_p99_vs_nginx": add99["warmgate"] / add99["nginx"] if add99["nginx"] > 0 else None,
+    "cold_handoff_ms": {"p50": ${HO_P50}, "p90": ${HO_P90}, "max": ${HO_MAX}},
+}, open(os.path.splitext(sys.argv[1])[0] + ".json", "w"), indent=1)
 EOF
