@@ -230,6 +230,19 @@ impl std::fmt::Display for BodyTooLarge {
 
 impl std::error::Error for BodyTooLarge {}
 
+/// The error for a request body that could not be read: too large when
+/// it ran past its limit, else a bad request.
+pub(crate) fn body_error(e: &axum::Error) -> ApiError {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(BodyTooLarge(limit)) = err.downcast_ref::<BodyTooLarge>() {
+            return too_large(*limit);
+        }
+        cur = err.source();
+    }
+    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+}
+
 pub(crate) fn too_large(limit: u64) -> ApiError {
     too_large_for(limit, "limits.max_body_bytes")
 }
@@ -239,4 +252,18 @@ pub(crate) fn too_large_for(limit: u64, key: &str) -> ApiError {
         ErrorKind::TooLarge,
         format!("the request body is larger than the limit of {limit} bytes ({key})"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Metric handles are indexed by `kind as usize`: `ALL` must list the
+    /// kinds in their declaration order.
+    #[test]
+    fn all_kinds_are_listed_in_declaration_order() {
+        for (i, k) in ErrorKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{}", k.as_str());
+        }
+    }
 }

@@ -309,8 +309,9 @@ async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() 
                     .send()
                     .await
                     .expect("send");
-                assert_eq!(r.status(), 200, "every request is answered");
+                let status = r.status();
                 let v: Value = r.json().await.expect("json");
+                assert_eq!(status, 200, "every request is answered: {v}");
                 assert_eq!(v["body_bytes"], size, "the whole body arrived: {v}");
                 (gw.metric("warmgate_connect_retries_total").await >= 1.0).then_some(())
             }

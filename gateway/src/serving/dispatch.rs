@@ -276,6 +276,16 @@ impl App {
     /// Takes a free slot, or a place in the hold queue, or says why neither
     /// can be had.
     pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
+        self.acquire_avoiding(&[])
+    }
+
+    /// [`App::acquire`], preferring any free replica to those in `avoid`
+    /// (they refused this request's connection a moment ago); one of them
+    /// is taken only when no other has a free slot.
+    pub fn acquire_avoiding(
+        self: &Arc<Self>,
+        avoid: &[Arc<ReplicaHandle>],
+    ) -> Result<Acquire, ApiError> {
         let mut s = self.slots.lock();
         if s.replicas.is_empty()
             && let Some(to) = self.moved_to.lock().clone()
@@ -285,7 +295,7 @@ impl App {
         let now = Instant::now();
         s.meter.arrivals = s.meter.arrivals.saturating_add(1);
         if s.live_waiters == 0
-            && let Some(r) = pick(&s.replicas)
+            && let Some(r) = pick_avoiding(&s.replicas, avoid).or_else(|| pick(&s.replicas))
         {
             r.acquire();
             s.inflight += 1;
@@ -660,6 +670,23 @@ impl Slots {
         self.meter
             .set(now, self.inflight, self.inflight + self.live_waiters as u32);
     }
+}
+
+/// The least loaded ready replica with a free slot that is not in
+/// `avoid`; `None` when `avoid` is empty (then [`pick`] chooses).
+fn pick_avoiding(
+    replicas: &[Arc<ReplicaHandle>],
+    avoid: &[Arc<ReplicaHandle>],
+) -> Option<Arc<ReplicaHandle>> {
+    if avoid.is_empty() {
+        return None;
+    }
+    replicas
+        .iter()
+        .filter(|r| r.has_free_slot() && r.is_routable())
+        .filter(|r| !avoid.iter().any(|a| Arc::ptr_eq(a, r)))
+        .min_by_key(|r| r.inflight())
+        .cloned()
 }
 
 /// Least loaded of two random ready replicas with a free slot; falls back to

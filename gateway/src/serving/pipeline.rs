@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::extract::Request;
 use axum::response::Response;
 use http::{HeaderName, HeaderValue};
-use warmgate_pool::PoolManager;
+use warmgate_pool::{PoolManager, ReplicaHandle};
 
 use super::dispatch::{Acquire, App};
 use super::proxy::{Forward, Slot as _};
@@ -131,16 +131,19 @@ impl Pipeline {
     ) -> Result<Response, ApiError> {
         // What the proxy uses of the request; its extensions stay behind.
         req.extensions_mut().clear();
+        let mut req = read_small_body(req).await?;
         // A replica that refuses the connection (killed a moment ago, not
         // yet seen to exit) was sent nothing and hands the request back,
         // body and all, so it may try another one.
         let mut attempt = 1;
+        let mut refused: Vec<Arc<ReplicaHandle>> = Vec::new();
         loop {
             match self
-                .serve_once_or_refused(app, req, path_and_query, pinned)
+                .serve_once_or_refused(app, req, path_and_query, pinned, &refused)
                 .await
             {
-                Err(Forward::Refused(e, back)) if attempt < MAX_CONNECT_ATTEMPTS => {
+                Err(Forward::Refused(e, back, replica)) if attempt < MAX_CONNECT_ATTEMPTS => {
+                    refused.push(replica);
                     metrics::counter!("warmgate_connect_retries_total").increment(1);
                     tracing::debug!(attempt, error = %e.message, "retrying on another replica");
                     // The pool manager sees a dead process within
@@ -163,6 +166,7 @@ impl Pipeline {
         req: Request,
         path_and_query: &str,
         pinned: bool,
+        avoid: &[Arc<ReplicaHandle>],
     ) -> Result<Response, Forward> {
         use super::dispatch::Slotted;
         use Forward::Failed;
@@ -175,7 +179,7 @@ impl Pipeline {
             if app.ready_replicas() == 0 {
                 self.refuse_if_failing(&app).map_err(Failed)?;
             }
-            let next = match app.acquire().map_err(Failed)? {
+            let next = match app.acquire_avoiding(avoid).map_err(Failed)? {
                 Acquire::Ready(slot) => break (slot, Duration::ZERO, false),
                 Acquire::Moved(to) => to,
                 Acquire::Held { pending, cold } => {
@@ -272,4 +276,25 @@ pub(crate) fn queued_ms(waited: Duration) -> HeaderValue {
         0 => HeaderValue::from_static("0"),
         ms => HeaderValue::from(ms as u64),
     }
+}
+
+/// Bodies of a known size up to this are read in full before a slot is
+/// taken, so that a client trickling a small upload holds no replica's
+/// slot meanwhile; larger ones, and those of unknown size, stream to the
+/// replica.
+pub(crate) const READ_AHEAD_BYTES: u64 = 64 * 1024;
+
+/// `req` with its body read in full if it is small (see
+/// [`READ_AHEAD_BYTES`]), else as it is.
+pub(crate) async fn read_small_body(req: Request) -> Result<Request, ApiError> {
+    match http_body::Body::size_hint(req.body()).exact() {
+        Some(n) if n > 0 && n <= READ_AHEAD_BYTES => {}
+        _ => return Ok(req),
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = http_body_util::BodyExt::collect(body)
+        .await
+        .map_err(|e| crate::error::body_error(&e))?
+        .to_bytes();
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
 }

@@ -55,7 +55,7 @@ pub async fn forward<S: Slot>(
         Err(failed) => {
             let err = upstream_error(&failed.error, &replica.id, replica.target.owner());
             return Err(match failed.unsent {
-                Some(req) => Forward::Refused(err, req),
+                Some(req) => Forward::Refused(err, req, replica.clone()),
                 None => Forward::Failed(err),
             });
         }
@@ -74,8 +74,8 @@ pub async fn forward<S: Slot>(
 #[derive(Debug)]
 pub enum Forward {
     /// The replica could not be connected to: nothing was sent, and here
-    /// is the request to send to another replica.
-    Refused(ApiError, Box<Request<Body>>),
+    /// is the request to send to another replica, and the one that refused.
+    Refused(ApiError, Box<Request<Body>>, Arc<ReplicaHandle>),
     /// The request failed after it was (or may have been) sent.
     Failed(ApiError),
 }
@@ -84,7 +84,7 @@ impl Forward {
     /// The error the client sees if no retry is made.
     pub fn into_error(self) -> ApiError {
         match self {
-            Forward::Refused(e, _) | Forward::Failed(e) => e,
+            Forward::Refused(e, ..) | Forward::Failed(e) => e,
         }
     }
 }

@@ -62,7 +62,7 @@ pub async fn serve(
     on_wait: impl FnOnce(),
 ) -> Result<Response, ApiError> {
     let min = min_version(&req)?;
-    let mut req = req;
+    let mut req = crate::serving::pipeline::read_small_body(req).await?;
     let mut on_wait = Some(on_wait);
     let mut attempt = 1;
     let mut refused: Vec<String> = Vec::new();
@@ -88,7 +88,7 @@ pub async fn serve(
                 h.insert(X_QUEUED_MS, crate::serving::pipeline::queued_ms(queued));
                 return Ok(resp);
             }
-            Err(Forward::Refused(e, back)) if attempt < MAX_CONNECT_ATTEMPTS => {
+            Err(Forward::Refused(e, back, _)) if attempt < MAX_CONNECT_ATTEMPTS => {
                 // Nothing was sent: the process is gone (the pool manager
                 // removes it within moments). The request, handed back
                 // whole, tries another.
@@ -99,7 +99,7 @@ pub async fn serve(
                 tokio::time::sleep(CONNECT_RETRY_PAUSE * attempt).await;
                 attempt += 1;
             }
-            Err(Forward::Refused(e, _) | Forward::Failed(e)) => return Err(e),
+            Err(Forward::Refused(e, ..) | Forward::Failed(e)) => return Err(e),
         }
     }
 }

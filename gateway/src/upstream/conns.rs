@@ -158,7 +158,12 @@ impl Conns {
         };
         match tx.try_send_request(req).await {
             Ok(resp) => Ok(Returned::wrap(resp, tx, host)),
-            Err(e) => Err(SendError::Http(e.into_error()).into()),
+            // A new connection that closed before it took the request
+            // hands it back too: nothing was sent.
+            Err(mut e) => Err(Failed {
+                unsent: e.take_message().map(Box::new),
+                error: SendError::Http(e.into_error()),
+            }),
         }
     }
 
@@ -263,7 +268,7 @@ impl Host {
             return;
         }
         let mut idle = self.idle.lock();
-        if idle.len() >= self.max_idle {
+        if idle.len() >= self.max_idle.max(1) {
             idle.remove(0);
         }
         idle.push(Idle {
@@ -323,7 +328,10 @@ impl HttpBody for Returned {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) => self.release(),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.release(),
+            // Trailers are the last frame: the server will not poll again.
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() || self.inner.is_end_stream() => {
+                self.release()
+            }
             Poll::Ready(Some(Err(_))) => self.lease = None,
             _ => {}
         }

@@ -19,9 +19,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-/// Idle upstream connections are kept this long: about as long as a burst
-/// of traffic lasts, shorter than a typical worker's keep-alive timeout.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Idle upstream connections are kept this long: under the keep-alive
+/// timeout of the common worker servers (uvicorn's, and so vLLM's, is 5 s),
+/// so the gateway closes an idle connection before the worker does. A
+/// request sent on a connection the worker is closing at that moment has
+/// been written and cannot be retried safely: it would fail with a 502.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Idle connections kept per replica; enough for a replica's concurrency.
 const POOL_MAX_IDLE_PER_HOST: usize = 256;
 /// The most of a worker's answer to `POST /weights` that is read: its
