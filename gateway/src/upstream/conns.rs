@@ -237,8 +237,9 @@ impl Conns {
         });
     }
 
-    /// Idle connections kept now to `addr` (for tests and metrics).
-    pub fn idle(&self, addr: SocketAddr) -> usize {
+    /// Idle connections kept now to `addr`.
+    #[cfg(test)]
+    fn idle(&self, addr: SocketAddr) -> usize {
         self.hosts
             .read()
             .get(&addr)

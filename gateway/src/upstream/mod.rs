@@ -92,11 +92,6 @@ impl Upstream {
         self.conns.send(addr, req).await
     }
 
-    /// Idle keep-alive connections to the replica at `addr`.
-    pub fn idle_connections(&self, addr: SocketAddr) -> usize {
-        self.conns.idle(addr)
-    }
-
     /// Sends a request to the URL it names (weights to `/weights`, a call
     /// to the leader) through the generic pooled client.
     pub async fn send(
