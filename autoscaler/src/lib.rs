@@ -84,6 +84,11 @@ pub const DEFAULT_MAX_SCALE_DOWN_RATE: f64 = 2.0;
 /// through short lulls when cold starts are very expensive.
 pub const DEFAULT_SCALE_DOWN_DELAY: Duration = Duration::ZERO;
 
+/// Default time a start is kept before any cold start is measured, where
+/// no `start_timeout` is given (the simulator); the gateway gives each app
+/// its own `startup_timeout`.
+pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// Weight of the newest measurement in the cold-start moving average: a
 /// few starts move the estimate, one outlier does not.
 pub const COLD_START_EWMA_ALPHA: f64 = 0.3;
@@ -150,6 +155,11 @@ pub struct ScalingConfig {
     /// Decide with the measured cold start and the work waiting (see
     /// [`Autoscaler::observe`]); off, the windowed policy alone decides.
     pub cold_start_aware: bool,
+    /// How long a replica may take to become ready (the app's
+    /// `startup_timeout`): until a cold start has been measured, a start is
+    /// kept this long, so a stock server loading its weights for minutes is
+    /// not stopped halfway when the request that woke it gives up.
+    pub start_timeout: Duration,
 }
 
 impl Default for ScalingConfig {
@@ -169,6 +179,7 @@ impl Default for ScalingConfig {
             suspend_after: None,
             concurrency: 0,
             cold_start_aware: true,
+            start_timeout: DEFAULT_START_TIMEOUT,
         }
     }
 }
@@ -506,12 +517,13 @@ impl Autoscaler {
     /// Keeps the replicas asked for until they are ready: returns
     /// `desired`, raised to any count still starting, and remembers a new
     /// commitment when `desired` asks for more than is ready. A commitment
-    /// lapses after three cold starts (or two minutes when none has been
-    /// measured), so a replica that never comes up cannot pin the count.
+    /// lapses after three cold starts (or `start_timeout` when none has
+    /// been measured), so a replica that never comes up cannot pin the
+    /// count.
     fn keep_commitments(&mut self, now: Duration, ready: u32, desired: u32) -> u32 {
         let lapse = self
             .cold_start
-            .map_or(Duration::from_secs(120), |c| c.saturating_mul(3));
+            .map_or(self.config.start_timeout, |c| c.saturating_mul(3));
         let floor = match self.committed {
             Some((n, since)) if now.saturating_sub(since) < lapse => n,
             _ => {

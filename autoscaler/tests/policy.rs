@@ -154,6 +154,25 @@ fn wake_from_zero_is_immediate_and_sticks() {
     assert_eq!(tick(&mut a, 161, 0.0, 1).desired, 0);
 }
 
+/// A stock server loading its weights for minutes: the request that woke
+/// it gave up long ago and the app reads idle, but the start is kept until
+/// the app's `startup_timeout`, not stopped halfway.
+#[test]
+fn a_slow_first_start_is_kept_until_the_start_timeout() {
+    let mut a = Autoscaler::new(ScalingConfig {
+        scale_to_zero_after: secs(10),
+        start_timeout: secs(900),
+        ..ScalingConfig::default()
+    });
+    assert_eq!(a.wake(secs(0)), 1);
+    for s in 1..900 {
+        let d = tick(&mut a, s, 0.0, 0);
+        assert_eq!(d.desired, 1, "t={s}: {d:?}");
+    }
+    // Never ready within it: the start is given up.
+    assert_eq!(tick(&mut a, 900, 0.0, 0).desired, 0);
+}
+
 #[test]
 fn wake_keeps_a_higher_count_and_respects_max() {
     let mut a = Autoscaler::new(ScalingConfig::default());
