@@ -84,6 +84,10 @@ pub struct PodView {
     pub ready: bool,
     /// Why the scheduler cannot place it, while it cannot.
     pub unschedulable: Option<String>,
+    /// Why a container of it has not started, while it has not
+    /// (`ImagePullBackOff`, a missing secret): the kubelet's reason and
+    /// message, so a start that waits on it says so.
+    pub waiting: Option<String>,
     /// How it ended, once it has (deleted, evicted, preempted, failed).
     pub ended: Option<String>,
 }
@@ -104,7 +108,13 @@ struct Shared {
     owners: Mutex<HashMap<String, OwnerReference>>,
     /// Running pods an earlier leader left, not taken over yet, by name.
     previous: Mutex<BTreeMap<String, Pod>>,
+    /// Set when this gateway stops leading: its pods are left running for
+    /// the next leader to take over, not deleted.
+    leaving: std::sync::atomic::AtomicBool,
 }
+
+/// How a replica ends when its gateway stops leading.
+const LEFT: &str = "was left running for the next leader";
 
 impl KubeBackend {
     /// A backend that creates pods through `client` and watches them.
@@ -121,6 +131,16 @@ impl KubeBackend {
             shared,
             _watch,
         }
+    }
+
+    /// From now on, a replica stopped (or dropped) leaves its pod running
+    /// instead of deleting it: the operator calls this when it stops
+    /// leading (SIGTERM in an upgrade, a lost lease), so the next leader
+    /// takes the pods over and nothing cold-starts.
+    pub fn leave_pods(&self) {
+        self.shared
+            .leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Pods of `target` (an app or pool name) are owned by this object, so
@@ -283,7 +303,8 @@ impl Backend for KubeBackend {
     }
 
     fn pending_reason(&self, replica: &str) -> Option<String> {
-        self.view(replica).and_then(|v| v.unschedulable)
+        self.view(replica)
+            .and_then(|v| v.unschedulable.or(v.waiting))
     }
 
     /// The pod asks for `nvidia.com/gpu`; the scheduler finds them.
@@ -443,6 +464,9 @@ impl Process for KubeProcess {
     }
 
     fn terminate(&self) {
+        if self.leave() {
+            return;
+        }
         delete(
             self.api.clone(),
             self.name.clone(),
@@ -451,13 +475,41 @@ impl Process for KubeProcess {
     }
 
     fn kill(&self) {
+        if self.leave() {
+            return;
+        }
         delete(self.api.clone(), self.name.clone(), 0);
+    }
+}
+
+impl KubeProcess {
+    /// When the gateway stops leading: ends this replica here, with its pod
+    /// left running. Returns whether it did.
+    fn leave(&self) -> bool {
+        if !self
+            .shared
+            .leaving
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return false;
+        }
+        if let Some(tx) = self.shared.pods.lock().get(&self.name) {
+            tx.send_modify(|v| v.ended = Some(LEFT.to_string()));
+        }
+        true
     }
 }
 
 impl Drop for KubeProcess {
     fn drop(&mut self) {
         self.shared.pods.lock().remove(&self.name);
+        if self
+            .shared
+            .leaving
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
         // A pod that ended by itself (evicted, failed) stays as an object
         // until deleted; a replica that is gone must not leave it behind.
         if self.rx.borrow().ended.as_deref() != Some("was deleted") {
@@ -877,8 +929,33 @@ pub fn view_of(pod: &Pod) -> PodView {
         ip,
         ready,
         unschedulable,
+        waiting: status.and_then(waiting_of),
         ended: ended_of(pod),
     }
+}
+
+/// The first container (init containers first) held back by something
+/// other than its ordinary start: its name, the kubelet's reason and
+/// message.
+fn waiting_of(status: &k8s_openapi::api::core::v1::PodStatus) -> Option<String> {
+    let all = status
+        .init_container_statuses
+        .as_deref()
+        .unwrap_or(&[])
+        .iter()
+        .chain(status.container_statuses.as_deref().unwrap_or(&[]));
+    all.filter_map(|c| {
+        let w = c.state.as_ref()?.waiting.as_ref()?;
+        let reason = w.reason.as_deref()?;
+        if matches!(reason, "ContainerCreating" | "PodInitializing") {
+            return None;
+        }
+        Some(match w.message.as_deref() {
+            Some(m) if !m.is_empty() => format!("container {} is waiting: {reason}: {m}", c.name),
+            _ => format!("container {} is waiting: {reason}", c.name),
+        })
+    })
+    .next()
 }
 
 /// How a pod ended, if it has: eviction, preemption and node loss are

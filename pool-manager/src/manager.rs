@@ -1063,6 +1063,11 @@ impl ReplicaTask {
                     return;
                 }
                 _ = tokio::time::sleep_until(deadline) => {
+                    // What held it back, when the backend knows (an image
+                    // that cannot be pulled): more use than "refused".
+                    if let Some(why) = self.inner.backend.pending_reason(&launch.replica) {
+                        last = format!("{last}; {why}");
+                    }
                     proc.kill();
                     proc.wait().await;
                     let error = Error::StartupTimeout { after: self.spec.startup_timeout, last, log: proc.log() };

@@ -532,6 +532,97 @@ async fn unschedulable_pods_report_the_scheduler_and_evictions_end_the_replica()
     del.send_response(json_response(StatusCode::OK, &pod));
 }
 
+/// A gateway that stops leading leaves its pods for the next leader: a
+/// replica stopped (or dropped) then ends here at once, and no pod is
+/// deleted; the next call the API server sees is the next create.
+#[tokio::test]
+async fn a_leader_that_steps_down_leaves_its_pods_running() {
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Full<Bytes>>>();
+    let client = kube::Client::new(service, NS);
+    let backend = std::sync::Arc::new(KubeBackend::new(client, settings()));
+    let b = backend.clone();
+    let spawn = tokio::spawn(async move { b.spawn(&launch("llm-00001-1")).await });
+    let (pod, watch) = create_and_watch(&mut handle, "llm-00001-1").await;
+    watch.send_response(watch_events(&[(
+        "MODIFIED",
+        with_status(
+            &pod,
+            12,
+            json!({"phase": "Running", "podIP": "10.4.3.7", "conditions": [
+                {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}
+            ]}),
+        ),
+    )]));
+    let mut proc = tokio::time::timeout(Duration::from_secs(10), spawn)
+        .await
+        .expect("spawned")
+        .expect("join")
+        .expect("ok");
+    backend.leave_pods();
+    proc.terminate();
+    let how = tokio::time::timeout(Duration::from_secs(10), proc.wait())
+        .await
+        .expect("ends at once");
+    assert_eq!(how, "was left running for the next leader");
+    proc.kill();
+    drop(proc);
+    // The next create is the next call: no DELETE came before it.
+    let b = backend.clone();
+    let _next = tokio::spawn(async move { b.spawn(&launch("llm-00001-2")).await });
+    loop {
+        let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .expect("a call")
+            .expect("alive");
+        assert_ne!(req.method(), Method::DELETE, "{}", req.uri());
+        if req.method() == Method::POST {
+            assert_eq!(req.uri().path(), format!("/api/v1/namespaces/{NS}/pods"));
+            break;
+        }
+        // A resumed watch: leave it open.
+        std::mem::forget(send);
+    }
+}
+
+#[test]
+fn a_container_held_back_by_its_image_or_a_secret_says_why() {
+    let pod = |status: Value| -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "x"}, "status": status})).expect("pod")
+    };
+    let waiting = |status| warmgate_pool::kubernetes::view_of(&pod(status)).waiting;
+    let container = |state: Value| {
+        json!({"phase": "Pending", "podIP": "10.4.3.9", "containerStatuses": [
+            {"name": "worker", "image": "r/w:typo", "imageID": "", "ready": false,
+             "restartCount": 0, "state": state}
+        ]})
+    };
+    assert_eq!(
+        waiting(container(json!({"waiting": {"reason": "ImagePullBackOff",
+            "message": "Back-off pulling image \"r/w:typo\""}})))
+        .as_deref(),
+        Some("container worker is waiting: ImagePullBackOff: Back-off pulling image \"r/w:typo\"")
+    );
+    assert_eq!(
+        waiting(container(
+            json!({"waiting": {"reason": "CreateContainerConfigError",
+            "message": "secret \"hf-token\" not found"}})
+        ))
+        .as_deref(),
+        Some(
+            "container worker is waiting: CreateContainerConfigError: secret \"hf-token\" not found"
+        )
+    );
+    // Its ordinary start is no reason to report.
+    assert_eq!(
+        waiting(container(
+            json!({"waiting": {"reason": "ContainerCreating"}})
+        )),
+        None
+    );
+    assert_eq!(waiting(container(json!({"running": {}}))), None);
+    assert_eq!(waiting(json!({"phase": "Pending"})), None);
+}
+
 #[test]
 fn preemption_and_node_loss_are_named_as_disruptions() {
     let pod = |status: Value| -> Pod {

@@ -505,6 +505,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     .context("read and claim the apps' revision histories in the cluster")?;
     let backend = Arc::new(backend);
     let sweeper = backend.clone();
+    let leaver = backend.clone();
     let settings = base_settings(&config);
     crate::runtime::serve_with(
         config,
@@ -554,6 +555,9 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
                     },
                     r = reconcile::run(gw, settings, backend, apps_api, pools_api, refused) => r,
                 };
+                // Whoever leads next takes the pods over: stopping here
+                // leaves them running (an upgrade cold-starts nothing).
+                leaver.leave_pods();
                 reason
             }
         },
