@@ -157,6 +157,11 @@ impl TaskStore {
         self.inner.lock().records.insert(r.id.clone(), r);
     }
 
+    /// Forgets a record that never ran (its task was refused).
+    fn remove(&self, id: &str) {
+        self.inner.lock().records.remove(id);
+    }
+
     fn update(&self, id: &str, f: impl FnOnce(&mut TaskRecord)) -> Option<TaskRecord> {
         let mut s = self.inner.lock();
         let r = s.records.get_mut(id)?;
@@ -755,40 +760,11 @@ impl Pool {
             _hold: s.hold,
             _charge: charge,
         };
-        {
-            let mut st = self.state.lock();
-            if let Some(v) = s.min_weights_version
-                && v > st.latest_version
-            {
-                return Err(ApiError::new(
-                    ErrorKind::Conflict,
-                    format!(
-                        "no replica of pool '{}' can have weights version {v}: the latest synced is {} \
-                         (POST /v1/pools/{}/weights first)",
-                        self.name, st.latest_version, self.name
-                    ),
-                ));
-            }
-            st.queue
-                .push(&tenant, s.priority, task)
-                .map_err(|r| match r {
-                    Refused::QueueFull { max_pending } => ApiError::new(
-                        ErrorKind::QueueFull,
-                        format!("pool '{}' already holds {max_pending} tasks", self.name),
-                    )
-                    .retry_after(1),
-                    Refused::TenantQuota { tenant, quota } => ApiError::new(
-                        ErrorKind::QueueFull,
-                        format!(
-                            "tenant '{tenant}' already has {quota} tasks pending or running in pool '{}' (its quota)",
-                            self.name
-                        ),
-                    )
-                    .retry_after(1),
-                })?;
-            // A task ends a suspension: `min` holds again.
-            st.suspended = false;
-        }
+        // The record is in the store before the task is in the queue: a
+        // dispatcher woken by another task's end may take it the moment
+        // the queue lock is let go, and its attempt and its end update
+        // this record (inserted after, it would have missed the replica
+        // and the outcome, and stayed pending for good).
         self.store.insert(TaskRecord {
             id: id.clone(),
             pool: self.name.clone(),
@@ -801,8 +777,57 @@ impl Pool {
             owner,
             durable: s.durable,
         });
+        let queued = self.queue_task(task, &tenant, s.priority, s.min_weights_version);
+        if let Err(e) = queued {
+            self.store.remove(&id);
+            return Err(e);
+        }
         self.notify();
         Ok((id, rx))
+    }
+
+    /// Puts an accepted task in the queue, or refuses it: weights no
+    /// replica can have, a full queue, a tenant's quota.
+    fn queue_task(
+        &self,
+        task: Task,
+        tenant: &str,
+        priority: i32,
+        min_weights_version: Option<u64>,
+    ) -> Result<(), ApiError> {
+        let mut st = self.state.lock();
+        if let Some(v) = min_weights_version
+            && v > st.latest_version
+        {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "no replica of pool '{}' can have weights version {v}: the latest synced is {} \
+                     (POST /v1/pools/{}/weights first)",
+                    self.name, st.latest_version, self.name
+                ),
+            ));
+        }
+        st.queue
+            .push(tenant, priority, task)
+            .map_err(|r| match r {
+                Refused::QueueFull { max_pending } => ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!("pool '{}' already holds {max_pending} tasks", self.name),
+                )
+                .retry_after(1),
+                Refused::TenantQuota { tenant, quota } => ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "tenant '{tenant}' already has {quota} tasks pending or running in pool '{}' (its quota)",
+                        self.name
+                    ),
+                )
+                .retry_after(1),
+            })?;
+        // A task ends a suspension: `min` holds again.
+        st.suspended = false;
+        Ok(())
     }
 
     /// A replica is ready. One that comes up behind the latest synced
@@ -1568,6 +1593,89 @@ mod tests {
             id: None,
         })
         .expect("accepted");
+    }
+
+    /// A dispatcher on another thread may take a task the moment it is
+    /// queued: its record must already be there for the attempt and the
+    /// end to land on. And a refused task leaves no record behind.
+    #[test]
+    fn a_task_taken_at_once_by_another_thread_has_its_record() {
+        const N: usize = 100_000;
+        let pool = Arc::new(Pool::new(
+            PoolSpec {
+                name: "p".into(),
+                ..PoolSpec::default()
+            },
+            Arc::new(TaskStore::default()),
+            crate::upstream::Upstream::new(),
+        ));
+        pool.add_replica(replica("r", 0));
+        let taker = {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                let (mut taken, mut missing) = (0, 0);
+                while taken < N {
+                    if let Some((task, r)) = pool.next() {
+                        if pool.store.get(&task.id).is_none() {
+                            missing += 1;
+                        }
+                        r.release();
+                        pool.state.lock().inflight -= 1;
+                        pool.state.lock().queue.done(&task.tenant);
+                        taken += 1;
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+                missing
+            })
+        };
+        let mut sent = 0;
+        while sent < N {
+            let accepted = pool.submit(Submit {
+                input: Bytes::from_static(b"1"),
+                priority: 0,
+                tenant: DEFAULT_TENANT.into(),
+                timeout: None,
+                retries: None,
+                min_weights_version: None,
+                traceparent: None,
+                hold: None,
+                durable: false,
+                id: None,
+            });
+            match accepted {
+                Ok(_) => sent += 1,
+                // The queue is full: the taker catches up.
+                Err(e) if e.kind == ErrorKind::QueueFull => std::thread::yield_now(),
+                Err(e) => panic!("refused: {e:?}"),
+            }
+        }
+        assert_eq!(
+            taker.join().expect("taker"),
+            0,
+            "tasks taken before their record was stored"
+        );
+
+        let before = pool.store.inner.lock().records.len();
+        let refused = pool.submit(Submit {
+            input: Bytes::from_static(b"1"),
+            priority: 0,
+            tenant: DEFAULT_TENANT.into(),
+            timeout: None,
+            retries: None,
+            min_weights_version: Some(9),
+            traceparent: None,
+            hold: None,
+            durable: false,
+            id: None,
+        });
+        assert!(refused.is_err());
+        assert_eq!(
+            pool.store.inner.lock().records.len(),
+            before,
+            "a refused task left its record"
+        );
     }
 
     #[tokio::test]
