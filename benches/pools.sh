@@ -8,6 +8,8 @@
 #   2. in-place weight sync of a 100 MB checkpoint across 4 test-worker
 #      replicas, all at once and one at a time, against one plain download
 #      of the same file from the gateway and a raw read of it from disk;
+#      and a cold sync again with workers that read the files where the
+#      manifest says they lie (TEST_WORKER_WEIGHTS_LOCAL=1);
 #   3. fairness: one tenant floods the queue, another sends single tasks;
 #      the light tenant's wait with round-robin fairness against FIFO.
 #
@@ -188,6 +190,19 @@ with open(sys.argv[1],"rb") as f:
 print(f"{time.perf_counter()-t:.3f}")' "$WORK/ckpt/v2/model.safetensors.bin")
 stop_gateway
 
+# The same cold sync with workers that read each file where the manifest
+# says it lies on this machine (the Python kit's way on the local
+# backend) instead of over HTTP: a fresh checkpoint, a fresh gateway.
+mkdir -p "$WORK/ckpt/v4"
+head -c $((SYNC_MB * 1024 * 1024)) /dev/urandom >"$WORK/ckpt/v4/model.safetensors.bin"
+sed -e 's/TEST_WORKER_WEIGHTS_NO_HASH = "1"/TEST_WORKER_WEIGHTS_NO_HASH = "1", TEST_WORKER_WEIGHTS_LOCAL = "1"/' \
+  -e "s#state-sync#state-sync-local#" "$WORK/sync.toml" >"$WORK/sync-local.toml"
+grep -q TEST_WORKER_WEIGHTS_LOCAL "$WORK/sync-local.toml"
+GW_CPU=0-1 start_gateway "$WORK/sync-local.toml" "$WORK/gw-sync-local.log" 2
+ready_replicas sync 4 >/dev/null
+SYNC_LOCAL=$(sync_to 1 100% 4)
+stop_gateway
+
 # --- 3. fairness -------------------------------------------------------------
 fair_run() { # fairness flood light -> JSON line
   cat >"$WORK/fair-$1.toml" <<EOF
@@ -220,6 +235,7 @@ err = {"direct": ${ERR[direct]}, "warmgate": ${ERR[warmgate]}}
 fair = json.loads('''$FAIR''')
 fifo = json.loads('''$FIFO''')
 sync_all, sync_one, sync_warm, dl, dl1, raw = ${SYNC_ALL}, ${SYNC_ONE}, ${SYNC_WARM}, ${DL}, ${DL1}, ${RAW}
+sync_local = ${SYNC_LOCAL}
 lines = [
     f"## Task dispatch (median of ${ROUNDS} interleaved rounds; open loop ${RATE} tasks/s for ${DURATION}s over ${CONNS} connections; wrk -t1 -c${CONNS} for saturation; gateway on 1 core)",
     "",
@@ -240,11 +256,12 @@ lines += [
     f"| sync, all 4 at once (cold cache) | {sync_all:.3f} | {sync_all / dl1:.1f}x | {sync_all / dl:.1f}x |",
     f"| sync, one at a time (cold cache) | {sync_one:.3f} | {sync_one / dl1:.1f}x | {sync_one / dl:.1f}x |",
     f"| sync, all 4 at once (cached in the gateway) | {sync_warm:.3f} | {sync_warm / dl1:.1f}x | {sync_warm / dl:.1f}x |",
+    f"| sync, all 4 at once (cold cache), workers reading the files where they lie | {sync_local:.3f} | {sync_local / dl1:.1f}x | {sync_local / dl:.1f}x |",
     f"| one plain download from the gateway (cached) | {dl1:.3f} | 1.0x | {dl1 / dl:.1f}x |",
     f"| 4 plain downloads at once from the gateway (cached) | {dl:.3f} | {dl / dl1:.1f}x | 1.0x |",
     f"| one raw read from disk | {raw:.3f} | {raw / dl1:.1f}x | {raw / dl:.1f}x |",
     "",
-    f"- a cold sync to 4 replicas: {sync_all / dl1:.2f}x one plain download (goal <= 1.5x)",
+    f"- a cold sync to 4 replicas: {sync_all / dl1:.2f}x one plain download over HTTP (goal <= 1.5x); {sync_local / dl1:.2f}x with workers that read the files where they lie (a file:// store on the local backend)",
     "",
     "## Fairness: one tenant floods, one sends single tasks (2 replicas x 4 slots, 20 ms tasks)",
     "",
@@ -265,7 +282,8 @@ json.dump({
     "added_p50_ms": p50["warmgate"] - p50["direct"],
     "dispatch_vs_direct": rps["warmgate"] / rps["direct"],
     "sync_mb": ${SYNC_MB}, "sync_all_s": sync_all, "sync_one_s": sync_one,
-    "sync_warm_s": sync_warm, "one_download_s": dl1, "four_downloads_s": dl,
+    "sync_warm_s": sync_warm, "sync_all_local_s": sync_local,
+    "sync_all_local_vs_one_download": sync_local / dl1, "one_download_s": dl1, "four_downloads_s": dl,
     "sync_all_vs_one_download": sync_all / dl1, "sync_all_vs_four_downloads": sync_all / dl,
     "fairness": fair, "fifo": fifo,
 }, open(sys.argv[1].replace(".md", ".json"), "w"), indent=1)

@@ -33,6 +33,11 @@ pub mod defaults {
     /// queued rollouts of a few KiB each, while a burst of large inputs
     /// cannot push the gateway past a few hundred MB.
     pub const MAX_PENDING_TASK_BYTES: u64 = 256 * 1024 * 1024;
+    /// Inference bodies read into memory and not yet handed to a replica
+    /// (held in an app's queue, or starting to be sent), over every app:
+    /// the hold queue bounds their count, this their bytes, so a thousand
+    /// held 16 MiB bodies cannot take 16 GiB.
+    pub const MAX_BUFFERED_BODY_BYTES: u64 = 512 * 1024 * 1024;
     /// Outputs of finished async tasks kept in memory for `GET /v1/tasks`;
     /// the oldest go first (the journal still has them, up to 1 MiB each).
     /// 64 MiB holds thousands of typical results and keeps the gateway small.
@@ -213,6 +218,10 @@ pub struct TenantSpec {
 /// tenant can jump ahead of the others unless the operator allows it (a
 /// tenant may still lower its own tasks' priority).
 const DEFAULT_TENANT_MAX_PRIORITY: i32 = 0;
+/// The slowest tenant rate limit: one request in 1,000 s.
+const MIN_TENANT_RPS: f64 = 0.001;
+/// The fastest: 10^9 requests a second, a one-nanosecond period.
+const MAX_TENANT_RPS: f64 = 1e9;
 
 impl TenantSpec {
     /// The highest task priority the tenant may ask for.
@@ -490,6 +499,10 @@ pub struct LimitsConfig {
     /// (`429 queue_full` past it).
     #[serde(with = "size")]
     pub max_pending_task_bytes: u64,
+    /// Bytes of inference bodies read into memory and not yet sent to a
+    /// replica, over every app (`429 queue_full` past it).
+    #[serde(with = "size")]
+    pub max_buffered_body_bytes: u64,
     /// Bytes of finished async task results kept in memory; the oldest are
     /// dropped first and then read back from the journal.
     #[serde(with = "size")]
@@ -1095,12 +1108,30 @@ impl Config {
             ("max_body_bytes", self.limits.max_body_bytes),
             ("max_task_body_bytes", self.limits.max_task_body_bytes),
             ("max_pending_task_bytes", self.limits.max_pending_task_bytes),
+            (
+                "max_buffered_body_bytes",
+                self.limits.max_buffered_body_bytes,
+            ),
             ("max_task_results_bytes", self.limits.max_task_results_bytes),
             ("max_journal_bytes", self.limits.max_journal_bytes),
         ] {
             if n == 0 {
                 return Err((format!("limits.{key}"), "must be at least 1".into()));
             }
+        }
+        // One body at the largest size must fit, and the count of bytes is
+        // kept in a semaphore, whose permits a u32 counts per request.
+        if self.limits.max_buffered_body_bytes < self.limits.max_body_bytes {
+            return Err((
+                "limits.max_buffered_body_bytes".into(),
+                "must be at least limits.max_body_bytes".into(),
+            ));
+        }
+        if self.limits.max_body_bytes > u64::from(u32::MAX) {
+            return Err((
+                "limits.max_body_bytes".into(),
+                "must be at most 4 GiB".into(),
+            ));
         }
         if self.limits.max_connections == 0 {
             return Err(("limits.max_connections".into(), "must be at least 1".into()));
@@ -1638,10 +1669,16 @@ impl Config {
                     ));
                 }
             }
+            // Outside these the limiter's period does not exist (over 10^9
+            // a second it is under a nanosecond, and the limit would be off)
+            // or is a thousand seconds long.
             if let Some(r) = t.rps
-                && !(r.is_finite() && r > 0.0)
+                && !(MIN_TENANT_RPS..=MAX_TENANT_RPS).contains(&r)
             {
-                return Err((at("rps"), "must be a number above 0".into()));
+                return Err((
+                    at("rps"),
+                    format!("must be a number from {MIN_TENANT_RPS} to {MAX_TENANT_RPS:e}"),
+                ));
             }
             for (key, v) in [
                 ("max_inflight", t.max_inflight),
@@ -1708,6 +1745,7 @@ impl Default for LimitsConfig {
             max_body_bytes: defaults::MAX_BODY_BYTES,
             max_task_body_bytes: defaults::MAX_TASK_BODY_BYTES,
             max_pending_task_bytes: defaults::MAX_PENDING_TASK_BYTES,
+            max_buffered_body_bytes: defaults::MAX_BUFFERED_BODY_BYTES,
             max_task_results_bytes: defaults::MAX_TASK_RESULTS_BYTES,
             max_journal_bytes: defaults::MAX_JOURNAL_BYTES,
             max_connections: defaults::MAX_CONNECTIONS,
@@ -2390,6 +2428,19 @@ mod tests {
         ] {
             let err = parse(text).unwrap_err();
             assert_eq!(err.key(), Some(key), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_tenant_rate_must_have_a_period_the_limiter_can_keep() {
+        let tenant = "[[tenants]]\nname = \"team\"\napi_key_env = \"TEAM_KEY\"\n";
+        for rps in ["1e-20", "0.0001", "1e10", "0", "-1", "nan", "inf"] {
+            let err = parse(&format!("{tenant}rps = {rps}\n")).unwrap_err();
+            assert_eq!(err.key(), Some("tenants[0].rps"), "{rps}: {err}");
+            assert!(err.to_string().contains("from 0.001"), "{err}");
+        }
+        for rps in ["0.001", "5.5", "1e9"] {
+            parse(&format!("{tenant}rps = {rps}\n")).expect(rps);
         }
     }
 

@@ -213,6 +213,13 @@ impl IntoResponse for ApiError {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        // The rest of a body too large is left unread, so the connection
+        // ends with this answer; said in advance, a client does not send
+        // its next request on it as it closes.
+        if self.kind == ErrorKind::TooLarge {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         resp.extensions_mut().insert(self.kind);
         resp
     }
@@ -230,6 +237,22 @@ impl std::fmt::Display for BodyTooLarge {
 
 impl std::error::Error for BodyTooLarge {}
 
+/// Marks a streamed request body that moved no byte for this long.
+#[derive(Debug)]
+pub struct BodyIdle(pub std::time::Duration);
+
+impl std::fmt::Display for BodyIdle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the request body sent no byte for {} (limits.idle_timeout)",
+            humantime::format_duration(self.0)
+        )
+    }
+}
+
+impl std::error::Error for BodyIdle {}
+
 /// The error for a request body that could not be read: too large when
 /// it ran past its limit, else a bad request.
 pub(crate) fn body_error(e: &axum::Error) -> ApiError {
@@ -237,6 +260,9 @@ pub(crate) fn body_error(e: &axum::Error) -> ApiError {
     while let Some(err) = cur {
         if let Some(BodyTooLarge(limit)) = err.downcast_ref::<BodyTooLarge>() {
             return too_large(*limit);
+        }
+        if let Some(idle) = err.downcast_ref::<BodyIdle>() {
+            return ApiError::new(ErrorKind::Timeout, idle.to_string());
         }
         cur = err.source();
     }
@@ -257,6 +283,16 @@ pub(crate) fn too_large_for(limit: u64, key: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_too_large_ends_its_connection_and_nothing_else_does() {
+        for kind in ErrorKind::ALL {
+            let resp = ApiError::new(kind, "x").into_response();
+            let close = resp.headers().get(header::CONNECTION).map(|v| v.as_bytes());
+            let expected = (kind == ErrorKind::TooLarge).then_some(&b"close"[..]);
+            assert_eq!(close, expected, "{kind:?}");
+        }
+    }
 
     /// Metric handles are indexed by `kind as usize`: `ALL` must list the
     /// kinds in their declaration order.

@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -18,8 +17,9 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_io_timeout::TimeoutStream;
-use tower::ServiceExt as _;
 use warmgate_deploy::LimitsConfig;
+
+use crate::http::hot::Edge;
 
 /// Pause after a failed accept (e.g. out of file descriptors), so the loop
 /// does not spin while the condition lasts.
@@ -57,11 +57,11 @@ impl From<&LimitsConfig> for ConnLimits {
     }
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then stops
+/// Serves `edge` on `listener` until `shutdown` resolves, then stops
 /// accepting and waits for the open connections to finish their requests.
 pub async fn serve(
     listener: TcpListener,
-    router: Router,
+    edge: Edge,
     limits: ConnLimits,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -93,10 +93,9 @@ pub async fn serve(
             }
             continue;
         };
-        let router = router.clone();
-        let service = hyper::service::service_fn(move |req: http::Request<Incoming>| {
-            router.clone().oneshot(req)
-        });
+        let edge = edge.clone();
+        let service =
+            hyper::service::service_fn(move |req: http::Request<Incoming>| edge.serve(req));
         // A response the client stops reading ends the connection after
         // `idle_timeout`; hyper's header-read timeout covers slow headers
         // and idle keep-alive connections. Reads are not timed here: a

@@ -151,6 +151,11 @@ pub const METRICS: &[Metric] = &[
         "Client connections refused at limits.max_connections.",
     ),
     counter(
+        "warmgate_buffered_body_refusals_total",
+        &[],
+        "Inference requests refused at limits.max_buffered_body_bytes.",
+    ),
+    counter(
         "warmgate_tenant_rejected_total",
         &["tenant"],
         "Requests refused for a tenant's quota.",

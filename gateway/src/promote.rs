@@ -1155,6 +1155,7 @@ fn canary(
     baseline: (u64, u64),
     since: Instant,
 ) -> Option<Event> {
+    let baked = since.elapsed() >= p.plan.bake;
     if let Some(a) = to {
         let (answered, failed) = a.health();
         let answered = answered.saturating_sub(baseline.0);
@@ -1162,6 +1163,17 @@ fn canary(
         let rate = failed as f64 / answered.max(1) as f64;
         let whole = app.spec();
         let spec = &whole.promotion;
+        // Fewer answers than `min_requests` by the end of the bake (a quiet
+        // app): judged on those it has, rather than promoted unseen.
+        if baked && answered < spec.min_requests && rate > spec.max_error_rate {
+            return Some(Event::Unhealthy(format!(
+                "error rate {:.0}% over the {answered} answers of its bake (fewer than \
+                 min_requests = {}) is above {:.0}%",
+                rate * 100.0,
+                spec.min_requests,
+                spec.max_error_rate * 100.0
+            )));
+        }
         if answered >= spec.min_requests && rate > spec.max_error_rate {
             return Some(Event::Unhealthy(format!(
                 "error rate {:.0}% over {answered} answers is above {:.0}%",
@@ -1181,7 +1193,7 @@ fn canary(
             )));
         }
     }
-    (since.elapsed() >= p.plan.bake).then_some(Event::BakeElapsed)
+    baked.then_some(Event::BakeElapsed)
 }
 
 /// Makes `plan` an in-place one when the serving revision has ready

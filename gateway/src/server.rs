@@ -53,6 +53,8 @@ pub struct Gateway {
     pub(crate) admin_token: Option<String>,
     /// Data-plane API keys and quotas (`None`: the data plane is open).
     pub(crate) tenants: Option<crate::tenants::Tenants>,
+    /// Inference bodies held in memory, within `limits.max_buffered_body_bytes`.
+    pub(crate) buffered: crate::serving::buffered::Buffered,
     /// Held by whoever changes the registry: one change at a time.
     pub(crate) changes: tokio::sync::Mutex<()>,
     /// Apps and pools a change is being applied to (a second change to
@@ -351,6 +353,8 @@ impl Gateway {
             }),
         );
         let (upstream, started) = (Upstream::new(), Instant::now());
+        let buffered =
+            crate::serving::buffered::Buffered::new(config.limits.max_buffered_body_bytes);
         let gw = Arc::new(Gateway {
             serving: crate::serving::pipeline::Pipeline::new(
                 upstream.clone(),
@@ -372,6 +376,7 @@ impl Gateway {
             workdir,
             store,
             admin_token: admin_token(),
+            buffered,
             tenants,
             changes: tokio::sync::Mutex::new(()),
             busy: parking_lot::Mutex::default(),

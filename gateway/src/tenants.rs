@@ -336,7 +336,9 @@ fn quota(rps: f64, burst: Option<u32>) -> Option<Quota> {
         return None;
     }
     let burst = burst.unwrap_or_else(|| rps.ceil().clamp(1.0, f64::from(u32::MAX)) as u32);
-    Quota::with_period(Duration::from_secs_f64(1.0 / rps))
+    Duration::try_from_secs_f64(1.0 / rps)
+        .ok()
+        .and_then(Quota::with_period)
         .map(|q| q.allow_burst(NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN)))
 }
 

@@ -143,6 +143,92 @@ async fn the_control_plane_needs_the_admin_token() {
     }
 }
 
+/// Without a token the control plane is open to programs on loopback, not
+/// to the web pages of a browser on the same machine: a rebound name in
+/// `Host`, another page's `Origin` or a cross-site fetch is refused, and
+/// nothing it asked for happens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_pages_cannot_drive_a_tokenless_control_plane() {
+    let gw = Gateway::start_with(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        "#,
+        &[],
+        &[],
+    );
+    let port = gw.url.rsplit(':').next().expect("port").to_string();
+    let spec = r#"{"command": ["sh", "-c", "touch /tmp/pwned"], "autoscale": {"min": 1}}"#;
+    let forged: [(&str, String); 4] = [
+        ("host", format!("rebound.example:{port}")),
+        ("origin", "https://evil.example".to_string()),
+        ("origin", format!("http://localhost:{}", "8888")),
+        ("sec-fetch-site", "cross-site".to_string()),
+    ];
+    for (name, value) in &forged {
+        let r = gw
+            .http
+            .put(gw.at("/v1/apps/x"))
+            .header(*name, value)
+            .header("content-type", "text/plain")
+            .body(spec)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 401, "{name}: {value}");
+        let body: Value = r.json().await.expect("json");
+        assert_eq!(kind(&body), "unauthorized", "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains("WARMGATE_ADMIN_TOKEN"), "{message}");
+        let r = gw
+            .http
+            .post(gw.at("/v1/apps/m/rollback"))
+            .header(*name, value)
+            .header("content-type", "text/plain")
+            .body("{}")
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 401, "rollback with {name}: {value}");
+        let r = gw
+            .http
+            .get(gw.at("/v1/status"))
+            .header(*name, value)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 401, "status with {name}: {value}");
+    }
+    let r = gw.http.get(gw.at("/v1/apps/x")).send().await.expect("send");
+    assert_eq!(r.status(), 404, "no forged PUT created the app");
+
+    // Programs, `localhost` and the dashboard's same-origin requests pass.
+    for (name, value) in [
+        ("host", format!("localhost:{port}")),
+        ("origin", gw.url.clone()),
+        ("sec-fetch-site", "same-origin".to_string()),
+    ] {
+        let r = gw
+            .http
+            .get(gw.at("/v1/status"))
+            .header(name, &value)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 200, "{name}: {value}");
+    }
+    // The data plane is not the control plane's to guard.
+    let r = gw
+        .http
+        .get(gw.at("/healthz"))
+        .header("origin", "https://evil.example")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+}
+
 #[test]
 fn serve_refuses_a_public_address_without_a_token() {
     let dir = tempfile::tempdir().expect("dir");

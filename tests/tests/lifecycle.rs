@@ -179,6 +179,60 @@ async fn sigterm_finishes_requests_in_flight_and_leaves_no_process_behind() {
     }
 }
 
+/// A second gateway started on a state folder in use stops at once,
+/// naming the holder, and touches nothing: the first one's replica is
+/// neither killed as an orphan nor restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_gateway_on_a_state_folder_in_use_stops_and_harms_nothing() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "svc"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        "#,
+    );
+    let pids = eventually("the replica is ready", || async {
+        let pids = gw.replica_pids("svc").await;
+        (gw.app_status("svc").await["ready"] == 1 && pids.len() == 1).then_some(pids)
+    })
+    .await;
+    let mut second = Command::new(bin("warmgate"))
+        .args(["serve", "--config"])
+        .arg(gw.dir.path().join("warmgate.toml"))
+        .args(["--listen", "127.0.0.1:0"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the second gateway");
+    let status = eventually("the second gateway exits", || {
+        let exited = second.try_wait().expect("wait");
+        async move { exited }
+    })
+    .await;
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(second.stderr.as_mut().expect("stderr"), &mut stderr)
+        .expect("read stderr");
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("in use by another warmgate"), "{stderr}");
+    assert!(stderr.contains("state_dir"), "{stderr}");
+    assert!(alive(pids[0]), "the first gateway's replica was killed");
+    assert_eq!(
+        gw.replica_pids("svc").await,
+        pids,
+        "the replica was replaced"
+    );
+    let r = gw
+        .http
+        .get(gw.at("/apps/svc/hello"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+}
+
 #[test]
 fn simulate_prints_the_policy_table_for_each_cold_start() {
     let dir = tempfile::tempdir().expect("dir");

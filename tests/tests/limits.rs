@@ -397,6 +397,44 @@ async fn slow_clients_cannot_hold_sockets_and_connections_are_bounded() {
     .await;
 }
 
+/// A streamed body that stops moving is cut off after `idle_timeout`, well
+/// before `request_timeout`, and the replica's only slot is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_body_that_stalls_gives_up_its_slot_after_the_idle_timeout() {
+    let gw = Gateway::start(
+        r#"
+        [limits]
+        idle_timeout = "1s"
+        request_timeout = "120s"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        concurrency = 1
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    gw.wait_ready("m", 1).await;
+    let mut stalled = TcpStream::connect(addr(&gw)).await.expect("connect");
+    stalled
+        .write_all(
+            b"POST /apps/m/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n\
+              5\r\nhello\r\n",
+        )
+        .await
+        .expect("write");
+    let got = read_to_close(&mut stalled).await;
+    assert!(got.starts_with("HTTP/1.1 504"), "{got}");
+    assert!(got.contains("limits.idle_timeout"), "{got}");
+    eventually("the slot is free again", || async {
+        (gw.app_status("m").await["inflight"] == 0).then_some(())
+    })
+    .await;
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("send");
+    assert_eq!(r.status(), 200);
+}
+
 /// One request over a fresh connection (no keep-alive pool, which would hold
 /// the only slot); the status line, or `None` if the connection failed.
 async fn status_line(addr: &str, path: &str) -> Option<String> {

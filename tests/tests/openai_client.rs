@@ -23,14 +23,24 @@ async fn the_official_openai_client_lists_retrieves_chats_and_reads_errors() {
         command = ["sleep", "600"]
         [apps.queue]
         timeout = "1s"
+        [[apps]]
+        name = "busy"
+        command = ["{worker}"]
+        concurrency = 1
+        [apps.autoscale]
+        min = 1
+        max = 1
+        [apps.queue]
+        timeout = "1s"
         "#,
     );
+    gw.wait_ready("busy", 1).await;
     let script = r#"
 import sys, openai
 from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=2)
 ids = sorted(m.id for m in client.models.list())
-assert ids == ["m", "org/model-x", "stuck"], ids
+assert ids == ["busy", "m", "org/model-x", "stuck"], ids
 assert client.models.retrieve("m").id == "m"
 assert client.models.retrieve("org/model-x").id == "org/model-x"
 chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
@@ -62,15 +72,35 @@ expect(lambda: client.chat.completions.create(model="nope", messages=[]),
        openai.NotFoundError, 404, "not_found", "model")
 expect(lambda: client.post("/chat/completions", body={"messages": []}, cast_to=object),
        openai.BadRequestError, 400, "bad_request")
-# A request that waits out the queue timeout is not sent again.
-expect(lambda: client.chat.completions.create(model="stuck", messages=[]),
+# A request that waits out the queue timeout behind a busy replica is not
+# sent again.
+import json, threading, time, urllib.request
+hold = threading.Thread(target=lambda: client.chat.completions.create(
+    model="busy", messages=[], extra_headers={"x-test-latency-ms": "5000"}))
+hold.start()
+for _ in range(200):
+    status = json.load(urllib.request.urlopen(sys.argv[1] + "/v1/status"))
+    if [a["inflight"] for a in status["apps"] if a["name"] == "busy"] == [1]:
+        break
+    time.sleep(0.05)
+expect(lambda: client.chat.completions.create(model="busy", messages=[]),
        openai.InternalServerError, 504, "timeout")
+hold.join()
+# One that waits it out while the app is still starting may come back.
+try:
+    client.with_options(max_retries=0).chat.completions.create(model="stuck", messages=[])
+    raise AssertionError("no error")
+except openai.InternalServerError as e:
+    assert e.status_code == 503 and e.code == "starting", e.body
+    assert e.response.headers.get("x-should-retry") != "false", dict(e.response.headers)
+    assert int(e.response.headers.get("retry-after")) >= 1, dict(e.response.headers)
+    print("ok starting")
 "#;
     let text = common::python(script, &gw.url).await;
-    assert_eq!(text.matches("ok ").count(), 4, "{text}");
+    assert_eq!(text.matches("ok ").count(), 5, "{text}");
     // One timeout, not three: the client obeyed x-should-retry.
     let timeouts = gw
-        .metric(r#"warmgate_requests_total{app="stuck",outcome="timeout"}"#)
+        .metric(r#"warmgate_requests_total{app="busy",outcome="timeout"}"#)
         .await;
     assert_eq!(timeouts, 1.0);
 }

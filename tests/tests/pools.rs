@@ -249,6 +249,46 @@ async fn a_batch_streams_one_line_per_input_in_input_order() {
     assert_eq!(status, 400, "{body}");
 }
 
+/// A worker's output nested deeper than a JSON tree may be reaches the
+/// client as the worker wrote it, on every task route, and the lines after
+/// it in a batch still come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_nested_past_any_parser_limit_arrive_whole() {
+    let gw = Gateway::start(&pool(""));
+    let deep = format!("{}{}", "[".repeat(300), "]".repeat(300));
+    let batch = format!(r#"{{"inputs": [{deep}, {{"i": 1}}], "retries": 0}}"#);
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/tasks/batch"))
+        .header("content-type", "application/json")
+        .body(batch)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.expect("the whole batch answer");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text:.300}");
+    assert!(
+        lines[0].contains(&format!(r#""output":{{"echo_raw": {deep}}}"#)),
+        "{:.300}",
+        lines[0]
+    );
+    let second: Value = serde_json::from_str(lines[1]).expect("JSON");
+    assert_eq!(second["output"]["echo"]["i"], 1, "{second}");
+
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/tasks"))
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"input": {deep}}}"#))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.expect("body").contains(&deep));
+}
+
 /// The pool's replicas as the pool manager reports them.
 async fn pool_replicas(gw: &Gateway) -> Vec<Value> {
     let s = gw.json("/v1/status").await;

@@ -335,6 +335,34 @@ async fn a_broken_canary_is_rolled_back_automatically() {
     assert_eq!(app(&gw).await["revision"], "m-00001");
 }
 
+/// A quiet app: its canary answers fewer than `min_requests` in the bake,
+/// and is judged on those rather than promoted unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_canary_of_a_quiet_app_is_judged_on_the_answers_it_had() {
+    let root = tempfile::tempdir().expect("dir");
+    let broken = checkpoint(root.path(), "broken", true);
+    let gw = Gateway::start(
+        &config("canary = 50")
+            .replace("bake = \"30s\"", "bake = \"2s\"")
+            .replace("min_requests = 10", "min_requests = 1000"),
+    );
+    gw.wait_ready("m", 1).await;
+    let (status, body) = post(&gw, "/v1/apps/m/promote", json!({"checkpoint": broken})).await;
+    assert_eq!(status, 202, "{body}");
+    let promotion = eventually("the promotion ends", || async {
+        // A user now and then.
+        let _ = gw.http.get(gw.at("/apps/m/x")).send().await;
+        let s = app(&gw).await;
+        let phase = s["promotion"]["phase"].as_str().unwrap_or("").to_string();
+        (phase == "rolled_back" || phase == "done").then(|| s["promotion"].clone())
+    })
+    .await;
+    assert_eq!(promotion["phase"], "rolled_back", "{promotion}");
+    let reason = promotion["reason"].as_str().unwrap_or("");
+    assert!(reason.contains("fewer than min_requests"), "{reason}");
+    assert_eq!(app(&gw).await["revision"], "m-00001");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_9_mid_promotion_keeps_the_history_and_the_split() {
     let root = tempfile::tempdir().expect("dir");

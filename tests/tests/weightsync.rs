@@ -311,3 +311,39 @@ async fn tasks_keep_flowing_during_a_rolling_sync() {
     assert_eq!(body["version"], 1, "{body}");
     assert!(served > 0, "no task ran during the sync");
 }
+
+/// Workers that read each file where the manifest says it lies (the
+/// Python kit's way on the local backend; the test worker's with
+/// `TEST_WORKER_WEIGHTS_LOCAL=1`) load a `file://` checkpoint, at start and
+/// in a sync, with every byte right and none of it through the gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_on_this_machine_read_the_files_where_they_lie() {
+    let (_keep, root) = root();
+    let (v0, sha0) = checkpoint(&root, "v0", 300_000);
+    let (v1, sha1) = checkpoint(&root, "v1", 1_000_000);
+    let extra = r#"env = { TEST_WORKER_WEIGHTS_LOCAL = "1" }"#;
+    let gw = Gateway::start(&config(&v0, 2, extra));
+    for r in &wait_ready(&gw, 2).await {
+        let st = stats(&gw, r).await;
+        assert_eq!(st["weights"]["sha256"], sha0.as_str(), "loaded at start");
+    }
+    let (status, body) = sync(
+        &gw,
+        json!({"checkpoint": v1, "version": 1, "max_unavailable": "100%"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["synced"], 2, "{body}");
+    for r in &wait_ready(&gw, 2).await {
+        let st = stats(&gw, r).await;
+        assert_eq!(st["weights"]["sha256"], sha1.as_str(), "{st}");
+        assert_eq!(st["weights"]["bytes"], 1_000_000, "{st}");
+    }
+    // Not a byte went through the gateway's store reader or its cache.
+    for series in [
+        "warmgate_weights_store_bytes_total",
+        "warmgate_weights_cache_bytes_total",
+    ] {
+        assert_eq!(gw.metric(series).await, 0.0, "{series}");
+    }
+}

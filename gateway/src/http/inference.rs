@@ -36,7 +36,8 @@ pub(crate) async fn read_model(
         .app(model.as_ref())
         .cloned()
         .ok_or_else(|| model_not_found(gw, &model))?;
-    Ok((app, Request::from_parts(parts, Body::from(bytes))))
+    let body = gw.buffered.hold(bytes)?;
+    Ok((app, Request::from_parts(parts, Body::new(body))))
 }
 
 /// 404 for a model no app answers to, listing those that do.
@@ -132,7 +133,8 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
     if let Err(e) = check_content_length(&req, limit) {
         return finish(None, Err(e));
     }
-    let req = req.map(|b| Body::new(LimitedBody::new(b, limit)));
+    let idle = gw.config.limits.idle_timeout;
+    let req = req.map(|b| Body::new(LimitedBody::new(b, limit, idle)));
     within_deadline(&gw, serve(&gw, &app, req, &target)).await
 }
 

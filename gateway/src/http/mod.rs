@@ -5,6 +5,8 @@
 
 pub(crate) mod body;
 pub(crate) mod control;
+pub(crate) mod forgery;
+pub(crate) mod hot;
 pub(crate) mod inference;
 pub(crate) mod ops;
 pub(crate) mod request_id;
@@ -203,6 +205,18 @@ pub(crate) async fn require_admin(
     next: Next,
 ) -> Response {
     let Some(token) = &gw.admin_token else {
+        // Open to loopback, but not to the web pages of its browser.
+        if let Some(why) = forgery::forged(req.headers(), req.uri()) {
+            return ApiError::new(
+                ErrorKind::Unauthorized,
+                format!(
+                    "refused: {why}. Without WARMGATE_ADMIN_TOKEN the control plane answers only \
+                     programs on this machine; set the token and send Authorization: Bearer \
+                     <token> to use it from elsewhere"
+                ),
+            )
+            .into_response();
+        }
         return next.run(req).await;
     };
     let presented = req
@@ -233,29 +247,47 @@ pub(crate) async fn require_tenant(
     mut req: Request,
     next: Next,
 ) -> Response {
+    match admit_tenant(&gw, &mut req) {
+        Ok(guard) => held(next.run(req).await, guard),
+        Err(refused) => refused.into_response(),
+    }
+}
+
+/// The tenant check of [`require_tenant`], for the routes served without
+/// the router ([`hot`]): with `[[tenants]]` configured, identifies the
+/// caller by its API key, admits it within its quotas, and replaces the key
+/// with `X-Tenant` and the tenant in the request's extensions. Returns what
+/// the answer must hold until its body ends, or the refusal.
+pub(crate) fn admit_tenant(
+    gw: &Gateway,
+    req: &mut Request,
+) -> Result<Option<crate::tenants::InflightGuard>, ApiError> {
     let Some(tenants) = &gw.tenants else {
-        return next.run(req).await;
+        return Ok(None);
     };
     let Some(tenant) = tenants.identify(req.headers()) else {
-        return ApiError::new(
+        return Err(ApiError::new(
             ErrorKind::Unauthorized,
             "this endpoint needs Authorization: Bearer <an API key of a [[tenants]] entry>",
-        )
-        .into_response();
+        ));
     };
     // Each gateway serving together allows its part of the quotas.
-    let guard = match tenant.admit_as_one_of(gw.pool.share().get().1) {
-        Ok(g) => g,
-        Err(e) => return e.into_response(),
-    };
+    let guard = tenant.admit_as_one_of(gw.pool.share().get().1)?;
     let headers = req.headers_mut();
     headers.remove(header::AUTHORIZATION);
     if let Ok(v) = HeaderValue::from_str(&tenant.name) {
         headers.insert(X_TENANT, v);
     }
     req.extensions_mut().insert(tenant);
-    let resp = next.run(req).await;
-    resp.map(|body| Body::new(crate::tenants::HeldBody::new(body, guard)))
+    Ok(Some(guard))
+}
+
+/// `resp`, holding the tenant's in-flight place until its body ends.
+pub(crate) fn held(resp: Response, guard: Option<crate::tenants::InflightGuard>) -> Response {
+    match guard {
+        Some(guard) => resp.map(|body| Body::new(crate::tenants::HeldBody::new(body, guard))),
+        None => resp,
+    }
 }
 
 /// Runs an inference request under `limits.request_timeout`, from its

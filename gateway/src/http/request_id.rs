@@ -47,19 +47,22 @@ where
     }
 
     fn call(&mut self, mut req: Request) -> Self::Future {
-        let id = match req.headers().get(X_REQUEST_ID) {
-            Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
-            _ => {
-                // Made twice rather than cloned: a clone of a fresh header
-                // value allocates as much as a second one.
-                let n = fastrand::u64(..);
-                req.headers_mut().insert(X_REQUEST_ID, hex_id(n));
-                hex_id(n)
-            }
-        };
-        WithId {
-            inner: self.inner.call(req),
-            id: Some(id),
+        let id = assign(&mut req);
+        WithId::new(self.inner.call(req), id)
+    }
+}
+
+/// The request's id, set on it first when it has none (or one that is
+/// empty or too long): what its answer must carry.
+pub(crate) fn assign(req: &mut Request) -> HeaderValue {
+    match req.headers().get(X_REQUEST_ID) {
+        Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
+        _ => {
+            // Made twice rather than cloned: a clone of a fresh header
+            // value allocates as much as a second one.
+            let n = fastrand::u64(..);
+            req.headers_mut().insert(X_REQUEST_ID, hex_id(n));
+            hex_id(n)
         }
     }
 }
@@ -70,6 +73,16 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: F,
         id: Option<HeaderValue>,
+    }
+}
+
+impl<F> WithId<F> {
+    /// `inner`'s answer, to carry `id`.
+    pub(crate) fn new(inner: F, id: HeaderValue) -> Self {
+        WithId {
+            inner,
+            id: Some(id),
+        }
     }
 }
 

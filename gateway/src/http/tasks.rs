@@ -36,10 +36,41 @@ pub(crate) struct TaskBody<'a> {
     pub(crate) min_weights_version: Option<u64>,
 }
 
-#[derive(serde::Deserialize)]
+/// The query of `POST /v1/pools/{pool}/tasks`.
+#[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct TaskQuery {
-    #[serde(rename = "async", default)]
+    /// `async`: answer 202 with the id at once.
     pub(crate) is_async: bool,
+}
+
+impl TaskQuery {
+    /// Reads `async` as clients write a flag (`true`, `1`, Python's
+    /// `True`, …); other keys are left alone. A value that is no flag is a
+    /// `400` in the error format, not the framework's plain text.
+    pub(crate) fn parse(query: Option<&str>) -> Result<TaskQuery, ApiError> {
+        let mut q = TaskQuery::default();
+        for pair in query.unwrap_or("").split('&') {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if key != "async" {
+                continue;
+            }
+            let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+            q.is_async = match value.to_ascii_lowercase().as_str() {
+                "true" | "1" | "yes" | "on" | "" => true,
+                "false" | "0" | "no" | "off" => false,
+                other => {
+                    return Err(ApiError::new(
+                        ErrorKind::BadRequest,
+                        format!(
+                            "async={} is not a flag: give async=true or async=false",
+                            other.chars().take(40).collect::<String>()
+                        ),
+                    ));
+                }
+            };
+        }
+        Ok(q)
+    }
 }
 
 /// `POST /v1/pools/{pool}/tasks`: queue a task; wait for its output, or
@@ -51,10 +82,11 @@ pub(crate) struct TaskQuery {
 pub(crate) async fn submit_task(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
-    axum::extract::Query(q): axum::extract::Query<TaskQuery>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
     req: Request,
 ) -> Response {
     let result: Result<Response, ApiError> = async {
+        let q = TaskQuery::parse(query.as_deref())?;
         let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
         let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
         let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
@@ -285,7 +317,10 @@ pub(crate) async fn submit_batch(
                 format!("the body must be {shape} (inputs is not an array)"),
             )
         })?;
-        let window = (pool.spec().replicas[1] * pool.spec().concurrency * 2).clamp(1, 1024) as usize;
+        let window = pool.spec().replicas[1]
+            .saturating_mul(pool.spec().concurrency)
+            .saturating_mul(2)
+            .clamp(1, 1024) as usize;
         let retries = body.retries;
         let min_version = body.min_weights_version;
         let traceparent = traceparent(&headers);
@@ -304,18 +339,26 @@ pub(crate) async fn submit_batch(
                         retries,
                         min_weights_version: min_version,
                     };
-                    let line = match batch_one(&gw, &pool, input, submit).await
-                    {
-                        Ok(r) => json!({
-                            "index": index, "id": r.id, "output": r.output, "replica": r.replica,
-                            "weights_version": r.weights_version, "attempts": r.attempts,
+                    // Written from the record: the output stays the text the
+                    // worker sent (a tree of it would cost many times its size,
+                    // and one nested past serde_json's depth limit would not
+                    // convert at all).
+                    let mut line = match batch_one(&gw, &pool, input, submit).await {
+                        Ok(r) => serde_json::to_vec(&BatchLine {
+                            index,
+                            id: &r.id,
+                            output: r.output.as_ref(),
+                            replica: r.replica.as_deref(),
+                            weights_version: r.weights_version,
+                            attempts: r.attempts,
+                        })
+                        .unwrap_or_else(|e| {
+                            error_line(index, &ApiError::new(ErrorKind::Internal, e.to_string()))
                         }),
-                        Err(e) => json!({
-                            "index": index,
-                            "error": {"kind": e.kind.as_str(), "message": e.message},
-                        }),
+                        Err(e) => error_line(index, &e),
                     };
-                    Ok::<_, std::convert::Infallible>(Bytes::from(format!("{line}\n")))
+                    line.push(b'\n');
+                    Ok::<_, std::convert::Infallible>(Bytes::from(line))
                 }
             })
             .buffered(window);
@@ -340,6 +383,24 @@ pub(crate) struct BatchTask {
     timeout: Option<Duration>,
     retries: Option<u32>,
     min_weights_version: Option<u64>,
+}
+
+/// One finished task of a batch, as its NDJSON line.
+#[derive(serde::Serialize)]
+struct BatchLine<'a> {
+    index: usize,
+    id: &'a str,
+    output: Option<&'a crate::tasks::record::Output>,
+    replica: Option<&'a str>,
+    weights_version: Option<u64>,
+    attempts: u32,
+}
+
+/// One failed task of a batch, as its NDJSON line (without the newline).
+fn error_line(index: usize, e: &ApiError) -> Vec<u8> {
+    json!({"index": index, "error": {"kind": e.kind.as_str(), "message": e.message}})
+        .to_string()
+        .into_bytes()
 }
 
 pub(crate) async fn batch_one(
@@ -492,4 +553,31 @@ pub(crate) async fn get_task(
         return axum::Json(v).into_response();
     }
     ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn async_is_read_as_clients_write_flags() {
+        let flag = |q: Option<&str>| TaskQuery::parse(q).map(|t| t.is_async);
+        for (q, want) in [
+            (None, false),
+            (Some(""), false),
+            (Some("async=true"), true),
+            (Some("async=True"), true),
+            (Some("async=1"), true),
+            (Some("async"), true),
+            (Some("async=false"), false),
+            (Some("async=0"), false),
+            (Some("other=x&async=%74rue"), true),
+            (Some("asynchronous=1"), false),
+        ] {
+            assert_eq!(flag(q).ok(), Some(want), "{q:?}");
+        }
+        let err = TaskQuery::parse(Some("async=maybe")).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::BadRequest);
+        assert!(err.message.contains("async=maybe"), "{}", err.message);
+    }
 }

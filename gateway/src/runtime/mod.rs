@@ -4,6 +4,7 @@
 //! and the operator's leader both run a gateway through here.
 
 pub mod autoscale;
+pub mod state_lock;
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -14,10 +15,12 @@ use anyhow::Context as _;
 use warmgate_deploy::Config;
 use warmgate_pool::LocalBackend;
 
-use crate::http::router;
+use crate::http::hot::Edge;
 use crate::server::Gateway;
 
 pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result<()> {
+    // Before anything in the folder is touched (orphans, cache, journal).
+    let _owner = state_lock::lock(&config.state_dir)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
@@ -158,7 +161,7 @@ where
     let mut side = tokio::spawn(side(gw.clone()));
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let server = crate::listener::serve(listener, router(gw.clone()), conn_limits, async move {
+    let server = crate::listener::serve(listener, Edge::new(gw.clone()), conn_limits, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     });
     let mut server = tokio::spawn(server);

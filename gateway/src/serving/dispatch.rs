@@ -134,6 +134,10 @@ pub enum Slotted {
     Moved(Arc<App>),
 }
 
+/// `Retry-After` on a request that waited out its queue timeout while the
+/// app's replicas were still starting.
+const STARTING_RETRY_AFTER_SECS: u64 = 5;
+
 /// A place in an app's hold queue.
 pub struct PendingSlot {
     app: Arc<App>,
@@ -184,6 +188,7 @@ pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
         suspend_after: a.suspend_after,
         concurrency: spec.concurrency,
         cold_start_aware: a.cold_start_aware,
+        start_timeout: spec.startup_timeout,
     }
 }
 
@@ -862,6 +867,20 @@ impl PendingSlot {
                 format!("app '{}' is shutting down", self.app.name),
             )
             .retry_after(1)),
+            // Nothing ready to wait for yet: the replicas are starting (a
+            // stock server loading its weights takes minutes), and the
+            // client should come back rather than give up.
+            Err(_) if self.app.ready_replicas() == 0 => Err(ApiError::new(
+                ErrorKind::Starting,
+                format!(
+                    "app '{}' has no ready replica yet: its replicas are still starting (up to \
+                     its startup_timeout) and this request waited the queue timeout ({}); retry, \
+                     or raise [apps.queue] timeout to wait longer",
+                    self.app.name,
+                    humantime::format_duration(timeout)
+                ),
+            )
+            .retry_after(STARTING_RETRY_AFTER_SECS)),
             Err(_) => Err(ApiError::new(
                 ErrorKind::Timeout,
                 format!(

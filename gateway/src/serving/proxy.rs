@@ -1,8 +1,10 @@
 //! Forwarding a request to a replica and streaming the answer back,
 //! the slot held until the answer's body ends.
 
+use std::future::Future as _;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -89,7 +91,7 @@ impl Forward {
     }
 }
 
-pub use crate::error::BodyTooLarge;
+pub use crate::error::{BodyIdle, BodyTooLarge};
 
 fn upstream_error(e: &SendError, replica: &str, app: &str) -> ApiError {
     let chain = || {
@@ -99,6 +101,9 @@ fn upstream_error(e: &SendError, replica: &str, app: &str) -> ApiError {
     };
     if let Some(too_large) = chain().find_map(|e| e.downcast_ref::<BodyTooLarge>()) {
         return ApiError::new(ErrorKind::TooLarge, too_large.to_string());
+    }
+    if let Some(idle) = chain().find_map(|e| e.downcast_ref::<BodyIdle>()) {
+        return ApiError::new(ErrorKind::Timeout, idle.to_string());
     }
     // The client's body broke off while it streamed to the replica.
     if chain().any(|e| e.is::<axum::Error>()) {
@@ -237,20 +242,30 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
     }
 }
 
-/// A request body that fails once more than `limit` bytes have passed.
+/// A request body that fails once more than `limit` bytes have passed, or
+/// when it moves no byte for `idle` (`limits.idle_timeout`): a client
+/// trickling a streamed body cannot hold a replica's slot for longer.
 pub struct LimitedBody {
     inner: Body,
     limit: u64,
     seen: u64,
+    idle: Duration,
+    /// Armed the first time the body waits (a body that arrived whole
+    /// never needs one), and pushed back after each frame.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    moved: bool,
 }
 
 impl LimitedBody {
-    /// Wraps `inner`, allowing at most `limit` bytes.
-    pub fn new(inner: Body, limit: u64) -> Self {
+    /// Wraps `inner`, allowing at most `limit` bytes and pauses of `idle`.
+    pub fn new(inner: Body, limit: u64, idle: Duration) -> Self {
         LimitedBody {
             inner,
             limit,
             seen: 0,
+            idle,
+            timer: None,
+            moved: false,
         }
     }
 }
@@ -271,10 +286,25 @@ impl HttpBody for LimitedBody {
                         return Poll::Ready(Some(Err(Box::new(BodyTooLarge(self.limit)))));
                     }
                 }
+                self.moved = true;
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
-            other => other.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as Self::Error))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => {
+                let idle = self.idle;
+                let this = &mut *self;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                if std::mem::take(&mut this.moved) {
+                    timer.as_mut().reset(tokio::time::Instant::now() + idle);
+                }
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyIdle(idle))))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 

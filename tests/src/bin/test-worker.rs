@@ -21,7 +21,9 @@
 //! `TEST_WORKER_NO_WEIGHTS` set it has no `POST /weights` at all (404);
 //! `TEST_WORKER_WEIGHTS_DELAY_MS` draws each swap out by that long.
 //! `TEST_WORKER_WEIGHTS_NO_HASH=1` skips the hashing (for benchmarks of the
-//! transport). A checkpoint with a file named `BROKEN` makes the worker
+//! transport). `TEST_WORKER_WEIGHTS_LOCAL=1` reads a file where the
+//! manifest's `path` says it lies on this machine, as the Python kit does,
+//! instead of over HTTP. A checkpoint with a file named `BROKEN` makes the worker
 //! answer every other request with 500: a deliberately broken model. One
 //! with a file named `SLOW` adds 200 ms to every request.
 
@@ -178,9 +180,18 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
 /// `POST /close-listener`: stop accepting connections but keep the process
 /// alive, to test how the gateway handles a worker that refuses connections.
-async fn close_listener(State(state): State<Arc<AppState>>) -> StatusCode {
+/// The answer closes its connection: the shutdown closes it anyway, and a
+/// client that kept it would race that close with its next request, which
+/// then fails on a connection the worker never read (not the refused
+/// connect the tests are about).
+async fn close_listener(
+    State(state): State<Arc<AppState>>,
+) -> (StatusCode, [(axum::http::HeaderName, &'static str); 1]) {
     state.close.notify_one();
-    StatusCode::ACCEPTED
+    (
+        StatusCode::ACCEPTED,
+        [(axum::http::header::CONNECTION, "close")],
+    )
 }
 
 // ---------------------------------------------------------------------------
@@ -381,6 +392,10 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
     #[derive(serde::Deserialize)]
     struct File {
         name: String,
+        #[serde(default)]
+        size: u64,
+        /// Where the file lies on this machine, when the gateway offers it.
+        path: Option<std::path::PathBuf>,
     }
     // The gateway serves weights only with the worker's token.
     let token = std::env::var("WARMGATE_WEIGHTS_TOKEN").unwrap_or_default();
@@ -395,8 +410,27 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
     let started_ms = unix_ms();
     let hash = !std::env::var("TEST_WORKER_WEIGHTS_NO_HASH").is_ok_and(|v| parse_flag(&v));
     let mut hasher = sha2::Sha256::new();
+    let local = std::env::var("TEST_WORKER_WEIGHTS_LOCAL").is_ok_and(|v| parse_flag(&v));
     let mut bytes = 0u64;
     for f in &manifest.files {
+        if local && let Some(path) = &f.path {
+            let (path, size) = (path.clone(), f.size);
+            // A copy of the digest so far: a read that fails midway must
+            // leave the checkpoint's own untouched.
+            let partial = hash.then(|| hasher.clone());
+            let read = tokio::task::spawn_blocking(move || read_local(&path, size, partial))
+                .await
+                .context("the local read panicked")?;
+            // A copy that is not the file the manifest names (changed
+            // meanwhile) is read over HTTP instead, as the kit does.
+            if let Some((n, digest)) = read {
+                bytes += n;
+                if let Some(d) = digest {
+                    hasher = d;
+                }
+                continue;
+            }
+        }
         let mut resp = http
             .get(format!("{url}/{}", f.name))
             .bearer_auth(&token)
@@ -420,6 +454,36 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
         started_ms,
         finished_ms: unix_ms(),
     })
+}
+
+/// Reads the file at `path` where it lies, when it is a regular file of
+/// `size` bytes, into `hasher` when given (as its bytes over HTTP would
+/// be): how many bytes, and the hasher. `None`: not usable here.
+fn read_local(
+    path: &std::path::Path,
+    size: u64,
+    mut hasher: Option<sha2::Sha256>,
+) -> Option<(u64, Option<sha2::Sha256>)> {
+    use sha2::Digest as _;
+    use std::io::Read as _;
+    let mut file = std::fs::File::open(path).ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() != size {
+        return None;
+    }
+    let mut buf = vec![0u8; 8 << 20];
+    let mut n = 0u64;
+    loop {
+        let got = file.read(&mut buf).ok()?;
+        if got == 0 {
+            break;
+        }
+        n += got as u64;
+        if let Some(h) = hasher.as_mut() {
+            h.update(&buf[..got]);
+        }
+    }
+    (n == size).then_some((n, hasher))
 }
 
 /// Whether `$name` (comma-separated replica ids) names this replica.
@@ -648,11 +712,24 @@ fn control_value(
 /// `POST /invoke`: the pool-task contract. The JSON input may ask for
 /// `sleep_ms`, `fail` (500), `fail_before_attempt: N` (500 while
 /// `X-Warmgate-Attempt` < N) or `crash_on_attempt: N` (exit without
-/// answering on that attempt). Answers `{"echo", "replica", "attempt"}`.
+/// answering on that attempt). Answers `{"echo", "replica", "attempt"}`;
+/// an input nested too deep to parse, `{"echo_raw": input}`.
 async fn invoke(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let _guard = InFlightGuard::start(&state.counters);
     let input: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
+        // JSON nested deeper than serde_json builds trees of: answered
+        // inside a raw echo, for the gateway's tests of deep outputs.
+        Err(e) if e.to_string().contains("recursion limit") => {
+            let mut raw = b"{\"echo_raw\": ".to_vec();
+            raw.extend_from_slice(&body);
+            raw.push(b'}');
+            return (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                raw,
+            )
+                .into_response();
+        }
         Err(e) => {
             return (
                 StatusCode::BAD_REQUEST,

@@ -1,0 +1,156 @@
+//! The hot routes, served without the router: an app's passthrough
+//! (`/apps/{app}/…`, any method) and a task (`POST /v1/pools/{pool}/tasks`).
+//!
+//! axum's router costs about ten allocations a request on these routes
+//! (the path parameters and matched path in the extensions map, the
+//! route's boxed service and its boxed future, the handler's boxed future)
+//! and as many indirect calls; at tens of thousands of requests a second
+//! on one core that is a measurable share of the gateway's user time (see
+//! `docs/serving-path.md`). [`Edge`] recognises the two routes from the
+//! path's bytes and calls their handlers itself, with the same request id,
+//! tenant check and handler as through the router; everything else, and
+//! anything it is unsure of (a percent-escaped pool name), goes through
+//! the router unchanged.
+
+use std::convert::Infallible;
+
+use futures_util::future::Either;
+use hyper::body::Incoming;
+use tower::ServiceExt as _;
+
+use super::prelude::*;
+use super::request_id::{self, WithId};
+use super::{admit_tenant, held};
+
+/// What the listener serves: the hot routes directly, the rest through
+/// [`super::router`].
+#[derive(Clone)]
+pub struct Edge {
+    gw: Arc<Gateway>,
+    router: Router,
+}
+
+/// A hot route, recognised.
+enum Hot {
+    Passthrough,
+    Task { pool: String },
+}
+
+impl Edge {
+    /// The edge of `gw`: its router and the hot routes beside it.
+    pub fn new(gw: Arc<Gateway>) -> Self {
+        let router = super::router(gw.clone());
+        Edge { gw, router }
+    }
+
+    /// Answers one request.
+    pub fn serve(
+        &self,
+        req: http::Request<Incoming>,
+    ) -> impl Future<Output = Result<Response, Infallible>> + Send + use<> {
+        let mut req = req.map(Body::new);
+        match recognise(&req) {
+            Some(route) => {
+                let id = request_id::assign(&mut req);
+                let gw = self.gw.clone();
+                Either::Left(WithId::new(
+                    async move { Ok::<_, Infallible>(answer(gw, route, req).await) },
+                    id,
+                ))
+            }
+            None => Either::Right(self.router.clone().oneshot(req)),
+        }
+    }
+}
+
+/// Runs the hot route's handler under the tenant check, as the router's
+/// `route_layer` would.
+async fn answer(gw: Arc<Gateway>, route: Hot, mut req: Request) -> Response {
+    let guard = match admit_tenant(&gw, &mut req) {
+        Ok(guard) => guard,
+        Err(refused) => return refused.into_response(),
+    };
+    let resp = match route {
+        Hot::Passthrough => passthrough(State(gw), req).await,
+        Hot::Task { pool } => {
+            let query = req.uri().query().map(str::to_string);
+            submit_task(State(gw), Path(pool), axum::extract::RawQuery(query), req).await
+        }
+    };
+    held(resp, guard)
+}
+
+/// The hot route `req` is for, when it surely is one the router would
+/// send to the same handler with the same arguments.
+fn recognise(req: &Request) -> Option<Hot> {
+    let path = req.uri().path();
+    // The router's `/apps/{*rest}` matches any method and a non-empty rest;
+    // the handler reads the raw path itself. The router empties the body
+    // of an answer to HEAD and checks one to CONNECT: those go through it.
+    let odd = matches!(*req.method(), http::Method::HEAD | http::Method::CONNECT);
+    if !odd
+        && path
+            .strip_prefix("/apps/")
+            .is_some_and(|rest| !rest.is_empty())
+    {
+        return Some(Hot::Passthrough);
+    }
+    if req.method() == http::Method::POST {
+        let pool = path
+            .strip_prefix("/v1/pools/")
+            .and_then(|rest| rest.strip_suffix("/tasks"))?;
+        // The router would decode escapes in the name: leave those to it.
+        if pool.is_empty() || pool.contains(['/', '%']) {
+            return None;
+        }
+        return Some(Hot::Task {
+            pool: pool.to_string(),
+        });
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(method: &str, uri: &str) -> Option<String> {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::empty())
+            .unwrap();
+        recognise(&req).map(|h| match h {
+            Hot::Passthrough => "passthrough".to_string(),
+            Hot::Task { pool } => format!("task {pool}"),
+        })
+    }
+
+    #[test]
+    fn the_hot_routes_are_recognised_and_anything_doubtful_left_to_the_router() {
+        assert_eq!(route("GET", "/apps/echo/").as_deref(), Some("passthrough"));
+        assert_eq!(
+            route("DELETE", "/apps/echo").as_deref(),
+            Some("passthrough")
+        );
+        assert_eq!(route("GET", "/apps/"), None);
+        assert_eq!(route("HEAD", "/apps/echo/"), None);
+        assert_eq!(route("GET", "/apps"), None);
+        assert_eq!(
+            route("POST", "/v1/pools/noop/tasks").as_deref(),
+            Some("task noop")
+        );
+        assert_eq!(
+            route("POST", "/v1/pools/noop/tasks?async=true").as_deref(),
+            Some("task noop")
+        );
+        // The router answers these: a wrong method, an escaped name, the
+        // batch route, an empty name.
+        assert_eq!(route("GET", "/v1/pools/noop/tasks"), None);
+        assert_eq!(route("POST", "/v1/pools/no%20op/tasks"), None);
+        assert_eq!(route("POST", "/v1/pools/noop/tasks/batch"), None);
+        assert_eq!(route("POST", "/v1/pools//tasks"), None);
+        assert_eq!(route("POST", "/v1/pools/a/b/tasks"), None);
+        assert_eq!(route("POST", "/v1/chat/completions"), None);
+    }
+}

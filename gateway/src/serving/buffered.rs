@@ -1,0 +1,138 @@
+//! The byte budget of inference bodies held in memory: an OpenAI request's
+//! body is read whole (its `model` names the app) before a replica's slot
+//! is asked for, and waits with it in the hold queue. The queue bounds how
+//! many wait; [`Buffered`] bounds their bytes, over every app, so a burst
+//! of large bodies at a starting app cannot exhaust memory. A body gives
+//! its bytes back when it is handed to a replica's connection (or dropped).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::{ApiError, ErrorKind};
+
+/// The budget (`limits.max_buffered_body_bytes`).
+#[derive(Debug, Clone)]
+pub struct Buffered {
+    bytes: Arc<Semaphore>,
+    limit: u64,
+}
+
+impl Buffered {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: u64) -> Self {
+        let permits = usize::try_from(limit)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS);
+        Buffered {
+            bytes: Arc::new(Semaphore::new(permits)),
+            limit,
+        }
+    }
+
+    /// `bytes` as a body that holds its share of the budget until it is
+    /// sent on, or `429 queue_full` when the budget is spent.
+    pub fn hold(&self, bytes: Bytes) -> Result<HeldBody, ApiError> {
+        if bytes.is_empty() {
+            return Ok(HeldBody {
+                bytes: Some(bytes),
+                permit: None,
+            });
+        }
+        let n = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+        match self.bytes.clone().try_acquire_many_owned(n) {
+            Ok(permit) => Ok(HeldBody {
+                bytes: Some(bytes),
+                permit: Some(permit),
+            }),
+            Err(_) => {
+                metrics::counter!("warmgate_buffered_body_refusals_total").increment(1);
+                Err(ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "the gateway already holds {} bytes of request bodies waiting for \
+                         replicas (limits.max_buffered_body_bytes); retry shortly",
+                        self.limit
+                    ),
+                )
+                .retry_after(1))
+            }
+        }
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> u64 {
+        let free = self.bytes.available_permits() as u64;
+        self.limit.saturating_sub(free)
+    }
+}
+
+/// A whole body in memory, with its share of the budget.
+#[derive(Debug)]
+pub struct HeldBody {
+    bytes: Option<Bytes>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl http_body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        // Handed to the connection: its write buffer has it now.
+        self.permit = None;
+        Poll::Ready(
+            self.bytes
+                .take()
+                .filter(|b| !b.is_empty())
+                .map(|b| Ok(Frame::data(b))),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.bytes.as_ref().is_none_or(Bytes::is_empty)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.bytes.as_ref().map_or(0, |b| b.len() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body::Body as _;
+    use http_body_util::BodyExt as _;
+
+    #[tokio::test]
+    async fn bodies_hold_their_bytes_until_sent_on() {
+        let budget = Buffered::new(10);
+        let a = budget.hold(Bytes::from_static(b"123456")).expect("fits");
+        assert_eq!(budget.held(), 6);
+        let err = budget.hold(Bytes::from_static(b"12345")).expect_err("over");
+        assert_eq!(err.kind, ErrorKind::QueueFull);
+        assert!(
+            err.message.contains("max_buffered_body_bytes"),
+            "{}",
+            err.message
+        );
+        assert_eq!(a.size_hint().exact(), Some(6));
+        let sent = a.collect().await.expect("infallible").to_bytes();
+        assert_eq!(&sent[..], b"123456");
+        assert_eq!(budget.held(), 0, "given back once sent on");
+        let b = budget
+            .hold(Bytes::from_static(b"1234567890"))
+            .expect("fits again");
+        drop(b);
+        assert_eq!(budget.held(), 0, "given back when dropped");
+        let empty = budget.hold(Bytes::new()).expect("empty");
+        assert!(empty.is_end_stream());
+    }
+}
