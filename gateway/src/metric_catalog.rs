@@ -156,6 +156,11 @@ pub const METRICS: &[Metric] = &[
         "Inference requests refused at limits.max_buffered_body_bytes.",
     ),
     counter(
+        "warmgate_stalled_answers_total",
+        &[],
+        "Replica answers cut off after sending nothing for limits.idle_timeout.",
+    ),
+    counter(
         "warmgate_tenant_rejected_total",
         &["tenant"],
         "Requests refused for a tenant's quota.",

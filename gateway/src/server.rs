@@ -352,7 +352,10 @@ impl Gateway {
                 weights: weights.clone(),
             }),
         );
-        let (upstream, started) = (Upstream::new(), Instant::now());
+        let (upstream, started) = (
+            Upstream::new().with_answer_idle(config.limits.idle_timeout),
+            Instant::now(),
+        );
         let buffered =
             crate::serving::buffered::Buffered::new(config.limits.max_buffered_body_bytes);
         let gw = Arc::new(Gateway {

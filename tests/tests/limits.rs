@@ -435,6 +435,57 @@ async fn a_streamed_body_that_stalls_gives_up_its_slot_after_the_idle_timeout() 
     assert_eq!(r.status(), 200);
 }
 
+/// A replica that sends its headers and a first event, then hangs, is cut
+/// off after `idle_timeout` (nginx's `proxy_read_timeout`): the client's
+/// stream ends, and the replica's only slot is free for the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stalls_mid_answer_gives_up_its_slot_after_the_idle_timeout() {
+    let gw = Gateway::start(
+        r#"
+        [limits]
+        idle_timeout = "1s"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        concurrency = 1
+        [apps.autoscale]
+        min = 1
+        max = 1
+        "#,
+    );
+    gw.wait_ready("m", 1).await;
+    // Three events ten minutes apart: only the first comes before the
+    // gateway gives up on the rest.
+    let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+    s.write_all(
+        b"GET /apps/m/stream?sse=3&interval_ms=600000 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    let got = read_to_close(&mut s).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("tok0"), "{got}");
+    assert!(!got.contains("tok1") && !got.contains("[DONE]"), "{got}");
+    eventually("the slot is free again", || async {
+        (gw.app_status("m").await["inflight"] == 0).then_some(())
+    })
+    .await;
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("send");
+    assert_eq!(r.status(), 200);
+    let metrics = gw
+        .http
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .expect("metrics");
+    let text = metrics.text().await.expect("text");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("warmgate_stalled_answers_total") && l.ends_with(" 1")),
+        "{text}"
+    );
+}
+
 /// One request over a fresh connection (no keep-alive pool, which would hold
 /// the only slot); the status line, or `None` if the connection failed.
 async fn status_line(addr: &str, path: &str) -> Option<String> {

@@ -31,7 +31,10 @@ pub trait Slot: Send + Sync + Unpin + 'static {
 }
 
 /// Sends `req` to the slot's replica at `path_and_query`. The answer's
-/// body holds the slot until it has been streamed to the end.
+/// body holds the slot until it has been streamed to the end, or until the
+/// replica sends no byte of it for [`Upstream::answer_idle`]
+/// (`limits.idle_timeout`, as nginx's `proxy_read_timeout`): a worker hung
+/// mid-stream gives its slot back, and the client sees its stream cut.
 pub async fn forward<S: Slot>(
     upstream: &Upstream,
     mut req: Request<Body>,
@@ -68,6 +71,9 @@ pub async fn forward<S: Slot>(
         inner: body,
         slot: Some(slot),
         first: true,
+        idle: upstream.answer_idle(),
+        timer: None,
+        moved: false,
     });
     Ok(Response::from_parts(parts, body))
 }
@@ -185,17 +191,58 @@ fn kept_end_to_end(name: &HeaderName) -> bool {
 }
 
 /// A response body that frees its slot when it ends, fails or is dropped
-/// (the client went away).
+/// (the client went away), and fails when the replica sends nothing for
+/// `idle` while the client waits for more.
 struct GuardedBody<S> {
     inner: Returned,
     slot: Option<S>,
     /// No byte of the body has passed yet.
     first: bool,
+    idle: Duration,
+    /// Armed the first time the replica keeps the body waiting, pushed back
+    /// after each frame; never polled while the client is the slow one
+    /// (hyper asks for the next frame only once it wrote the last).
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    moved: bool,
+}
+
+/// A replica that sent no byte of its answer for `limits.idle_timeout`.
+#[derive(Debug)]
+struct AnswerIdle {
+    replica: String,
+    idle: Duration,
+}
+
+impl std::fmt::Display for AnswerIdle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "replica {} sent no byte of its answer for {} (limits.idle_timeout)",
+            self.replica,
+            humantime::format_duration(self.idle)
+        )
+    }
+}
+
+impl std::error::Error for AnswerIdle {}
+
+impl<S: Slot> GuardedBody<S> {
+    /// Whether the replica has kept the body waiting for `idle`.
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let idle = self.idle;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+        if std::mem::take(&mut self.moved) {
+            timer.as_mut().reset(tokio::time::Instant::now() + idle);
+        }
+        timer.as_mut().poll(cx).is_ready()
+    }
 }
 
 impl<S: Slot> HttpBody for GuardedBody<S> {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
@@ -215,11 +262,17 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
                 }
             }
         }
-        match &polled {
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => {
-                if let Poll::Ready(Some(Err(e))) = &polled
-                    && let Some(slot) = &self.slot
-                {
+        match polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                self.moved = true;
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                self.slot = None;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                if let Some(slot) = &self.slot {
                     tracing::warn!(
                         replica = %slot.replica().id,
                         error = %e,
@@ -227,10 +280,25 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
                     );
                 }
                 self.slot = None;
+                Poll::Ready(Some(Err(Box::new(e))))
             }
-            _ => {}
+            Poll::Pending => {
+                if self.slot.is_none() || !self.stalled(cx) {
+                    return Poll::Pending;
+                }
+                let Some(slot) = self.slot.take() else {
+                    return Poll::Pending;
+                };
+                let err = AnswerIdle {
+                    replica: slot.replica().id.to_string(),
+                    idle: self.idle,
+                };
+                tracing::warn!(error = %err, "cut off a stalled answer");
+                metrics::counter!("warmgate_stalled_answers_total").increment(1);
+                drop(slot);
+                Poll::Ready(Some(Err(Box::new(err))))
+            }
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {

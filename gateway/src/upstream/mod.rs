@@ -54,6 +54,8 @@ pub use conns::{Failed, Returned, SendError};
 pub struct Upstream {
     client: Client<HttpConnector, Body>,
     conns: Arc<conns::Conns>,
+    /// The longest a replica may pause a forwarded answer.
+    answer_idle: std::time::Duration,
 }
 
 impl Default for Upstream {
@@ -77,7 +79,23 @@ impl Upstream {
             idle_timeout: POOL_IDLE_TIMEOUT,
             max_idle_per_host: POOL_MAX_IDLE_PER_HOST,
         }));
-        Upstream { client, conns }
+        Upstream {
+            client,
+            conns,
+            answer_idle: warmgate_deploy::defaults::IDLE_TIMEOUT,
+        }
+    }
+
+    /// A forwarded answer the replica sends no byte of for `idle` is cut
+    /// off (`limits.idle_timeout`; nginx's `proxy_read_timeout`).
+    pub fn with_answer_idle(mut self, idle: std::time::Duration) -> Self {
+        self.answer_idle = idle;
+        self
+    }
+
+    /// See [`Upstream::with_answer_idle`].
+    pub fn answer_idle(&self) -> std::time::Duration {
+        self.answer_idle
     }
 
     /// Sends `req` to the replica at `addr` on one of its keep-alive
