@@ -15,7 +15,7 @@
 //!   leader left that its apps and pools want as they are (same model,
 //!   weights and settings: the pod's `warmgate.dev/interchangeable`
 //!   digest), probing each before routing to it, so a failover cold-starts
-//!   nothing; the pods nothing takes over within [`ADOPTION_GRACE`] are
+//!   nothing; the pods nothing takes over within `runtime::takeover::ADOPTION_GRACE` are
 //!   deleted.
 //! - A resource's status is patched every few seconds: replicas by state,
 //!   revisions with their traffic, conditions.
@@ -50,15 +50,6 @@ use warmgate_pool::kubernetes::{KubeBackend, KubeSettings};
 use warmgate_pool::{ReplicaState, TargetStatus};
 
 use crate::status::{AppStatus, PoolStatus};
-
-/// How long a new leader leaves the pods an earlier leader left for its
-/// apps and pools to take over, before it deletes the rest: every target
-/// is made at start, so a few seconds would do; this leaves room for a
-/// slow API server.
-const ADOPTION_GRACE: Duration = Duration::from_secs(30);
-/// Rounds of [`ADOPTION_GRACE`] the pods of an app that has not started
-/// are kept for it (5 minutes), before they are deleted all the same.
-const ADOPTION_ROUNDS: u32 = 10;
 
 /// How often statuses are written.
 const STATUS_INTERVAL: Duration = Duration::from_secs(5);
@@ -469,16 +460,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     );
     // The pods an earlier leader left, to take over rather than start
     // again (before any target starts).
-    match backend.find_previous().await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(
-            pods = n,
-            "found replica pods an earlier leader left; taking over those the resources still want"
-        ),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not list the pods an earlier leader left; they are not taken over")
-        }
-    }
+    crate::runtime::takeover::find_left(&backend).await;
     for a in &apps {
         if let Some(o) = owner_of(a) {
             backend.set_owner(&a.name_any(), o);
@@ -524,28 +506,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
             // An app that could not start yet (its state unreadable, say)
             // keeps its pods for a few more rounds, to take them over once
             // it starts; an app or pool that runs has taken what it wanted.
-            let serving = gw.clone();
-            tokio::spawn(async move {
-                for round in 1..=ADOPTION_ROUNDS {
-                    tokio::time::sleep(ADOPTION_GRACE).await;
-                    let running = serving.desired_config();
-                    let runs = |owner: &str| {
-                        running.apps.iter().any(|a| a.name == owner)
-                            || running.pools.iter().any(|p| p.name == owner)
-                    };
-                    let gone = if round == ADOPTION_ROUNDS {
-                        sweeper.delete_unadopted()
-                    } else {
-                        sweeper.delete_unadopted_except(|owner| !runs(owner))
-                    };
-                    if !gone.is_empty() {
-                        tracing::info!(pods = ?gone, "deleted the pods an earlier leader left that nothing took over");
-                    }
-                    if sweeper.previous_left() == 0 {
-                        break;
-                    }
-                }
-            });
+            crate::runtime::takeover::sweep_left(gw.clone(), sweeper);
             async move {
                 let reason = tokio::select! {
                     _ = term.recv() => "SIGTERM".to_string(),

@@ -5,6 +5,7 @@
 
 pub mod autoscale;
 pub mod state_lock;
+pub(crate) mod takeover;
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -24,8 +25,13 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
-    let backend = backend_for(&config).await?;
+    let (backend, pods) = backend_for(&config).await?;
     serve_with(config, backend, None, listener, move |gw| {
+        // Every app and pool is made: the pods an earlier run left that
+        // none of them took over go.
+        if let Some(pods) = pods {
+            takeover::sweep_left(gw.clone(), pods);
+        }
         // Listened for before the gateway says it is listening: a SIGHUP
         // that comes right after must reload, not kill (its default).
         let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
@@ -79,8 +85,14 @@ async fn reload_on_hangup(
 
 /// The backend the config names: local processes (after stopping any a
 /// crashed run left), or pods through the kubeconfig or in-cluster
-/// credentials.
-async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::Backend>> {
+/// credentials (after finding the pods an earlier run left, returned
+/// again to sweep those nothing takes over).
+async fn backend_for(
+    config: &Config,
+) -> anyhow::Result<(
+    Arc<dyn warmgate_pool::Backend>,
+    Option<Arc<warmgate_pool::kubernetes::KubeBackend>>,
+)> {
     match config.backend.kind {
         warmgate_deploy::BackendKind::Local => {
             let logs = config.state_dir.join("logs");
@@ -106,7 +118,7 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
                 tracing::warn!(count = orphans.len(), replicas = ?names, "stopped replicas a previous run left running");
             }
             ORPHANS.store(orphans.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            Ok(Arc::new(backend))
+            Ok((Arc::new(backend), None))
         }
         warmgate_deploy::BackendKind::Kubernetes => {
             let client = kube::Client::try_default().await.map_err(|e| {
@@ -120,7 +132,7 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
                 .namespace
                 .clone()
                 .unwrap_or_else(|| client.default_namespace().to_string());
-            Ok(Arc::new(warmgate_pool::kubernetes::KubeBackend::new(
+            let backend = warmgate_pool::kubernetes::KubeBackend::new(
                 client,
                 warmgate_pool::kubernetes::KubeSettings {
                     namespace,
@@ -129,7 +141,13 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
                     config: config.backend.kubernetes.clone(),
                     stop_grace: config.backend.stop_grace,
                 },
-            )))
+            );
+            // A run that crashed (or was killed) left its pods: take over
+            // those the apps want as they are, and never start a pod
+            // under the name of one still there.
+            takeover::find_left(&backend).await;
+            let backend = Arc::new(backend);
+            Ok((backend.clone(), Some(backend)))
         }
     }
 }
