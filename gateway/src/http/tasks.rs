@@ -546,7 +546,8 @@ pub(crate) async fn get_task(
         if mine(r.owner.as_deref()) {
             return axum::Json(r).into_response();
         }
-    } else if let Some((v, owner)) = gw.tasks.journal().and_then(|j| j.get(&id))
+    } else if let Some(j) = gw.tasks.journal()
+        && let Some((v, owner)) = j.find(&id).await
         && mine(owner.as_deref())
     {
         // Ended before this gateway started, or evicted from memory.

@@ -13,6 +13,7 @@
 //! it is bounded.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -57,7 +58,7 @@ enum Op {
 /// The journal: a writer thread and a read connection.
 pub struct Journal {
     tx: SyncSender<Op>,
-    read: Mutex<Connection>,
+    read: Arc<Mutex<Connection>>,
 }
 
 /// What opening the journal found of the previous run.
@@ -85,7 +86,7 @@ impl Journal {
         Ok((
             Journal {
                 tx,
-                read: Mutex::new(read),
+                read: Arc::new(Mutex::new(read)),
             },
             Recovered { failed },
         ))
@@ -126,19 +127,34 @@ impl Journal {
 
     /// A journaled task, as `GET /v1/tasks/{id}` shows it, and its owner.
     pub fn get(&self, id: &str) -> Option<(Value, Option<String>)> {
-        let conn = self.read.lock();
-        let row: Option<(String, Option<String>)> = conn
-            .query_row(
-                "SELECT body, owner FROM tasks WHERE id = ?1",
-                params![id],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()
-            .ok()
-            .flatten();
-        let (body, owner) = row?;
-        serde_json::from_str(&body).ok().map(|v| (v, owner))
+        read_task(&self.read, id)
     }
+
+    /// [`Journal::get`] on the blocking pool: a read that waits on the
+    /// disk (or on a checkpoint of the WAL) never stalls a runtime thread
+    /// and the requests on it.
+    pub async fn find(&self, id: &str) -> Option<(Value, Option<String>)> {
+        let (read, id) = (self.read.clone(), id.to_string());
+        tokio::task::spawn_blocking(move || read_task(&read, &id))
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+fn read_task(read: &Mutex<Connection>, id: &str) -> Option<(Value, Option<String>)> {
+    let conn = read.lock();
+    let row: Option<(String, Option<String>)> = conn
+        .query_row(
+            "SELECT body, owner FROM tasks WHERE id = ?1",
+            params![id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()
+        .ok()
+        .flatten();
+    let (body, owner) = row?;
+    serde_json::from_str(&body).ok().map(|v| (v, owner))
 }
 
 fn connect(path: &Path) -> rusqlite::Result<Connection> {
