@@ -1,16 +1,17 @@
 //! Backends start and stop replica processes. They all implement [`Backend`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsString;
-use std::fs::OpenOptions;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
+use crate::logs::{Copier, LogLimits};
 use crate::{Error, Result};
 
 /// Everything a backend needs to start one replica.
@@ -182,6 +183,10 @@ pub struct LocalBackend {
     /// Names of the gateway's variables that workers inherit besides
     /// [`BASE_ENV`] (`backend.pass_env`).
     pass_env: Vec<String>,
+    /// How much of the replicas' output is kept on disk.
+    logs: LogLimits,
+    /// Replicas whose process runs: their logs are never pruned.
+    live: Arc<parking_lot::Mutex<HashSet<String>>>,
 }
 
 /// A replica process left behind by a previous run, and stopped.
@@ -200,7 +205,15 @@ impl LocalBackend {
             log_dir: log_dir.into(),
             run_dir: None,
             pass_env: Vec::new(),
+            logs: LogLimits::default(),
+            live: Arc::default(),
         }
+    }
+
+    /// Keeps replicas' output within `limits` (see [`crate::logs`]).
+    pub fn with_log_limits(mut self, limits: LogLimits) -> Self {
+        self.logs = limits;
+        self
     }
 
     /// Workers also inherit these variables of the gateway's environment
@@ -284,19 +297,29 @@ impl LocalBackend {
         }
     }
 
-    fn open_log(&self, replica: &str) -> Result<(std::fs::File, PathBuf)> {
+    /// Makes the log folder and deletes the oldest logs of ended replicas
+    /// past their budget; `<replica>.log`'s path.
+    async fn prepare_log(&self, replica: &str) -> Result<PathBuf> {
         let path = self.log_dir.join(format!("{replica}.log"));
-        let err = |e: std::io::Error| Error::LogFile {
+        std::fs::create_dir_all(&self.log_dir).map_err(|e| Error::LogFile {
             path: path.clone(),
             reason: e.to_string(),
-        };
-        std::fs::create_dir_all(&self.log_dir).map_err(err)?;
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(err)?;
-        Ok((file, path))
+        })?;
+        let (dir, live, budget) = (
+            self.log_dir.clone(),
+            self.live.lock().clone(),
+            self.logs.ended,
+        );
+        let gone = tokio::task::spawn_blocking(move || crate::logs::prune(&dir, &live, budget))
+            .await
+            .unwrap_or_default();
+        if !gone.is_empty() {
+            tracing::info!(
+                files = gone.len(),
+                "deleted the oldest logs of replicas that ended"
+            );
+        }
+        Ok(path)
     }
 }
 
@@ -304,11 +327,7 @@ impl LocalBackend {
 impl Backend for LocalBackend {
     async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>> {
         let port = free_port()?;
-        let (out, log_path) = self.open_log(&launch.replica)?;
-        let err_file = out.try_clone().map_err(|e| Error::LogFile {
-            path: log_path.clone(),
-            reason: e.to_string(),
-        })?;
+        let log_path = self.prepare_log(&launch.replica).await?;
         // The worker's whole environment, later entries winning: what the
         // gateway passes on, the spec's, then the contract's.
         let mut vars: BTreeMap<String, String> = inherited(std::env::vars_os(), &self.pass_env)
@@ -337,27 +356,46 @@ impl Backend for LocalBackend {
             .env_clear()
             .envs(&vars)
             .stdin(Stdio::null())
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err_file))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
         if let Some(dir) = &launch.workdir {
             cmd.current_dir(dir);
         }
-        let child = cmd.spawn().map_err(|e| Error::SpawnFailed {
+        let mut child = cmd.spawn().map_err(|e| Error::SpawnFailed {
             program: program.clone(),
             reason: e.to_string(),
         })?;
         let pid = child.id();
         let record = pid.and_then(|p| self.record(&launch.replica, p));
-        Ok(Box::new(LocalProcess {
+        let mut pipes: Vec<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            pipes.push(Box::new(out));
+        }
+        if let Some(err) = child.stderr.take() {
+            pipes.push(Box::new(err));
+        }
+        self.live.lock().insert(launch.replica.clone());
+        let mut process = LocalProcess {
             child,
             pid,
             group_ended: false,
             record,
             addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
-            log: log_path,
-        }))
+            log: log_path.clone(),
+            copier: None,
+            live: Some((self.live.clone(), launch.replica.clone())),
+        };
+        // Dropped on failure, the process is stopped with its group.
+        let copier = Copier::start(&log_path, self.logs.per_file, pipes)
+            .await
+            .map_err(|e| Error::LogFile {
+                path: log_path,
+                reason: e.to_string(),
+            })?;
+        process.copier = Some(copier);
+        Ok(Box::new(process))
     }
 }
 
@@ -409,6 +447,10 @@ struct LocalProcess {
     record: Option<PathBuf>,
     addr: SocketAddr,
     log: PathBuf,
+    /// Copies its output into its log.
+    copier: Option<Copier>,
+    /// Where it is counted as live (its log kept), taken out when dropped.
+    live: Option<(Arc<parking_lot::Mutex<HashSet<String>>>, String)>,
 }
 
 #[async_trait]
@@ -431,6 +473,11 @@ impl Process for LocalProcess {
             Err(e) => format!("could not be waited on ({e})"),
         };
         self.end_group();
+        // Its group is gone, so its pipes close: the last lines (a crash's
+        // reason) are in the log before anyone reads it.
+        if let Some(copier) = &mut self.copier {
+            copier.finish().await;
+        }
         how
     }
 
@@ -484,6 +531,9 @@ impl Drop for LocalProcess {
         self.end_group();
         if let Some(path) = &self.record {
             let _ = std::fs::remove_file(path);
+        }
+        if let Some((live, replica)) = self.live.take() {
+            live.lock().remove(&replica);
         }
     }
 }

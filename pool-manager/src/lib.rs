@@ -16,6 +16,7 @@
 pub mod backend;
 pub mod gpu;
 pub mod kubernetes;
+pub mod logs;
 mod manager;
 pub mod peer;
 pub mod probe;

@@ -1,0 +1,256 @@
+//! A local replica's output on disk, bounded.
+//!
+//! The worker's stdout and stderr are pipes the backend reads; what comes
+//! through is appended to `<replica>.log`, which is moved to
+//! `<replica>.log.1` (replacing an older one) once it would pass
+//! [`LogLimits::per_file`], so a replica never holds more than twice that
+//! on disk, however long it runs and however much it prints. The logs of
+//! replicas that ended stay for reading after a crash, newest first, up to
+//! [`LogLimits::ended`] over the folder; older ones are deleted when a
+//! replica starts. This is Docker's `json-file` driver's `max-size` and
+//! `max-file = 2`, with a budget for the dead on top, since every replica
+//! of a scale-to-zero app has a name (and a log) of its own.
+
+use std::collections::HashSet;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::task::JoinHandle;
+
+/// How much of replicas' output is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogLimits {
+    /// Bytes of one log file before it is rotated.
+    pub per_file: u64,
+    /// Bytes of the logs of replicas that ended, over the folder.
+    pub ended: u64,
+}
+
+impl Default for LogLimits {
+    /// 64 MiB a file (a chatty vLLM prints a few MB a day), 512 MiB of
+    /// ended replicas' logs.
+    fn default() -> Self {
+        LogLimits {
+            per_file: 64 * 1024 * 1024,
+            ended: 512 * 1024 * 1024,
+        }
+    }
+}
+
+/// Read at most this much from a pipe at a time.
+const CHUNK: usize = 64 * 1024;
+/// How long a replica's end waits for the rest of its output to be
+/// written (the pipes close when its process group is gone).
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// The file one replica's output goes to, rotated past its size.
+struct Sink {
+    path: PathBuf,
+    file: tokio::fs::File,
+    written: u64,
+    per_file: u64,
+    /// A write failed (a full disk): said once, and the output is then
+    /// read and dropped, so the worker never blocks on a full pipe.
+    broken: bool,
+}
+
+impl Sink {
+    async fn write(&mut self, buf: &[u8]) {
+        if self.broken {
+            return;
+        }
+        let result = async {
+            if self.written > 0 && self.written + buf.len() as u64 > self.per_file {
+                self.rotate().await?;
+            }
+            self.file.write_all(buf).await?;
+            self.written += buf.len() as u64;
+            io::Result::Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(log = %self.path.display(), error = %e, "cannot write a replica's log; its output is dropped from now on");
+            self.broken = true;
+        }
+    }
+
+    async fn rotate(&mut self) -> io::Result<()> {
+        self.file.flush().await?;
+        tokio::fs::rename(&self.path, rotated(&self.path)).await?;
+        self.file = open(&self.path).await?;
+        self.written = 0;
+        Ok(())
+    }
+}
+
+/// `<replica>.log.1`.
+fn rotated(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".1");
+    PathBuf::from(name)
+}
+
+async fn open(path: &Path) -> io::Result<tokio::fs::File> {
+    tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .await
+}
+
+/// The tasks copying one replica's pipes into its log.
+pub(crate) struct Copier {
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Copier {
+    /// Starts copying `pipes` into `path` (appended to, as it was).
+    pub(crate) async fn start(
+        path: &Path,
+        per_file: u64,
+        pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>,
+    ) -> io::Result<Copier> {
+        let file = open(path).await?;
+        let written = file.metadata().await?.len();
+        let sink = Arc::new(tokio::sync::Mutex::new(Sink {
+            path: path.to_path_buf(),
+            file,
+            written,
+            per_file,
+            broken: false,
+        }));
+        let tasks = pipes
+            .into_iter()
+            .map(|mut pipe| {
+                let sink = sink.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; CHUNK];
+                    loop {
+                        match pipe.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => sink.lock().await.write(&buf[..n]).await,
+                        }
+                    }
+                    let _ = sink.lock().await.file.flush().await;
+                })
+            })
+            .collect();
+        Ok(Copier { tasks })
+    }
+
+    /// Waits (a little) for the output still in the pipes to be written,
+    /// so a crash's last lines are in the file when it is read.
+    pub(crate) async fn finish(&mut self) {
+        let tasks = std::mem::take(&mut self.tasks);
+        let _ = tokio::time::timeout(DRAIN, futures_util::future::join_all(tasks)).await;
+    }
+}
+
+/// Deletes the logs of replicas not in `live`, oldest first, until those
+/// left take at most `budget` bytes. Returns the files deleted.
+pub(crate) fn prune(dir: &Path, live: &HashSet<String>, budget: u64) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut ended: Vec<(SystemTime, u64, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let replica = name
+                .strip_suffix(".log")
+                .or_else(|| name.strip_suffix(".log.1"))?;
+            if live.contains(replica) {
+                return None;
+            }
+            let meta = e.metadata().ok().filter(std::fs::Metadata::is_file)?;
+            Some((meta.modified().ok()?, meta.len(), e.path()))
+        })
+        .collect();
+    // Newest first: those are kept.
+    ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+    let mut kept = 0u64;
+    let mut full = false;
+    let mut gone = Vec::new();
+    for (_, len, path) in ended {
+        full = full || kept.saturating_add(len) > budget;
+        if !full {
+            kept += len;
+        } else if std::fs::remove_file(&path).is_ok() {
+            gone.push(path);
+        }
+    }
+    gone
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn output_is_rotated_past_its_size_and_the_last_lines_are_written() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("w-1.log");
+        let mut child = tokio::process::Command::new("sh")
+            .args([
+                "-c",
+                "head -c 250000 /dev/zero | tr '\\0' x; echo; echo 'on stderr' >&2; echo 'the end'",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("sh");
+        let pipes: Vec<Box<dyn AsyncRead + Send + Unpin>> = vec![
+            Box::new(child.stdout.take().expect("stdout")),
+            Box::new(child.stderr.take().expect("stderr")),
+        ];
+        let mut copier = Copier::start(&path, 100_000, pipes).await.expect("start");
+        child.wait().await.expect("wait");
+        copier.finish().await;
+
+        let now = std::fs::read_to_string(&path).expect("log");
+        let old = std::fs::read_to_string(rotated(&path)).expect("log.1");
+        assert!(now.len() as u64 <= 100_000, "{} bytes", now.len());
+        assert!(old.len() as u64 <= 100_000, "{} bytes", old.len());
+        assert!(
+            now.ends_with("the end\n"),
+            "{:?}",
+            &now[now.len().saturating_sub(40)..]
+        );
+        assert!(now.contains("on stderr") || old.contains("on stderr"));
+    }
+
+    #[test]
+    fn ended_logs_are_pruned_oldest_first_and_live_ones_kept() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let write = |name: &str, age_s: u64| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, vec![b'x'; 1000]).expect("write");
+            let t = SystemTime::now() - Duration::from_secs(age_s);
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .and_then(|f| f.set_modified(t))
+                .expect("mtime");
+        };
+        write("a-1.log", 400);
+        write("a-1.log.1", 500);
+        write("a-2.log", 300);
+        write("a-3.log", 200);
+        write("live-1.log", 900);
+        write("notes.txt", 900);
+        let live = HashSet::from(["live-1".to_string()]);
+        let mut gone = prune(dir.path(), &live, 2500);
+        gone.sort();
+        let names: Vec<String> = gone
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["a-1.log", "a-1.log.1"]);
+        for kept in ["a-2.log", "a-3.log", "live-1.log", "notes.txt"] {
+            assert!(dir.path().join(kept).exists(), "{kept}");
+        }
+    }
+}
