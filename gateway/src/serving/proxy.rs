@@ -71,9 +71,7 @@ pub async fn forward<S: Slot>(
         inner: body,
         slot: Some(slot),
         first: true,
-        idle: upstream.answer_idle(),
-        timer: None,
-        moved: false,
+        idle: IdleTimer::new(upstream.answer_idle()),
     });
     Ok(Response::from_parts(parts, body))
 }
@@ -198,12 +196,10 @@ struct GuardedBody<S> {
     slot: Option<S>,
     /// No byte of the body has passed yet.
     first: bool,
-    idle: Duration,
-    /// Armed the first time the replica keeps the body waiting, pushed back
-    /// after each frame; never polled while the client is the slow one
-    /// (hyper asks for the next frame only once it wrote the last).
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    moved: bool,
+    /// Runs while the replica keeps the body waiting; never polled while
+    /// the client is the slow one (hyper asks for the next frame only once
+    /// it wrote the last).
+    idle: IdleTimer,
 }
 
 /// A replica that sent no byte of its answer for `limits.idle_timeout`.
@@ -226,9 +222,32 @@ impl std::fmt::Display for AnswerIdle {
 
 impl std::error::Error for AnswerIdle {}
 
-impl<S: Slot> GuardedBody<S> {
-    /// Whether the replica has kept the body waiting for `idle`.
-    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+/// Pauses of a body, measured while it is polled and has nothing: armed
+/// the first time it waits (a body that arrived whole never needs one),
+/// pushed back after each frame.
+struct IdleTimer {
+    idle: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    moved: bool,
+}
+
+impl IdleTimer {
+    fn new(idle: Duration) -> Self {
+        IdleTimer {
+            idle,
+            timer: None,
+            moved: false,
+        }
+    }
+
+    /// A frame passed.
+    fn moved(&mut self) {
+        self.moved = true;
+    }
+
+    /// The body is waiting: whether it has waited `idle` since it last
+    /// moved (and if not, `cx` is woken when it has).
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         let idle = self.idle;
         let timer = self
             .timer
@@ -264,7 +283,7 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
         }
         match polled {
             Poll::Ready(Some(Ok(frame))) => {
-                self.moved = true;
+                self.idle.moved();
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(None) => {
@@ -283,7 +302,7 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
                 Poll::Ready(Some(Err(Box::new(e))))
             }
             Poll::Pending => {
-                if self.slot.is_none() || !self.stalled(cx) {
+                if self.slot.is_none() || !self.idle.expired(cx) {
                     return Poll::Pending;
                 }
                 let Some(slot) = self.slot.take() else {
@@ -291,7 +310,7 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
                 };
                 let err = AnswerIdle {
                     replica: slot.replica().id.to_string(),
-                    idle: self.idle,
+                    idle: self.idle.idle,
                 };
                 tracing::warn!(error = %err, "cut off a stalled answer");
                 metrics::counter!("warmgate_stalled_answers_total").increment(1);
@@ -317,11 +336,7 @@ pub struct LimitedBody {
     inner: Body,
     limit: u64,
     seen: u64,
-    idle: Duration,
-    /// Armed the first time the body waits (a body that arrived whole
-    /// never needs one), and pushed back after each frame.
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    moved: bool,
+    idle: IdleTimer,
 }
 
 impl LimitedBody {
@@ -331,9 +346,7 @@ impl LimitedBody {
             inner,
             limit,
             seen: 0,
-            idle,
-            timer: None,
-            moved: false,
+            idle: IdleTimer::new(idle),
         }
     }
 }
@@ -354,25 +367,15 @@ impl HttpBody for LimitedBody {
                         return Poll::Ready(Some(Err(Box::new(BodyTooLarge(self.limit)))));
                     }
                 }
-                self.moved = true;
+                self.idle.moved();
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
             Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => {
-                let idle = self.idle;
-                let this = &mut *self;
-                let timer = this
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
-                if std::mem::take(&mut this.moved) {
-                    timer.as_mut().reset(tokio::time::Instant::now() + idle);
-                }
-                match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyIdle(idle))))),
-                    Poll::Pending => Poll::Pending,
-                }
+            Poll::Pending if self.idle.expired(cx) => {
+                Poll::Ready(Some(Err(Box::new(BodyIdle(self.idle.idle)))))
             }
+            Poll::Pending => Poll::Pending,
         }
     }
 
