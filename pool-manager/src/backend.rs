@@ -1,17 +1,16 @@
 //! Backends start and stop replica processes. They all implement [`Backend`].
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
-use std::sync::Arc;
 
 use async_trait::async_trait;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
-use crate::logs::{Copier, LogLimits};
+use crate::logs::{Copier, Live, LiveLog, LogLimits};
 use crate::{Error, Result};
 
 /// Everything a backend needs to start one replica.
@@ -185,8 +184,9 @@ pub struct LocalBackend {
     pass_env: Vec<String>,
     /// How much of the replicas' output is kept on disk.
     logs: LogLimits,
-    /// Replicas whose process runs: their logs are never pruned.
-    live: Arc<parking_lot::Mutex<HashSet<String>>>,
+    /// Replicas whose process runs or is starting: their logs are never
+    /// pruned.
+    live: Live,
 }
 
 /// A replica process left behind by a previous run, and stopped.
@@ -206,7 +206,7 @@ impl LocalBackend {
             run_dir: None,
             pass_env: Vec::new(),
             logs: LogLimits::default(),
-            live: Arc::default(),
+            live: Live::default(),
         }
     }
 
@@ -305,11 +305,7 @@ impl LocalBackend {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        let (dir, live, budget) = (
-            self.log_dir.clone(),
-            self.live.lock().clone(),
-            self.logs.ended,
-        );
+        let (dir, live, budget) = (self.log_dir.clone(), self.live.clone(), self.logs.ended);
         let gone = tokio::task::spawn_blocking(move || crate::logs::prune(&dir, &live, budget))
             .await
             .unwrap_or_default();
@@ -327,6 +323,8 @@ impl LocalBackend {
 impl Backend for LocalBackend {
     async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>> {
         let port = free_port()?;
+        // In use from now: no other start prunes it, even before it opens.
+        let live = self.live.hold(&launch.replica);
         let log_path = self.prepare_log(&launch.replica).await?;
         // The worker's whole environment, later entries winning: what the
         // gateway passes on, the spec's, then the contract's.
@@ -351,32 +349,31 @@ impl Backend for LocalBackend {
             program: String::new(),
             reason: "the command is empty".into(),
         })?;
+        let (out, err, output) = crate::logs::output_pipe().map_err(|e| Error::LogFile {
+            path: log_path.clone(),
+            reason: format!("cannot make the output pipe: {e}"),
+        })?;
         let mut cmd = tokio::process::Command::new(program);
         cmd.args(&command[1..])
             .env_clear()
             .envs(&vars)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdout(out)
+            .stderr(err)
             .process_group(0)
             .kill_on_drop(true);
         if let Some(dir) = &launch.workdir {
             cmd.current_dir(dir);
         }
-        let mut child = cmd.spawn().map_err(|e| Error::SpawnFailed {
+        let child = cmd.spawn().map_err(|e| Error::SpawnFailed {
             program: program.clone(),
             reason: e.to_string(),
         })?;
         let pid = child.id();
         let record = pid.and_then(|p| self.record(&launch.replica, p));
-        let mut pipes: Vec<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = Vec::new();
-        if let Some(out) = child.stdout.take() {
-            pipes.push(Box::new(out));
-        }
-        if let Some(err) = child.stderr.take() {
-            pipes.push(Box::new(err));
-        }
-        self.live.lock().insert(launch.replica.clone());
+        // The writing ends are the child's alone from here.
+        drop(cmd);
+        let pipes: Vec<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = vec![Box::new(output)];
         let mut process = LocalProcess {
             child,
             pid,
@@ -385,7 +382,7 @@ impl Backend for LocalBackend {
             addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
             log: log_path.clone(),
             copier: None,
-            live: Some((self.live.clone(), launch.replica.clone())),
+            _live: live,
         };
         // Dropped on failure, the process is stopped with its group.
         let copier = Copier::start(&log_path, self.logs.per_file, pipes)
@@ -449,8 +446,8 @@ struct LocalProcess {
     log: PathBuf,
     /// Copies its output into its log.
     copier: Option<Copier>,
-    /// Where it is counted as live (its log kept), taken out when dropped.
-    live: Option<(Arc<parking_lot::Mutex<HashSet<String>>>, String)>,
+    /// Its log counted as in use (never pruned) while it lives.
+    _live: LiveLog,
 }
 
 #[async_trait]
@@ -531,9 +528,6 @@ impl Drop for LocalProcess {
         self.end_group();
         if let Some(path) = &self.record {
             let _ = std::fs::remove_file(path);
-        }
-        if let Some((live, replica)) = self.live.take() {
-            live.lock().remove(&replica);
         }
     }
 }

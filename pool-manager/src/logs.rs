@@ -11,7 +11,7 @@
 //! `max-file = 2`, with a budget for the dead on top, since every replica
 //! of a scale-to-zero app has a name (and a log) of its own.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -101,6 +101,55 @@ async fn open(path: &Path) -> io::Result<tokio::fs::File> {
         .await
 }
 
+/// The replicas whose logs are in use (a process runs, or is being
+/// started, under that name): never pruned. Counted per name, since a
+/// target made again in the same run may reuse a name still stopping.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Live(Arc<parking_lot::Mutex<HashMap<String, usize>>>);
+
+impl Live {
+    /// Marks `replica`'s log as in use until the guard is dropped.
+    pub(crate) fn hold(&self, replica: &str) -> LiveLog {
+        *self.0.lock().entry(replica.to_string()).or_default() += 1;
+        LiveLog {
+            live: self.clone(),
+            replica: replica.to_string(),
+        }
+    }
+}
+
+/// A replica's log in use; see [`Live::hold`].
+#[derive(Debug)]
+pub(crate) struct LiveLog {
+    live: Live,
+    replica: String,
+}
+
+impl Drop for LiveLog {
+    fn drop(&mut self) {
+        let mut names = self.live.0.lock();
+        if let Some(n) = names.get_mut(&self.replica) {
+            *n -= 1;
+            if *n == 0 {
+                names.remove(&self.replica);
+            }
+        }
+    }
+}
+
+/// One pipe for a worker's stdout and stderr both (so their lines stay in
+/// the order it wrote them, as with one file), and its reading end.
+pub(crate) fn output_pipe() -> io::Result<(
+    std::process::Stdio,
+    std::process::Stdio,
+    tokio::net::unix::pipe::Receiver,
+)> {
+    let (tx, rx) = tokio::net::unix::pipe::pipe()?;
+    let out = tx.into_blocking_fd()?;
+    let err = out.try_clone()?;
+    Ok((out.into(), err.into(), rx))
+}
+
 /// The tasks copying one replica's pipes into its log.
 pub(crate) struct Copier {
     tasks: Vec<JoinHandle<()>>,
@@ -142,31 +191,66 @@ impl Copier {
     }
 
     /// Waits (a little) for the output still in the pipes to be written,
-    /// so a crash's last lines are in the file when it is read.
+    /// so a crash's last lines are in the file when it is read. A pipe
+    /// still held open after that (a helper that left the process group)
+    /// is no longer read.
     pub(crate) async fn finish(&mut self) {
         let tasks = std::mem::take(&mut self.tasks);
-        let _ = tokio::time::timeout(DRAIN, futures_util::future::join_all(tasks)).await;
+        let aborts: Vec<_> = tasks.iter().map(JoinHandle::abort_handle).collect();
+        let drained = tokio::time::timeout(DRAIN, futures_util::future::join_all(tasks)).await;
+        if drained.is_err() {
+            tracing::warn!(
+                "a replica's output pipe stayed open after its process group ended; no longer read"
+            );
+            for a in aborts {
+                a.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Copier {
+    /// Dropped without [`Copier::finish`] (the replica was never waited
+    /// on): the pipes close with the process group, and the tasks end by
+    /// themselves; none is left reading a pipe someone else holds.
+    fn drop(&mut self) {
+        let tasks = std::mem::take(&mut self.tasks);
+        if tasks.is_empty() {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let aborts: Vec<_> = tasks.iter().map(JoinHandle::abort_handle).collect();
+                let drained =
+                    tokio::time::timeout(DRAIN, futures_util::future::join_all(tasks)).await;
+                if drained.is_err() {
+                    for a in aborts {
+                        a.abort();
+                    }
+                }
+            });
+        }
     }
 }
 
 /// Deletes the logs of replicas not in `live`, oldest first, until those
-/// left take at most `budget` bytes. Returns the files deleted.
-pub(crate) fn prune(dir: &Path, live: &HashSet<String>, budget: u64) -> Vec<PathBuf> {
+/// left take at most `budget` bytes. Returns the files deleted. `live` is
+/// asked again just before each file goes, so a replica that starts
+/// meanwhile keeps its log.
+pub(crate) fn prune(dir: &Path, live: &Live, budget: u64) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
-    let mut ended: Vec<(SystemTime, u64, PathBuf)> = entries
+    let mut ended: Vec<(SystemTime, u64, PathBuf, String)> = entries
         .filter_map(Result::ok)
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
             let replica = name
                 .strip_suffix(".log")
-                .or_else(|| name.strip_suffix(".log.1"))?;
-            if live.contains(replica) {
-                return None;
-            }
+                .or_else(|| name.strip_suffix(".log.1"))?
+                .to_string();
             let meta = e.metadata().ok().filter(std::fs::Metadata::is_file)?;
-            Some((meta.modified().ok()?, meta.len(), e.path()))
+            Some((meta.modified().ok()?, meta.len(), e.path(), replica))
         })
         .collect();
     // Newest first: those are kept.
@@ -174,7 +258,11 @@ pub(crate) fn prune(dir: &Path, live: &HashSet<String>, budget: u64) -> Vec<Path
     let mut kept = 0u64;
     let mut full = false;
     let mut gone = Vec::new();
-    for (_, len, path) in ended {
+    for (_, len, path, replica) in ended {
+        let names = live.0.lock();
+        if names.contains_key(&replica) {
+            continue;
+        }
         full = full || kept.saturating_add(len) > budget;
         if !full {
             kept += len;
@@ -193,19 +281,17 @@ mod tests {
     async fn output_is_rotated_past_its_size_and_the_last_lines_are_written() {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("w-1.log");
+        let (out, err, rx) = output_pipe().expect("pipe");
         let mut child = tokio::process::Command::new("sh")
             .args([
                 "-c",
                 "head -c 250000 /dev/zero | tr '\\0' x; echo; echo 'on stderr' >&2; echo 'the end'",
             ])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
+            .stdout(out)
+            .stderr(err)
             .spawn()
             .expect("sh");
-        let pipes: Vec<Box<dyn AsyncRead + Send + Unpin>> = vec![
-            Box::new(child.stdout.take().expect("stdout")),
-            Box::new(child.stderr.take().expect("stderr")),
-        ];
+        let pipes: Vec<Box<dyn AsyncRead + Send + Unpin>> = vec![Box::new(rx)];
         let mut copier = Copier::start(&path, 100_000, pipes).await.expect("start");
         child.wait().await.expect("wait");
         copier.finish().await;
@@ -214,12 +300,12 @@ mod tests {
         let old = std::fs::read_to_string(rotated(&path)).expect("log.1");
         assert!(now.len() as u64 <= 100_000, "{} bytes", now.len());
         assert!(old.len() as u64 <= 100_000, "{} bytes", old.len());
+        // In the order written, stderr and stdout alike.
         assert!(
-            now.ends_with("the end\n"),
+            now.ends_with("on stderr\nthe end\n"),
             "{:?}",
             &now[now.len().saturating_sub(40)..]
         );
-        assert!(now.contains("on stderr") || old.contains("on stderr"));
     }
 
     #[test]
@@ -241,7 +327,11 @@ mod tests {
         write("a-3.log", 200);
         write("live-1.log", 900);
         write("notes.txt", 900);
-        let live = HashSet::from(["live-1".to_string()]);
+        let live = Live::default();
+        let held = live.hold("live-1");
+        // Held twice (a name reused while its first process stops): the
+        // first end does not free it.
+        drop(live.hold("live-1"));
         let mut gone = prune(dir.path(), &live, 2500);
         gone.sort();
         let names: Vec<String> = gone
@@ -252,5 +342,9 @@ mod tests {
         for kept in ["a-2.log", "a-3.log", "live-1.log", "notes.txt"] {
             assert!(dir.path().join(kept).exists(), "{kept}");
         }
+        // Once it ended, it is the oldest, and over the budget.
+        drop(held);
+        let gone = prune(dir.path(), &live, 2500);
+        assert_eq!(gone, [dir.path().join("live-1.log")]);
     }
 }
