@@ -25,13 +25,8 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
-    let (backend, pods) = backend_for(&config).await?;
+    let backend = backend_for(&config).await?;
     serve_with(config, backend, None, listener, move |gw| {
-        // Every app and pool is made: the pods an earlier run left that
-        // none of them took over go.
-        if let Some(pods) = pods {
-            takeover::sweep_left(gw.clone(), pods);
-        }
         // Listened for before the gateway says it is listening: a SIGHUP
         // that comes right after must reload, not kill (its default).
         let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
@@ -85,14 +80,14 @@ async fn reload_on_hangup(
 
 /// The backend the config names: local processes (after stopping any a
 /// crashed run left), or pods through the kubeconfig or in-cluster
-/// credentials (after finding the pods an earlier run left, returned
-/// again to sweep those nothing takes over).
-async fn backend_for(
-    config: &Config,
-) -> anyhow::Result<(
-    Arc<dyn warmgate_pool::Backend>,
-    Option<Arc<warmgate_pool::kubernetes::KubeBackend>>,
-)> {
+/// credentials.
+///
+/// On Kubernetes a `serve` does not take over or delete the pods of its
+/// instance it finds at start: without a lease it cannot tell a crashed
+/// run's pods from those of another gateway running now (a rolling update,
+/// a colleague on the same namespace), and deleting those would take down
+/// a live gateway's replicas. The operator does, under its lease.
+async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::Backend>> {
     match config.backend.kind {
         warmgate_deploy::BackendKind::Local => {
             let logs = config.state_dir.join("logs");
@@ -118,7 +113,7 @@ async fn backend_for(
                 tracing::warn!(count = orphans.len(), replicas = ?names, "stopped replicas a previous run left running");
             }
             ORPHANS.store(orphans.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            Ok((Arc::new(backend), None))
+            Ok(Arc::new(backend))
         }
         warmgate_deploy::BackendKind::Kubernetes => {
             let client = kube::Client::try_default().await.map_err(|e| {
@@ -142,12 +137,7 @@ async fn backend_for(
                     stop_grace: config.backend.stop_grace,
                 },
             );
-            // A run that crashed (or was killed) left its pods: take over
-            // those the apps want as they are, and never start a pod
-            // under the name of one still there.
-            takeover::find_left(&backend).await;
-            let backend = Arc::new(backend);
-            Ok((backend.clone(), Some(backend)))
+            Ok(Arc::new(backend))
         }
     }
 }

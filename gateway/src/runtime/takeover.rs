@@ -1,8 +1,9 @@
-//! Taking over the replica pods an earlier gateway of the same instance
-//! left in the cluster (a leader that lost its lease, a `warmgate serve`
-//! that crashed or was upgraded): those its apps and pools want as they
-//! are run on, the rest are deleted, so no pod is left behind and no new
-//! pod's name collides with an old one's.
+//! The operator's leader taking over the replica pods an earlier leader of
+//! the same instance left in the cluster: those its apps and pools want as
+//! they are run on, the rest are deleted, so no pod is left behind and no
+//! new pod's name collides with an old one's. Only a gateway holding the
+//! instance's lease may do this: one without it (`warmgate serve`) cannot
+//! tell a dead run's pods from a live gateway's.
 
 use std::sync::Arc;
 use std::time::Duration;
