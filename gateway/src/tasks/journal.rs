@@ -59,6 +59,10 @@ enum Op {
 pub struct Journal {
     tx: SyncSender<Op>,
     read: Arc<Mutex<Connection>>,
+    /// Reads waiting for the one read connection: a flood of lookups of
+    /// unknown ids waits here, not in the blocking pool that replica logs
+    /// and other file work share.
+    readers: tokio::sync::Semaphore,
 }
 
 /// What opening the journal found of the previous run.
@@ -67,6 +71,10 @@ pub struct Recovered {
     /// Tasks accepted before a crash and now marked failed.
     pub failed: u64,
 }
+
+/// Journal reads on the blocking pool at once (they take turns on one
+/// connection anyway).
+const READERS: usize = 2;
 
 impl Journal {
     /// Opens the journal in the SQLite file at `path`, marks every task
@@ -87,6 +95,7 @@ impl Journal {
             Journal {
                 tx,
                 read: Arc::new(Mutex::new(read)),
+                readers: tokio::sync::Semaphore::new(READERS),
             },
             Recovered { failed },
         ))
@@ -134,6 +143,7 @@ impl Journal {
     /// disk (or on a checkpoint of the WAL) never stalls a runtime thread
     /// and the requests on it.
     pub async fn find(&self, id: &str) -> Option<(Value, Option<String>)> {
+        let _turn = self.readers.acquire().await.ok()?;
         let (read, id) = (self.read.clone(), id.to_string());
         tokio::task::spawn_blocking(move || read_task(&read, &id))
             .await
