@@ -42,7 +42,7 @@ pub struct Gateway {
     pub(crate) draining: AtomicBool,
     pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub(crate) weights: Arc<crate::weights::Weights>,
-    pub(crate) tasks: Arc<crate::tasks::pool::TaskStore>,
+    pub(crate) tasks: Arc<crate::tasks::store::TaskStore>,
     /// Where workers reach the gateway.
     pub(crate) reach: String,
     /// The workers' working directory.
@@ -322,8 +322,8 @@ impl Gateway {
                 ),
             }
         }
-        let tasks = Arc::new(crate::tasks::pool::TaskStore::new(
-            crate::tasks::pool::StoreLimits {
+        let tasks = Arc::new(crate::tasks::store::TaskStore::new(
+            crate::tasks::store::StoreLimits {
                 max_pending_bytes: config.limits.max_pending_task_bytes,
                 max_results_bytes: config.limits.max_task_results_bytes,
             },

@@ -373,7 +373,6 @@ impl Backend for LocalBackend {
         let record = pid.and_then(|p| self.record(&launch.replica, p));
         // The writing ends are the child's alone from here.
         drop(cmd);
-        let pipes: Vec<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = vec![Box::new(output)];
         let mut process = LocalProcess {
             child,
             pid,
@@ -385,7 +384,7 @@ impl Backend for LocalBackend {
             _live: live,
         };
         // Dropped on failure, the process is stopped with its group.
-        let copier = Copier::start(&log_path, self.logs.per_file, pipes)
+        let copier = Copier::start(&log_path, self.logs.per_file, output)
             .await
             .map_err(|e| Error::LogFile {
                 path: log_path,

@@ -1,6 +1,6 @@
 //! A local replica's output on disk, bounded.
 //!
-//! The worker's stdout and stderr are pipes the backend reads; what comes
+//! The worker's stdout and stderr are one pipe the backend reads; what comes
 //! through is appended to `<replica>.log`, which is moved to
 //! `<replica>.log.1` (replacing an older one) once it would pass
 //! [`LogLimits::per_file`], so a replica never holds more than twice that
@@ -150,85 +150,76 @@ pub(crate) fn output_pipe() -> io::Result<(
     Ok((out.into(), err.into(), rx))
 }
 
-/// The tasks copying one replica's pipes into its log.
+/// The task copying one replica's output pipe into its log.
 pub(crate) struct Copier {
-    tasks: Vec<JoinHandle<()>>,
+    task: Option<JoinHandle<()>>,
 }
 
 impl Copier {
-    /// Starts copying `pipes` into `path` (appended to, as it was).
+    /// Starts copying `pipe` into `path` (appended to, as it was).
     pub(crate) async fn start(
         path: &Path,
         per_file: u64,
-        pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>,
+        mut pipe: impl AsyncRead + Send + Unpin + 'static,
     ) -> io::Result<Copier> {
         let file = open(path).await?;
         let written = file.metadata().await?.len();
-        let sink = Arc::new(tokio::sync::Mutex::new(Sink {
+        let mut sink = Sink {
             path: path.to_path_buf(),
             file,
             written,
             per_file,
             broken: false,
-        }));
-        let tasks = pipes
-            .into_iter()
-            .map(|mut pipe| {
-                let sink = sink.clone();
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; CHUNK];
-                    loop {
-                        match pipe.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => sink.lock().await.write(&buf[..n]).await,
-                        }
-                    }
-                    let _ = sink.lock().await.file.flush().await;
-                })
-            })
-            .collect();
-        Ok(Copier { tasks })
+        };
+        let task = tokio::spawn(async move {
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                match pipe.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => sink.write(&buf[..n]).await,
+                }
+            }
+            let _ = sink.file.flush().await;
+        });
+        Ok(Copier { task: Some(task) })
     }
 
-    /// Waits (a little) for the output still in the pipes to be written,
+    /// Waits (a little) for the output still in the pipe to be written,
     /// so a crash's last lines are in the file when it is read. A pipe
     /// still held open after that (a helper that left the process group)
     /// is no longer read.
     pub(crate) async fn finish(&mut self) {
-        let tasks = std::mem::take(&mut self.tasks);
-        let aborts: Vec<_> = tasks.iter().map(JoinHandle::abort_handle).collect();
-        let drained = tokio::time::timeout(DRAIN, futures_util::future::join_all(tasks)).await;
-        if drained.is_err() {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        if !drain(task).await {
             tracing::warn!(
                 "a replica's output pipe stayed open after its process group ended; no longer read"
             );
-            for a in aborts {
-                a.abort();
-            }
         }
     }
 }
 
+/// Waits up to [`DRAIN`] for `task` to end, then aborts it; whether it
+/// ended by itself.
+async fn drain(task: JoinHandle<()>) -> bool {
+    let abort = task.abort_handle();
+    let ended = tokio::time::timeout(DRAIN, task).await.is_ok();
+    if !ended {
+        abort.abort();
+    }
+    ended
+}
+
 impl Drop for Copier {
     /// Dropped without [`Copier::finish`] (the replica was never waited
-    /// on): the pipes close with the process group, and the tasks end by
-    /// themselves; none is left reading a pipe someone else holds.
+    /// on): the pipe closes with the process group, and the task ends by
+    /// itself; it is not left reading a pipe someone else holds.
     fn drop(&mut self) {
-        let tasks = std::mem::take(&mut self.tasks);
-        if tasks.is_empty() {
-            return;
-        }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let aborts: Vec<_> = tasks.iter().map(JoinHandle::abort_handle).collect();
-                let drained =
-                    tokio::time::timeout(DRAIN, futures_util::future::join_all(tasks)).await;
-                if drained.is_err() {
-                    for a in aborts {
-                        a.abort();
-                    }
-                }
-            });
+        if let Some(task) = self.task.take()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(drain(task));
         }
     }
 }
@@ -291,8 +282,7 @@ mod tests {
             .stderr(err)
             .spawn()
             .expect("sh");
-        let pipes: Vec<Box<dyn AsyncRead + Send + Unpin>> = vec![Box::new(rx)];
-        let mut copier = Copier::start(&path, 100_000, pipes).await.expect("start");
+        let mut copier = Copier::start(&path, 100_000, rx).await.expect("start");
         child.wait().await.expect("wait");
         copier.finish().await;
 

@@ -397,25 +397,42 @@ async fn slow_clients_cannot_hold_sockets_and_connections_are_bounded() {
     .await;
 }
 
-/// A streamed body that stops moving is cut off after `idle_timeout`, well
-/// before `request_timeout`, and the replica's only slot is free again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_streamed_body_that_stalls_gives_up_its_slot_after_the_idle_timeout() {
-    let gw = Gateway::start(
+/// A gateway with `idle_timeout = "1s"` (and `limits`, more keys of
+/// `[limits]`) and one app of one replica with one slot, ready.
+async fn one_slot_gateway(limits: &str) -> Gateway {
+    let gw = Gateway::start(&format!(
         r#"
         [limits]
         idle_timeout = "1s"
-        request_timeout = "120s"
+        {limits}
         [[apps]]
         name = "m"
-        command = ["{worker}"]
+        command = ["{{worker}}"]
         concurrency = 1
         [apps.autoscale]
         min = 1
         max = 1
-        "#,
-    );
+        "#
+    ));
     gw.wait_ready("m", 1).await;
+    gw
+}
+
+/// The app's only slot is free: nothing in flight, and a request is served.
+async fn the_slot_is_free_again(gw: &Gateway) {
+    eventually("the slot is free again", || async {
+        (gw.app_status("m").await["inflight"] == 0).then_some(())
+    })
+    .await;
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("send");
+    assert_eq!(r.status(), 200);
+}
+
+/// A streamed body that stops moving is cut off after `idle_timeout`, well
+/// before `request_timeout`, and the replica's only slot is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_body_that_stalls_gives_up_its_slot_after_the_idle_timeout() {
+    let gw = one_slot_gateway("request_timeout = \"120s\"").await;
     let mut stalled = TcpStream::connect(addr(&gw)).await.expect("connect");
     stalled
         .write_all(
@@ -427,12 +444,7 @@ async fn a_streamed_body_that_stalls_gives_up_its_slot_after_the_idle_timeout() 
     let got = read_to_close(&mut stalled).await;
     assert!(got.starts_with("HTTP/1.1 504"), "{got}");
     assert!(got.contains("limits.idle_timeout"), "{got}");
-    eventually("the slot is free again", || async {
-        (gw.app_status("m").await["inflight"] == 0).then_some(())
-    })
-    .await;
-    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("send");
-    assert_eq!(r.status(), 200);
+    the_slot_is_free_again(&gw).await;
 }
 
 /// A replica that sends its headers and a first event, then hangs, is cut
@@ -440,20 +452,7 @@ async fn a_streamed_body_that_stalls_gives_up_its_slot_after_the_idle_timeout() 
 /// stream ends, and the replica's only slot is free for the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_stalls_mid_answer_gives_up_its_slot_after_the_idle_timeout() {
-    let gw = Gateway::start(
-        r#"
-        [limits]
-        idle_timeout = "1s"
-        [[apps]]
-        name = "m"
-        command = ["{worker}"]
-        concurrency = 1
-        [apps.autoscale]
-        min = 1
-        max = 1
-        "#,
-    );
-    gw.wait_ready("m", 1).await;
+    let gw = one_slot_gateway("").await;
     // Three events ten minutes apart: only the first comes before the
     // gateway gives up on the rest.
     let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
@@ -466,12 +465,7 @@ async fn a_replica_that_stalls_mid_answer_gives_up_its_slot_after_the_idle_timeo
     assert!(got.starts_with("HTTP/1.1 200"), "{got}");
     assert!(got.contains("tok0"), "{got}");
     assert!(!got.contains("tok1") && !got.contains("[DONE]"), "{got}");
-    eventually("the slot is free again", || async {
-        (gw.app_status("m").await["inflight"] == 0).then_some(())
-    })
-    .await;
-    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("send");
-    assert_eq!(r.status(), 200);
+    the_slot_is_free_again(&gw).await;
     let metrics = gw
         .http
         .get(gw.at("/metrics"))

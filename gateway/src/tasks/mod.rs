@@ -9,5 +9,6 @@ pub mod queue;
 pub mod record;
 pub mod shared;
 pub mod split;
+pub mod store;
 
 pub use pool::Pool;

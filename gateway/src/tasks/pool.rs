@@ -18,24 +18,23 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use parking_lot::Mutex;
-use serde::Serialize;
 use tokio::sync::{Notify, oneshot};
 use warmgate_deploy::{Fairness, PoolSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
 
 use super::queue::{Limits, Refused, TaskQueue};
 use super::split::Split;
+use super::store::{InputCharge, TaskStore};
 use crate::error::{ApiError, ErrorKind};
+
+mod sync;
+pub use sync::ReplicaSync;
 
 /// Replicas lost under one task before it fails for good.
 pub const MAX_SYSTEM_RETRIES: u32 = 5;
 /// Pause before retrying a task whose replica was lost, times the number of
 /// losses: the pool manager sees a process exit within milliseconds.
 const SYSTEM_RETRY_PAUSE: Duration = Duration::from_millis(100);
-/// Finished async tasks kept for `GET /v1/tasks/{id}`, whatever their
-/// size; the oldest go first (`limits.max_task_results_bytes` bounds their
-/// bytes).
-const MAX_FINISHED: usize = 100_000;
 /// The largest worker answer read.
 const MAX_OUTPUT_BYTES: usize = 64 * 1024 * 1024;
 /// First delay before retrying a task that failed in user code.
@@ -47,159 +46,6 @@ pub use super::record::{Output, TaskRecord, TaskState};
 
 /// A finished task, as the synchronous API answers it.
 pub type Outcome = Result<TaskRecord, ApiError>;
-
-/// Byte bounds of the task store.
-#[derive(Debug, Clone, Copy)]
-pub struct StoreLimits {
-    /// Input bytes of the tasks accepted and not ended, over every pool.
-    pub max_pending_bytes: u64,
-    /// Bytes of finished async task records kept in memory.
-    pub max_results_bytes: u64,
-}
-
-impl Default for StoreLimits {
-    fn default() -> Self {
-        StoreLimits {
-            max_pending_bytes: warmgate_deploy::defaults::MAX_PENDING_TASK_BYTES,
-            max_results_bytes: warmgate_deploy::defaults::MAX_TASK_RESULTS_BYTES,
-        }
-    }
-}
-
-/// Every task the gateway knows, bounded in count and in bytes. A task
-/// submitted without `?async=true` (one task or a batch) is forgotten once
-/// its outcome is handed to its waiter; finished async tasks are kept
-/// within `limits.max_task_results_bytes`, oldest dropped first.
-#[derive(Default)]
-pub struct TaskStore {
-    inner: Mutex<StoreInner>,
-    journal: OnceLock<Arc<super::journal::Journal>>,
-    limits: StoreLimits,
-    /// Input bytes charged by live tasks (see [`InputCharge`]).
-    pending_bytes: Arc<AtomicU64>,
-}
-
-#[derive(Default)]
-struct StoreInner {
-    records: HashMap<String, TaskRecord>,
-    /// Finished async tasks, oldest first, with the bytes each holds.
-    finished: VecDeque<(String, u64)>,
-    finished_bytes: u64,
-}
-
-/// A live task's share of `limits.max_pending_task_bytes`, given back when
-/// the task is dropped (it ended, or was refused).
-#[derive(Debug)]
-pub struct InputCharge {
-    bytes: u64,
-    total: Arc<AtomicU64>,
-}
-
-impl Drop for InputCharge {
-    fn drop(&mut self) {
-        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
-    }
-}
-
-/// Bytes a finished record holds in memory, about.
-fn record_bytes(r: &TaskRecord) -> u64 {
-    let output = r.output.as_ref().map_or(0, |o| o.get().len());
-    // The error is a short message; ids and names are small.
-    let rest = 256 + r.id.len() + r.error.as_ref().map_or(0, |_| 512);
-    (output + rest) as u64
-}
-
-impl TaskStore {
-    /// An empty store within `limits`.
-    pub fn new(limits: StoreLimits) -> Self {
-        TaskStore {
-            limits,
-            ..TaskStore::default()
-        }
-    }
-
-    /// Charges `bytes` of input to the pending budget, or `None` when the
-    /// tasks alive already hold too much.
-    fn charge(&self, bytes: u64) -> Option<InputCharge> {
-        let max = self.limits.max_pending_bytes;
-        self.pending_bytes
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-                cur.checked_add(bytes).filter(|n| *n <= max)
-            })
-            .ok()?;
-        Some(InputCharge {
-            bytes,
-            total: self.pending_bytes.clone(),
-        })
-    }
-
-    /// Input bytes held by the tasks alive.
-    pub fn pending_bytes(&self) -> u64 {
-        self.pending_bytes.load(Ordering::Relaxed)
-    }
-
-    /// A task's record.
-    pub fn get(&self, id: &str) -> Option<TaskRecord> {
-        self.inner.lock().records.get(id).cloned()
-    }
-
-    /// Where async tasks are journaled (set once, at start).
-    pub fn set_journal(&self, j: Arc<super::journal::Journal>) {
-        let _ = self.journal.set(j);
-    }
-
-    /// The journal, if any.
-    pub fn journal(&self) -> Option<&Arc<super::journal::Journal>> {
-        self.journal.get()
-    }
-
-    fn insert(&self, r: TaskRecord) {
-        self.inner.lock().records.insert(r.id.clone(), r);
-    }
-
-    /// Forgets a record that never ran (its task was refused).
-    fn remove(&self, id: &str) {
-        self.inner.lock().records.remove(id);
-    }
-
-    fn update(&self, id: &str, f: impl FnOnce(&mut TaskRecord)) -> Option<TaskRecord> {
-        let mut s = self.inner.lock();
-        let r = s.records.get_mut(id)?;
-        f(r);
-        let out = r.clone();
-        let ended = matches!(out.state, TaskState::Succeeded | TaskState::Failed);
-        if ended && !out.durable {
-            // Its outcome goes to its waiter, the only one who asked.
-            s.records.remove(id);
-        } else if ended {
-            let bytes = record_bytes(&out);
-            s.finished.push_back((id.to_string(), bytes));
-            s.finished_bytes += bytes;
-            let mut evicted = 0u64;
-            while s.finished.len() > MAX_FINISHED
-                || s.finished_bytes > self.limits.max_results_bytes
-            {
-                let Some((old, n)) = s.finished.pop_front() else {
-                    break;
-                };
-                s.records.remove(&old);
-                s.finished_bytes -= n;
-                evicted += 1;
-            }
-            if evicted > 0 {
-                metrics::counter!("warmgate_task_results_evicted_total").increment(evicted);
-            }
-        }
-        drop(s);
-        if ended
-            && out.durable
-            && let Some(j) = self.journal.get()
-        {
-            j.end(&out);
-        }
-        Some(out)
-    }
-}
 
 /// One accepted task.
 struct Task {
@@ -991,197 +837,6 @@ impl Pool {
         warmgate_autoscaler::pool::pool_desired(&cfg, &load)
     }
 
-    /// Starts a weight sync to `version`, whose files workers fetch from
-    /// `url`: from now on it is the pool's latest version (so
-    /// `max_staleness` counts from it) and new replicas start with it.
-    /// Refused while another sync runs, or for a version older than the
-    /// latest; the latest itself may be synced again, to finish a sync that
-    /// failed part way.
-    pub fn begin_sync(&self, version: u64, url: String) -> Result<(), ApiError> {
-        let mut st = self.state.lock();
-        self.refuse_sync(&st, version)?;
-        st.latest_version = version;
-        st.latest_url = Some(url);
-        st.syncing_to = Some(version);
-        Ok(())
-    }
-
-    /// Whether a sync to `version` would be refused now, and why.
-    pub fn check_sync(&self, version: u64) -> Result<(), ApiError> {
-        self.refuse_sync(&self.state.lock(), version)
-    }
-
-    fn refuse_sync(&self, st: &PoolState, version: u64) -> Result<(), ApiError> {
-        if let Some(v) = st.syncing_to {
-            return Err(ApiError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "pool '{}' is already syncing weights version {v}; wait for it to finish",
-                    self.name
-                ),
-            ));
-        }
-        if version < st.latest_version {
-            return Err(ApiError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "pool '{}' already has weights version {}; a sync must name that version or a newer one, not {version}",
-                    self.name, st.latest_version
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Rolls the latest weights out to every ready replica behind it, at
-    /// most `max_unavailable` at a time so the rest keep taking tasks. Each
-    /// replica finishes its tasks in flight, then loads the weights through
-    /// its `POST /weights`. One that fails, or has not finished by
-    /// `deadline`, is replaced: its successor starts with the new weights.
-    pub async fn sync_weights(
-        self: &Arc<Self>,
-        max_unavailable: usize,
-        deadline: Instant,
-    ) -> Vec<ReplicaSync> {
-        let (version, url) = {
-            let st = self.state.lock();
-            (st.latest_version, st.latest_url.clone().unwrap_or_default())
-        };
-        let mut results: Vec<ReplicaSync> = Vec::new();
-        let mut tried: HashSet<String> = HashSet::new();
-        loop {
-            let batch: Vec<Arc<ReplicaHandle>> = {
-                let mut st = self.state.lock();
-                let picked: Vec<_> = st
-                    .replicas
-                    .iter()
-                    .filter(|r| {
-                        r.is_routable()
-                            && !tried.contains(&r.id)
-                            && !st.syncing.contains(&r.id)
-                            && r.weights_version.load(Ordering::Relaxed) < version
-                    })
-                    .take(max_unavailable.max(1))
-                    .cloned()
-                    .collect();
-                for r in &picked {
-                    st.syncing.insert(r.id.clone());
-                }
-                picked
-            };
-            if batch.is_empty() {
-                break;
-            }
-            let round = futures_util::future::join_all(batch.iter().map(|r| {
-                tried.insert(r.id.clone());
-                self.sync_replica(r, &url, version, deadline)
-            }))
-            .await;
-            {
-                let mut st = self.state.lock();
-                for r in &batch {
-                    st.syncing.remove(&r.id);
-                }
-            }
-            self.notify();
-            results.extend(round);
-        }
-        self.state.lock().syncing_to = None;
-        self.notify();
-        let ok = results.iter().filter(|r| r.ok).count();
-        metrics::counter!("warmgate_weight_syncs_total", "pool" => self.name.clone()).increment(1);
-        metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "synced")
-            .increment(ok as u64);
-        metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "replaced")
-            .increment((results.len() - ok) as u64);
-        results
-    }
-
-    /// Swaps one replica's weights in place: waits for its tasks in flight
-    /// (it takes no new ones meanwhile), then asks it to load `version` from
-    /// `url`. Replaces it when that fails or runs past `deadline`.
-    async fn sync_replica(
-        &self,
-        r: &Arc<ReplicaHandle>,
-        url: &str,
-        version: u64,
-        deadline: Instant,
-    ) -> ReplicaSync {
-        let started = Instant::now();
-        let from = r.weights_version.load(Ordering::Relaxed);
-        let outcome = if started >= deadline {
-            Err("the sync's deadline passed before this replica's turn".to_string())
-        } else {
-            self.load_within(r, url, version, started, deadline).await
-        };
-        let seconds = started.elapsed().as_secs_f64();
-        match outcome {
-            Ok(()) => {
-                r.weights_version.fetch_max(version, Ordering::Relaxed);
-                metrics::histogram!("warmgate_weight_sync_seconds", "pool" => self.name.clone())
-                    .record(seconds);
-                ReplicaSync {
-                    replica: r.id.clone(),
-                    ok: true,
-                    from_version: from,
-                    version: Some(version),
-                    seconds,
-                    error: None,
-                    action: "synced",
-                }
-            }
-            Err(why) => {
-                tracing::warn!(pool = %self.name, replica = %r.id, version, error = %why, "weight sync failed; replacing the replica");
-                r.set_unroutable();
-                if let Some(replace) = self.replacer.get() {
-                    replace(
-                        r,
-                        &format!("weight sync to version {version} failed: {why}"),
-                    );
-                }
-                ReplicaSync {
-                    replica: r.id.clone(),
-                    ok: false,
-                    from_version: from,
-                    version: None,
-                    seconds,
-                    error: Some(why),
-                    action: "replaced",
-                }
-            }
-        }
-    }
-
-    /// Waits for the replica's tasks in flight, then loads; by `deadline`.
-    async fn load_within(
-        &self,
-        r: &ReplicaHandle,
-        url: &str,
-        version: u64,
-        started: Instant,
-        deadline: Instant,
-    ) -> Result<(), String> {
-        tokio::time::timeout_at(deadline.into(), async {
-            r.wait_idle(deadline.into()).await;
-            self.load_weights(r, url, version).await
-        })
-        .await
-        .unwrap_or_else(|_| {
-            Err(format!(
-                "did not load the weights before the sync's deadline ({:.1}s after its turn began)",
-                deadline.saturating_duration_since(started).as_secs_f64()
-            ))
-        })
-    }
-
-    /// `POST /weights {"url", "version"}` to a worker.
-    async fn load_weights(&self, r: &ReplicaHandle, url: &str, version: u64) -> Result<(), String> {
-        self.client
-            .load_weights(r.addr, url, version)
-            .await
-            .map_err(|e| e.to_string())
-    }
-
     /// Runs the dispatcher until the runtime stops, or until the pool is
     /// closed and holds no task.
     pub async fn run(self: Arc<Self>) {
@@ -1529,25 +1184,6 @@ impl Drop for RequestSlot {
     }
 }
 
-/// How one replica's weight sync went.
-#[derive(Debug, Clone, Serialize)]
-pub struct ReplicaSync {
-    /// Replica id.
-    pub replica: String,
-    /// Whether it now runs the new weights.
-    pub ok: bool,
-    /// Its version before.
-    pub from_version: u64,
-    /// Its version after, when it loaded.
-    pub version: Option<u64>,
-    /// Seconds from the start of its turn (draining included).
-    pub seconds: f64,
-    /// Why it failed.
-    pub error: Option<String>,
-    /// `synced`, or `replaced` when it failed.
-    pub action: &'static str,
-}
-
 enum Failure {
     /// The replica went away: requeue without spending the budget.
     System(String),
@@ -1657,7 +1293,7 @@ mod tests {
             "tasks taken before their record was stored"
         );
 
-        let before = pool.store.inner.lock().records.len();
+        let before = pool.store.len();
         let refused = pool.submit(Submit {
             input: Bytes::from_static(b"1"),
             priority: 0,
@@ -1671,11 +1307,7 @@ mod tests {
             id: None,
         });
         assert!(refused.is_err());
-        assert_eq!(
-            pool.store.inner.lock().records.len(),
-            before,
-            "a refused task left its record"
-        );
+        assert_eq!(pool.store.len(), before, "a refused task left its record");
     }
 
     #[tokio::test]
