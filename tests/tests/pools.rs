@@ -110,6 +110,85 @@ async fn user_failures_spend_retries_and_system_failures_do_not() {
     );
 }
 
+/// Tasks that keep failing wait out their retry's pause outside the
+/// queue; they still count against `max_pending`, so a client cannot pile
+/// up tasks beyond it by making them fail, and the retries a client may
+/// ask for are bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_waiting_to_retry_count_against_the_queue_bound() {
+    let gw = Gateway::start(
+        r#"
+        [[pools]]
+        name = "rollouts"
+        command = ["{worker}"]
+        replicas = [1, 1]
+        concurrency = 1
+        [pools.queue]
+        max_pending = 2
+        "#,
+    );
+    let (status, body) = task(&gw, json!({"input": 1, "retries": 21})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("at most 20"),
+        "{body}"
+    );
+    // The replica is up (a task waits for it).
+    let (status, body) = task(&gw, json!({"input": 1})).await;
+    assert_eq!(status, 200, "{body}");
+    let failing =
+        json!({"input": {"fail": true, "sleep_ms": 300}, "retries": 20, "timeout": "120s"});
+    // Three get in: one running while two wait. (A fourth would wait too,
+    // so once a task is in its pause it refuses any more.)
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = eventually("a failing task accepted", || async {
+            let (status, body) = gw
+                .post("/v1/pools/rollouts/tasks?async=true", &failing)
+                .await;
+            match status {
+                202 => Some(body["id"].as_str().expect("id").to_string()),
+                429 => None,
+                _ => panic!("{status}: {body}"),
+            }
+        })
+        .await;
+        ids.push(id);
+    }
+    // All three are retrying: each is running, queued or in a pause.
+    eventually("every task has been tried twice", || async {
+        for id in &ids {
+            let t = gw.json(&format!("/v1/tasks/{id}")).await;
+            if t["attempts"].as_u64().unwrap_or(0) < 2 {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    // One runs at a time and two wait, so the bound is reached whether a
+    // waiting task is in the queue or in its pause; the tries are spread
+    // over a second so that some fall in the pauses.
+    for _ in 0..20 {
+        let (status, body) = gw
+            .post("/v1/pools/rollouts/tasks?async=true", &failing)
+            .await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(kind(&body), "queue_full");
+        let s = gw.json("/v1/status").await;
+        let (pending, inflight) = (&s["pools"][0]["pending"], &s["pools"][0]["inflight"]);
+        assert_eq!(
+            pending.as_u64().unwrap_or(0) + inflight.as_u64().unwrap_or(0),
+            3,
+            "{s}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_past_its_timeout_fails_with_504() {
     let gw = Gateway::start(&pool(""));

@@ -99,6 +99,11 @@ pub(crate) async fn submit_task(
             .as_ref()
             .map_or(priority, |t| t.priority(priority));
         let input = Bytes::copy_from_slice(body.input.get().as_bytes());
+        let (retries, min_weights_version) = (body.retries, body.min_weights_version);
+        // The request's body is not kept while the task waits and runs:
+        // its input, copied, is what the task's charge counts.
+        drop(body);
+        drop(bytes);
         let hold = tenant_key.map(|t| t.pending_permit()).transpose()?;
         // An async task is on disk before it is queued: one that cannot be
         // recorded is refused and never runs, and a crash after the 202
@@ -136,8 +141,8 @@ pub(crate) async fn submit_task(
             priority,
             tenant,
             timeout,
-            retries: body.retries,
-            min_weights_version: body.min_weights_version,
+            retries,
+            min_weights_version,
             traceparent: traceparent(&headers),
             hold,
             durable: q.is_async,

@@ -32,6 +32,10 @@ pub use sync::ReplicaSync;
 
 /// Replicas lost under one task before it fails for good.
 pub const MAX_SYSTEM_RETRIES: u32 = 5;
+/// The most `retries` a client may ask for on a pool whose own `retries`
+/// is lower: each retry of a task that keeps failing is another call on a
+/// worker, for as long as the task's timeout.
+pub const MAX_CLIENT_RETRIES: u32 = 20;
 /// Pause before retrying a task whose replica was lost, times the number of
 /// losses: the pool manager sees a process exit within milliseconds.
 const SYSTEM_RETRY_PAUSE: Duration = Duration::from_millis(100);
@@ -569,6 +573,18 @@ impl Pool {
                 format!("pool '{}' was deleted", self.name),
             ));
         }
+        let most = self.spec().retries.max(MAX_CLIENT_RETRIES);
+        if let Some(asked) = s.retries
+            && asked > most
+        {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "retries is {asked}; pool '{}' allows at most {most} (the larger of its own `retries` and {MAX_CLIENT_RETRIES})",
+                    self.name
+                ),
+            ));
+        }
         let id = s.id.unwrap_or_else(|| self.new_id());
         let charge = self.store.charge(s.input.len() as u64).ok_or_else(|| {
             ApiError::new(
@@ -947,9 +963,20 @@ impl Pool {
         });
         let left = task.deadline.saturating_duration_since(Instant::now());
         let result = tokio::time::timeout(left, self.invoke(&task, &replica)).await;
+        // A task to be tried again counts as waiting from the moment it
+        // stops running, under the same lock: `max_pending` never sees it
+        // in neither place.
+        let retried = match &result {
+            Ok(Err(Failure::System(_))) => task.system_failures < MAX_SYSTEM_RETRIES,
+            Ok(Err(Failure::User(_))) => task.retries_left > 0,
+            _ => false,
+        };
         {
             let mut st = self.state.lock();
             st.inflight -= 1;
+            if retried {
+                st.queue.retry_later();
+            }
         }
         replica.release();
         self.notify();
@@ -989,7 +1016,10 @@ impl Pool {
                         // on on-demand capacity, out of the preemptions' reach.
                         tracing::warn!(task = %id, "last try: on an on-demand replica");
                         metrics::counter!("warmgate_task_ondemand_fallbacks_total", "pool" => self.name.clone()).increment(1);
-                        self.state.lock().fallback.push_back(task);
+                        let mut st = self.state.lock();
+                        st.queue.retry_elsewhere();
+                        st.fallback.push_back(task);
+                        drop(st);
                         if let Some(start) = self.wants_ondemand.get() {
                             start();
                         }

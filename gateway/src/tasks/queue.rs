@@ -32,7 +32,8 @@ pub enum Refused {
 /// Bounds of a queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Tasks waiting, all tenants together.
+    /// Tasks waiting, all tenants together: queued, or waiting out the
+    /// pause before a retry.
     pub max_pending: usize,
     /// Tasks pending plus in flight for one tenant (`None`: no quota).
     pub tenant_quota: Option<usize>,
@@ -56,6 +57,9 @@ pub struct TaskQueue<T> {
     /// Per tenant: (pending, in flight).
     tenants: HashMap<String, (usize, usize)>,
     pending: usize,
+    /// Tasks popped whose attempt failed, waiting out the pause before they
+    /// are put back ([`TaskQueue::retry_later`]): they count as waiting.
+    retrying: usize,
     /// Turns per round of the tenants that have more than one.
     weights: HashMap<String, u32>,
 }
@@ -68,6 +72,7 @@ impl<T> TaskQueue<T> {
             levels: BTreeMap::new(),
             tenants: HashMap::new(),
             pending: 0,
+            retrying: 0,
             weights: HashMap::new(),
         }
     }
@@ -96,9 +101,9 @@ impl<T> TaskQueue<T> {
         level.queues.get(tenant)?.front()
     }
 
-    /// Tasks waiting.
+    /// Tasks waiting: queued, or waiting out the pause before a retry.
     pub fn pending(&self) -> usize {
-        self.pending
+        self.pending + self.retrying
     }
 
     /// (pending, in flight) of a tenant.
@@ -108,7 +113,7 @@ impl<T> TaskQueue<T> {
 
     /// Accepts a task, or says at once why not.
     pub fn push(&mut self, tenant: &str, priority: i32, task: T) -> Result<(), Refused> {
-        if self.pending >= self.limits.max_pending {
+        if self.pending() >= self.limits.max_pending {
             return Err(Refused::QueueFull {
                 max_pending: self.limits.max_pending,
             });
@@ -240,10 +245,26 @@ impl<T> TaskQueue<T> {
         out
     }
 
-    /// Puts a popped task back at the head of its tenant's queue (a replica
-    /// was lost under it: a system failure, so it goes first again). Never
-    /// refused: it was already accepted.
+    /// A popped task's attempt failed and it will be tried again after a
+    /// pause: until [`TaskQueue::requeue`] (or [`TaskQueue::retry_elsewhere`])
+    /// it counts as waiting, so tasks that keep failing cannot pile up
+    /// beyond `max_pending` while they are out of the queue.
+    pub fn retry_later(&mut self) {
+        self.retrying += 1;
+    }
+
+    /// A task given [`TaskQueue::retry_later`] goes on outside this queue
+    /// (to on-demand capacity): it no longer counts as waiting here, and
+    /// still counts as in flight for its tenant.
+    pub fn retry_elsewhere(&mut self) {
+        self.retrying = self.retrying.saturating_sub(1);
+    }
+
+    /// Puts a task given [`TaskQueue::retry_later`] back at the head of its
+    /// tenant's queue (a retry goes first again). Never refused: it was
+    /// already accepted.
     pub fn requeue(&mut self, tenant: &str, priority: i32, task: T) {
+        self.retrying = self.retrying.saturating_sub(1);
         self.enqueue(tenant, priority, task, true);
         let t = self.tenants.entry(tenant.to_string()).or_default();
         t.0 += 1;
@@ -286,6 +307,36 @@ mod tests {
         assert_eq!(tq.pop(), Some(("a".into(), 1)));
         assert_eq!(tq.pop(), Some(("a".into(), 3)));
         assert_eq!(tq.pop(), None);
+    }
+
+    #[test]
+    fn a_task_waiting_to_retry_counts_against_the_bound() {
+        let mut tq = q(1, None);
+        tq.push("a", 0, 1).expect("room");
+        let (t, task) = tq.pop().expect("task");
+        tq.push("b", 0, 2).expect("room: the first runs");
+        let (_, second) = tq.pop().expect("task");
+        // Its attempt failed: out of the queue, in its pause, still waiting.
+        tq.retry_later();
+        assert_eq!(tq.pending(), 1);
+        assert_eq!(
+            tq.push("c", 0, 3),
+            Err(Refused::QueueFull { max_pending: 1 })
+        );
+        tq.requeue(&t, 0, task);
+        assert_eq!(tq.pending(), 1);
+        assert_eq!(tq.tenant("a"), (1, 0));
+        assert!(tq.push("c", 0, 3).is_err());
+        // One that goes on elsewhere no longer waits here.
+        tq.retry_later();
+        tq.retry_elsewhere();
+        assert_eq!(tq.pending(), 1);
+        assert_eq!(tq.pop(), Some(("a".into(), 1)));
+        tq.done("a");
+        tq.done("b");
+        let _ = second;
+        assert_eq!(tq.pending(), 0);
+        tq.push("c", 0, 3).expect("room again");
     }
 
     #[test]
