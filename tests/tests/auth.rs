@@ -145,8 +145,9 @@ async fn the_control_plane_needs_the_admin_token() {
 
 /// Without a token the control plane is open to programs on loopback, not
 /// to the web pages of a browser on the same machine: a rebound name in
-/// `Host`, another page's `Origin` or a cross-site fetch is refused, and
-/// nothing it asked for happens.
+/// `Host`, another page's `Origin` or a cross-site fetch is refused, and so
+/// is a change sent by a page of the gateway's own origin (an app's page);
+/// nothing they asked for happens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn web_pages_cannot_drive_a_tokenless_control_plane() {
     let gw = Gateway::start_with(
@@ -200,6 +201,19 @@ async fn web_pages_cannot_drive_a_tokenless_control_plane() {
             .expect("send");
         assert_eq!(r.status(), 401, "status with {name}: {value}");
     }
+    // A page an app serves is of the gateway's own origin; a change its
+    // script sends is refused all the same.
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/x"))
+        .header("origin", gw.url.clone())
+        .header("sec-fetch-site", "same-origin")
+        .header("content-type", "application/json")
+        .body(spec)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 401, "a same-origin page's PUT");
     let r = gw.http.get(gw.at("/v1/apps/x")).send().await.expect("send");
     assert_eq!(r.status(), 404, "no forged PUT created the app");
 

@@ -12,17 +12,23 @@
 //!   (no preflight) to `http://127.0.0.1:8080/v1/apps/x/rollback`. It
 //!   carries the page's `Origin`, and `Sec-Fetch-Site: cross-site`.
 //!
+//! - **A page of an app**: what `/apps/{app}/…` serves (a Gradio UI, a
+//!   worker that echoes its input as HTML) comes from the gateway's own
+//!   origin, so its scripts' requests are same-origin.
+//!
 //! So a tokenless control plane answers only a `Host` that no one else can
-//! point at this machine (an IP literal, `localhost`, `*.localhost`), and
-//! only requests whose `Origin`, when a browser sent one, is the gateway's
-//! own. Programs (curl, `warmgate apply`, the tests, SDKs) send neither
-//! header or the right ones; the dashboard's own requests are same-origin.
+//! point at this machine (an IP literal, `localhost`, `*.localhost`), only
+//! reads whose `Origin`, when a browser sent one, is the gateway's own (the
+//! dashboard's `GET /v1/status`), and no change at all that a browser sent:
+//! browsers mark every `POST`, `PUT` and `DELETE` of a page with `Origin`
+//! and `Sec-Fetch-Site`. Programs (curl, `warmgate apply`, the tests, SDKs)
+//! send neither header.
 
-use http::{HeaderMap, Uri, header};
+use http::{HeaderMap, Method, Uri, header};
 
-/// Why `headers` look like a request a web page made rather than the
-/// operator's program, or `None`.
-pub(crate) fn forged(headers: &HeaderMap, uri: &Uri) -> Option<String> {
+/// Why a request looks like one a web page made rather than the operator's
+/// program, or `None`.
+pub(crate) fn forged(method: &Method, headers: &HeaderMap, uri: &Uri) -> Option<String> {
     let host = headers
         .get(header::HOST)
         .and_then(|v| v.to_str().ok())
@@ -42,6 +48,15 @@ pub(crate) fn forged(headers: &HeaderMap, uri: &Uri) -> Option<String> {
     {
         return Some(format!(
             "the browser says it came from another site ({site})"
+        ));
+    }
+    let fetched = headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"none"));
+    if !method.is_safe() && (fetched || headers.contains_key(header::ORIGIN)) {
+        return Some(format!(
+            "a web page sent this {method}, and the pages of apps served here share the \
+             gateway's origin, so changes are taken only from programs"
         ));
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
@@ -101,6 +116,10 @@ mod tests {
     use super::*;
 
     fn check(pairs: &[(&str, &str)]) -> Option<String> {
+        check_method(Method::GET, pairs)
+    }
+
+    fn check_method(method: Method, pairs: &[(&str, &str)]) -> Option<String> {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
             h.insert(
@@ -108,7 +127,7 @@ mod tests {
                 v.parse().unwrap(),
             );
         }
-        forged(&h, &Uri::from_static("/v1/apps/x"))
+        forged(&method, &h, &Uri::from_static("/v1/apps/x"))
     }
 
     #[test]
@@ -171,5 +190,23 @@ mod tests {
         assert!(check(&[("host", "localhost:8080"), ("origin", "null")]).is_some());
         assert!(check(&[("host", "localhost:8080"), ("sec-fetch-site", "cross-site")]).is_some());
         assert!(check(&[("host", "localhost:8080"), ("sec-fetch-site", "same-site")]).is_some());
+    }
+
+    #[test]
+    fn a_change_sent_by_any_page_is_refused_even_from_this_origin() {
+        let same_origin = [
+            ("host", "127.0.0.1:8080"),
+            ("origin", "http://127.0.0.1:8080"),
+            ("sec-fetch-site", "same-origin"),
+        ];
+        for method in [Method::PUT, Method::POST, Method::DELETE, Method::PATCH] {
+            let why = check_method(method.clone(), &same_origin).expect("refused");
+            assert!(why.contains("web page"), "{why}");
+            assert!(check_method(method.clone(), &same_origin[..2]).is_some());
+            assert!(check_method(method.clone(), &[same_origin[0], same_origin[2]]).is_some());
+            // Programs send neither header.
+            assert_eq!(check_method(method, &[same_origin[0]]), None);
+        }
+        assert_eq!(check_method(Method::HEAD, &same_origin), None);
     }
 }

@@ -206,7 +206,7 @@ pub(crate) async fn require_admin(
 ) -> Response {
     let Some(token) = &gw.admin_token else {
         // Open to loopback, but not to the web pages of its browser.
-        if let Some(why) = forgery::forged(req.headers(), req.uri()) {
+        if let Some(why) = forgery::forged(req.method(), req.headers(), req.uri()) {
             return ApiError::new(
                 ErrorKind::Unauthorized,
                 format!(
