@@ -1121,10 +1121,16 @@ impl Config {
         }
         // One body at the largest size must fit, and the count of bytes is
         // kept in a semaphore, whose permits a u32 counts per request.
-        if self.limits.max_buffered_body_bytes < self.limits.max_body_bytes {
+        // Bodies being read hold their bytes in the same budget.
+        if self.limits.max_buffered_body_bytes
+            < self
+                .limits
+                .max_body_bytes
+                .max(self.limits.max_task_body_bytes)
+        {
             return Err((
                 "limits.max_buffered_body_bytes".into(),
-                "must be at least limits.max_body_bytes".into(),
+                "must be at least limits.max_body_bytes and limits.max_task_body_bytes".into(),
             ));
         }
         if self.limits.max_body_bytes > u64::from(u32::MAX) {

@@ -153,7 +153,7 @@ pub const METRICS: &[Metric] = &[
     counter(
         "warmgate_buffered_body_refusals_total",
         &[],
-        "Inference requests refused at limits.max_buffered_body_bytes.",
+        "Requests refused at limits.max_buffered_body_bytes, while their bodies were read or waited for a replica.",
     ),
     counter(
         "warmgate_stalled_answers_total",

@@ -397,6 +397,68 @@ async fn slow_clients_cannot_hold_sockets_and_connections_are_bounded() {
     .await;
 }
 
+/// Bodies being read hold their bytes in `limits.max_buffered_body_bytes`:
+/// clients that announce large bodies and send them slowly cannot together
+/// hold more memory than the budget; past it a request gets `429` at once,
+/// and the bytes come back when such a client goes away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_being_read_hold_their_bytes_in_the_buffered_budget() {
+    let gw = Gateway::start(
+        r#"
+        [limits]
+        max_body_bytes = "1MiB"
+        max_task_body_bytes = "1MiB"
+        max_buffered_body_bytes = "2MiB"
+        "#,
+    );
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\
+                Content-Type: application/json\r\nContent-Length: 1048576\r\n\r\n{";
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+        s.write_all(head.as_bytes()).await.expect("write");
+        held.push(s);
+    }
+    let small = json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]});
+    let refused: Value = eventually("a request is refused while the budget is held", || async {
+        let r = gw
+            .http
+            .post(gw.at("/v1/chat/completions"))
+            .json(&small)
+            .send()
+            .await
+            .expect("send");
+        if r.status() != 429 {
+            return None;
+        }
+        assert!(r.headers().contains_key("retry-after"));
+        Some(r.json().await.expect("json"))
+    })
+    .await;
+    assert_eq!(kind(&refused), "queue_full", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("max_buffered_body_bytes"),
+        "{refused}"
+    );
+    // One slow client goes away: its bytes are free, and the small
+    // request is read and answered (no such model).
+    drop(held.pop());
+    eventually("the budget is free again", || async {
+        let r = gw
+            .http
+            .post(gw.at("/v1/chat/completions"))
+            .json(&small)
+            .send()
+            .await
+            .expect("send");
+        (r.status() == 404).then_some(())
+    })
+    .await;
+}
+
 /// A gateway with `idle_timeout = "1s"` (and `limits`, more keys of
 /// `[limits]`) and one app of one replica with one slot, ready.
 async fn one_slot_gateway(limits: &str) -> Gateway {

@@ -8,9 +8,9 @@ use super::prelude::*;
 /// A body that trickles in is cut off at `limits.request_timeout`.
 pub(crate) async fn read_body(
     req: Request,
-    limits: &warmgate_deploy::LimitsConfig,
+    gw: &Gateway,
 ) -> Result<(http::request::Parts, Bytes), ApiError> {
-    read_body_within(req, limits, BodyLimit::Inference).await
+    read_body_within(req, gw, BodyLimit::Inference).await
 }
 
 /// Which size limit a body is read within.
@@ -26,12 +26,15 @@ pub(crate) enum BodyLimit {
 
 /// The whole request body, within the `which` limit (413 past it), read
 /// into one buffer of the announced length: the body is in memory once,
-/// never twice.
+/// never twice. While it is read its bytes (the announced length, or what
+/// has come of a chunked body) hold their share of
+/// `limits.max_buffered_body_bytes` (429 when it is spent).
 pub(crate) async fn read_body_within(
     req: Request,
-    limits: &warmgate_deploy::LimitsConfig,
+    gw: &Gateway,
     which: BodyLimit,
 ) -> Result<(http::request::Parts, Bytes), ApiError> {
+    let limits = &gw.config.limits;
     let (limit, key) = match which {
         BodyLimit::Inference => (limits.max_body_bytes, "limits.max_body_bytes"),
         BodyLimit::Task => (limits.max_task_body_bytes, "limits.max_task_body_bytes"),
@@ -40,10 +43,13 @@ pub(crate) async fn read_body_within(
     if announced.is_some_and(|n| n > limit) {
         return Err(too_large_for(limit, key));
     }
+    let mut reading = gw.buffered.reading();
+    let capacity = announced.unwrap_or(0).min(limit);
+    reading.cover(capacity)?;
     let (parts, body) = req.into_parts();
     let read = async move {
         let mut body = std::pin::pin!(Limited::new(body, limit as usize));
-        let mut buf = bytes::BytesMut::with_capacity(announced.unwrap_or(0).min(limit) as usize);
+        let mut buf = bytes::BytesMut::with_capacity(capacity as usize);
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
                 if e.is::<http_body_util::LengthLimitError>() {
@@ -53,6 +59,7 @@ pub(crate) async fn read_body_within(
                 }
             })?;
             if let Ok(data) = frame.into_data() {
+                reading.cover((buf.len() + data.len()) as u64)?;
                 buf.extend_from_slice(&data);
             }
         }

@@ -118,7 +118,7 @@ pub(crate) async fn put_app(
     let result: Result<Response, ApiError> = async {
         check_path_name(&name, "app")?;
         gw.check_api_changes_allowed()?;
-        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let (_, bytes) = read_body(req, &gw).await?;
         let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
         name_from_path(&mut spec.name, &name, "app")?;
         if let Some(dir) = &gw.workdir {
@@ -183,7 +183,7 @@ pub(crate) async fn put_pool(
     let result: Result<Response, ApiError> = async {
         check_path_name(&name, "pool")?;
         gw.check_api_changes_allowed()?;
-        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let (_, bytes) = read_body(req, &gw).await?;
         let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
         name_from_path(&mut spec.name, &name, "pool")?;
         if let Some(dir) = &gw.workdir {
@@ -250,7 +250,7 @@ pub(crate) async fn promote(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         let app = served(&gw, &name)?;
-        let (_, bytes) = read_body(req, &gw.config.limits).await?;
+        let (_, bytes) = read_body(req, &gw).await?;
         let body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
             ApiError::new(
                 ErrorKind::BadRequest,

@@ -29,7 +29,7 @@ pub(crate) async fn read_model(
     gw: &Gateway,
     req: Request,
 ) -> Result<(Arc<Served>, Request), ApiError> {
-    let (parts, bytes) = read_body(req, &gw.config.limits).await?;
+    let (parts, bytes) = read_body(req, gw).await?;
     let model = model_field(&bytes)?;
     let registry = gw.registry.load();
     let app = registry

@@ -16,7 +16,7 @@ pub(crate) async fn pool_request(
         gw.registry.load().pool(name).cloned().ok_or_else(|| {
             ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
         })?;
-    let (parts, bytes) = read_body_within(req, &gw.config.limits, which).await?;
+    let (parts, bytes) = read_body_within(req, gw, which).await?;
     Ok((pool, parts.headers, bytes))
 }
 

@@ -107,7 +107,7 @@ async fn served_here(gw: &Gateway, req: Request) -> Result<Here, ApiError> {
     let name = if let Some(rest) = path.strip_prefix("/apps/") {
         rest.split('/').next().unwrap_or("").to_string()
     } else if crate::http::MODEL_ROUTES.contains(&path) {
-        let (parts, bytes) = crate::http::body::read_body(req, &gw.config.limits).await?;
+        let (parts, bytes) = crate::http::body::read_body(req, gw).await?;
         let model = crate::http::inference::model_field(&bytes)?.into_owned();
         let req = Request::from_parts(parts, Body::from(bytes));
         return Ok(if local(&model) {

@@ -64,10 +64,64 @@ impl Buffered {
         }
     }
 
+    /// A share of the budget for a body being read, grown with it by
+    /// [`Reading::cover`]: a client that sends bodies slowly holds their
+    /// bytes in the budget too, so many of them at once cannot exhaust
+    /// memory before any is whole.
+    pub fn reading(&self) -> Reading {
+        Reading {
+            budget: self.clone(),
+            permit: None,
+            covered: 0,
+        }
+    }
+
     /// Bytes held now.
     pub fn held(&self) -> u64 {
         let free = self.bytes.available_permits() as u64;
         self.limit.saturating_sub(free)
+    }
+}
+
+/// A body being read, and the share of the budget its bytes hold; given
+/// back when dropped.
+#[derive(Debug)]
+pub struct Reading {
+    budget: Buffered,
+    permit: Option<OwnedSemaphorePermit>,
+    covered: u64,
+}
+
+impl Reading {
+    /// Makes the share cover `total` bytes, or `429 queue_full` when the
+    /// budget is spent.
+    pub fn cover(&mut self, total: u64) -> Result<(), ApiError> {
+        let Some(more) = total.checked_sub(self.covered).filter(|n| *n > 0) else {
+            return Ok(());
+        };
+        let n = u32::try_from(more).unwrap_or(u32::MAX);
+        match self.budget.bytes.clone().try_acquire_many_owned(n) {
+            Ok(p) => {
+                match &mut self.permit {
+                    Some(held) => held.merge(p),
+                    None => self.permit = Some(p),
+                }
+                self.covered += u64::from(n);
+                Ok(())
+            }
+            Err(_) => {
+                metrics::counter!("warmgate_buffered_body_refusals_total").increment(1);
+                Err(ApiError::new(
+                    ErrorKind::QueueFull,
+                    format!(
+                        "the gateway already holds {} bytes of request bodies being read or \
+                         waiting for replicas (limits.max_buffered_body_bytes); retry shortly",
+                        self.budget.limit
+                    ),
+                )
+                .retry_after(1))
+            }
+        }
     }
 }
 
@@ -110,6 +164,25 @@ mod tests {
     use super::*;
     use http_body::Body as _;
     use http_body_util::BodyExt as _;
+
+    #[test]
+    fn a_body_being_read_holds_its_bytes_until_dropped() {
+        let budget = Buffered::new(10);
+        let mut a = budget.reading();
+        a.cover(4).expect("fits");
+        a.cover(3).expect("already covered");
+        a.cover(8).expect("grows");
+        assert_eq!(budget.held(), 8);
+        let mut b = budget.reading();
+        let err = b.cover(3).expect_err("over");
+        assert_eq!(err.kind, ErrorKind::QueueFull);
+        assert!(err.message.contains("being read"), "{}", err.message);
+        b.cover(2).expect("what is left");
+        drop(a);
+        assert_eq!(budget.held(), 2);
+        drop(b);
+        assert_eq!(budget.held(), 0);
+    }
 
     #[tokio::test]
     async fn bodies_hold_their_bytes_until_sent_on() {
