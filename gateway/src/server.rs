@@ -246,7 +246,13 @@ impl Gateway {
         }
         let tenants =
             crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
-                .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?;
+                .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?
+                .map(|t| {
+                    t.with_byte_shares(
+                        config.limits.max_pending_task_bytes,
+                        config.limits.max_task_body_bytes,
+                    )
+                });
         // The task journal stays here in every mode: tasks are the pools'
         // and last as long as their gateway.
         let db = config.state_dir.join("state.db");

@@ -41,6 +41,11 @@ pub struct Tenant {
     limiter: Option<Limiter>,
     inflight: AtomicU32,
     pending: AtomicU32,
+    /// Input bytes of its tasks accepted and not finished.
+    pending_bytes: AtomicU64,
+    /// Its share of `limits.max_pending_task_bytes` (see
+    /// [`Tenants::with_byte_shares`]); `u64::MAX` until set.
+    byte_share: AtomicU64,
     rejected: AtomicU64,
 }
 
@@ -53,6 +58,8 @@ pub struct TenantStatus {
     pub inflight: u32,
     /// Tasks accepted and not finished.
     pub pending: u32,
+    /// Their input bytes.
+    pub pending_bytes: u64,
     /// Requests refused for a quota since start.
     pub rejected: u64,
     /// `max_inflight`, if set.
@@ -67,10 +74,13 @@ pub struct TenantStatus {
 #[derive(Debug)]
 pub struct InflightGuard(Arc<Tenant>);
 
-/// Holds one of a tenant's pending-task slots until dropped (when the task
-/// finishes).
+/// Holds one of a tenant's pending-task slots, and its input's bytes,
+/// until dropped (when the task finishes).
 #[derive(Debug)]
-pub struct PendingPermit(Arc<Tenant>);
+pub struct PendingPermit {
+    tenant: Arc<Tenant>,
+    bytes: u64,
+}
 
 impl std::fmt::Debug for Tenant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -130,6 +140,8 @@ impl Tenants {
                     .map(Limiter::direct),
                 inflight: AtomicU32::new(0),
                 pending: AtomicU32::new(0),
+                pending_bytes: AtomicU64::new(0),
+                byte_share: AtomicU64::new(u64::MAX),
                 rejected: AtomicU64::new(0),
             });
             if by_digest.insert(digest, tenant.clone()).is_some() {
@@ -144,6 +156,18 @@ impl Tenants {
             by_digest: by_digest.into_iter().collect(),
             list,
         }))
+    }
+
+    /// Gives each tenant an equal share of `budget` bytes of pending task
+    /// input (`limits.max_pending_task_bytes`), and never less than
+    /// `floor` (one task body at the largest): one tenant's tasks cannot
+    /// take the whole budget and leave the others `429 queue_full`.
+    pub fn with_byte_shares(self, budget: u64, floor: u64) -> Self {
+        let share = (budget / self.list.len().max(1) as u64).max(floor);
+        for t in &self.list {
+            t.byte_share.store(share, Ordering::Relaxed);
+        }
+        self
     }
 
     /// The tenant whose key `Authorization: Bearer <key>` carries.
@@ -229,10 +253,15 @@ impl Tenant {
         asked.min(self.max_priority)
     }
 
-    /// Takes one pending-task slot, within `max_pending`.
-    pub fn pending_permit(self: &Arc<Self>) -> Result<PendingPermit, ApiError> {
+    /// Takes one pending-task slot for a task of `bytes` of input, within
+    /// `max_pending` and the tenant's share of the pending bytes.
+    pub fn pending_permit(self: &Arc<Self>, bytes: u64) -> Result<PendingPermit, ApiError> {
         let now = self.pending.fetch_add(1, Ordering::AcqRel) + 1;
-        let permit = PendingPermit(self.clone());
+        let held = self.pending_bytes.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        let permit = PendingPermit {
+            tenant: self.clone(),
+            bytes,
+        };
         if let Some(max) = self.max_pending
             && now > max
         {
@@ -241,6 +270,19 @@ impl Tenant {
                 format!(
                     "tenant '{}' has {max} tasks pending, its max_pending",
                     self.name
+                ),
+                Duration::from_secs(1),
+            ));
+        }
+        let share = self.byte_share.load(Ordering::Relaxed);
+        if held > share {
+            drop(permit);
+            return Err(self.refuse(
+                format!(
+                    "tenant '{}' already has {} bytes of task input pending; its share of \
+                     limits.max_pending_task_bytes is {share}",
+                    self.name,
+                    held - bytes
                 ),
                 Duration::from_secs(1),
             ));
@@ -261,6 +303,7 @@ impl Tenant {
             name: self.name.clone(),
             inflight: self.inflight.load(Ordering::Relaxed),
             pending: self.pending.load(Ordering::Relaxed),
+            pending_bytes: self.pending_bytes.load(Ordering::Relaxed),
             rejected: self.rejected.load(Ordering::Relaxed),
             max_inflight: self.max_inflight,
             max_pending: self.max_pending,
@@ -278,13 +321,16 @@ impl Drop for InflightGuard {
 impl PendingPermit {
     /// The tenant's name.
     pub fn tenant(&self) -> &str {
-        &self.0.name
+        &self.tenant.name
     }
 }
 
 impl Drop for PendingPermit {
     fn drop(&mut self) {
-        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+        self.tenant.pending.fetch_sub(1, Ordering::AcqRel);
+        self.tenant
+            .pending_bytes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -448,10 +494,10 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::QuotaExceeded);
         drop(g1);
         let _g3 = a.admit().expect("a slot was freed");
-        let p = a.pending_permit().expect("first task");
-        assert!(a.pending_permit().is_err());
+        let p = a.pending_permit(10).expect("first task");
+        assert!(a.pending_permit(10).is_err());
         drop(p);
-        assert!(a.pending_permit().is_ok());
+        assert!(a.pending_permit(10).is_ok());
         assert_eq!(t.status()[0].rejected, 2);
     }
 
@@ -504,5 +550,33 @@ mod tests {
         assert_eq!(parse_hex_digest(&hex(&d).to_uppercase()), Some(d));
         assert_eq!(parse_hex_digest("zz"), None);
         assert_eq!(parse_hex_digest(&"é".repeat(32)), None);
+    }
+
+    #[test]
+    fn each_tenant_holds_at_most_its_share_of_the_pending_bytes() {
+        let t = Tenants::from_config(&[spec("a", "ka"), spec("b", "kb")], |_| None)
+            .expect("ok")
+            .expect("some")
+            .with_byte_shares(100, 10);
+        let a = t.identify(&bearer("ka")).expect("a");
+        let b = t.identify(&bearer("kb")).expect("b");
+        let a1 = a.pending_permit(30).expect("within the share of 50");
+        let _a2 = a.pending_permit(20).expect("up to it");
+        let e = a.pending_permit(1).expect_err("past it");
+        assert_eq!(e.kind, ErrorKind::QuotaExceeded);
+        assert!(e.message.contains("share"), "{}", e.message);
+        // The other tenant keeps its own share whatever the first holds.
+        let _b1 = b.pending_permit(50).expect("b's share");
+        assert_eq!(t.status()[0].pending_bytes, 50);
+        assert_eq!(t.status()[0].pending, 2, "the refused one is given back");
+        drop(a1);
+        a.pending_permit(30).expect("freed");
+        // Never less than one task body at the largest.
+        let many = Tenants::from_config(&[spec("a", "ka"), spec("b", "kb")], |_| None)
+            .expect("ok")
+            .expect("some")
+            .with_byte_shares(100, 80);
+        let a = many.identify(&bearer("ka")).expect("a");
+        a.pending_permit(80).expect("the floor");
     }
 }

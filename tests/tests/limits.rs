@@ -245,6 +245,86 @@ async fn api_keys_name_the_tenant_and_its_quotas_hold() {
     );
 }
 
+/// One tenant's tasks cannot take the whole pending-bytes budget: each of
+/// two tenants holds at most half of `limits.max_pending_task_bytes`, so
+/// the other's task still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_holds_at_most_its_share_of_the_pending_task_bytes() {
+    let config = format!(
+        r#"
+        [limits]
+        max_pending_task_bytes = "2MiB"
+        max_task_body_bytes = "1MiB"
+        [[pools]]
+        name = "p"
+        command = ["{{worker}}"]
+        replicas = [1, 1]
+        concurrency = 1
+        [[tenants]]
+        name = "alpha"
+        api_key_sha256 = "{}"
+        [[tenants]]
+        name = "bravo"
+        api_key_env = "TEST_KEY_BRAVO"
+        "#,
+        sha256_hex(KEY_A)
+    );
+    let gw = Gateway::start_with(&config, &[], &[("TEST_KEY_BRAVO", KEY_B)]);
+    // 400 KB of input each, running (or waiting) for 10 s: the submissions
+    // below take milliseconds, and the gateway's stop waits out the one
+    // running.
+    let big = json!({"input": {"sleep_ms": 10000, "pad": "x".repeat(400_000)}});
+    let path = "/v1/pools/p/tasks?async=true";
+    for _ in 0..2 {
+        let (status, _, body) = send(
+            &gw,
+            reqwest::Method::POST,
+            path,
+            Some(KEY_A),
+            Some(big.clone()),
+        )
+        .await;
+        assert_eq!(status, 202, "{body}");
+    }
+    // A third would pass alpha's share of 1 MiB; the budget itself has room.
+    let (status, headers, body) = send(
+        &gw,
+        reqwest::Method::POST,
+        path,
+        Some(KEY_A),
+        Some(big.clone()),
+    )
+    .await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(kind(&body), "quota_exceeded", "{body}");
+    assert!(headers.contains_key("retry-after"));
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("max_pending_task_bytes"),
+        "{body}"
+    );
+    // Bravo's own share is untouched.
+    for _ in 0..2 {
+        let (status, _, body) = send(
+            &gw,
+            reqwest::Method::POST,
+            path,
+            Some(KEY_B),
+            Some(big.clone()),
+        )
+        .await;
+        assert_eq!(status, 202, "{body}");
+    }
+    let alpha = tenant(&gw, "alpha").await;
+    assert_eq!(alpha["pending"], 2, "{alpha}");
+    assert!(
+        alpha["pending_bytes"].as_u64().unwrap_or(0) >= 800_000,
+        "{alpha}"
+    );
+}
+
 async fn tenant(gw: &Gateway, name: &str) -> Value {
     let s = gw.json("/v1/status").await;
     s["tenants"]

@@ -104,7 +104,9 @@ pub(crate) async fn submit_task(
         // its input, copied, is what the task's charge counts.
         drop(body);
         drop(bytes);
-        let hold = tenant_key.map(|t| t.pending_permit()).transpose()?;
+        let hold = tenant_key
+            .map(|t| t.pending_permit(input.len() as u64))
+            .transpose()?;
         // An async task is on disk before it is queued: one that cannot be
         // recorded is refused and never runs, and a crash after the 202
         // cannot lose it silently (it reads back as failed after the
@@ -414,6 +416,10 @@ pub(crate) async fn batch_one(
     input: Bytes,
     o: BatchTask,
 ) -> Result<crate::tasks::pool::TaskRecord, ApiError> {
+    let hold = o
+        .tenant_key
+        .map(|t| t.pending_permit(input.len() as u64))
+        .transpose()?;
     let (_, rx) = gw.enqueue(
         pool,
         crate::tasks::pool::Submit {
@@ -424,7 +430,7 @@ pub(crate) async fn batch_one(
             retries: o.retries,
             min_weights_version: o.min_weights_version,
             traceparent: o.traceparent,
-            hold: o.tenant_key.map(|t| t.pending_permit()).transpose()?,
+            hold,
             durable: false,
             id: None,
         },
