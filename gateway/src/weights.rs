@@ -351,15 +351,20 @@ impl Weights {
         if let Some(fanout) = self.downloads.lock().get(&key) {
             return Ok(fanout.reader(0, true));
         }
-        let writer = match self.cache.writer(&key).await {
-            Ok(w) if sha256.is_none() => Some(w.without_digest()),
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::warn!(uri = %item.source.uri(), error = %e, "cannot write the checkpoint's cache file; serving it from memory alone");
-                None
+        let size = item.meta.size;
+        let writer = if !self.cache.fits(size) {
+            tracing::info!(uri = %item.source.uri(), bytes = size, "a checkpoint file larger than the whole weight cache; serving it from memory alone");
+            None
+        } else {
+            match self.cache.writer(&key).await {
+                Ok(w) if sha256.is_none() => Some(w.without_digest()),
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(uri = %item.source.uri(), error = %e, "cannot write the checkpoint's cache file; serving it from memory alone");
+                    None
+                }
             }
         };
-        let size = item.meta.size;
         let fanout = Fanout::new(
             size,
             self.window_bytes(),
@@ -798,6 +803,34 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "never retired");
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
+        assert!(read(&w, "m", "r1", "model.bin").await.expect("again") == data);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_file_larger_than_the_whole_cache_is_served_and_never_cached() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cache = Cache::open(dir.path().join("cache"), 1 << 20).expect("cache");
+        let w = Arc::new(Weights::new(
+            cache,
+            StreamConfig::default(),
+            AllowList::default(),
+            dir.path().to_path_buf(),
+        ));
+        let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i / 5) as u8).collect();
+        register_with_sums(&w, &data).await;
+        assert!(read(&w, "m", "r1", "model.bin").await.expect("served") == data);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !w.downloads.lock().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "never retired");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let on_disk: u64 = std::fs::read_dir(dir.path().join("cache"))
+            .expect("cache folder")
+            .flatten()
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        assert_eq!(on_disk, 0, "nothing of it is written to the cache");
         assert!(read(&w, "m", "r1", "model.bin").await.expect("again") == data);
     }
 

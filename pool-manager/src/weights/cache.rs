@@ -103,6 +103,13 @@ impl Cache {
         self.dir.join(key)
     }
 
+    /// Whether an object of `size` bytes may be cached at all: one larger
+    /// than the whole cache would only evict everything else and still
+    /// pass the limit, so it is read through without a cache entry.
+    pub fn fits(&self, size: u64) -> bool {
+        size <= self.max_bytes
+    }
+
     /// Starts writing an entry.
     pub async fn writer(&self, key: &str) -> Result<CacheWriter> {
         let tmp = self.dir.join(format!(

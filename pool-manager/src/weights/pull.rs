@@ -165,7 +165,7 @@ pub async fn pull(
             place(&cached, &target).await?;
             on_bytes(size);
             report.from_cache += size;
-        } else if let Some(cache) = cache {
+        } else if let Some(cache) = cache.filter(|c| c.fits(size)) {
             let mut w = cache.writer(&key).await?;
             if expected.is_none() {
                 w = w.without_digest();
