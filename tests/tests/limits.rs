@@ -274,27 +274,21 @@ async fn each_tenant_holds_at_most_its_share_of_the_pending_task_bytes() {
     // below take milliseconds, and the gateway's stop waits out the one
     // running.
     let big = json!({"input": {"sleep_ms": 10000, "pad": "x".repeat(400_000)}});
-    let path = "/v1/pools/p/tasks?async=true";
-    for _ in 0..2 {
-        let (status, _, body) = send(
+    let submit = |key: &'static str| {
+        send(
             &gw,
             reqwest::Method::POST,
-            path,
-            Some(KEY_A),
+            "/v1/pools/p/tasks?async=true",
+            Some(key),
             Some(big.clone()),
         )
-        .await;
+    };
+    for _ in 0..2 {
+        let (status, _, body) = submit(KEY_A).await;
         assert_eq!(status, 202, "{body}");
     }
     // A third would pass alpha's share of 1 MiB; the budget itself has room.
-    let (status, headers, body) = send(
-        &gw,
-        reqwest::Method::POST,
-        path,
-        Some(KEY_A),
-        Some(big.clone()),
-    )
-    .await;
+    let (status, headers, body) = submit(KEY_A).await;
     assert_eq!(status, 429, "{body}");
     assert_eq!(kind(&body), "quota_exceeded", "{body}");
     assert!(headers.contains_key("retry-after"));
@@ -307,14 +301,7 @@ async fn each_tenant_holds_at_most_its_share_of_the_pending_task_bytes() {
     );
     // Bravo's own share is untouched.
     for _ in 0..2 {
-        let (status, _, body) = send(
-            &gw,
-            reqwest::Method::POST,
-            path,
-            Some(KEY_B),
-            Some(big.clone()),
-        )
-        .await;
+        let (status, _, body) = submit(KEY_B).await;
         assert_eq!(status, 202, "{body}");
     }
     let alpha = tenant(&gw, "alpha").await;

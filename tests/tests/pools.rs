@@ -20,6 +20,23 @@ fn pool(extra: &str) -> String {
     )
 }
 
+/// One replica with one slot, and a queue of two (`queue`: more keys of
+/// `[pools.queue]`).
+fn one_slot_pool(queue: &str) -> String {
+    format!(
+        r#"
+        [[pools]]
+        name = "rollouts"
+        command = ["{{worker}}"]
+        replicas = [1, 1]
+        concurrency = 1
+        [pools.queue]
+        max_pending = 2
+        {queue}
+        "#
+    )
+}
+
 async fn task(gw: &Gateway, body: Value) -> (u16, Value) {
     gw.post("/v1/pools/rollouts/tasks", &body).await
 }
@@ -116,17 +133,7 @@ async fn user_failures_spend_retries_and_system_failures_do_not() {
 /// ask for are bounded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_waiting_to_retry_count_against_the_queue_bound() {
-    let gw = Gateway::start(
-        r#"
-        [[pools]]
-        name = "rollouts"
-        command = ["{worker}"]
-        replicas = [1, 1]
-        concurrency = 1
-        [pools.queue]
-        max_pending = 2
-        "#,
-    );
+    let gw = Gateway::start(&one_slot_pool(""));
     let (status, body) = task(&gw, json!({"input": 1, "retries": 21})).await;
     assert_eq!(status, 400, "{body}");
     assert!(
@@ -205,18 +212,7 @@ async fn a_task_past_its_timeout_fails_with_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_tasks_and_full_queues_are_refused_clearly() {
-    let gw = Gateway::start(
-        r#"
-        [[pools]]
-        name = "rollouts"
-        command = ["{worker}"]
-        replicas = [1, 1]
-        concurrency = 1
-        [pools.queue]
-        max_pending = 2
-        tenant_quota = 2
-        "#,
-    );
+    let gw = Gateway::start(&one_slot_pool("tenant_quota = 2"));
     let r = gw
         .http
         .post(gw.at("/v1/pools/nope/tasks"))
