@@ -1133,11 +1133,13 @@ impl Config {
                 "must be at least limits.max_body_bytes and limits.max_task_body_bytes".into(),
             ));
         }
-        if self.limits.max_body_bytes > u64::from(u32::MAX) {
-            return Err((
-                "limits.max_body_bytes".into(),
-                "must be at most 4 GiB".into(),
-            ));
+        for (key, n) in [
+            ("max_body_bytes", self.limits.max_body_bytes),
+            ("max_task_body_bytes", self.limits.max_task_body_bytes),
+        ] {
+            if n > u64::from(u32::MAX) {
+                return Err((format!("limits.{key}"), "must be at most 4 GiB".into()));
+            }
         }
         if self.limits.max_connections == 0 {
             return Err(("limits.max_connections".into(), "must be at least 1".into()));

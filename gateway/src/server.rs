@@ -53,7 +53,8 @@ pub struct Gateway {
     pub(crate) admin_token: Option<String>,
     /// Data-plane API keys and quotas (`None`: the data plane is open).
     pub(crate) tenants: Option<crate::tenants::Tenants>,
-    /// Inference bodies held in memory, within `limits.max_buffered_body_bytes`.
+    /// Request bodies being read, and inference bodies waiting for a
+    /// replica, within `limits.max_buffered_body_bytes`.
     pub(crate) buffered: crate::serving::buffered::Buffered,
     /// Held by whoever changes the registry: one change at a time.
     pub(crate) changes: tokio::sync::Mutex<()>,

@@ -479,22 +479,37 @@ async fn bodies_being_read_hold_their_bytes_in_the_buffered_budget() {
         "#,
     );
     let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\
-                Content-Type: application/json\r\nContent-Length: 1048576\r\n\r\n{";
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
-        s.write_all(head.as_bytes()).await.expect("write");
-        held.push(s);
-    }
+                Content-Type: application/json\r\nContent-Length: 1048576\r\n\r\n";
     let small = json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]});
-    let refused: Value = eventually("a request is refused while the budget is held", || async {
-        let r = gw
-            .http
+    let answered = || async {
+        gw.http
             .post(gw.at("/v1/chat/completions"))
             .json(&small)
             .send()
             .await
-            .expect("send");
+            .expect("send")
+    };
+    // Announcing a body costs nothing until its bytes come: three clients
+    // that send headers alone leave the budget to the others.
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+        s.write_all(head.as_bytes()).await.expect("write");
+        silent.push(s);
+    }
+    assert_eq!(answered().await.status(), 404, "no such model");
+    // Two that send all but the last byte hold it all.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+        s.write_all(head.as_bytes()).await.expect("write");
+        s.write_all(format!("{{{}", " ".repeat(1048574)).as_bytes())
+            .await
+            .expect("write");
+        held.push(s);
+    }
+    let refused: Value = eventually("a request is refused while the budget is held", || async {
+        let r = answered().await;
         if r.status() != 429 {
             return None;
         }
@@ -514,16 +529,10 @@ async fn bodies_being_read_hold_their_bytes_in_the_buffered_budget() {
     // request is read and answered (no such model).
     drop(held.pop());
     eventually("the budget is free again", || async {
-        let r = gw
-            .http
-            .post(gw.at("/v1/chat/completions"))
-            .json(&small)
-            .send()
-            .await
-            .expect("send");
-        (r.status() == 404).then_some(())
+        (answered().await.status() == 404).then_some(())
     })
     .await;
+    drop(silent);
 }
 
 /// A gateway with `idle_timeout = "1s"` (and `limits`, more keys of

@@ -24,16 +24,30 @@ pub(crate) enum BodyLimit {
     Task,
 }
 
-/// The whole request body, within the `which` limit (413 past it), read
-/// into one buffer of the announced length: the body is in memory once,
-/// never twice. While it is read its bytes (the announced length, or what
-/// has come of a chunked body) hold their share of
-/// `limits.max_buffered_body_bytes` (429 when it is spent).
+/// The whole request body, within the `which` limit (413 past it); see
+/// [`read_body_held`].
 pub(crate) async fn read_body_within(
     req: Request,
     gw: &Gateway,
     which: BodyLimit,
 ) -> Result<(http::request::Parts, Bytes), ApiError> {
+    let (parts, bytes, _reading) = read_body_held(req, gw, which).await?;
+    Ok((parts, bytes))
+}
+
+/// The whole request body, within the `which` limit (413 past it), read
+/// into one buffer of the announced length: the body is in memory once,
+/// never twice. The bytes that have come hold their share of
+/// `limits.max_buffered_body_bytes` as they arrive (429 when it is spent),
+/// and keep it in the returned [`Reading`] (hand it on with
+/// [`Reading::into_held`], or drop it). A body that stops arriving for
+/// `limits.idle_timeout`, or is not whole by `limits.request_timeout`,
+/// gets 504.
+pub(crate) async fn read_body_held(
+    req: Request,
+    gw: &Gateway,
+    which: BodyLimit,
+) -> Result<(http::request::Parts, Bytes, Reading), ApiError> {
     let limits = &gw.config.limits;
     let (limit, key) = match which {
         BodyLimit::Inference => (limits.max_body_bytes, "limits.max_body_bytes"),
@@ -43,14 +57,29 @@ pub(crate) async fn read_body_within(
     if announced.is_some_and(|n| n > limit) {
         return Err(too_large_for(limit, key));
     }
+    // Charged as the bytes come, not as announced: a client that sends
+    // headers alone holds no share (the buffer's pages are not touched
+    // until written).
     let mut reading = gw.buffered.reading();
     let capacity = announced.unwrap_or(0).min(limit);
-    reading.cover(capacity)?;
+    let idle = limits.idle_timeout;
     let (parts, body) = req.into_parts();
     let read = async move {
         let mut body = std::pin::pin!(Limited::new(body, limit as usize));
         let mut buf = bytes::BytesMut::with_capacity(capacity as usize);
-        while let Some(frame) = body.frame().await {
+        loop {
+            let next = tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| {
+                    ApiError::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "the request body stopped arriving for {} (limits.idle_timeout)",
+                            humantime::format_duration(idle)
+                        ),
+                    )
+                })?;
+            let Some(frame) = next else { break };
             let frame = frame.map_err(|e| {
                 if e.is::<http_body_util::LengthLimitError>() {
                     too_large_for(limit, key)
@@ -63,9 +92,9 @@ pub(crate) async fn read_body_within(
                 buf.extend_from_slice(&data);
             }
         }
-        Ok::<_, ApiError>(buf.freeze())
+        Ok::<_, ApiError>((buf.freeze(), reading))
     };
-    let bytes = tokio::time::timeout(limits.request_timeout, read)
+    let (bytes, reading) = tokio::time::timeout(limits.request_timeout, read)
         .await
         .map_err(|_| {
             ApiError::new(
@@ -73,7 +102,7 @@ pub(crate) async fn read_body_within(
                 "the request body did not arrive within limits.request_timeout",
             )
         })??;
-    Ok((parts, bytes))
+    Ok((parts, bytes, reading))
 }
 
 /// A JSON body as `B`, which may borrow from it; `shape` tells the client

@@ -29,14 +29,15 @@ pub(crate) async fn read_model(
     gw: &Gateway,
     req: Request,
 ) -> Result<(Arc<Served>, Request), ApiError> {
-    let (parts, bytes) = read_body(req, gw).await?;
+    let (parts, bytes, reading) =
+        crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
     let model = model_field(&bytes)?;
     let registry = gw.registry.load();
     let app = registry
         .app(model.as_ref())
         .cloned()
         .ok_or_else(|| model_not_found(gw, &model))?;
-    let body = gw.buffered.hold(bytes)?;
+    let body = reading.into_held(bytes);
     Ok((app, Request::from_parts(parts, Body::new(body))))
 }
 

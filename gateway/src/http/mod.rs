@@ -39,6 +39,7 @@ pub(crate) mod prelude {
 
     pub(crate) use crate::error::{ApiError, ErrorKind, too_large, too_large_for};
     pub(crate) use crate::server::*;
+    pub(crate) use crate::serving::buffered::Reading;
     pub(crate) use crate::serving::dispatch::App;
     pub(crate) use crate::serving::proxy::LimitedBody;
     pub(crate) use crate::serving::served::Served;

@@ -1,9 +1,12 @@
-//! The byte budget of inference bodies held in memory: an OpenAI request's
-//! body is read whole (its `model` names the app) before a replica's slot
-//! is asked for, and waits with it in the hold queue. The queue bounds how
-//! many wait; [`Buffered`] bounds their bytes, over every app, so a burst
-//! of large bodies at a starting app cannot exhaust memory. A body gives
-//! its bytes back when it is handed to a replica's connection (or dropped).
+//! The byte budget of request bodies held in memory: every body the
+//! gateway reads whole holds its bytes here while it is read
+//! ([`Reading`]), so slow clients cannot together hold more than the
+//! budget; an OpenAI request's body (read whole, since its `model` names
+//! the app) keeps them while it waits with its request in the hold queue.
+//! The queue bounds how many wait; [`Buffered`] bounds their bytes, over
+//! every app, so a burst of large bodies at a starting app cannot exhaust
+//! memory. A body gives its bytes back when it is handed to a replica's
+//! connection (or dropped).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -121,6 +124,17 @@ impl Reading {
                 )
                 .retry_after(1))
             }
+        }
+    }
+}
+
+impl Reading {
+    /// The body read whole, holding the share it took while it was read
+    /// until it is sent on: it never has to win the budget twice.
+    pub fn into_held(self, bytes: Bytes) -> HeldBody {
+        HeldBody {
+            bytes: Some(bytes),
+            permit: self.permit,
         }
     }
 }
