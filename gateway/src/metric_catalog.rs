@@ -185,7 +185,7 @@ pub const METRICS: &[Metric] = &[
     gauge(
         "warmgate_tasks_pending",
         &["pool"],
-        "Tasks waiting for a replica.",
+        "Tasks waiting for a replica, or waiting out the pause before a retry.",
     ),
     gauge(
         "warmgate_tasks_inflight",

@@ -143,6 +143,13 @@ async fn tasks_waiting_to_retry_count_against_the_queue_bound() {
             .contains("at most 20"),
         "{body}"
     );
+    let (status, body) = gw
+        .post(
+            "/v1/pools/rollouts/tasks/batch",
+            &json!({"inputs": [1, 2], "retries": 21}),
+        )
+        .await;
+    assert_eq!(status, 400, "a batch is refused whole: {body}");
     // The replica is up (a task waits for it).
     let (status, body) = task(&gw, json!({"input": 1})).await;
     assert_eq!(status, 200, "{body}");

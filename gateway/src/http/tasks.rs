@@ -329,6 +329,7 @@ pub(crate) async fn submit_batch(
             .saturating_mul(2)
             .clamp(1, 1024) as usize;
         let retries = body.retries;
+        pool.check_retries(retries)?;
         let min_version = body.min_weights_version;
         let traceparent = traceparent(&headers);
         let lines = futures_util::stream::iter(inputs.enumerate())

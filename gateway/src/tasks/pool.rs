@@ -565,6 +565,22 @@ impl Pool {
         format!("{}-{:x}-{:x}", self.name, fastrand::u32(..), n)
     }
 
+    /// Refuses `retries` a client asked for above the larger of the pool's
+    /// own and [`MAX_CLIENT_RETRIES`].
+    pub fn check_retries(&self, retries: Option<u32>) -> Result<(), ApiError> {
+        let most = self.spec().retries.max(MAX_CLIENT_RETRIES);
+        match retries {
+            Some(asked) if asked > most => Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "retries is {asked}; pool '{}' allows at most {most} (the larger of its own `retries` and {MAX_CLIENT_RETRIES})",
+                    self.name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Queues a task. The receiver gets its outcome.
     pub fn submit(&self, s: Submit) -> Result<(String, oneshot::Receiver<Outcome>), ApiError> {
         if self.is_closed() {
@@ -573,18 +589,7 @@ impl Pool {
                 format!("pool '{}' was deleted", self.name),
             ));
         }
-        let most = self.spec().retries.max(MAX_CLIENT_RETRIES);
-        if let Some(asked) = s.retries
-            && asked > most
-        {
-            return Err(ApiError::new(
-                ErrorKind::BadRequest,
-                format!(
-                    "retries is {asked}; pool '{}' allows at most {most} (the larger of its own `retries` and {MAX_CLIENT_RETRIES})",
-                    self.name
-                ),
-            ));
-        }
+        self.check_retries(s.retries)?;
         let id = s.id.unwrap_or_else(|| self.new_id());
         let charge = self.store.charge(s.input.len() as u64).ok_or_else(|| {
             ApiError::new(
@@ -669,6 +674,17 @@ impl Pool {
                     self.name, st.latest_version, self.name
                 ),
             ));
+        }
+        // Tasks on their last try, waiting for on-demand capacity, count
+        // as pending too.
+        let max_pending = self.spec().queue.max_pending;
+        if !st.fallback.is_empty() && st.queue.pending() + st.fallback.len() >= max_pending as usize
+        {
+            return Err(ApiError::new(
+                ErrorKind::QueueFull,
+                format!("pool '{}' already holds {max_pending} tasks", self.name),
+            )
+            .retry_after(1));
         }
         st.queue
             .push(tenant, priority, task)
