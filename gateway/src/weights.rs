@@ -348,12 +348,16 @@ impl Weights {
         item: PullItem,
         sha256: Option<String>,
     ) -> Result<Reader, ApiError> {
-        if let Some(fanout) = self.downloads.lock().get(&key) {
+        let size = item.meta.size;
+        // A file larger than the whole cache gets no cache file, and so no
+        // file for readers that fall behind the download's memory window:
+        // each reader has a download of its own, paced by it alone.
+        let shared = self.cache.fits(size);
+        if shared && let Some(fanout) = self.downloads.lock().get(&key) {
             return Ok(fanout.reader(0, true));
         }
-        let size = item.meta.size;
-        let writer = if !self.cache.fits(size) {
-            tracing::info!(uri = %item.source.uri(), bytes = size, "a checkpoint file larger than the whole weight cache; serving it from memory alone");
+        let writer = if !shared {
+            tracing::info!(uri = %item.source.uri(), bytes = size, "a checkpoint file larger than the whole weight cache; streamed to this reader without caching it");
             None
         } else {
             match self.cache.writer(&key).await {
@@ -370,7 +374,7 @@ impl Weights {
             self.window_bytes(),
             writer.as_ref().map(|w| w.path().to_owned()),
         );
-        {
+        if shared {
             let mut downloads = self.downloads.lock();
             if let Some(existing) = downloads.get(&key) {
                 // Another reader started the same download meanwhile.
@@ -810,20 +814,41 @@ mod tests {
     async fn a_file_larger_than_the_whole_cache_is_served_and_never_cached() {
         let dir = tempfile::tempdir().expect("tempdir");
         let cache = Cache::open(dir.path().join("cache"), 1 << 20).expect("cache");
+        // A window of a few parts, which a slow reader falls behind.
+        let cfg = StreamConfig {
+            concurrency: 4,
+            part_size: 64 * 1024,
+            memory_limit: 512 * 1024,
+        };
         let w = Arc::new(Weights::new(
             cache,
-            StreamConfig::default(),
+            cfg,
             AllowList::default(),
             dir.path().to_path_buf(),
         ));
         let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i / 5) as u8).collect();
         register_with_sums(&w, &data).await;
-        assert!(read(&w, "m", "r1", "model.bin").await.expect("served") == data);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !w.downloads.lock().is_empty() {
-            assert!(std::time::Instant::now() < deadline, "never retired");
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        let reader = |pause: Option<std::time::Duration>| {
+            let w = w.clone();
+            tokio::spawn(async move {
+                let (body, _) = w.file("m", "r1", "model.bin").await.expect("file");
+                let mut stream = body.into_data_stream();
+                let mut got = Vec::new();
+                while let Some(chunk) = stream.next().await {
+                    got.extend_from_slice(&chunk.expect("chunk"));
+                    if let Some(p) = pause {
+                        tokio::time::sleep(p).await;
+                    }
+                }
+                got
+            })
+        };
+        let fast = reader(None);
+        let slow = reader(Some(std::time::Duration::from_millis(5)));
+        for h in [fast, slow] {
+            assert!(h.await.expect("reader") == data, "a reader got other bytes");
         }
+        assert!(w.downloads.lock().is_empty(), "no shared download");
         let on_disk: u64 = std::fs::read_dir(dir.path().join("cache"))
             .expect("cache folder")
             .flatten()
