@@ -644,6 +644,44 @@ mod tests {
         ))
     }
 
+    /// Weights whose downloads keep a window of a few 64 KiB parts in
+    /// memory, with a cache of `cache_max` bytes.
+    fn small_window(dir: &std::path::Path, cache_max: u64) -> Arc<Weights> {
+        let cfg = StreamConfig {
+            concurrency: 4,
+            part_size: 64 * 1024,
+            memory_limit: 512 * 1024,
+        };
+        let cache = Cache::open(dir.join("cache"), cache_max).expect("cache");
+        Arc::new(Weights::new(
+            cache,
+            cfg,
+            AllowList::default(),
+            dir.to_path_buf(),
+        ))
+    }
+
+    /// A reader of `m/r1/model.bin` that waits `pause` after each chunk;
+    /// it ends with every byte it got.
+    fn spawn_reader(
+        w: &Arc<Weights>,
+        pause: Option<std::time::Duration>,
+    ) -> tokio::task::JoinHandle<Vec<u8>> {
+        let w = w.clone();
+        tokio::spawn(async move {
+            let (body, _) = w.file("m", "r1", "model.bin").await.expect("file");
+            let mut stream = body.into_data_stream();
+            let mut got = Vec::new();
+            while let Some(chunk) = stream.next().await {
+                got.extend_from_slice(&chunk.expect("chunk"));
+                if let Some(p) = pause {
+                    tokio::time::sleep(p).await;
+                }
+            }
+            got
+        })
+    }
+
     /// A checkpoint in a fresh in-memory store: its first object gets
     /// ETag 0, as in every other fresh store.
     async fn checkpoint(files: &[(&str, &[u8])], uri: &str) -> Source {
@@ -711,39 +749,14 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readers_fast_slow_and_late_of_one_cold_download_all_get_every_byte() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let cache = Cache::open(dir.path().join("cache"), u64::MAX).expect("cache");
         // A window of a few parts, so the slow and the late readers fall
         // behind it and read the cache file or the store instead.
-        let cfg = StreamConfig {
-            concurrency: 4,
-            part_size: 64 * 1024,
-            memory_limit: 512 * 1024,
-        };
-        let w = Arc::new(Weights::new(
-            cache,
-            cfg,
-            AllowList::default(),
-            dir.path().to_path_buf(),
-        ));
+        let w = small_window(dir.path(), u64::MAX);
         let data: Vec<u8> = (0..(6u32 << 20))
             .map(|i| (i * 7 + i / 4099) as u8)
             .collect();
         register_with_sums(&w, &data).await;
-        let reader = |pause: Option<std::time::Duration>| {
-            let w = w.clone();
-            tokio::spawn(async move {
-                let (body, _) = w.file("m", "r1", "model.bin").await.expect("file");
-                let mut stream = body.into_data_stream();
-                let mut got = Vec::new();
-                while let Some(chunk) = stream.next().await {
-                    got.extend_from_slice(&chunk.expect("chunk"));
-                    if let Some(p) = pause {
-                        tokio::time::sleep(p).await;
-                    }
-                }
-                got
-            })
-        };
+        let reader = |pause| spawn_reader(&w, pause);
         let fast = [reader(None), reader(None)];
         let slow = reader(Some(std::time::Duration::from_millis(20)));
         // One that comes when the first ones are well into the object.
@@ -813,36 +826,11 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_file_larger_than_the_whole_cache_is_served_and_never_cached() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let cache = Cache::open(dir.path().join("cache"), 1 << 20).expect("cache");
         // A window of a few parts, which a slow reader falls behind.
-        let cfg = StreamConfig {
-            concurrency: 4,
-            part_size: 64 * 1024,
-            memory_limit: 512 * 1024,
-        };
-        let w = Arc::new(Weights::new(
-            cache,
-            cfg,
-            AllowList::default(),
-            dir.path().to_path_buf(),
-        ));
+        let w = small_window(dir.path(), 1 << 20);
         let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i / 5) as u8).collect();
         register_with_sums(&w, &data).await;
-        let reader = |pause: Option<std::time::Duration>| {
-            let w = w.clone();
-            tokio::spawn(async move {
-                let (body, _) = w.file("m", "r1", "model.bin").await.expect("file");
-                let mut stream = body.into_data_stream();
-                let mut got = Vec::new();
-                while let Some(chunk) = stream.next().await {
-                    got.extend_from_slice(&chunk.expect("chunk"));
-                    if let Some(p) = pause {
-                        tokio::time::sleep(p).await;
-                    }
-                }
-                got
-            })
-        };
+        let reader = |pause| spawn_reader(&w, pause);
         let fast = reader(None);
         let slow = reader(Some(std::time::Duration::from_millis(5)));
         for h in [fast, slow] {

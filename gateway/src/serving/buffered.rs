@@ -40,31 +40,9 @@ impl Buffered {
     /// `bytes` as a body that holds its share of the budget until it is
     /// sent on, or `429 queue_full` when the budget is spent.
     pub fn hold(&self, bytes: Bytes) -> Result<HeldBody, ApiError> {
-        if bytes.is_empty() {
-            return Ok(HeldBody {
-                bytes: Some(bytes),
-                permit: None,
-            });
-        }
-        let n = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
-        match self.bytes.clone().try_acquire_many_owned(n) {
-            Ok(permit) => Ok(HeldBody {
-                bytes: Some(bytes),
-                permit: Some(permit),
-            }),
-            Err(_) => {
-                metrics::counter!("warmgate_buffered_body_refusals_total").increment(1);
-                Err(ApiError::new(
-                    ErrorKind::QueueFull,
-                    format!(
-                        "the gateway already holds {} bytes of request bodies waiting for \
-                         replicas (limits.max_buffered_body_bytes); retry shortly",
-                        self.limit
-                    ),
-                )
-                .retry_after(1))
-            }
-        }
+        let mut reading = self.reading();
+        reading.cover(bytes.len() as u64)?;
+        Ok(reading.into_held(bytes))
     }
 
     /// A share of the budget for a body being read, grown with it by
