@@ -25,10 +25,10 @@ use axum::body::Body;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use warmgate_pool::weights::fanout::{Next, Reader, State};
 use warmgate_pool::weights::{
-    AllowList, Cache, CacheWriter, Fanout, PullItem, Source, StreamConfig, checksums, plan,
+    AllowList, Cache, CacheWriter, Fanout, PullItem, Recycler, Source, StreamConfig, checksums,
+    plan,
 };
 
 use crate::error::{ApiError, ErrorKind};
@@ -530,8 +530,10 @@ fn follow_stream(
 ) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> {
     struct St {
         origin: Origin,
-        /// The cache file open, and where its position is.
-        file: Option<(tokio::fs::File, u64)>,
+        /// The cache file, once this reader has read from it.
+        file: Option<Arc<std::fs::File>>,
+        /// The buffers of chunks read from it, filled again once sent.
+        buffers: Recycler,
         offset: u64,
         size: u64,
         sha256: Option<(String, Sha256)>,
@@ -539,6 +541,8 @@ fn follow_stream(
     let st = St {
         origin,
         file: None,
+        // A chunk being read, one being sent, and one in the socket's queue.
+        buffers: Recycler::new(3),
         offset: 0,
         size,
         sha256: sha256.map(|s| (s, Sha256::new())),
@@ -551,22 +555,23 @@ fn follow_stream(
             Next::Memory(b) => b,
             Next::File { path, until } => {
                 if st.file.is_none() {
-                    st.file = Some((open_following(&path, &st.origin.entry).await?, 0));
+                    let file = open_following(&path, &st.origin.entry).await?;
+                    st.file = Some(Arc::new(file.into_std().await));
                 }
-                let (file, pos) = st.file.as_mut().expect("opened above");
-                if *pos != st.offset {
-                    file.seek(std::io::SeekFrom::Start(st.offset)).await?;
-                }
+                let file = st.file.clone().expect("opened above");
                 let want = ((until - st.offset) as usize).min(CHUNK);
-                let mut buf = bytes::BytesMut::with_capacity(want);
-                let mut limited = (&mut *file).take(want as u64);
-                while buf.len() < want {
-                    if limited.read_buf(&mut buf).await? == 0 {
-                        return Err(std::io::ErrorKind::UnexpectedEof.into());
-                    }
-                }
-                *pos = st.offset + want as u64;
-                buf.freeze()
+                let (mut buf, at) = (st.buffers.take(want), st.offset);
+                // One positioned read of the whole chunk, straight into a
+                // buffer this reader used before: no copy through an
+                // async file's own buffer, and no fresh pages to fault in.
+                let buf = tokio::task::spawn_blocking(move || {
+                    use std::os::unix::fs::FileExt as _;
+                    buf.resize(want, 0);
+                    file.read_exact_at(&mut buf, at).map(|()| buf)
+                })
+                .await
+                .map_err(std::io::Error::other)??;
+                st.buffers.seal(buf)
             }
             Next::End => return Ok(None),
             Next::Failed(e) => return Err(std::io::Error::other(e)),

@@ -17,6 +17,7 @@ mod cache;
 pub mod fanout;
 pub mod header;
 mod pull;
+mod recycle;
 mod source;
 
 pub use allow::AllowList;
@@ -24,4 +25,5 @@ pub use cache::{Cache, CacheWriter, parse_sha256sums, sha256_file};
 pub use fanout::Fanout;
 pub use header::{Header, TensorEntry};
 pub use pull::{PullItem, PullReport, SHA256SUMS, checksums, plan, pull};
+pub use recycle::Recycler;
 pub use source::{Source, StreamConfig, Tensor};

@@ -6,10 +6,11 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, GetResultPayload, ObjectMeta, ObjectStore, ObjectStoreExt};
 use safetensors::Dtype;
 
 use super::header::{self, Header, LEN_PREFIX, MAX_HEADER_BYTES};
+use super::recycle::Recycler;
 use crate::{Error, Result};
 
 /// How an object is read.
@@ -221,28 +222,18 @@ impl Source {
         let path = self.path.clone();
         let uri = self.uri.clone();
         let permits = Arc::new(tokio::sync::Semaphore::new(cfg.effective_concurrency()));
+        // As many buffers as the window holds: a part's buffer is filled
+        // again once its readers are done with it.
+        let recycler = Arc::new(Recycler::new(cfg.window()));
         stream::iter((range.start..range.end).step_by(part as usize))
             .map(move |s| {
                 let e = (s + part).min(end);
                 let (store, path) = (store.clone(), path.clone());
                 let (uri, task_uri) = (uri.clone(), uri.clone());
-                let permits = permits.clone();
+                let (permits, recycler) = (permits.clone(), recycler.clone());
                 let task = AbortOnDrop(tokio::spawn(async move {
                     let _permit = permits.acquire_owned().await.ok();
-                    let b = store
-                        .get_range(&path, s..e)
-                        .await
-                        .map_err(|err| store_error(&task_uri, err))?;
-                    if b.len() as u64 != e - s {
-                        return Err(Error::Weights {
-                            uri: task_uri,
-                            reason: format!(
-                                "asked for bytes {s}..{e} and got {} bytes (object changed or truncated)",
-                                b.len()
-                            ),
-                        });
-                    }
-                    Ok(b)
+                    read_part(store.as_ref(), &path, &task_uri, s..e, &recycler).await
                 }));
                 async move {
                     let mut task = task;
@@ -424,6 +415,50 @@ async fn fill(
         return Err(short(filled as u64));
     }
     Ok(job)
+}
+
+/// One ranged GET of `range`, whole. A streamed body is copied into a
+/// buffer from `recycler`; a local file is read by object_store itself.
+/// Fails unless it got exactly the bytes it asked for, and stops reading
+/// at the first byte past them.
+async fn read_part(
+    store: &dyn ObjectStore,
+    path: &Path,
+    uri: &str,
+    range: Range<u64>,
+    recycler: &Recycler,
+) -> Result<Bytes> {
+    let (s, e) = (range.start, range.end);
+    let want = (e - s) as usize;
+    let short = |got: usize| Error::Weights {
+        uri: uri.to_string(),
+        reason: format!(
+            "asked for bytes {s}..{e} and got {got} bytes (object changed or truncated)"
+        ),
+    };
+    let result = store
+        .get_opts(path, GetOptions::new().with_range(Some(s..e)))
+        .await
+        .map_err(|err| store_error(uri, err))?;
+    let bytes = match result.payload {
+        GetResultPayload::Stream(mut body) => {
+            let mut buf = recycler.take(want);
+            buf.clear();
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|err| store_error(uri, err))?;
+                if buf.len() + chunk.len() > want {
+                    return Err(short(buf.len() + chunk.len()));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            recycler.seal(buf)
+        }
+        _ => result.bytes().await.map_err(|err| store_error(uri, err))?,
+    };
+    if bytes.len() != want {
+        return Err(short(bytes.len()));
+    }
+    Ok(bytes)
 }
 
 /// A task that is aborted when its handle is dropped.
