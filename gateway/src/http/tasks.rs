@@ -3,6 +3,11 @@
 
 #[allow(unused_imports)]
 use super::prelude::*;
+use std::convert::Infallible;
+
+use futures_util::FutureExt as _;
+
+use crate::tasks::ordered::Ordered;
 
 /// The pool named in the path, the request's headers, and its body, read
 /// within the `which` limit (parse it with [`parse_json`]).
@@ -298,10 +303,16 @@ impl Iterator for RawElements {
     }
 }
 
+/// Bytes of finished lines a batch holds behind an earlier, slower one, with
+/// what its tasks in flight may bring (see [`Ordered`]): room for two
+/// outputs of the largest size a worker may send.
+const BATCH_HELD_BYTES: u64 = 128 * 1024 * 1024;
+
 /// `POST /v1/pools/{pool}/tasks/batch`: one NDJSON line per input, in input
 /// order, streamed as results complete. At most a window of tasks is
 /// submitted ahead of the line being written, so a batch of 10,000 never
-/// holds 10,000 results while it waits for the first.
+/// holds 10,000 results while it waits for the first; and fewer when their
+/// outputs are large, within [`BATCH_HELD_BYTES`].
 #[utoipa::path(post, path = "/v1/pools/{pool}/tasks/batch", tag = "pools",
     params(("pool" = String, Path, description = "Pool name")),
     request_body = BatchBody,
@@ -332,8 +343,7 @@ pub(crate) async fn submit_batch(
         pool.check_retries(retries)?;
         let min_version = body.min_weights_version;
         let traceparent = traceparent(&headers);
-        let lines = futures_util::stream::iter(inputs.enumerate())
-            .map(move |(index, input)| {
+        let tasks = inputs.enumerate().map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
                 let traceparent = traceparent.clone();
                 let tenant_key = tenant_key.clone();
@@ -366,10 +376,11 @@ pub(crate) async fn submit_batch(
                         Err(e) => error_line(index, &e),
                     };
                     line.push(b'\n');
-                    Ok::<_, std::convert::Infallible>(Bytes::from(line))
+                    Bytes::from(line)
                 }
-            })
-            .buffered(window);
+                .boxed()
+            });
+        let lines = Ordered::new(tasks, window, BATCH_HELD_BYTES).map(Ok::<_, Infallible>);
         Ok::<_, ApiError>(
             (
                 [(header::CONTENT_TYPE, "application/x-ndjson")],

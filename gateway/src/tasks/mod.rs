@@ -4,6 +4,7 @@
 //! that keeps async tasks across a restart.
 
 pub mod journal;
+pub mod ordered;
 pub mod pool;
 pub mod queue;
 pub mod record;
