@@ -417,8 +417,8 @@ async fn fill(
     Ok(job)
 }
 
-/// One ranged GET of `range`, whole. A streamed body is copied into a
-/// buffer from `recycler`; a local file is read by object_store itself.
+/// One ranged GET of `range`, whole, into a buffer from `recycler`: a
+/// streamed body is copied into it, a local file read into it.
 /// Fails unless it got exactly the bytes it asked for, and stops reading
 /// at the first byte past them.
 async fn read_part(
@@ -453,7 +453,40 @@ async fn read_part(
             }
             recycler.seal(buf)
         }
-        _ => result.bytes().await.map_err(|err| store_error(uri, err))?,
+        GetResultPayload::File(file, _) => {
+            // One positioned read straight into a kept buffer (object_store
+            // would read into a new one each time).
+            let mut buf = recycler.take(want);
+            let read = tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt as _;
+                buf.resize(want, 0);
+                file.read_exact_at(&mut buf, s).map(|()| buf)
+            })
+            .await;
+            match read {
+                Ok(Ok(buf)) => recycler.seal(buf),
+                Ok(Err(err)) if err.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    return Err(Error::Weights {
+                        uri: uri.to_string(),
+                        reason: format!(
+                            "asked for bytes {s}..{e} and the file ended first (object changed or truncated)"
+                        ),
+                    });
+                }
+                Ok(Err(err)) => {
+                    return Err(Error::Weights {
+                        uri: uri.to_string(),
+                        reason: format!("reading bytes {s}..{e}: {err}"),
+                    });
+                }
+                Err(err) => {
+                    return Err(Error::Weights {
+                        uri: uri.to_string(),
+                        reason: format!("the read task failed: {err}"),
+                    });
+                }
+            }
+        }
     };
     if bytes.len() != want {
         return Err(short(bytes.len()));
