@@ -82,6 +82,9 @@ pub(crate) struct Inputs {
     pub slots: f64,
     pub stable_window: Duration,
     pub panic_window: Duration,
+    /// How long the last replica stays once the app is idle (its
+    /// `scale_to_zero_after`; `None` when `min` keeps replicas anyway).
+    pub linger: Option<Duration>,
     /// The last decision.
     pub desired: u32,
 }
@@ -121,6 +124,9 @@ pub(crate) struct Aware {
     gaps: VecDeque<f64>,
     /// Replicas kept after a burst, until when.
     standby: Option<(u32, Duration)>,
+    /// Replicas the last burst that found none ready asked for: what
+    /// letting the standby go costs when the next burst comes.
+    restart: Option<u32>,
 }
 
 /// A stretch where recent demand needs more replicas (at full slots) than
@@ -130,6 +136,10 @@ struct Burst {
     start: Duration,
     peak: u32,
     arrived: u64,
+    /// Replicas ready when it began.
+    ready: u32,
+    /// The most replicas asked for during it.
+    top: u32,
 }
 
 impl Aware {
@@ -232,7 +242,16 @@ impl Aware {
             self.standby = None;
         }
         let standby = self.standby.map_or(0, |(n, _)| n);
-        let base = lasting_need.max(held).max(standby);
+        // Replicas with work in hand or waiting for them are kept (never
+        // started): dropping one that is up while requests queue for its
+        // slots saves little and makes them wait for the rest.
+        let busy_now = if i.busy.is_finite() && i.busy > 0.0 {
+            i.busy / tick
+        } else {
+            0.0
+        };
+        let working = replicas_for(busy_now + queued, i.slots).min(i.desired);
+        let base = lasting_need.max(held).max(standby).max(working);
         if lasts {
             let burst = i.ready.saturating_add(to_start(left, tau, i.slots, cold));
             Some((base.max(burst), true))
@@ -350,6 +369,7 @@ impl Aware {
             (Some(b), true) => {
                 b.peak = b.peak.max(need);
                 b.arrived += u64::from(i.arrivals);
+                b.top = b.top.max(i.desired);
             }
             (None, true) => {
                 if let Some(end) = self.last_burst_end {
@@ -362,48 +382,71 @@ impl Aware {
                     start: now,
                     peak: need,
                     arrived: u64::from(i.arrivals),
+                    ready: i.ready,
+                    top: i.desired,
                 });
             }
             (Some(_), false) => {
                 let b = self.burst.take().expect("matched");
                 self.last_burst_end = Some(now);
+                if b.ready == 0 {
+                    self.restart = Some(b.top.max(i.desired));
+                }
                 if cold > 0.0 {
-                    self.standby = self.standby_after(&b, now, i.slots, tau, cold);
+                    self.standby = self.standby_after(&b, now, i, tau, cold);
+                    if self.gaps.len() >= MIN_GAPS {
+                        // The gaps are known: the standby decides what
+                        // stays, not the fixed hold.
+                        self.recent_need.clear();
+                    }
                 }
             }
             (None, false) => {}
         }
     }
 
-    /// Ski rental over the gaps seen: keeping `level` replicas through a
-    /// gap of `g` costs `level × g`; letting them go costs a restart when
-    /// the next burst comes (their cold starts, plus its first cold start
-    /// of arrivals waiting half a cold start on average, a waiting request
-    /// costing a slot). The hold that minimises the total over the gaps
-    /// seen wins.
+    /// Ski rental over the gaps seen. Keeping `level` replicas through a
+    /// gap of `g` costs `level × g`; letting them go costs what the rules
+    /// keep anyway (the hold of [`HOLD_COLD_STARTS`] cold starts, and for
+    /// the last replica the app's linger before zero) and, when the gap
+    /// outlasts that, a restart when the next burst comes: the replicas
+    /// the last burst from zero started, each a cold start, plus its first
+    /// cold start of arrivals waiting half a cold start on average, a
+    /// waiting request costing a slot. The standby that minimises the
+    /// total over the gaps seen wins.
     fn standby_after(
         &self,
         b: &Burst,
         now: Duration,
-        slots: f64,
+        i: &Inputs,
         tau: f64,
         cold: f64,
     ) -> Option<(u32, Duration)> {
+        let slots = i.slots;
         let arrived = b.arrived as f64;
         // Replicas that drain the burst within a cold start, at most its
         // peak need.
         let level = replicas_for(arrived * tau / cold, slots).min(b.peak).max(1);
         let lasted = now.saturating_sub(b.start).as_secs_f64().max(1.0);
         let waiting = arrived.min(arrived * cold / lasted) * (cold / 2.0) / slots;
-        let restart = f64::from(level) * cold + waiting;
+        let restarted = self.restart.unwrap_or(level).max(level);
+        let restart = f64::from(restarted) * cold + waiting;
         let longest = cold * MAX_STANDBY_COLD_STARTS;
+        // The last replica stays at least this long anyway; with `min`
+        // keeping it, it never goes and a gap never restarts from zero.
+        let last = i.linger.map_or(f64::INFINITY, |l| l.as_secs_f64());
         let hold = if self.gaps.len() < MIN_GAPS {
             cold * HOLD_COLD_STARTS
         } else {
             let cost = |h: f64| -> f64 {
+                let (rest, first) = (h, h.max(last));
                 self.gaps
                     .iter()
-                    .map(|&g| f64::from(level) * g.min(h) + if g > h { restart } else { 0.0 })
+                    .map(|&g| {
+                        f64::from(level - 1) * g.min(rest)
+                            + g.min(first)
+                            + if g > first { restart } else { 0.0 }
+                    })
                     .sum()
             };
             std::iter::once(0.0)
@@ -443,7 +486,38 @@ pub(crate) fn to_start(left: f64, tau: f64, slots: f64, cold: f64) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{Aware, MIN_GAPS, to_start};
+    use std::time::Duration;
+
+    use super::{Aware, Burst, Inputs, MIN_GAPS, to_start};
+
+    fn inputs(linger: Option<u64>) -> Inputs {
+        Inputs {
+            now: Duration::from_secs(1000),
+            ready: 1,
+            queued: 0,
+            arrivals: 0,
+            completions: 0,
+            busy: 0.0,
+            cold: Some(Duration::from_secs(20)),
+            target: 5.6,
+            slots: 8.0,
+            stable_window: Duration::from_secs(60),
+            panic_window: Duration::from_secs(6),
+            linger: linger.map(Duration::from_secs),
+            desired: 1,
+        }
+    }
+
+    /// A burst of 8 requests that began 30 s before `inputs().now`.
+    fn small_burst() -> Burst {
+        Burst {
+            start: Duration::from_secs(970),
+            peak: 1,
+            arrived: 8,
+            ready: 0,
+            top: 1,
+        }
+    }
 
     #[test]
     fn a_short_cold_start_gives_every_waiting_request_a_slot() {
@@ -484,5 +558,51 @@ mod tests {
         assert!((a.expected_rest(4.0) - 5.0).abs() < 1e-9);
         // Longer than all: taken to end now.
         assert_eq!(a.expected_rest(20.0), 0.0);
+    }
+
+    #[test]
+    fn a_standby_weighs_restarting_every_replica_the_last_burst_from_zero_started() {
+        // Gaps of 100 s, a 20 s cold start, the last replica lingering
+        // 60 s anyway. Letting it go after the linger costs 60 s a gap
+        // and a restart; keeping it costs 100 s.
+        let mut a = Aware::default();
+        a.gaps.extend([100.0; MIN_GAPS]);
+        let (i, b, cold) = (inputs(Some(60)), small_burst(), 20.0);
+        // One replica to restart (20 s) and the burst's first cold start
+        // of waiting (8 requests × 10 s / 8 slots = 10 s): 60 + 30 < 100,
+        // so nothing stands by.
+        assert_eq!(a.standby_after(&b, i.now, &i, 2.0, cold), None);
+        // The last burst from zero asked for three replicas: a restart is
+        // 3 × 20 + 10 = 70 s, 60 + 70 > 100, so the replica stays through
+        // the gap.
+        a.restart = Some(3);
+        assert_eq!(
+            a.standby_after(&b, i.now, &i, 2.0, cold),
+            Some((1, i.now + Duration::from_secs(100)))
+        );
+    }
+
+    #[test]
+    fn a_standby_counts_the_linger_the_app_keeps_anyway() {
+        // Gaps of 50 s, shorter than the 60 s the last replica lingers
+        // anyway: it never restarts, so no standby is worth its cost.
+        let mut a = Aware::default();
+        a.gaps.extend([50.0; MIN_GAPS]);
+        a.restart = Some(10);
+        let (i, b) = (inputs(Some(60)), small_burst());
+        assert_eq!(a.standby_after(&b, i.now, &i, 2.0, 20.0), None);
+        // With `min` keeping a replica (no linger to zero), the same.
+        let i = inputs(None);
+        assert_eq!(a.standby_after(&b, i.now, &i, 2.0, 20.0), None);
+    }
+
+    #[test]
+    fn before_the_gaps_are_known_a_burst_holds_its_level_for_a_few_cold_starts() {
+        let a = Aware::default();
+        let (i, b) = (inputs(Some(60)), small_burst());
+        assert_eq!(
+            a.standby_after(&b, i.now, &i, 2.0, 20.0),
+            Some((1, i.now + Duration::from_secs(60)))
+        );
     }
 }

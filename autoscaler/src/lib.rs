@@ -364,13 +364,10 @@ impl Autoscaler {
             busy: obs.busy,
             cold: self.cold_start,
             target,
-            slots: if self.config.concurrency > 0 {
-                f64::from(self.config.concurrency)
-            } else {
-                target
-            },
+            slots: self.slots(),
             stable_window: self.config.stable_window,
             panic_window: self.config.panic_window,
+            linger: (self.config.min == 0).then_some(self.config.scale_to_zero_after),
             desired: self.desired,
         });
         let decided = aware.and_then(|inputs| self.aware.decide(&inputs, self.sample_cap));
@@ -500,14 +497,21 @@ impl Autoscaler {
         if !panicking {
             self.panic_until = None;
         }
-        let desired = if panicking || (obs.ready == 0 && obs.concurrency > 0.0) {
+        let desired = if panicking {
             // Panic only ever raises the count: replicas added for a burst
             // stay until the burst has been quiet for a whole stable
-            // window. At zero ready with work waiting, follow the short
-            // window too, never lowering what is already starting, so a
-            // queue that builds during a cold start gets its replicas
-            // together, not one at a time.
+            // window.
             self.desired.max(panic_desired).max(stable_desired)
+        } else if obs.ready == 0 && obs.concurrency > 0.0 {
+            // At zero ready with work waiting, follow the short window
+            // too, never lowering what is already starting, so a queue
+            // that builds during a cold start gets its replicas together,
+            // not one at a time. The queue enters the replicas at once
+            // when they are ready, so the short window is sized by their
+            // slots, not by the target: seven requests waiting for a
+            // replica of eight slots start one replica, not two.
+            let waiting = replicas_for(panic, self.slots());
+            self.desired.max(waiting).max(stable_desired)
         } else {
             stable_desired
         };
@@ -652,6 +656,16 @@ impl Autoscaler {
             target
         } else {
             1.0
+        }
+    }
+
+    /// Requests one replica takes at once: the concurrency limit, or the
+    /// target when it is unknown.
+    fn slots(&self) -> f64 {
+        if self.config.concurrency > 0 {
+            f64::from(self.config.concurrency)
+        } else {
+            self.target()
         }
     }
 

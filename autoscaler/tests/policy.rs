@@ -460,3 +460,28 @@ fn demand_after_a_takeover_raises_the_count_as_usual() {
     c.adopt(0, secs(0));
     assert_eq!(c.desired(), 0);
 }
+
+#[test]
+fn a_queue_at_zero_is_sized_by_the_slots_it_will_enter() {
+    // A minute with nothing waiting, then seven requests wait for a
+    // replica of eight slots: they all enter the first one when it is
+    // ready, so the short window asks for one, not the two the target of
+    // 5.6 would.
+    let config = ScalingConfig {
+        min: 0,
+        max: 10,
+        target: 5.6,
+        concurrency: 8,
+        ..ScalingConfig::default()
+    };
+    let mut a = Autoscaler::new(config);
+    assert_eq!(a.wake(secs(0)), 1);
+    for s in 0..60 {
+        tick(&mut a, s, 0.0, 0);
+    }
+    let counts: Vec<u32> = (60..70).map(|s| tick(&mut a, s, 7.0, 0).desired).collect();
+    assert!(counts.iter().all(|&n| n == 1), "{counts:?}");
+    // Nine do not fit one replica: a second starts.
+    let counts: Vec<u32> = (70..80).map(|s| tick(&mut a, s, 9.0, 0).desired).collect();
+    assert_eq!(counts.last(), Some(&2), "{counts:?}");
+}

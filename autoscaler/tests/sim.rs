@@ -131,7 +131,7 @@ fn the_real_azure_trace_replays_under_all_policies() {
     let path = std::env::var("WARMGATE_TRACE").unwrap_or_else(|_| {
         concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/data/azure-llm-inference-2023-conv.csv"
+            "/../data/azure-llm-inference-2023-conv.csv"
         )
         .into()
     });
@@ -217,7 +217,7 @@ fn the_clairvoyant_bound_is_below_every_policy_at_its_own_p99() {
     let w = Workload {
         name: "bursts-short".into(),
         bursty: true,
-        requests: Shape::BurstsShort.generate(1),
+        requests: Shape::BURSTS_SHORT.generate(1),
     };
     let cfg = SweepConfig {
         scaling: ScalingConfig {
@@ -298,4 +298,60 @@ fn the_pool_policy_serves_every_task_and_keeps_replicas_warm_for_the_ttl() {
             .filter(|p| p.0 >= 360.0 && p.0 < 380.0)
             .all(|p| p.2 >= before)
     );
+}
+
+#[test]
+fn a_trace_is_bursty_when_a_burst_stands_out_from_the_minutes_before_it() {
+    use warmgate_autoscaler::sim::is_bursty;
+    use warmgate_autoscaler::sim::shapes::Shape;
+    // Flat traffic at any rate, and a slow ramp, are not bursty.
+    for flat in [
+        "poisson:rate=0.05",
+        "poisson:rate=3",
+        "poisson:rate=40",
+        "daily",
+    ] {
+        let shape: Shape = flat.parse().unwrap();
+        for seed in 1..=3 {
+            assert!(!is_bursty(&shape.generate(seed)), "{flat}, seed {seed}");
+        }
+    }
+    // Every bursty preset is, whatever the seed.
+    for (name, shape) in Shape::PRESETS {
+        if shape.bursty() {
+            for seed in 1..=3 {
+                assert!(is_bursty(&shape.generate(seed)), "{name}, seed {seed}");
+            }
+        }
+    }
+    // A trace like the one issue 17 measured: a trickle, with a few
+    // seconds at 60 requests/s now and then.
+    let mut t = poisson(1.0, 1800, 5, 0.0);
+    t.extend(poisson(60.0, 4, 6, 900.0));
+    t.sort_by_key(|r| r.arrival);
+    assert!(is_bursty(&t));
+    assert!(!is_bursty(&poisson(1.0, 1800, 5, 0.0)));
+    assert!(!is_bursty(&[]));
+    // The real conversation trace is nearly flat.
+    if let Ok(path) = std::env::var("WARMGATE_TRACE") {
+        let text = std::fs::read_to_string(&path).expect("WARMGATE_TRACE is readable");
+        assert!(!is_bursty(&parse_azure_trace(&text).unwrap()));
+    }
+}
+
+#[test]
+fn knative_starts_nothing_before_the_first_request() {
+    // Its scale-to-zero grace keeps a replica that runs; before the first
+    // request none runs, so there is nothing to keep or bill.
+    let trace = poisson(1.0, 60, 7, 600.0);
+    let model = ServiceModel::default();
+    let kn = simulate(&trace, &model, &mut Knative::new(5.6, 0, 10), &cfg(20));
+    let early = kn
+        .timeline
+        .iter()
+        .filter(|(t, _, _)| *t < 599.0)
+        .map(|(_, _, n)| *n)
+        .max();
+    assert_eq!(early, Some(0), "replicas before the first request");
+    assert!(kn.cold_starts >= 1);
 }

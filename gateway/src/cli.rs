@@ -158,9 +158,16 @@ pub enum Command {
         #[arg(long)]
         trace: Vec<PathBuf>,
         /// Generated traffic, comma-separated: steady, bursts-short,
-        /// bursts-long, daily, spikes.
+        /// bursts-long, daily, spikes; or a family with parameters
+        /// (rates per second, lengths in seconds or with a unit):
+        /// poisson:rate=R, on-off:low=R:high=R:on=S:off=S,
+        /// daily:low=R:high=R, spikes:every=S:min=N:max=N:within=S.
         #[arg(long, value_delimiter = ',')]
         shape: Vec<warmgate_autoscaler::sim::shapes::Shape>,
+        /// Also draw N shapes of random parameters (of every family) from
+        /// the seed: traffic nobody tuned the policy on.
+        #[arg(long, default_value_t = 0, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=1000))]
+        random: u32,
         /// Seed for the generated shapes.
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -346,6 +353,7 @@ pub fn run(cli: Cli) -> i32 {
         Command::Simulate {
             trace,
             shape,
+            random,
             seed,
             config,
             app,
@@ -358,6 +366,7 @@ pub fn run(cli: Cli) -> i32 {
         } => match crate::simulate::run(crate::simulate::Args {
             traces: trace,
             shapes: shape,
+            random,
             seed,
             config,
             app,

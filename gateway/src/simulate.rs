@@ -8,7 +8,7 @@ use std::time::Duration;
 use warmgate_autoscaler::pool::PoolScaling;
 use warmgate_autoscaler::sim::shapes::Shape;
 use warmgate_autoscaler::sim::sweep::{self, Cell, SweepConfig, Workload};
-use warmgate_autoscaler::sim::{ServiceModel, SimConfig, parse_azure_trace};
+use warmgate_autoscaler::sim::{ServiceModel, SimConfig, is_bursty, parse_azure_trace};
 use warmgate_deploy::{AppSpec, Config};
 
 /// The app the simulator uses without `--config`: the defaults, with
@@ -36,6 +36,8 @@ pub struct Args {
     pub traces: Vec<PathBuf>,
     /// Shapes to generate.
     pub shapes: Vec<Shape>,
+    /// Shapes of random parameters to draw from the seed, besides.
+    pub random: u32,
     /// Seed for the generated shapes.
     pub seed: u64,
     /// The config whose app supplies the policy (default: [`DEFAULT_APP`]).
@@ -59,15 +61,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = app_spec(args.config.as_deref(), args.app.as_deref())?;
     let mut shapes = args.shapes.clone();
     if args.sweep.is_some() && shapes.is_empty() {
-        shapes = Shape::ALL.to_vec();
+        shapes = Shape::presets().collect();
     }
+    shapes.extend(Shape::random_many(args.seed, args.random as usize));
     if shapes.is_empty() && args.traces.is_empty() {
-        anyhow::bail!("nothing to replay: give --trace CSV, --shape NAME or --sweep DIR");
+        anyhow::bail!(
+            "nothing to replay: give --trace CSV, --shape NAME, --random N or --sweep DIR"
+        );
     }
     let mut workloads = Vec::new();
     for shape in &shapes {
         workloads.push(Workload {
-            name: shape.name().to_string(),
+            name: shape.name(),
             bursty: shape.bursty(),
             requests: shape.generate(args.seed),
         });
@@ -80,9 +85,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let name = trace
             .file_stem()
             .map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
+        // A replayed trace is judged bursty by its arrivals.
         workloads.push(Workload {
             name,
-            bursty: false,
+            bursty: is_bursty(&requests),
             requests,
         });
     }
@@ -109,10 +115,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for w in &workloads {
         let span = w.requests.last().map_or(0.0, |r| r.arrival.as_secs_f64());
         println!(
-            "workload {}: {} requests over {:.0} s",
+            "workload {}: {} requests over {:.0} s{}",
             w.name,
             w.requests.len(),
-            span
+            span,
+            if w.bursty { ", bursty" } else { "" }
         );
     }
     let mut cells: Vec<Cell> = Vec::new();

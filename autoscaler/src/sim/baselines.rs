@@ -119,7 +119,9 @@ impl Policy for Knative {
         // tick, so the last replica can go.
         let floor = (f64::from(ready) / Self::MAX_SCALE_DOWN_RATE).floor() as u32;
         desired = desired.max(floor);
-        if desired == 0 {
+        // The grace keeps a replica that runs; with none running there is
+        // nothing to keep (no replica starts before the first request).
+        if desired == 0 && self.desired > 0 {
             let since = *self.zero_since.get_or_insert(now);
             if now.saturating_sub(since) < Self::SCALE_TO_ZERO_GRACE {
                 desired = 1;

@@ -21,7 +21,7 @@ pub mod sweep;
 mod trace;
 
 pub use baselines::{AlwaysPeak, Knative, PoolTasks, RayServe, Warmgate};
-pub use trace::{ServiceModel, TraceRequest, parse_azure_trace, peak_replicas};
+pub use trace::{ServiceModel, TraceRequest, is_bursty, parse_azure_trace, peak_replicas};
 
 use crate::ScalingConfig;
 

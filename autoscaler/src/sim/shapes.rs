@@ -18,66 +18,261 @@ use super::TraceRequest;
 /// How long each generated trace runs: one hour, as the Azure traces do.
 pub const DURATION: Duration = Duration::from_secs(3600);
 
-/// A shape of traffic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A shape of traffic: an arrival process with its parameters. The five
+/// named shapes ([`Shape::PRESETS`]) are the sweep's; any other is written
+/// `FAMILY:KEY=VALUE:…` on the command line (see [`Shape::from_str`]), and
+/// [`Shape::random`] draws one of any family, so a policy can be measured
+/// on shapes nobody chose for it.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Shape {
-    /// Poisson arrivals at a steady 3 requests/s.
-    Steady,
-    /// On/off (a two-state Markov-modulated Poisson process): 0.5/s
-    /// between bursts, 25/s in a burst; bursts last 6 s on average
-    /// (shorter than a 20 s cold start), gaps 60 s.
-    BurstsShort,
-    /// The same process with long bursts: 0.5/s between, 10/s in a burst
-    /// that lasts 150 s on average (longer than a 60 s cold start), gaps
-    /// 300 s.
-    BurstsLong,
+    /// Poisson arrivals at `rate` per second.
+    Poisson {
+        /// Requests per second.
+        rate: f64,
+    },
+    /// On/off (a two-state Markov-modulated Poisson process): `low` per
+    /// second between bursts, `high` in a burst; bursts last `on` seconds
+    /// on average and the gaps `off` (both exponential). It starts off.
+    OnOff {
+        /// Requests per second between bursts.
+        low: f64,
+        /// Requests per second in a burst.
+        high: f64,
+        /// Mean burst length, seconds.
+        on: f64,
+        /// Mean gap between bursts, seconds.
+        off: f64,
+    },
     /// A day compressed into the hour: the rate follows a cosine from
-    /// 0.1/s at night to 6/s at noon and back.
-    Daily,
-    /// Sparse spikes with long idle gaps: nothing at all between spikes,
-    /// which come every 4 minutes on average; each is 20 to 120 requests
-    /// within 2 s.
-    Spikes,
+    /// `low` at night to `high` at noon and back.
+    Daily {
+        /// Requests per second at night.
+        low: f64,
+        /// Requests per second at noon.
+        high: f64,
+    },
+    /// Sparse spikes with idle gaps: nothing between spikes, which come
+    /// every `every` seconds on average (exponential gaps); each is `min`
+    /// to `max` requests (uniform) within `within` seconds.
+    Spikes {
+        /// Mean time between spikes, seconds.
+        every: f64,
+        /// Fewest requests in a spike.
+        min: u32,
+        /// Most requests in a spike.
+        max: u32,
+        /// How long a spike's arrivals are spread over, seconds.
+        within: f64,
+    },
 }
 
+/// The highest rate a generated shape may ask for: an hour of it is a
+/// few million requests, which the simulator replays in seconds.
+pub const MAX_RATE: f64 = 200.0;
+/// The most requests one spike may hold.
+pub const MAX_SPIKE: u32 = 100_000;
+
 impl Shape {
-    /// Every shape, in the order reports list them.
-    pub const ALL: [Shape; 5] = [
-        Shape::Steady,
-        Shape::BurstsShort,
-        Shape::BurstsLong,
-        Shape::Daily,
-        Shape::Spikes,
+    /// Poisson arrivals at a steady 3 requests/s.
+    pub const STEADY: Shape = Shape::Poisson { rate: 3.0 };
+    /// 0.5/s between bursts, 25/s in a burst; bursts last 6 s on average
+    /// (shorter than a 20 s cold start), gaps 60 s.
+    pub const BURSTS_SHORT: Shape = Shape::OnOff {
+        low: 0.5,
+        high: 25.0,
+        on: 6.0,
+        off: 60.0,
+    };
+    /// 0.5/s between, 10/s in a burst that lasts 150 s on average (longer
+    /// than a 60 s cold start), gaps 300 s.
+    pub const BURSTS_LONG: Shape = Shape::OnOff {
+        low: 0.5,
+        high: 10.0,
+        on: 150.0,
+        off: 300.0,
+    };
+    /// A cosine from 0.1/s at night to 6/s at noon and back.
+    pub const DAILY: Shape = Shape::Daily {
+        low: 0.1,
+        high: 6.0,
+    };
+    /// A spike every 4 minutes on average, each 20 to 120 requests within
+    /// 2 s, and nothing at all between them.
+    pub const SPIKES: Shape = Shape::Spikes {
+        every: 240.0,
+        min: 20,
+        max: 120,
+        within: 2.0,
+    };
+
+    /// The named shapes, in the order reports list them.
+    pub const PRESETS: [(&'static str, Shape); 5] = [
+        ("steady", Shape::STEADY),
+        ("bursts-short", Shape::BURSTS_SHORT),
+        ("bursts-long", Shape::BURSTS_LONG),
+        ("daily", Shape::DAILY),
+        ("spikes", Shape::SPIKES),
     ];
 
-    /// Its name on the command line and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Shape::Steady => "steady",
-            Shape::BurstsShort => "bursts-short",
-            Shape::BurstsLong => "bursts-long",
-            Shape::Daily => "daily",
-            Shape::Spikes => "spikes",
+    /// The named shapes alone.
+    pub fn presets() -> impl Iterator<Item = Shape> {
+        Self::PRESETS.into_iter().map(|(_, s)| s)
+    }
+
+    /// Its name in reports: a preset's name, or the shape written out as
+    /// it is given on the command line.
+    pub fn name(&self) -> String {
+        match Self::PRESETS.iter().find(|(_, s)| s == self) {
+            Some((name, _)) => (*name).to_string(),
+            None => self.to_string(),
         }
     }
 
-    /// Whether the shape is bursty: demand jumps by more than the
-    /// running replicas can absorb and falls again.
-    pub fn bursty(self) -> bool {
-        matches!(self, Shape::BurstsShort | Shape::BurstsLong | Shape::Spikes)
+    /// Whether the shape is bursty: demand jumps well past its rate
+    /// before and falls again (on/off with a burst at least three times
+    /// the rate between, and every spike train).
+    pub fn bursty(&self) -> bool {
+        match *self {
+            Shape::Poisson { .. } | Shape::Daily { .. } => false,
+            Shape::OnOff { low, high, .. } => high >= 3.0 * low && high > 0.0,
+            Shape::Spikes { .. } => true,
+        }
     }
 
-    /// One hour of this shape from `seed`, sorted by arrival.
-    pub fn generate(self, seed: u64) -> Vec<TraceRequest> {
+    /// The long-run mean rate, requests per second.
+    pub fn mean_rate(&self) -> f64 {
+        match *self {
+            Shape::Poisson { rate } => rate,
+            Shape::OnOff { low, high, on, off } => low + (high - low) * on / (on + off),
+            Shape::Daily { low, high } => (low + high) / 2.0,
+            Shape::Spikes {
+                every,
+                min,
+                max,
+                within,
+            } => (f64::from(min) + f64::from(max)) / 2.0 / (every + within),
+        }
+    }
+
+    /// Checks the parameters: finite, rates in `[0, MAX_RATE]`, lengths
+    /// above zero, `min <= max`.
+    pub fn validate(&self) -> Result<(), String> {
+        let rate = |name: &str, v: f64| {
+            if v.is_finite() && (0.0..=MAX_RATE).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{name} must be a rate from 0 to {MAX_RATE} requests/s, got {v}"
+                ))
+            }
+        };
+        let length = |name: &str, v: f64, least: f64| {
+            if v.is_finite() && v >= least && v <= DURATION.as_secs_f64() * 24.0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{name} must be a length of at least {least} s, got {v}"
+                ))
+            }
+        };
+        match *self {
+            Shape::Poisson { rate: r } => rate("rate", r),
+            Shape::OnOff { low, high, on, off } => {
+                rate("low", low)?;
+                rate("high", high)?;
+                length("on", on, 0.1)?;
+                length("off", off, 0.1)
+            }
+            Shape::Daily { low, high } => {
+                rate("low", low)?;
+                rate("high", high)?;
+                if low > high {
+                    return Err(format!("low ({low}) must not exceed high ({high})"));
+                }
+                Ok(())
+            }
+            Shape::Spikes {
+                every,
+                min,
+                max,
+                within,
+            } => {
+                length("every", every, 1.0)?;
+                length("within", within, 0.0)?;
+                if min > max || max > MAX_SPIKE {
+                    return Err(format!(
+                        "a spike must be min <= max <= {MAX_SPIKE} requests, got {min} to {max}"
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A shape of any family with parameters drawn from `rng`, spread over
+    /// what LLM services see: rates from a few an hour to tens a second,
+    /// bursts from a second to minutes, gaps from seconds to a quarter
+    /// hour (log-uniform, so each order of magnitude is as likely).
+    pub fn random(rng: &mut impl Rng) -> Shape {
+        fn log_uniform(rng: &mut impl Rng, lo: f64, hi: f64) -> f64 {
+            (lo.ln() + rng.random::<f64>() * (hi / lo).ln()).exp()
+        }
+        match rng.random_range(0..4u32) {
+            0 => Shape::Poisson {
+                rate: round(log_uniform(rng, 0.05, 20.0)),
+            },
+            1 => {
+                // A quarter of them silent between bursts.
+                let low = if rng.random::<f64>() < 0.25 {
+                    0.0
+                } else {
+                    round(log_uniform(rng, 0.02, 3.0))
+                };
+                Shape::OnOff {
+                    low,
+                    high: round(low + log_uniform(rng, 2.0, 50.0)),
+                    on: round(log_uniform(rng, 1.0, 300.0)),
+                    off: round(log_uniform(rng, 5.0, 900.0)),
+                }
+            }
+            2 => {
+                let low = round(log_uniform(rng, 0.01, 1.0));
+                Shape::Daily {
+                    low,
+                    high: round(low + log_uniform(rng, 1.0, 15.0)),
+                }
+            }
+            _ => {
+                let min = log_uniform(rng, 5.0, 150.0).round() as u32;
+                Shape::Spikes {
+                    every: round(log_uniform(rng, 20.0, 900.0)),
+                    min,
+                    max: (f64::from(min) * log_uniform(rng, 1.0, 4.0)).round() as u32,
+                    within: round(log_uniform(rng, 0.5, 10.0)),
+                }
+            }
+        }
+    }
+
+    /// `n` shapes of random parameters from `seed` ([`Shape::random`]):
+    /// the same on every machine, and the first `k` of `n + 1` are the
+    /// `k` of `n`.
+    pub fn random_many(seed: u64, n: usize) -> Vec<Shape> {
+        // A stream of its own, apart from the arrivals' (`generate`).
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5ba9_e5ee_d5a9);
+        (0..n).map(|_| Shape::random(&mut rng)).collect()
+    }
+
+    /// One hour of this shape from `seed`, sorted by arrival, from the
+    /// first request on.
+    pub fn generate(&self, seed: u64) -> Vec<TraceRequest> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let tokens = Tokens::default();
         let end = DURATION.as_secs_f64();
-        let arrivals = match self {
-            Shape::Steady => poisson(&mut rng, 0.0, end, 3.0),
-            Shape::BurstsShort => on_off(&mut rng, end, 0.5, 25.0, 6.0, 60.0),
-            Shape::BurstsLong => on_off(&mut rng, end, 0.5, 10.0, 150.0, 300.0),
-            Shape::Daily => {
-                let (low, high) = (0.1, 6.0);
+        let arrivals = match *self {
+            Shape::Poisson { rate } => poisson(&mut rng, 0.0, end, rate),
+            Shape::OnOff { low, high, on, off } => on_off(&mut rng, end, low, high, on, off),
+            Shape::Daily { low, high } => {
                 let rate = |t: f64| {
                     low + (high - low) * (1.0 - (2.0 * std::f64::consts::PI * t / end).cos()) / 2.0
                 };
@@ -88,16 +283,21 @@ impl Shape {
                     .filter(|&t| rng.random::<f64>() < rate(t) / high)
                     .collect()
             }
-            Shape::Spikes => {
-                let gap = Exp::new(1.0 / 240.0).expect("positive rate");
+            Shape::Spikes {
+                every,
+                min,
+                max,
+                within,
+            } => {
+                let gap = Exp::new(1.0 / every).expect("a positive mean");
                 let mut out = Vec::new();
                 let mut t = gap.sample(&mut rng);
                 while t < end {
-                    let n = rng.random_range(20..=120);
+                    let n = rng.random_range(min..=max);
                     for _ in 0..n {
-                        out.push(t + rng.random::<f64>() * 2.0);
+                        out.push(t + rng.random::<f64>() * within);
                     }
-                    t += 2.0 + gap.sample(&mut rng);
+                    t += within + gap.sample(&mut rng);
                 }
                 out
             }
@@ -108,27 +308,119 @@ impl Shape {
             .map(|t| tokens.request(&mut rng, t))
             .collect();
         out.sort_by_key(|r| r.arrival);
+        // Time since the first request, as a replayed trace has it: no
+        // policy sees anything before it.
+        if let Some(first) = out.first().map(|r| r.arrival) {
+            for r in &mut out {
+                r.arrival -= first;
+            }
+        }
         out
     }
 }
 
+/// Two significant decimals, so a drawn shape reads back as written.
+fn round(v: f64) -> f64 {
+    if v >= 10.0 {
+        (v * 10.0).round() / 10.0
+    } else {
+        (v * 100.0).round() / 100.0
+    }
+}
+
 impl fmt::Display for Shape {
+    /// The shape as the command line takes it: `on-off:low=0.5:high=25:on=6:off=60`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        match *self {
+            Shape::Poisson { rate } => write!(f, "poisson:rate={rate}"),
+            Shape::OnOff { low, high, on, off } => {
+                write!(f, "on-off:low={low}:high={high}:on={on}:off={off}")
+            }
+            Shape::Daily { low, high } => write!(f, "daily:low={low}:high={high}"),
+            Shape::Spikes {
+                every,
+                min,
+                max,
+                within,
+            } => write!(
+                f,
+                "spikes:every={every}:min={min}:max={max}:within={within}"
+            ),
+        }
     }
 }
 
 impl FromStr for Shape {
     type Err = String;
+    /// A preset's name (`steady`, `bursts-short`, `bursts-long`, `daily`,
+    /// `spikes`), or a family with parameters, `:`-separated, each left
+    /// out taking the family's preset value: `poisson:rate=R`,
+    /// `on-off:low=R:high=R:on=S:off=S`, `daily:low=R:high=R`,
+    /// `spikes:every=S:min=N:max=N:within=S`. Rates are per second;
+    /// lengths are seconds, or with a unit (`90s`, `5m`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Shape::ALL
-            .into_iter()
-            .find(|shape| shape.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = Shape::ALL.iter().map(|s| s.name()).collect();
-                format!("unknown shape {s:?}; known: {}", names.join(", "))
-            })
+        let s = s.trim();
+        if let Some((_, shape)) = Self::PRESETS.iter().find(|(name, _)| *name == s) {
+            return Ok(*shape);
+        }
+        let mut parts = s.split(':');
+        let family = parts.next().unwrap_or_default();
+        let mut shape = match family {
+            "poisson" => Shape::STEADY,
+            "on-off" => Shape::BURSTS_SHORT,
+            "daily" => Shape::DAILY,
+            "spikes" => Shape::SPIKES,
+            _ => {
+                let names: Vec<_> = Self::PRESETS.iter().map(|(n, _)| *n).collect();
+                return Err(format!(
+                    "unknown shape {s:?}; known: {}, or poisson:…, on-off:…, daily:…, spikes:… with parameters",
+                    names.join(", ")
+                ));
+            }
+        };
+        for part in parts {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| format!("{s:?}: expected KEY=VALUE, got {part:?}"))?;
+            let bad = || format!("{s:?}: {key}={value:?} is not a number");
+            let number = || value.trim().parse::<f64>().map_err(|_| bad());
+            let seconds = || parse_seconds(value).ok_or_else(bad);
+            let count = || value.trim().parse::<u32>().map_err(|_| bad());
+            match (&mut shape, key.trim()) {
+                (Shape::Poisson { rate }, "rate") => *rate = number()?,
+                (Shape::OnOff { low, .. } | Shape::Daily { low, .. }, "low") => *low = number()?,
+                (Shape::OnOff { high, .. } | Shape::Daily { high, .. }, "high") => {
+                    *high = number()?
+                }
+                (Shape::OnOff { on, .. }, "on") => *on = seconds()?,
+                (Shape::OnOff { off, .. }, "off") => *off = seconds()?,
+                (Shape::Spikes { every, .. }, "every") => *every = seconds()?,
+                (Shape::Spikes { within, .. }, "within") => *within = seconds()?,
+                (Shape::Spikes { min, .. }, "min") => *min = count()?,
+                (Shape::Spikes { max, .. }, "max") => *max = count()?,
+                (_, key) => return Err(format!("{s:?}: {family} has no parameter {key:?}")),
+            }
+        }
+        shape.validate().map_err(|e| format!("{s:?}: {e}"))?;
+        Ok(shape)
     }
+}
+
+/// Seconds, bare or with a unit: `6`, `6s`, `1.5m`, `1h`.
+fn parse_seconds(v: &str) -> Option<f64> {
+    let v = v.trim();
+    let (number, scale) = if let Some(n) = v.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = v.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = v.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = v.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (v, 1.0)
+    };
+    number.trim().parse::<f64>().ok().map(|n| n * scale)
 }
 
 /// Tokens per generated request: log-normal prompt and output lengths.
@@ -169,6 +461,9 @@ impl Tokens {
 
 /// Poisson arrival times at `rate` per second in `[from, to)`.
 fn poisson(rng: &mut ChaCha8Rng, from: f64, to: f64, rate: f64) -> Vec<f64> {
+    if rate <= 0.0 {
+        return Vec::new();
+    }
     let gap = Exp::new(rate).expect("positive rate");
     let mut out = Vec::new();
     let mut t = from + gap.sample(rng);
@@ -208,39 +503,122 @@ fn on_off(rng: &mut ChaCha8Rng, end: f64, low: f64, high: f64, on: f64, off: f64
 mod tests {
     use super::*;
 
+    /// The mean rate of `shape` over 32 seeds (on/off cycles are minutes
+    /// long, so an hour holds few of them).
+    fn measured_rate(shape: &Shape) -> f64 {
+        let total: usize = (1..=32).map(|seed| shape.generate(seed).len()).sum();
+        total as f64 / 32.0 / DURATION.as_secs_f64()
+    }
+
     #[test]
-    fn each_shape_is_reproducible_and_has_its_stated_rate() {
-        for shape in Shape::ALL {
+    fn each_preset_is_reproducible_and_has_its_stated_rate() {
+        for (name, shape) in Shape::PRESETS {
             let a = shape.generate(7);
-            assert_eq!(a, shape.generate(7), "{shape}");
-            assert_ne!(a, shape.generate(8), "{shape}");
+            assert_eq!(a, shape.generate(7), "{name}");
+            assert_ne!(a, shape.generate(8), "{name}");
             assert!(a.windows(2).all(|w| w[0].arrival <= w[1].arrival));
             assert!(a.iter().all(|r| r.arrival < DURATION));
-            // On/off cycles are minutes long, so an hour holds few of them:
-            // average 32 seeds.
-            let total: usize = (1..=32).map(|seed| shape.generate(seed).len()).sum();
-            let rate = total as f64 / 32.0 / DURATION.as_secs_f64();
-            // Long-run means: steady 3/s; on/off low + (high - low) × on /
-            // (on + off); daily the cosine's mean; spikes 70 per 242 s.
-            let expected = match shape {
-                Shape::Steady => 3.0,
-                Shape::BurstsShort => 0.5 + 24.5 * 6.0 / 66.0,
-                Shape::BurstsLong => 0.5 + 9.5 * 150.0 / 450.0,
-                Shape::Daily => 3.05,
-                Shape::Spikes => 70.0 / 242.0,
+            // Long-run means, worked out by hand: steady 3/s; on/off
+            // low + (high - low) × on / (on + off); daily the cosine's
+            // mean; spikes 70 per 242 s.
+            let expected = match name {
+                "steady" => 3.0,
+                "bursts-short" => 0.5 + 24.5 * 6.0 / 66.0,
+                "bursts-long" => 0.5 + 9.5 * 150.0 / 450.0,
+                "daily" => 3.05,
+                "spikes" => 70.0 / 242.0,
+                other => panic!("no expected rate for {other}"),
             };
+            assert!((shape.mean_rate() / expected - 1.0).abs() < 1e-9, "{name}");
+            let rate = measured_rate(&shape);
             assert!(
                 (rate / expected - 1.0).abs() < 0.15,
-                "{shape}: {rate:.2}/s, expected about {expected:.2}/s"
+                "{name}: {rate:.2}/s, expected about {expected:.2}/s"
             );
         }
     }
 
     #[test]
-    fn shapes_parse_by_name() {
-        for shape in Shape::ALL {
-            assert_eq!(shape.name().parse::<Shape>(), Ok(shape));
+    fn random_shapes_are_valid_read_back_as_written_and_have_their_mean_rate() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut families = std::collections::HashSet::new();
+        for _ in 0..24 {
+            let shape = Shape::random(&mut rng);
+            families.insert(std::mem::discriminant(&shape));
+            shape.validate().unwrap();
+            assert_eq!(shape.to_string().parse::<Shape>(), Ok(shape));
+            let expected = shape.mean_rate();
+            // Rare events (a spike every quarter hour, bursts minutes
+            // apart) vary a lot between hours: check only the ones an
+            // hour holds many of.
+            if expected > 0.5 {
+                let rate = measured_rate(&shape);
+                assert!(
+                    (rate / expected - 1.0).abs() < 0.3,
+                    "{shape}: {rate:.2}/s, expected about {expected:.2}/s"
+                );
+            }
         }
+        assert_eq!(families.len(), 4, "every family is drawn");
+    }
+
+    #[test]
+    fn shapes_parse_by_name_or_by_family_with_parameters() {
+        for (name, shape) in Shape::PRESETS {
+            assert_eq!(name.parse::<Shape>(), Ok(shape));
+            assert_eq!(shape.name(), name);
+        }
+        assert_eq!(
+            "on-off:high=60:on=90s:off=5m".parse::<Shape>(),
+            Ok(Shape::OnOff {
+                low: 0.5,
+                high: 60.0,
+                on: 90.0,
+                off: 300.0
+            })
+        );
+        assert_eq!(
+            "poisson:rate=0.2".parse::<Shape>().unwrap().name(),
+            "poisson:rate=0.2"
+        );
+        assert_eq!(
+            "spikes:min=5:max=5:within=0".parse::<Shape>(),
+            Ok(Shape::Spikes {
+                every: 240.0,
+                min: 5,
+                max: 5,
+                within: 0.0
+            })
+        );
         assert!("bursty".parse::<Shape>().unwrap_err().contains("known:"));
+        for (bad, says) in [
+            ("poisson:rate=-1", "rate"),
+            ("poisson:rate=1e9", "rate"),
+            ("poisson:rate=NaN", "rate"),
+            ("poisson:rat=1", "no parameter"),
+            ("on-off:on=0", "on must"),
+            ("on-off:high", "KEY=VALUE"),
+            ("daily:low=5:high=1", "must not exceed"),
+            ("spikes:min=9:max=3", "min <= max"),
+            ("spikes:max=1000000", "min <= max"),
+            ("spikes:min=x", "not a number"),
+        ] {
+            let e = bad.parse::<Shape>().unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_rate_of_zero_generates_nothing_and_ends() {
+        assert!(
+            "poisson:rate=0"
+                .parse::<Shape>()
+                .unwrap()
+                .generate(1)
+                .is_empty()
+        );
+        let silent_gaps = "on-off:low=0:high=5".parse::<Shape>().unwrap();
+        assert!(!silent_gaps.generate(1).is_empty());
+        assert!(silent_gaps.bursty());
     }
 }
