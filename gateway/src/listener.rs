@@ -36,6 +36,14 @@ const MAX_LINGERING_REFUSALS: usize = 64;
 /// small buffer for a burst of accepts.
 const REFUSALS_WAITING: usize = 16;
 
+/// The most a connection's read buffer (the request line and headers, and
+/// body bytes not yet taken) and its write buffer may each hold; hyper's
+/// default is about 400 KiB. 64 KiB takes any header a client library
+/// sends (nginx's default is 32 KiB) and bounds the memory of a
+/// connection that sends headers alone to about 2 × 64 KiB, which
+/// `docs/reliability.md` ("Memory per connection") adds up.
+pub const MAX_CONNECTION_BUFFER: usize = 64 * 1024;
+
 /// The bounds on client connections.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
@@ -105,6 +113,7 @@ pub async fn serve(
         let conn = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
+            .max_buf_size(MAX_CONNECTION_BUFFER)
             .serve_connection(TokioIo::new(Box::pin(io)), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {

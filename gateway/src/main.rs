@@ -30,8 +30,30 @@ fn return_freed_memory_promptly() {
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
 }
 
+/// Turns transparent huge pages off for the gateway, unless the operator
+/// asked for them with `MIMALLOC_ALLOW_THP=1`.
+///
+/// With THP, the kernel backs a touched page of a large, sparsely used
+/// mapping with a whole 2 MiB page. The gateway's memory is many buffers
+/// per connection, most far smaller than that: an attacker's review
+/// measured 1,000 connections each announcing a 16 MiB body at 2.2 GB
+/// resident with THP and 88 MB without. A proxy gains nothing measurable
+/// from huge pages, so they are off (`PR_SET_THP_DISABLE`, which the
+/// kernel checks at each fault, so it covers the mappings mimalloc made
+/// before `main`).
+fn refuse_transparent_huge_pages() {
+    if std::env::var("MIMALLOC_ALLOW_THP").is_ok_and(|v| v == "1") {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    if let Err(e) = nix::sys::prctl::set_thp_disable(true) {
+        eprintln!("warmgate: could not turn transparent huge pages off: {e}");
+    }
+}
+
 fn main() {
     return_freed_memory_promptly();
+    refuse_transparent_huge_pages();
     let cli = warmgate_gateway::cli::Cli::parse();
     std::process::exit(warmgate_gateway::cli::run(cli));
 }

@@ -36,10 +36,11 @@ pub(crate) async fn read_body_within(
 }
 
 /// The whole request body, within the `which` limit (413 past it), read
-/// into one buffer of the announced length: the body is in memory once,
-/// never twice. The bytes that have come hold their share of
-/// `limits.max_buffered_body_bytes` as they arrive (429 when it is spent),
-/// and keep it in the returned [`Reading`] (hand it on with
+/// into one buffer that grows with what has arrived (see
+/// [`next_capacity`]): a length announced in the headers reserves
+/// nothing. Every byte of the buffer's capacity holds its share of
+/// `limits.max_buffered_body_bytes` before it is reserved (429 when it is
+/// spent), and keeps it in the returned [`Reading`] (hand it on with
 /// [`Reading::into_held`], or drop it). A body that stops arriving for
 /// `limits.idle_timeout`, or is not whole by `limits.request_timeout`,
 /// gets 504.
@@ -58,15 +59,16 @@ pub(crate) async fn read_body_held(
         return Err(too_large_for(limit, key));
     }
     // Charged as the bytes come, not as announced: a client that sends
-    // headers alone holds no share (the buffer's pages are not touched
-    // until written).
+    // headers alone holds no share and no memory. The buffer grows in
+    // steps charged before they are reserved, never past the announced
+    // length (a body longer than it announced is an error of hyper's).
     let mut reading = gw.buffered.reading();
-    let capacity = announced.unwrap_or(0).min(limit);
+    let ceiling = announced.unwrap_or(limit).min(limit) as usize;
     let idle = limits.idle_timeout;
     let (parts, body) = req.into_parts();
     let read = async move {
         let mut body = std::pin::pin!(Limited::new(body, limit as usize));
-        let mut buf = bytes::BytesMut::with_capacity(capacity as usize);
+        let mut buf: Vec<u8> = Vec::new();
         loop {
             let next = tokio::time::timeout(idle, body.frame())
                 .await
@@ -88,11 +90,16 @@ pub(crate) async fn read_body_held(
                 }
             })?;
             if let Ok(data) = frame.into_data() {
-                reading.cover((buf.len() + data.len()) as u64)?;
+                let need = buf.len() + data.len();
+                if need > buf.capacity() {
+                    let grown = next_capacity(buf.capacity(), need, ceiling);
+                    reading.cover(grown as u64)?;
+                    buf.reserve_exact(grown - buf.len());
+                }
                 buf.extend_from_slice(&data);
             }
         }
-        Ok::<_, ApiError>((buf.freeze(), reading))
+        Ok::<_, ApiError>((Bytes::from(buf), reading))
     };
     let (bytes, reading) = tokio::time::timeout(limits.request_timeout, read)
         .await
@@ -103,6 +110,23 @@ pub(crate) async fn read_body_held(
             )
         })??;
     Ok((parts, bytes, reading))
+}
+
+/// The first reservation of a body's buffer: a small body fits at once.
+pub(crate) const FIRST_BODY_STEP: usize = 16 * 1024;
+
+/// The capacity a body's buffer grows to when `need` bytes no longer fit
+/// in `capacity`: doubled (at least [`FIRST_BODY_STEP`]), so a body costs
+/// O(log n) reallocations, and at most `ceiling` (the announced length or
+/// the limit) unless `need` itself is larger. The buffer never holds more
+/// than twice what has arrived, or one step, and every byte of it was
+/// charged first.
+pub(crate) fn next_capacity(capacity: usize, need: usize, ceiling: usize) -> usize {
+    capacity
+        .saturating_mul(2)
+        .max(FIRST_BODY_STEP)
+        .min(ceiling)
+        .max(need)
 }
 
 /// A JSON body as `B`, which may borrow from it; `shape` tells the client
@@ -257,5 +281,38 @@ pub(crate) fn max_unavailable(v: &Scalar<'_>, ready: usize) -> Result<usize, Api
             _ => Err(bad()),
         },
         Scalar::Other => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{FIRST_BODY_STEP, next_capacity};
+
+    #[test]
+    fn a_buffer_grows_by_doubling_and_never_past_what_was_announced() {
+        // A small body takes one small step, whatever it announced.
+        assert_eq!(next_capacity(0, 10, 16 << 20), FIRST_BODY_STEP);
+        // Doubling up to the announced length.
+        assert_eq!(next_capacity(FIRST_BODY_STEP, FIRST_BODY_STEP + 1, 1 << 20), 2 * FIRST_BODY_STEP);
+        assert_eq!(next_capacity(768 << 10, (768 << 10) + 1, 1 << 20), 1 << 20);
+        // A body shorter than a step announced: no more than announced.
+        assert_eq!(next_capacity(0, 100, 300), 300);
+        // A frame larger than the doubled capacity gets what it needs.
+        assert_eq!(next_capacity(FIRST_BODY_STEP, 1 << 20, 16 << 20), 1 << 20);
+    }
+
+    #[test]
+    fn the_buffer_never_holds_more_than_twice_what_arrived_or_one_step() {
+        let ceiling = 16 << 20;
+        let mut capacity = 0usize;
+        let mut arrived = 0usize;
+        for frame in [1usize, 8 << 10, 3, 64 << 10, 100 << 10, 1 << 20, 7, 5 << 20] {
+            arrived += frame;
+            if arrived > capacity {
+                capacity = next_capacity(capacity, arrived, ceiling);
+            }
+            assert!(capacity >= arrived);
+            assert!(capacity <= (2 * arrived).max(FIRST_BODY_STEP), "{capacity} for {arrived}");
+        }
     }
 }
