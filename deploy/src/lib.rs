@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+pub mod admin_token;
 mod config;
 pub mod crd;
 pub mod expand;

@@ -72,11 +72,17 @@ pub mod driver {
     use object_store::ObjectStoreExt as _;
     use serde_json::Value;
 
-    /// An HTTP client for the gateway, with `$WARMGATE_ADMIN_TOKEN` as its
-    /// bearer token when set.
-    pub fn client() -> anyhow::Result<reqwest::Client> {
+    /// An HTTP client for the gateway at `gateway`, with its admin token
+    /// as the bearer token: `$WARMGATE_ADMIN_TOKEN` when set, else the
+    /// token a gateway of this user made for itself and published for
+    /// its address (as the CLI finds it).
+    pub fn client(gateway: &str) -> anyhow::Result<reqwest::Client> {
         let mut headers = reqwest::header::HeaderMap::new();
-        if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+        let token = std::env::var("WARMGATE_ADMIN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or_else(|| warmgate_deploy::admin_token::find_for(gateway));
+        if let Some(token) = token {
             let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
                 .context("WARMGATE_ADMIN_TOKEN is not a valid header value")?;
             v.set_sensitive(true);

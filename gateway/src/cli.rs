@@ -762,7 +762,13 @@ async fn call(
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(http_body_util::Full::new(bytes))
         .map_err(|e| CallError::Unreachable(format!("bad gateway URL {url:?}: {e}")))?;
-    if let Ok(token) = std::env::var("WARMGATE_ADMIN_TOKEN") {
+    // The token given, else the one a gateway of this user made for
+    // itself and published for its address.
+    let token = std::env::var("WARMGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .or_else(|| crate::runtime::admin_token::find_for(gateway));
+    if let Some(token) = token {
         let v = http::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
             CallError::Unreachable("WARMGATE_ADMIN_TOKEN is not a valid header value".into())
         })?;

@@ -72,11 +72,23 @@ pub struct Gateway {
     pub(crate) peers: crate::peers::Peers,
 }
 
-/// The admin token from the environment, when set and not empty.
+/// The admin token: from the environment when set and not empty, else the
+/// one `warmgate serve` made for itself ([`use_generated_admin_token`]).
 pub fn admin_token() -> Option<String> {
     std::env::var("WARMGATE_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
+        .or_else(|| GENERATED_ADMIN_TOKEN.get().cloned())
+}
+
+/// The token `warmgate serve` keeps in its state folder when it was given
+/// none (see `runtime::admin_token`); set once, before the gateway is made.
+static GENERATED_ADMIN_TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Makes `token` the admin token of the gateway this process runs, when
+/// the environment gives none.
+pub(crate) fn use_generated_admin_token(token: String) {
+    let _ = GENERATED_ADMIN_TOKEN.set(token);
 }
 
 /// App revisions by id, shared with the replica sink.

@@ -143,13 +143,17 @@ async fn the_control_plane_needs_the_admin_token() {
     }
 }
 
-/// Without a token the control plane is open to programs on loopback, not
-/// to the web pages of a browser on the same machine: a rebound name in
-/// `Host`, another page's `Origin` or a cross-site fetch is refused, and so
-/// is a change sent by a page of the gateway's own origin (an app's page);
-/// nothing they asked for happens.
+/// A gateway started without `WARMGATE_ADMIN_TOKEN` makes a token of its
+/// own (the third security review: before, every local user could `PUT`
+/// an app whose command ran as the gateway's user). Nobody without the
+/// token can change or read the control plane, a web page of its own
+/// origin included; the token is in files only its user can read; its
+/// user's CLI finds it with nothing set; and another local user (run as
+/// `nobody` where the test may) can neither read it nor change anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn web_pages_cannot_drive_a_tokenless_control_plane() {
+async fn a_gateway_without_a_token_makes_one_that_only_its_user_can_use() {
+    let runtime = tempfile::tempdir().expect("runtime dir");
+    let runtime_dir = runtime.path().join("run");
     let gw = Gateway::start_with(
         r#"
         [[apps]]
@@ -157,89 +161,108 @@ async fn web_pages_cannot_drive_a_tokenless_control_plane() {
         command = ["{worker}"]
         "#,
         &[],
-        &[],
+        &[("WARMGATE_RUNTIME_DIR", runtime_dir.to_str().expect("utf-8"))],
     );
-    let port = gw.url.rsplit(':').next().expect("port").to_string();
-    let spec = r#"{"command": ["sh", "-c", "touch /tmp/pwned"], "autoscale": {"min": 1}}"#;
-    let forged: [(&str, String); 4] = [
-        ("host", format!("rebound.example:{port}")),
-        ("origin", "https://evil.example".to_string()),
-        ("origin", format!("http://localhost:{}", "8888")),
-        ("sec-fetch-site", "cross-site".to_string()),
-    ];
-    for (name, value) in &forged {
-        let r = gw
-            .http
-            .put(gw.at("/v1/apps/x"))
-            .header(*name, value)
-            .header("content-type", "text/plain")
-            .body(spec)
-            .send()
-            .await
-            .expect("send");
-        assert_eq!(r.status(), 401, "{name}: {value}");
-        let body: Value = r.json().await.expect("json");
-        assert_eq!(kind(&body), "unauthorized", "{body}");
-        let message = body["error"]["message"].as_str().unwrap_or("");
-        assert!(message.contains("WARMGATE_ADMIN_TOKEN"), "{message}");
-        let r = gw
-            .http
-            .post(gw.at("/v1/apps/m/rollback"))
-            .header(*name, value)
-            .header("content-type", "text/plain")
-            .body("{}")
-            .send()
-            .await
-            .expect("send");
-        assert_eq!(r.status(), 401, "rollback with {name}: {value}");
-        let r = gw
-            .http
-            .get(gw.at("/v1/status"))
-            .header(*name, value)
-            .send()
-            .await
-            .expect("send");
-        assert_eq!(r.status(), 401, "status with {name}: {value}");
-    }
-    // A page an app serves is of the gateway's own origin; a change its
-    // script sends is refused all the same.
-    let r = gw
-        .http
-        .put(gw.at("/v1/apps/x"))
-        .header("origin", gw.url.clone())
-        .header("sec-fetch-site", "same-origin")
-        .header("content-type", "application/json")
-        .body(spec)
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(r.status(), 401, "a same-origin page's PUT");
-    let r = gw.http.get(gw.at("/v1/apps/x")).send().await.expect("send");
-    assert_eq!(r.status(), 404, "no forged PUT created the app");
-
-    // Programs, `localhost` and the dashboard's same-origin requests pass.
+    let token = gw.admin_token();
+    assert_eq!(token.len(), 64, "{token}");
+    let plain = reqwest::Client::new();
+    let pwned = gw.dir.path().join("pwned");
+    let spec = serde_json::json!({
+        "command": ["sh", "-c", format!("touch {}", pwned.display())],
+        "autoscale": {"min": 1}
+    })
+    .to_string();
+    // Without the token: no change, no read, whatever the headers say.
     for (name, value) in [
-        ("host", format!("localhost:{port}")),
+        ("x-nothing", String::new()),
         ("origin", gw.url.clone()),
         ("sec-fetch-site", "same-origin".to_string()),
     ] {
-        let r = gw
-            .http
-            .get(gw.at("/v1/status"))
+        let r = plain
+            .put(gw.at("/v1/apps/x"))
             .header(name, &value)
+            .header("content-type", "application/json")
+            .body(spec.clone())
             .send()
             .await
             .expect("send");
-        assert_eq!(r.status(), 200, "{name}: {value}");
+        assert_eq!(r.status(), 401, "PUT with {name}: {value}");
+        let body: Value = r.json().await.expect("json");
+        assert_eq!(kind(&body), "unauthorized", "{body}");
+        for path in ["/v1/status", "/v1/apps/m", "/v1/apps"] {
+            let r = plain.get(gw.at(path)).header(name, &value).send().await.expect("send");
+            assert_eq!(r.status(), 401, "GET {path} with {name}: {value}");
+        }
     }
+    // The token in the state folder and its published copy: owner-only.
+    use std::os::unix::fs::PermissionsExt as _;
+    let kept = gw.dir.path().join("state/admin-token");
+    let port = gw.url.rsplit(':').next().expect("port");
+    let published = runtime_dir.join(format!("gateway-127.0.0.1-{port}.token"));
+    for file in [&kept, &published] {
+        let mode = std::fs::metadata(file).expect("token file").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", file.display());
+        assert_eq!(
+            std::fs::read_to_string(file).expect("read").trim(),
+            token,
+            "{}",
+            file.display()
+        );
+    }
+    let mode = std::fs::metadata(&runtime_dir).expect("dir").permissions().mode();
+    assert_eq!(mode & 0o777, 0o700);
+    // With it, as the harness's client sends it: allowed.
+    let r = gw.http.get(gw.at("/v1/status")).send().await.expect("send");
+    assert_eq!(r.status(), 200);
+    // The user's CLI finds it with nothing set.
+    let out = Command::new(bin("warmgate"))
+        .args(["status", "-o", "json"])
+        .env("WARMGATE_GATEWAY", &gw.url)
+        .env("WARMGATE_RUNTIME_DIR", &runtime_dir)
+        .env_remove("WARMGATE_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("status");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(status["apps"].is_array(), "{status}");
+    // Another user: the files are out of reach, and so is every change.
+    if nix::unistd::geteuid().is_root() {
+        use std::os::unix::process::CommandExt as _;
+        let nobody = 65534;
+        for file in [&kept, &published] {
+            let out = Command::new("cat")
+                .arg(file)
+                .uid(nobody)
+                .gid(nobody)
+                .stdin(Stdio::null())
+                .output()
+                .expect("cat as nobody");
+            assert!(!out.status.success(), "nobody read {}", file.display());
+            assert!(!String::from_utf8_lossy(&out.stdout).contains(&token));
+        }
+        let out = Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+            .args(["-H", "content-type: application/json", "--data", &spec])
+            .arg(gw.at("/v1/apps/x"))
+            .uid(nobody)
+            .gid(nobody)
+            .stdin(Stdio::null())
+            .output()
+            .expect("curl as nobody");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "401");
+    } else {
+        eprintln!("SKIPPED: the part as another user needs root");
+    }
+    let r = gw.http.get(gw.at("/v1/apps/x")).send().await.expect("send");
+    assert_eq!(r.status(), 404, "no refused PUT created the app");
+    assert!(!pwned.exists(), "a refused app ran its command");
     // The data plane is not the control plane's to guard.
-    let r = gw
-        .http
-        .get(gw.at("/healthz"))
-        .header("origin", "https://evil.example")
-        .send()
-        .await
-        .expect("send");
+    let r = plain.get(gw.at("/healthz")).send().await.expect("send");
     assert_eq!(r.status(), 200);
 }
 

@@ -74,12 +74,14 @@ expect(lambda: client.post("/chat/completions", body={"messages": []}, cast_to=o
        openai.BadRequestError, 400, "bad_request")
 # A request that waits out the queue timeout behind a busy replica is not
 # sent again.
-import json, threading, time, urllib.request
+import json, os, threading, time, urllib.request
 hold = threading.Thread(target=lambda: client.chat.completions.create(
     model="busy", messages=[], extra_headers={"x-test-latency-ms": "5000"}))
 hold.start()
 for _ in range(200):
-    status = json.load(urllib.request.urlopen(sys.argv[1] + "/v1/status"))
+    status = json.load(urllib.request.urlopen(urllib.request.Request(
+        sys.argv[1] + "/v1/status",
+        headers={"Authorization": "Bearer " + os.environ["WARMGATE_ADMIN_TOKEN"]})))
     if [a["inflight"] for a in status["apps"] if a["name"] == "busy"] == [1]:
         break
     time.sleep(0.05)
@@ -96,7 +98,8 @@ except openai.InternalServerError as e:
     assert int(e.response.headers.get("retry-after")) >= 1, dict(e.response.headers)
     print("ok starting")
 "#;
-    let text = common::python(script, &gw.url).await;
+    let token = gw.admin_token();
+    let text = common::python_with(script, &gw.url, &[("WARMGATE_ADMIN_TOKEN", &token)]).await;
     assert_eq!(text.matches("ok ").count(), 5, "{text}");
     // One timeout, not three: the client obeyed x-should-retry.
     let timeouts = gw

@@ -91,8 +91,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn train(args: Args) -> anyhow::Result<()> {
-    let http = driver::client()?;
     let gw = args.gateway.trim_end_matches('/').to_string();
+    let http = driver::client(&gw)?;
     let store = driver::Store::open(&args.store)?;
     let mut version = driver::current_version(&http, &gw, &args.pool).await?;
     let t = Instant::now();

@@ -3,6 +3,7 @@
 //! and an orderly stop (drain, then stop every replica). `warmgate serve`
 //! and the operator's leader both run a gateway through here.
 
+pub mod admin_token;
 pub mod autoscale;
 pub mod state_lock;
 pub(crate) mod takeover;
@@ -25,6 +26,17 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
+    // No control plane without a credential: without WARMGATE_ADMIN_TOKEN
+    // the gateway keeps one of its own, for the CLI of its user.
+    let _published = if crate::server::admin_token().is_none() {
+        let token = admin_token::ensure(&config.state_dir)?;
+        let addr = listener.local_addr().context("read the listening address")?;
+        let published = admin_token::publish(addr, &token);
+        crate::server::use_generated_admin_token(token);
+        published
+    } else {
+        None
+    };
     let backend = backend_for(&config).await?;
     serve_with(config, backend, None, listener, move |gw| {
         // Listened for before the gateway says it is listening: a SIGHUP

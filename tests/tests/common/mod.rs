@@ -66,15 +66,33 @@ impl Gateway {
         let path = dir.path().join("warmgate.toml");
         std::fs::write(&path, format!("state_dir = \"state\"\n{text}")).expect("write config");
         let (child, url) = spawn(dir.path(), args, env);
+        // Without WARMGATE_ADMIN_TOKEN the gateway made a token of its own
+        // in its state folder: the test's client carries it, as a user's
+        // CLI would (a test that wants none builds its own client).
+        let mut headers = reqwest::header::HeaderMap::new();
+        if !env.iter().any(|(k, _)| *k == "WARMGATE_ADMIN_TOKEN") {
+            let token = admin_token(dir.path());
+            headers.insert(
+                reqwest::header::AUTHORIZATION,
+                format!("Bearer {token}").parse().expect("header value"),
+            );
+        }
         Gateway {
             child: Some(child),
             url,
             dir,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
+                .default_headers(headers)
                 .build()
                 .expect("client"),
         }
+    }
+
+    /// The admin token the gateway made for itself (started without
+    /// `WARMGATE_ADMIN_TOKEN`).
+    pub fn admin_token(&self) -> String {
+        admin_token(self.dir.path())
     }
 
     /// `kill -9` of the gateway (its replicas too, as a crash of the
@@ -261,8 +279,14 @@ impl Drop for Gateway {
 /// Runs a Python script with `url` as its first argument; returns what it
 /// printed, failing the test (with its output) when it exits non-zero.
 pub async fn python(script: &str, url: &str) -> String {
+    python_with(script, url, &[]).await
+}
+
+/// [`python`] with more environment.
+pub async fn python_with(script: &str, url: &str, env: &[(&str, &str)]) -> String {
     let out = tokio::process::Command::new("python3")
         .args(["-c", script, url])
+        .envs(env.iter().copied())
         .output()
         .await
         .expect("python3");
@@ -290,6 +314,15 @@ pub fn has_openai() -> bool {
         eprintln!("SKIPPED: pip install openai");
     }
     ok
+}
+
+/// The token a gateway started in `dir` without `WARMGATE_ADMIN_TOKEN`
+/// keeps in its state folder.
+fn admin_token(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("state/admin-token"))
+        .expect("the gateway keeps its admin token in state/admin-token")
+        .trim()
+        .to_string()
 }
 
 /// Starts `warmgate serve` on `dir/warmgate.toml`; returns it and its URL.
