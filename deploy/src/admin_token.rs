@@ -51,9 +51,7 @@ pub fn find_for(url: &str) -> Option<String> {
         .unwrap_or(url);
     let hostport = rest.split('/').next()?;
     let (host, port) = match hostport.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(']') || hostport.starts_with('[') => {
-            (h, p.parse().ok()?)
-        }
+        Some((h, p)) if !h.ends_with(']') || hostport.starts_with('[') => (h, p.parse().ok()?),
         _ => (hostport, if url.starts_with("https://") { 443 } else { 80 }),
     };
     let host = match host {

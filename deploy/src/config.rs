@@ -622,6 +622,10 @@ pub struct AppSpec {
     pub queue: QueueSpec,
     /// How new checkpoints are promoted.
     pub promotion: PromotionSpec,
+    /// How requests are spread over the replicas (`[apps.routing]`).
+    pub routing: crate::routing::RoutingSpec,
+    /// The engine's own load signals (`[apps.engine]`).
+    pub engine: crate::routing::EngineSpec,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
     /// Served by this warm pool's replicas instead of its own: requests go
@@ -1307,6 +1311,8 @@ impl Config {
             if app.queue.timeout.is_zero() {
                 return Err((at("queue.timeout"), "must be more than 0s".into()));
             }
+            app.routing.validate(at)?;
+            app.engine.validate(at)?;
             let pr = &app.promotion;
             if pr.marker.is_empty() || pr.marker.contains('/') {
                 return Err((
@@ -1799,6 +1805,8 @@ impl Default for AppSpec {
             autoscale: AutoscaleSpec::default(),
             queue: QueueSpec::default(),
             promotion: PromotionSpec::default(),
+            routing: crate::routing::RoutingSpec::default(),
+            engine: crate::routing::EngineSpec::default(),
             kubernetes: PodSpec::default(),
             pool: None,
         }
@@ -2011,7 +2019,7 @@ pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
 /// people write sizes elsewhere in the file (`memory = "16Gi"`):
 /// `"64MiB"`, `"64 MiB"`, `"1.5GiB"`, `"500MB"`, `"16Gi"`, `"16Ki"`
 /// (`Ki`/`Mi`/`Gi`/`Ti` are the binary units, as in Kubernetes).
-mod size {
+pub(crate) mod size {
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(n: &u64, s: S) -> Result<S::Ok, S::Error> {
@@ -2051,7 +2059,7 @@ mod size {
     }
 }
 
-mod bounded {
+pub(crate) mod bounded {
     use std::time::Duration;
 
     use serde::{Deserializer, Serializer};

@@ -12,6 +12,7 @@ mod config;
 pub mod crd;
 pub mod expand;
 pub mod revision;
+pub mod routing;
 pub mod store;
 mod target;
 
@@ -21,6 +22,7 @@ pub use config::{
     PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, Toleration, VolumeSpec,
     WeightsConfig, check_dns_label, defaults, parse_size,
 };
+pub use routing::{EngineSpec, RoutingPolicy, RoutingSpec};
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 
 use std::path::PathBuf;

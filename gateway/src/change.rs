@@ -220,6 +220,9 @@ impl Gateway {
         tuned.queue = spec.queue.clone();
         tuned.aliases = spec.aliases.clone();
         tuned.promotion = spec.promotion.clone();
+        // Routing is the gateway's alone; `engine` changes what the pool
+        // manager reads of each replica, so it rolls like the command.
+        tuned.routing = spec.routing.clone();
         // The saved spec goes back to the running one when the change is
         // not made, so a restart does not make it either.
         let undo = |e: ApiError| {

@@ -177,6 +177,7 @@ impl Gateway {
         self.pool.add_target(TargetSpec {
             id: target.clone(),
             health: spec.health.clone(),
+            engine: spec.engine.clone(),
             revision: rev.id.clone(),
             command: spec.command.clone(),
             env,

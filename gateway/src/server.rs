@@ -457,6 +457,7 @@ impl Gateway {
         let spot = TargetSpec {
             id: p.target(),
             health: p.spec().health.clone(),
+            engine: warmgate_deploy::EngineSpec::default(),
             revision,
             command: p.spec().command.clone(),
             env,

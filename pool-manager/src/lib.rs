@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod engine;
 pub mod gpu;
 pub mod kubernetes;
 pub mod logs;

@@ -65,6 +65,8 @@ pub struct TargetSpec {
     pub id: TargetId,
     /// How readiness and liveness are probed.
     pub health: warmgate_deploy::HealthSpec,
+    /// Where the engine's own load is read (apps only).
+    pub engine: warmgate_deploy::EngineSpec,
     /// Revision its replicas serve.
     pub revision: String,
     /// Program and arguments.
@@ -517,6 +519,9 @@ impl Shared {
                     weights_version: h
                         .map(|h| h.weights_version.load(std::sync::atomic::Ordering::Relaxed)),
                     log: s.log.clone(),
+                    engine: h
+                        .and_then(|h| h.engine())
+                        .map(|r| crate::replica::EngineStatus::of(&r, now)),
                 }
             })
             .collect();
@@ -1127,14 +1132,23 @@ impl ReplicaTask {
         })
         .await;
 
-        // Liveness, until it exits or is asked to stop.
+        // Liveness, until it exits or is asked to stop; and the engine's
+        // load, when the app says where to read it.
         let mut rule = HealthRule::new(health.failure_threshold);
         let mut reported = false;
-        loop {
-            let probe = async {
+        let engine = &self.spec.engine;
+        let mut engine_tick = tokio::time::interval(engine.period);
+        engine_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Kept across turns of the loop: the engine's tick must not restart
+        // the probe's wait.
+        let next_probe = || {
+            Box::pin(async {
                 tokio::time::sleep(health.period).await;
                 self.inner.prober.probe(addr, health).await
-            };
+            })
+        };
+        let mut probe = next_probe();
+        loop {
             tokio::select! {
                 biased;
                 _ = &mut stop => {
@@ -1146,7 +1160,29 @@ impl ReplicaTask {
                     self.send(Event::Exited { seq, how, asked: false }).await;
                     return;
                 }
-                r = probe, if !reported => {
+                _ = engine_tick.tick(), if engine.metrics_path.is_some() => {
+                    // Read aside, within one period, so a slow engine
+                    // delays neither the probe nor a stop.
+                    let prober = self.inner.prober.clone();
+                    let handle = handle.clone();
+                    let path = engine.metrics_path.clone().unwrap_or_default();
+                    let period = engine.period;
+                    tokio::spawn(async move {
+                        match prober.read_engine(addr, &path, period).await {
+                            Ok(load) if !load.is_empty() => {
+                                handle.set_engine(crate::engine::EngineReading {
+                                    load,
+                                    at: Instant::now(),
+                                    local: handle.inflight(),
+                                });
+                            }
+                            Ok(_) => tracing::debug!(replica = %handle.id, "the engine's metrics name no load signal"),
+                            Err(e) => tracing::debug!(replica = %handle.id, error = %e, "cannot read the engine's metrics"),
+                        }
+                    });
+                }
+                r = &mut probe, if !reported => {
+                    probe = next_probe();
                     let healthy = match &r {
                         ProbeResult::Healthy { weights_version, .. } => {
                             if let Some(v) = weights_version {

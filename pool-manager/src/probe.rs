@@ -26,6 +26,9 @@ const PROBE_POOL_IDLE: Duration = Duration::from_secs(6);
 const PROBE_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// A `/healthz` body larger than this is not parsed.
 const MAX_HEALTH_BODY: usize = 64 * 1024;
+/// An engine's metrics larger than this are not read: vLLM's run to a few
+/// hundred KiB with every histogram; 4 MiB leaves room for many models.
+const MAX_METRICS_BODY: usize = 4 * 1024 * 1024;
 
 /// What one probe saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +109,42 @@ impl Prober {
             Ok(Err(e)) => ProbeResult::Unhealthy(e),
             Err(_) => ProbeResult::Unhealthy(format!("GET {path} took over {:?}", health.timeout)),
         }
+    }
+}
+
+impl Prober {
+    /// Reads the engine's load from its Prometheus endpoint at `path`,
+    /// within `timeout`.
+    pub async fn read_engine(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<crate::engine::EngineLoad, String> {
+        let uri = format!("http://{addr}{path}");
+        let req = http::Request::get(uri)
+            .body(Empty::new())
+            .map_err(|e| format!("bad metrics request: {e}"))?;
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?;
+            let status = resp.status();
+            if !status.is_success() {
+                return Err(format!("GET {path} answered {status}"));
+            }
+            let body = Limited::new(resp.into_body(), MAX_METRICS_BODY)
+                .collect()
+                .await
+                .map_err(|e| format!("GET {path}: {e}"))?
+                .to_bytes();
+            Ok(crate::engine::parse(&String::from_utf8_lossy(&body)))
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| format!("GET {path} took over {timeout:?}"))?
     }
 }
 

@@ -108,6 +108,8 @@ pub struct ReplicaHandle {
     salt: u32,
     /// Its requests in flight at the other gateways serving it.
     elsewhere: parking_lot::Mutex<Elsewhere>,
+    /// What its engine last said of its load (`[apps.engine]`).
+    engine: parking_lot::Mutex<Option<crate::engine::EngineReading>>,
 }
 
 /// A replica's requests at the other gateways, as they last reported.
@@ -213,7 +215,18 @@ impl ReplicaHandle {
             share: Arc::new(Share::default()),
             salt: 0,
             elsewhere: parking_lot::Mutex::new(Elsewhere::default()),
+            engine: parking_lot::Mutex::new(None),
         }
+    }
+
+    /// Notes what its engine said of its load just now.
+    pub fn set_engine(&self, reading: crate::engine::EngineReading) {
+        *self.engine.lock() = Some(reading);
+    }
+
+    /// Its engine's last reading, if any was taken.
+    pub fn engine(&self) -> Option<crate::engine::EngineReading> {
+        *self.engine.lock()
     }
 
     /// The same handle, its limit split as `share` says between the
@@ -371,6 +384,35 @@ pub struct ReplicaStatus {
     pub weights_version: Option<u64>,
     /// Where its stdout and stderr go.
     pub log: Option<String>,
+    /// What its engine last said of its load (`[apps.engine]`), with the
+    /// reading's age; absent when never read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineStatus>,
+}
+
+/// An engine's last reading as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineStatus {
+    /// Requests it runs.
+    pub running: Option<u32>,
+    /// Requests waiting in its own queue.
+    pub waiting: Option<u32>,
+    /// Its KV cache's fill, 0 to 1.
+    pub kv_cache_usage: Option<f64>,
+    /// Seconds since it was read.
+    pub age_seconds: f64,
+}
+
+impl EngineStatus {
+    /// The status of `reading` at `now`.
+    pub fn of(reading: &crate::engine::EngineReading, now: Instant) -> Self {
+        EngineStatus {
+            running: reading.load.running,
+            waiting: reading.load.waiting,
+            kv_cache_usage: reading.load.kv_cache_usage,
+            age_seconds: now.saturating_duration_since(reading.at).as_secs_f64(),
+        }
+    }
 }
 
 /// Nanoseconds since the first call in this process: a monotonic clock that

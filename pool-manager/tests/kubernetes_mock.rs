@@ -886,6 +886,7 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
     pm.add_target(warmgate_pool::TargetSpec {
         id: id.clone(),
         health: wanted.health.clone(),
+        engine: warmgate_deploy::EngineSpec::default(),
         revision: wanted.revision.clone(),
         command: wanted.command.clone(),
         env: wanted.env.clone(),

@@ -190,7 +190,12 @@ async fn a_gateway_without_a_token_makes_one_that_only_its_user_can_use() {
         let body: Value = r.json().await.expect("json");
         assert_eq!(kind(&body), "unauthorized", "{body}");
         for path in ["/v1/status", "/v1/apps/m", "/v1/apps"] {
-            let r = plain.get(gw.at(path)).header(name, &value).send().await.expect("send");
+            let r = plain
+                .get(gw.at(path))
+                .header(name, &value)
+                .send()
+                .await
+                .expect("send");
             assert_eq!(r.status(), 401, "GET {path} with {name}: {value}");
         }
     }
@@ -200,7 +205,10 @@ async fn a_gateway_without_a_token_makes_one_that_only_its_user_can_use() {
     let port = gw.url.rsplit(':').next().expect("port");
     let published = runtime_dir.join(format!("gateway-127.0.0.1-{port}.token"));
     for file in [&kept, &published] {
-        let mode = std::fs::metadata(file).expect("token file").permissions().mode();
+        let mode = std::fs::metadata(file)
+            .expect("token file")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600, "{}", file.display());
         assert_eq!(
             std::fs::read_to_string(file).expect("read").trim(),
@@ -209,7 +217,10 @@ async fn a_gateway_without_a_token_makes_one_that_only_its_user_can_use() {
             file.display()
         );
     }
-    let mode = std::fs::metadata(&runtime_dir).expect("dir").permissions().mode();
+    let mode = std::fs::metadata(&runtime_dir)
+        .expect("dir")
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o700);
     // With it, as the harness's client sends it: allowed.
     let r = gw.http.get(gw.at("/v1/status")).send().await.expect("send");

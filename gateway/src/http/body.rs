@@ -293,7 +293,10 @@ mod tests {
         // A small body takes one small step, whatever it announced.
         assert_eq!(next_capacity(0, 10, 16 << 20), FIRST_BODY_STEP);
         // Doubling up to the announced length.
-        assert_eq!(next_capacity(FIRST_BODY_STEP, FIRST_BODY_STEP + 1, 1 << 20), 2 * FIRST_BODY_STEP);
+        assert_eq!(
+            next_capacity(FIRST_BODY_STEP, FIRST_BODY_STEP + 1, 1 << 20),
+            2 * FIRST_BODY_STEP
+        );
         assert_eq!(next_capacity(768 << 10, (768 << 10) + 1, 1 << 20), 1 << 20);
         // A body shorter than a step announced: no more than announced.
         assert_eq!(next_capacity(0, 100, 300), 300);
@@ -312,7 +315,10 @@ mod tests {
                 capacity = next_capacity(capacity, arrived, ceiling);
             }
             assert!(capacity >= arrived);
-            assert!(capacity <= (2 * arrived).max(FIRST_BODY_STEP), "{capacity} for {arrived}");
+            assert!(
+                capacity <= (2 * arrived).max(FIRST_BODY_STEP),
+                "{capacity} for {arrived}"
+            );
         }
     }
 }

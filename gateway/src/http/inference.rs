@@ -17,7 +17,7 @@ pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Resp
         .map_or("/", |p| p.as_str())
         .to_string();
     within_deadline(&gw, async {
-        match read_model(&gw, req).await {
+        match read_model(&gw, req, &path).await {
             Ok((served, req)) => serve(&gw, &served, req, &path).await,
             Err(e) => finish(None, Err(e)),
         }
@@ -28,8 +28,9 @@ pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Resp
 pub(crate) async fn read_model(
     gw: &Gateway,
     req: Request,
+    path: &str,
 ) -> Result<(Arc<Served>, Request), ApiError> {
-    let (parts, bytes, reading) =
+    let (mut parts, bytes, reading) =
         crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
     let model = model_field(&bytes)?;
     let registry = gw.registry.load();
@@ -37,9 +38,44 @@ pub(crate) async fn read_model(
         .app(model.as_ref())
         .cloned()
         .ok_or_else(|| model_not_found(gw, &model))?;
+    if let Some(key) = route_key(&app, path, &parts.headers, &bytes) {
+        parts.extensions.insert(Arc::new(key));
+    }
     let body = reading.into_held(bytes);
     Ok((app, Request::from_parts(parts, Body::new(body))))
 }
+
+/// Paths whose requests run a prompt through an LLM engine's KV cache:
+/// the only ones routed by prefix or session (an embedding or a rerank has
+/// no cache to reuse, and pays nothing for routing).
+const PROMPT_PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/responses"];
+
+/// The key a request to `app` is routed on under the app's
+/// `[apps.routing]`, if any (see `serving::route`).
+fn route_key(
+    app: &Served,
+    path: &str,
+    headers: &http::HeaderMap,
+    body: &[u8],
+) -> Option<crate::serving::route::RouteKey> {
+    use crate::serving::route::key;
+    use warmgate_deploy::RoutingPolicy;
+    let path = path.split('?').next().unwrap_or(path);
+    if !PROMPT_PATHS.contains(&path) {
+        return None;
+    }
+    match app.spec().routing.policy {
+        RoutingPolicy::LeastLoaded => None,
+        RoutingPolicy::Prefix => key::prompt_key(body),
+        RoutingPolicy::Session => key::session_key(
+            headers.get(X_SESSION_ID).map(http::HeaderValue::as_bytes),
+            body,
+        ),
+    }
+}
+
+/// The header that names a session (the OpenAI `user` field otherwise).
+const X_SESSION_ID: &str = "x-session-id";
 
 /// 404 for a model no app answers to, listing those that do.
 fn model_not_found(gw: &Gateway, model: &str) -> ApiError {

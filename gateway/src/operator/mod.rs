@@ -1231,6 +1231,7 @@ mod tests {
                     age_seconds: 0.0,
                     weights_version: None,
                     log: None,
+                    engine: None,
                 })
                 .collect(),
             restarts: 0,

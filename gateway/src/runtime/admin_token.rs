@@ -142,5 +142,4 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join(FILE_NAME)).expect("link");
         assert!(ensure(dir.path()).is_err());
     }
-
 }

@@ -62,6 +62,7 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                     queued += q;
                 }
                 let name = served.name.clone();
+                engine_gauges(served, &name);
                 metrics::gauge!("warmgate_replicas_desired", "app" => name.clone())
                     .set(f64::from(desired));
                 metrics::gauge!("warmgate_inflight", "app" => name.clone())
@@ -127,4 +128,32 @@ fn replicas_by_owner(targets: &[TargetStatus]) -> BTreeMap<(&'static str, &str),
         }
     }
     out
+}
+
+/// `warmgate_engine_*{app}`: what the app's engines said of their load,
+/// over the readings still fresh (`[apps.engine]`): requests running and
+/// waiting summed, and the fullest KV cache. Nothing is set for an app
+/// whose engines are not read.
+fn engine_gauges(served: &crate::serving::Served, name: &str) {
+    let now = std::time::Instant::now();
+    let max_age = served.spec().engine.max_age;
+    if served.spec().engine.metrics_path.is_none() {
+        return;
+    }
+    let (mut running, mut waiting, mut cache, mut read) = (0u64, 0u64, 0f64, 0u32);
+    for app in served.live() {
+        for r in app.replicas() {
+            if let Some(load) = r.engine().and_then(|e| e.fresh(now, max_age)) {
+                read += 1;
+                running += u64::from(load.running.unwrap_or(0));
+                waiting += u64::from(load.waiting.unwrap_or(0));
+                cache = cache.max(load.kv_cache_usage.unwrap_or(0.0));
+            }
+        }
+    }
+    let app = name.to_string();
+    metrics::gauge!("warmgate_engine_replicas_read", "app" => app.clone()).set(f64::from(read));
+    metrics::gauge!("warmgate_engine_requests_running", "app" => app.clone()).set(running as f64);
+    metrics::gauge!("warmgate_engine_requests_waiting", "app" => app.clone()).set(waiting as f64);
+    metrics::gauge!("warmgate_engine_kv_cache_usage_max", "app" => app).set(cache);
 }

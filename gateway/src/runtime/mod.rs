@@ -30,7 +30,9 @@ pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result
     // the gateway keeps one of its own, for the CLI of its user.
     let _published = if crate::server::admin_token().is_none() {
         let token = admin_token::ensure(&config.state_dir)?;
-        let addr = listener.local_addr().context("read the listening address")?;
+        let addr = listener
+            .local_addr()
+            .context("read the listening address")?;
         let published = admin_token::publish(addr, &token);
         crate::server::use_generated_admin_token(token);
         published

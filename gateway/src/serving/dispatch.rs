@@ -14,8 +14,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
-use warmgate_deploy::{AppSpec, TargetId};
+use warmgate_deploy::{AppSpec, RoutingPolicy, TargetId};
 use warmgate_pool::ReplicaHandle;
+
+use super::route::{self, Candidate, PrefixIndex, ReplicaKey, RouteKey};
 
 use crate::error::{ApiError, ErrorKind};
 
@@ -79,6 +81,10 @@ const LATENCY_WINDOW: usize = 2048;
 
 struct Slots {
     replicas: Vec<Arc<ReplicaHandle>>,
+    /// Where prompts went recently (`[apps.routing]`).
+    index: PrefixIndex,
+    /// Reused by each routing decision.
+    scratch: Vec<u32>,
     waiters: VecDeque<Waiter>,
     /// Waiters still waiting (the deque may also hold cancelled ones).
     live_waiters: usize,
@@ -99,6 +105,8 @@ enum Granted {
 
 struct Waiter {
     tx: oneshot::Sender<Grant>,
+    /// What it is routed on when a slot frees.
+    key: Option<Arc<RouteKey>>,
 }
 
 /// What [`App::acquire`] found.
@@ -219,6 +227,8 @@ impl App {
             revision,
             slots: Mutex::new(Slots {
                 replicas: Vec::new(),
+                index: PrefixIndex::new(spec.routing.index_bytes),
+                scratch: Vec::new(),
                 waiters: VecDeque::new(),
                 live_waiters: 0,
                 inflight: 0,
@@ -267,13 +277,14 @@ impl App {
         self.spec.load_full()
     }
 
-    /// Takes `spec`'s autoscaling and queue settings, keeping its replicas,
+    /// Takes `spec`'s autoscaling, queue and routing settings, keeping its replicas,
     /// its queue and the autoscaler's history: a change that needs no new
     /// replica applies in place.
     pub fn retune(&self, spec: &AppSpec) {
         let mut next = (*self.spec()).clone();
         next.autoscale = spec.autoscale.clone();
         next.queue = spec.queue.clone();
+        next.routing = spec.routing.clone();
         self.scaler.lock().set_config(scaling_config(&next));
         self.spec.store(Arc::new(next));
     }
@@ -281,15 +292,17 @@ impl App {
     /// Takes a free slot, or a place in the hold queue, or says why neither
     /// can be had.
     pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
-        self.acquire_avoiding(&[])
+        self.acquire_avoiding(&[], None)
     }
 
-    /// [`App::acquire`], preferring any free replica to those in `avoid`
+    /// [`App::acquire`] for a request routed on `key` (see
+    /// [`super::route`]), preferring any free replica to those in `avoid`
     /// (they refused this request's connection a moment ago); one of them
     /// is taken only when no other has a free slot.
     pub fn acquire_avoiding(
         self: &Arc<Self>,
         avoid: &[Arc<ReplicaHandle>],
+        key: Option<&Arc<RouteKey>>,
     ) -> Result<Acquire, ApiError> {
         let mut s = self.slots.lock();
         if s.replicas.is_empty()
@@ -299,8 +312,10 @@ impl App {
         }
         let now = Instant::now();
         s.meter.arrivals = s.meter.arrivals.saturating_add(1);
+        let spec = self.spec.load();
         if s.live_waiters == 0
-            && let Some(r) = pick_avoiding(&s.replicas, avoid).or_else(|| pick(&s.replicas))
+            && let Some(r) =
+                pick_avoiding(&s.replicas, avoid).or_else(|| s.route(key.map(|k| &**k), &spec))
         {
             r.acquire();
             s.inflight += 1;
@@ -342,7 +357,10 @@ impl App {
             s.waiters.retain(|w| !w.tx.is_closed());
         }
         let (tx, rx) = oneshot::channel();
-        s.waiters.push_back(Waiter { tx });
+        s.waiters.push_back(Waiter {
+            tx,
+            key: key.cloned(),
+        });
         s.live_waiters += 1;
         s.update_meter(now);
         Ok(Acquire::Held {
@@ -366,7 +384,8 @@ impl App {
         }
         *self.moved_to.lock() = None;
         s.replicas.push(replica);
-        s.dispatch();
+        let spec = self.spec.load_full();
+        s.dispatch(&spec);
     }
 
     /// It has no replica left and `to` took the last one: the requests it
@@ -413,7 +432,12 @@ impl App {
         let mut s = self.slots.lock();
         let before = s.replicas.len();
         s.replicas.retain(|r| !Arc::ptr_eq(r, replica));
-        s.replicas.len() < before
+        let removed = s.replicas.len() < before;
+        if removed && !s.index.is_empty() {
+            // Its cache goes with it: nothing is routed to it by affinity.
+            s.index.forget(ReplicaKey::of(&replica.id));
+        }
+        removed
     }
 
     /// The replicas taking its traffic now.
@@ -624,7 +648,8 @@ impl App {
         s.inflight -= 1;
         s.meter.completions = s.meter.completions.saturating_add(1);
         if replica.is_routable() && s.live_waiters > 0 {
-            s.dispatch();
+            let spec = self.spec.load();
+            s.dispatch(&spec);
         }
         s.update_meter(Instant::now());
     }
@@ -645,19 +670,24 @@ impl Slots {
         self.update_meter(Instant::now());
     }
 
-    /// Hands free slots to held requests, oldest first.
-    fn dispatch(&mut self) {
+    /// Hands free slots to held requests, oldest first, each routed on
+    /// its key.
+    fn dispatch(&mut self, spec: &AppSpec) {
         while self.live_waiters > 0 {
-            let Some(replica) = pick(&self.replicas) else {
+            // Cancelled waiters first: their owners already took them off
+            // `live_waiters`.
+            while self.waiters.front().is_some_and(|w| w.tx.is_closed()) {
+                self.waiters.pop_front();
+            }
+            let Some(key) = self.waiters.front().map(|w| w.key.clone()) else {
+                break;
+            };
+            let Some(replica) = self.route(key.as_deref(), spec) else {
                 break;
             };
             let Some(w) = self.waiters.pop_front() else {
                 break;
             };
-            if w.tx.is_closed() {
-                // Cancelled: its owner already took it off `live_waiters`.
-                continue;
-            }
             replica.acquire();
             self.inflight += 1;
             self.live_waiters -= 1;
@@ -669,6 +699,56 @@ impl Slots {
             }
         }
         self.update_meter(Instant::now());
+    }
+
+    /// The replica a request with `key` goes to (see [`super::route`]), or
+    /// `None` when no replica has a free slot. Without a key, or under
+    /// `least_loaded`, the less loaded of two random replicas.
+    fn route(&mut self, key: Option<&RouteKey>, spec: &AppSpec) -> Option<Arc<ReplicaHandle>> {
+        let (routing, max_age) = (&spec.routing, spec.engine.max_age);
+        let key = match (key, routing.policy) {
+            (Some(k), RoutingPolicy::Prefix | RoutingPolicy::Session) => k,
+            _ => return pick(&self.replicas),
+        };
+        let free: Vec<&Arc<ReplicaHandle>> = self
+            .replicas
+            .iter()
+            .filter(|r| r.has_free_slot() && r.is_routable())
+            .collect();
+        let now = Instant::now();
+        let candidates: Vec<Candidate> = free
+            .iter()
+            .map(|r| {
+                let engine = r.engine().filter(|e| e.fresh(now, max_age).is_some());
+                Candidate {
+                    replica: ReplicaKey::of(&r.id),
+                    // What this gateway has in flight, plus what the
+                    // engine held for others when it was last read.
+                    load: r
+                        .inflight()
+                        .saturating_add(engine.map_or(0, |e| e.others())),
+                    cache_permille: engine
+                        .and_then(|e| e.load.kv_cache_usage)
+                        .map_or(0, |k| (k * 1000.0) as u16),
+                }
+            })
+            .collect();
+        let choice = route::choose(
+            &candidates,
+            key,
+            &self.index,
+            route::Bound {
+                factor: routing.load_bound,
+                slack: routing.load_slack,
+            },
+            &mut self.scratch,
+        )?;
+        self.index.set_bound(routing.index_bytes);
+        self.index
+            .record(&key.chunks, candidates[choice.index].replica);
+        metrics::counter!("warmgate_route_decisions_total", "reason" => choice.reason.as_str())
+            .increment(1);
+        Some(free[choice.index].clone())
     }
 
     fn update_meter(&mut self, now: Instant) {

@@ -6,6 +6,7 @@ pub mod buffered;
 pub mod dispatch;
 pub mod pipeline;
 pub mod proxy;
+pub mod route;
 pub mod served;
 
 pub use served::Served;

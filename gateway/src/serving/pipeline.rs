@@ -13,6 +13,7 @@ use warmgate_pool::{PoolManager, ReplicaHandle};
 
 use super::dispatch::{Acquire, App};
 use super::proxy::{Forward, Slot as _};
+use super::route::RouteKey;
 use super::served::Served;
 use crate::error::{ApiError, ErrorKind};
 use crate::upstream::Upstream;
@@ -129,7 +130,9 @@ impl Pipeline {
         path_and_query: &str,
         pinned: bool,
     ) -> Result<Response, ApiError> {
-        // What the proxy uses of the request; its extensions stay behind.
+        // What the proxy uses of the request; its extensions stay behind,
+        // but for the key it is routed on.
+        let key = req.extensions_mut().remove::<Arc<RouteKey>>();
         req.extensions_mut().clear();
         let mut req = read_small_body(req).await?;
         // A replica that refuses the connection (killed a moment ago, not
@@ -139,7 +142,7 @@ impl Pipeline {
         let mut refused: Vec<Arc<ReplicaHandle>> = Vec::new();
         loop {
             match self
-                .serve_once_or_refused(app, req, path_and_query, pinned, &refused)
+                .serve_once_or_refused(app, req, path_and_query, pinned, &refused, key.as_ref())
                 .await
             {
                 Err(Forward::Refused(e, back, replica)) if attempt < MAX_CONNECT_ATTEMPTS => {
@@ -167,6 +170,7 @@ impl Pipeline {
         path_and_query: &str,
         pinned: bool,
         avoid: &[Arc<ReplicaHandle>],
+        key: Option<&Arc<RouteKey>>,
     ) -> Result<Response, Forward> {
         use super::dispatch::Slotted;
         use Forward::Failed;
@@ -179,7 +183,7 @@ impl Pipeline {
             if app.ready_replicas() == 0 {
                 self.refuse_if_failing(&app).map_err(Failed)?;
             }
-            let next = match app.acquire_avoiding(avoid).map_err(Failed)? {
+            let next = match app.acquire_avoiding(avoid, key).map_err(Failed)? {
                 Acquire::Ready(slot) => break (slot, Duration::ZERO, false),
                 Acquire::Moved(to) => to,
                 Acquire::Held { pending, cold } => {

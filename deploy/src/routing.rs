@@ -1,0 +1,206 @@
+//! `[apps.routing]` and `[apps.engine]`: how an app's requests are spread
+//! over its replicas, and where the gateway reads what an LLM engine says
+//! of its own load. Each section with its defaults and its validation.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Defaults of the two sections, each with the reason for it.
+pub mod defaults {
+    use std::time::Duration;
+
+    /// No replica above 1.25 × the mean load: the common default of
+    /// consistent hashing with bounded loads (Mirrokni et al.; HAProxy's
+    /// `hash-balance-factor 125`, KubeAI). Lower spreads a hot prefix
+    /// sooner and reuses caches less; higher the reverse.
+    pub const LOAD_BOUND: f64 = 1.25;
+    /// A replica that holds a prompt keeps it while it carries at most 4
+    /// requests more than the least loaded replica, whatever the mean: an
+    /// engine batches a few requests at once at little cost to each (vLLM
+    /// runs up to 256), while recomputing a long prefix elsewhere costs its
+    /// whole prefill. The relative bound alone, at low load, moves a
+    /// prompt off its cache as soon as one other request runs there. The
+    /// SGLang router's cache-aware policy has the same kind of absolute
+    /// threshold (32 by default).
+    pub const LOAD_SLACK: u32 = 4;
+    /// The prefix index of one app: 8 MiB keeps about 130,000 chunks, the
+    /// prompts of some 4 million tokens, several times what the KV caches
+    /// of a few replicas hold, so the index forgets a prefix after the
+    /// engines do, not before.
+    pub const INDEX_BYTES: u64 = 8 * 1024 * 1024;
+    /// vLLM and SGLang are scraped by Prometheus every 15 s or so; the
+    /// gateway reads more often, since it routes on what it reads, but
+    /// once a second costs an engine nothing measurable.
+    pub const ENGINE_PERIOD: Duration = Duration::from_secs(1);
+    /// A reading older than three periods (a slow or stuck engine) is no
+    /// longer a reading: the gateway routes on its own counts.
+    pub const ENGINE_MAX_AGE: Duration = Duration::from_secs(3);
+}
+
+/// How requests are spread over an app's ready replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingPolicy {
+    /// To the replica that recently served the longest leading part of
+    /// the same prompt (its KV cache likely still holds it), under the
+    /// load bound; a prompt never seen goes where rendezvous hashing of
+    /// its start says, so several gateways agree. The default: it costs
+    /// nothing measurable where nothing is shared.
+    Prefix,
+    /// To the replica the session (`X-Session-Id`, else the OpenAI `user`
+    /// field) went to before, under the load bound.
+    Session,
+    /// The less loaded of two random replicas.
+    LeastLoaded,
+}
+
+/// `[apps.routing]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingSpec {
+    /// `prefix` (default), `session` or `least_loaded`.
+    pub policy: RoutingPolicy,
+    /// No replica is given a request above this × the mean load of the
+    /// app's replicas (at least 1.0)...
+    pub load_bound: f64,
+    /// ...except that a replica that was sent the prompt before keeps it
+    /// while it carries at most this many requests more than the least
+    /// loaded replica.
+    pub load_slack: u32,
+    /// The prefix index's bound, in bytes (`"8MiB"`).
+    #[serde(with = "crate::config::size")]
+    #[schemars(with = "String")]
+    pub index_bytes: u64,
+}
+
+impl Default for RoutingSpec {
+    fn default() -> Self {
+        RoutingSpec {
+            policy: RoutingPolicy::Prefix,
+            load_bound: defaults::LOAD_BOUND,
+            load_slack: defaults::LOAD_SLACK,
+            index_bytes: defaults::INDEX_BYTES,
+        }
+    }
+}
+
+impl RoutingSpec {
+    /// Checks the section; the error names the key under `at`.
+    pub fn validate(&self, at: impl Fn(&str) -> String) -> Result<(), (String, String)> {
+        if !(self.load_bound.is_finite() && self.load_bound >= 1.0 && self.load_bound <= 100.0) {
+            return Err((
+                at("routing.load_bound"),
+                "must be from 1.0 to 100 (1.25: no replica above 125% of the mean load)".into(),
+            ));
+        }
+        if self.load_slack > 100_000 {
+            return Err((at("routing.load_slack"), "must be at most 100000".into()));
+        }
+        if self.index_bytes < 64 * 1024 {
+            return Err((
+                at("routing.index_bytes"),
+                "must be at least 64KiB (\"8MiB\" keeps the prompts of millions of tokens)".into(),
+            ));
+        }
+        if self.index_bytes > 1024 * 1024 * 1024 {
+            return Err((at("routing.index_bytes"), "must be at most 1GiB".into()));
+        }
+        Ok(())
+    }
+}
+
+/// `[apps.engine]`: the engine's own signals, read from its Prometheus
+/// endpoint (vLLM's `vllm:num_requests_waiting`,
+/// `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`; SGLang's and
+/// TGI's equivalents).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSpec {
+    /// The path of the engine's metrics (`"/metrics"`); absent: not read.
+    pub metrics_path: Option<String>,
+    /// How often each replica's metrics are read.
+    #[serde(with = "crate::config::bounded")]
+    #[schemars(with = "String")]
+    pub period: Duration,
+    /// A reading older than this counts as unknown.
+    #[serde(with = "crate::config::bounded")]
+    #[schemars(with = "String")]
+    pub max_age: Duration,
+}
+
+impl Default for EngineSpec {
+    fn default() -> Self {
+        EngineSpec {
+            metrics_path: None,
+            period: defaults::ENGINE_PERIOD,
+            max_age: defaults::ENGINE_MAX_AGE,
+        }
+    }
+}
+
+impl EngineSpec {
+    /// Checks the section; the error names the key under `at`.
+    pub fn validate(&self, at: impl Fn(&str) -> String) -> Result<(), (String, String)> {
+        if let Some(p) = &self.metrics_path
+            && (!p.starts_with('/') || p.len() > 256 || p.bytes().any(|b| !b.is_ascii_graphic()))
+        {
+            return Err((
+                at("engine.metrics_path"),
+                "must be a path starting with '/' (\"/metrics\"), visible ASCII, at most 256 bytes"
+                    .into(),
+            ));
+        }
+        if self.period < Duration::from_millis(100) {
+            return Err((at("engine.period"), "must be at least 100ms".into()));
+        }
+        if self.max_age < self.period {
+            return Err((
+                at("engine.max_age"),
+                "must be at least engine.period".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(k: &str) -> String {
+        format!("apps[0].{k}")
+    }
+
+    #[test]
+    fn the_defaults_are_valid_and_route_by_prefix() {
+        let r = RoutingSpec::default();
+        assert_eq!(r.policy, RoutingPolicy::Prefix);
+        r.validate(at).expect("valid");
+        EngineSpec::default().validate(at).expect("valid");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let r = RoutingSpec {
+            load_bound: 0.9,
+            ..RoutingSpec::default()
+        };
+        assert_eq!(r.validate(at).unwrap_err().0, "apps[0].routing.load_bound");
+        let r = RoutingSpec {
+            load_bound: f64::NAN,
+            ..RoutingSpec::default()
+        };
+        assert!(r.validate(at).is_err());
+        let e = EngineSpec {
+            metrics_path: Some("metrics".into()),
+            ..EngineSpec::default()
+        };
+        assert_eq!(e.validate(at).unwrap_err().0, "apps[0].engine.metrics_path");
+        let e = EngineSpec {
+            max_age: Duration::from_millis(200),
+            ..EngineSpec::default()
+        };
+        assert_eq!(e.validate(at).unwrap_err().0, "apps[0].engine.max_age");
+    }
+}
