@@ -10,12 +10,16 @@ lint:
 
 # The README's test command. The end-to-end tests start the real binaries,
 # so build them first (the test build reuses every compiled dependency).
+# Then the Python package against the real binary (python/tests: its client,
+# every error kind, a 1,000-task batch, the asyncio client, the RL loop, the
+# wheel and `pip install ./python` in fresh virtual environments).
 test:
 	@command -v cargo-nextest >/dev/null || cargo install cargo-nextest --locked
 	bash deploy/kubernetes/fetch-helm.sh >/dev/null
 	cargo build --workspace --bins
 	cargo nextest run --workspace
 	cargo nextest run -p warmgate-gateway --features otlp --lib -E 'test(otlp)'
+	python3 -m pytest -q python/tests
 
 # Benchmarks (not in CI: they take minutes and need two quiet cores).
 bench:
@@ -36,5 +40,5 @@ pictures:
 	cp target/tmp/dashboard/dashboard.png docs/img/dashboard.png
 	cp target/tmp/rl/cartpole-curve.png docs/img/cartpole-curve.png
 	cp target/tmp/rl/charlm-grpo-curve.png docs/img/charlm-grpo-curve.png
-	./target/debug/warmgate simulate --sweep target/sweep --trace ../shared/data/azure-llm-inference-2023-conv.csv
+	./target/debug/warmgate simulate --sweep target/sweep --trace data/azure-llm-inference-2023-conv.csv
 	cp target/sweep/sweep.svg docs/img/autoscaling-sweep.svg
