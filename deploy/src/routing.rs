@@ -24,10 +24,10 @@ pub mod defaults {
     /// SGLang router's cache-aware policy has the same kind of absolute
     /// threshold (32 by default).
     pub const LOAD_SLACK: u32 = 4;
-    /// The prefix index of one app: 8 MiB keeps about 130,000 chunks, the
-    /// prompts of some 4 million tokens, several times what the KV caches
-    /// of a few replicas hold, so the index forgets a prefix after the
-    /// engines do, not before.
+    /// The prefix index of one app: 8 MiB of tables keep about 110,000
+    /// chunks, the prompts of some 3.5 million tokens, several times what
+    /// the KV caches of a few replicas hold, so the index forgets a prefix
+    /// after the engines do, not before.
     pub const INDEX_BYTES: u64 = 8 * 1024 * 1024;
     /// vLLM and SGLang are scraped by Prometheus every 15 s or so; the
     /// gateway reads more often, since it routes on what it reads, but

@@ -151,6 +151,31 @@ pub const METRICS: &[Metric] = &[
         "Client connections refused at limits.max_connections.",
     ),
     counter(
+        "warmgate_route_decisions_total",
+        &["reason"],
+        "Requests routed by prompt or session ([apps.routing]): affinity (to the replica that was sent the longest part of the prompt, or the session before) or home (its rendezvous home under the load bound).",
+    ),
+    gauge(
+        "warmgate_engine_replicas_read",
+        &["app"],
+        "The app's replicas whose engine metrics were read within [apps.engine] max_age.",
+    ),
+    gauge(
+        "warmgate_engine_requests_running",
+        &["app"],
+        "Requests the app's engines said they run (vllm:num_requests_running and the like), summed over fresh readings.",
+    ),
+    gauge(
+        "warmgate_engine_requests_waiting",
+        &["app"],
+        "Requests waiting in the app's engines' own queues (vllm:num_requests_waiting and the like), summed over fresh readings.",
+    ),
+    gauge(
+        "warmgate_engine_kv_cache_usage_max",
+        &["app"],
+        "The fullest KV cache among the app's engines, 0 to 1 (vllm:kv_cache_usage_perc and the like).",
+    ),
+    counter(
         "warmgate_buffered_body_refusals_total",
         &[],
         "Requests refused at limits.max_buffered_body_bytes, while their bodies were read or waited for a replica.",

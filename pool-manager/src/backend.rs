@@ -365,6 +365,7 @@ impl Backend for LocalBackend {
         if let Some(dir) = &launch.workdir {
             cmd.current_dir(dir);
         }
+        give_back_transparent_huge_pages(&mut cmd);
         let child = cmd.spawn().map_err(|e| Error::SpawnFailed {
             program: program.clone(),
             reason: e.to_string(),
@@ -578,6 +579,24 @@ fn free_port() -> Result<u16> {
     l.local_addr()
         .map(|a| a.port())
         .map_err(|e| Error::NoFreePort(e.to_string()))
+}
+
+/// The gateway turns transparent huge pages off for itself
+/// (`PR_SET_THP_DISABLE`, in `warmgate`'s `main`), and the setting is
+/// inherited across `fork` and `exec`: a worker is given them back, so an
+/// engine runs as it would without warmgate.
+#[allow(unsafe_code)]
+fn give_back_transparent_huge_pages(cmd: &mut tokio::process::Command) {
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed; it makes one `prctl`
+    // system call, allocates nothing and takes no lock. A failure (an old
+    // kernel) leaves the setting as it was and is not an error.
+    unsafe {
+        cmd.pre_exec(|| {
+            let _ = nix::sys::prctl::set_thp_disable(false);
+            Ok(())
+        });
+    }
 }
 
 #[cfg(test)]

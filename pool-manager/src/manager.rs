@@ -1168,11 +1168,14 @@ impl ReplicaTask {
                     let path = engine.metrics_path.clone().unwrap_or_default();
                     let period = engine.period;
                     tokio::spawn(async move {
+                        // Stamped when asked: a slow answer is as old as the
+                        // question, and never replaces a newer reading.
+                        let at = Instant::now();
                         match prober.read_engine(addr, &path, period).await {
                             Ok(load) if !load.is_empty() => {
                                 handle.set_engine(crate::engine::EngineReading {
                                     load,
-                                    at: Instant::now(),
+                                    at,
                                     local: handle.inflight(),
                                 });
                             }

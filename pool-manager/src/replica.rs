@@ -219,9 +219,13 @@ impl ReplicaHandle {
         }
     }
 
-    /// Notes what its engine said of its load just now.
+    /// Notes what its engine said of its load, unless a newer reading is
+    /// already there (two reads may answer out of order).
     pub fn set_engine(&self, reading: crate::engine::EngineReading) {
-        *self.engine.lock() = Some(reading);
+        let mut e = self.engine.lock();
+        if e.is_none_or(|old| old.at <= reading.at) {
+            *e = Some(reading);
+        }
     }
 
     /// Its engine's last reading, if any was taken.

@@ -42,7 +42,7 @@ def pip(python: Path, *args: str) -> None:
 
 
 def run_snippet(python: Path, gw: Any, cwd: Path) -> str:
-    code = readme_snippet().replace("http://localhost:8080", gw.url)
+    code = readme_snippet().replace("http://127.0.0.1:8080", gw.url)
     env: Dict[str, str] = {k: v for k, v in os.environ.items()
                            if not k.startswith("WARMGATE_") and k != "PYTHONPATH"}
     # The gateway made its own admin token and published it here; the

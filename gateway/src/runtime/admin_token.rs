@@ -11,12 +11,14 @@
 
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 pub use warmgate_deploy::admin_token::{FILE_NAME, find_for, runtime_dir};
-use warmgate_deploy::admin_token::{TOKEN_BYTES, check_private, is_token, record_name};
+use warmgate_deploy::admin_token::{
+    Record, TOKEN_BYTES, check_private_dir, read_private, record_name,
+};
 
 /// The token kept in `state_dir`, made (owner-only) when missing. A file
 /// another user owns, that others may read, or that does not hold a token
@@ -24,21 +26,15 @@ use warmgate_deploy::admin_token::{TOKEN_BYTES, check_private, is_token, record_
 pub fn ensure(state_dir: &Path) -> anyhow::Result<String> {
     let path = state_dir.join(FILE_NAME);
     match std::fs::symlink_metadata(&path) {
-        Ok(meta) => {
-            check_private(&path, &meta).map_err(anyhow::Error::msg)?;
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("read {}", path.display()))?;
-            let token = text.trim();
-            anyhow::ensure!(
-                is_token(token),
-                "{} does not hold an admin token: remove it, and a new one is made at the next start",
-                path.display()
-            );
-            Ok(token.to_string())
-        }
+        // Read without following a link, and checked on the open file.
+        Ok(_) => read_private(&path).map_err(|e| {
+            anyhow::anyhow!(
+                "{e}: remove it, and a new token is made at the next start (or set WARMGATE_ADMIN_TOKEN)"
+            )
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let token = make()?;
-            write_private(&path, &token)?;
+            write_private(&path, &format!("{token}\n"))?;
             Ok(token)
         }
         Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
@@ -69,15 +65,15 @@ pub fn publish(addr: SocketAddr, token: &str) -> Option<Published> {
             .mode(0o700)
             .create(&dir)
             .with_context(|| format!("create {}", dir.display()))?;
-        let meta = std::fs::symlink_metadata(&dir)?;
-        anyhow::ensure!(
-            meta.is_dir() && meta.uid() == nix::unistd::geteuid().as_raw(),
-            "{} is not a folder of this user's",
-            dir.display()
-        );
+        check_private_dir(&dir).map_err(anyhow::Error::msg)?;
         let path = dir.join(record_name(addr));
         let _ = std::fs::remove_file(&path);
-        write_private(&path, token)?;
+        // With this process's id and start time: a client sends the token
+        // only while this very gateway runs (after a crash, another
+        // user's program could listen on the address).
+        let record =
+            Record::of_this_process(token).context("read this process's start time from /proc")?;
+        write_private(&path, &record.text())?;
         Ok(path)
     })();
     match result {
@@ -95,8 +91,9 @@ fn make() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Writes a new owner-only file (never through a link, never over one).
-fn write_private(path: &Path, token: &str) -> anyhow::Result<()> {
+/// Writes `text` as a new owner-only file (never through a link, never
+/// over one).
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -104,19 +101,22 @@ fn write_private(path: &Path, token: &str) -> anyhow::Result<()> {
         .custom_flags(nix::libc::O_NOFOLLOW)
         .open(path)
         .with_context(|| format!("create {}", path.display()))?;
-    writeln!(f, "{token}").with_context(|| format!("write {}", path.display()))?;
+    f.write_all(text.as_bytes())
+        .with_context(|| format!("write {}", path.display()))?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::MetadataExt as _;
+
     use super::*;
 
     #[test]
     fn a_token_is_made_once_private_and_kept() {
         let dir = tempfile::tempdir().expect("dir");
         let first = ensure(dir.path()).expect("made");
-        assert!(is_token(&first));
+        assert!(warmgate_deploy::admin_token::is_token(&first));
         let meta = std::fs::metadata(dir.path().join(FILE_NAME)).expect("file");
         assert_eq!(meta.mode() & 0o777, 0o600);
         assert_eq!(ensure(dir.path()).expect("kept"), first);

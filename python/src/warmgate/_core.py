@@ -71,17 +71,35 @@ def runtime_dir() -> Optional[str]:
     return None
 
 
+def _process_start(pid: int) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks since boot (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+        return int(text[text.rindex(")") + 1:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def published_token(url: str) -> Optional[str]:
     """The token a ``warmgate serve`` started without
-    ``WARMGATE_ADMIN_TOKEN`` published for the address of ``url``: read only
-    from a regular file of this user's that nobody else may read."""
+    ``WARMGATE_ADMIN_TOKEN`` published for the address of ``url``, as the
+    CLI finds it: only for an IP address (a name such as ``localhost`` may
+    resolve to an address another user listens on), read from a regular
+    file of this user's that nobody else may read, in a folder only this
+    user may write to, and only while the gateway that wrote it (its pid
+    and start time are in the record) still runs."""
     folder = runtime_dir()
     if folder is None:
         return None
+    try:
+        dst = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(dst.st_mode) or dst.st_uid != os.geteuid() or dst.st_mode & 0o022:
+        return None
     u = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
     host = u.hostname or ""
-    if host == "localhost":
-        host = "127.0.0.1"
     try:
         ip = ipaddress.ip_address(host)
         port = u.port or (443 if u.scheme == "https" else 80)
@@ -90,16 +108,41 @@ def published_token(url: str) -> Optional[str]:
     name = f"gateway-[{ip}]-{port}.token" if ip.version == 6 else f"gateway-{ip}-{port}.token"
     path = os.path.join(folder, name)
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return None
-        with open(path, encoding="ascii", errors="replace") as f:
-            text = f.read(256).strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
-    if len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text):
-        return text
-    return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None
+        text = os.read(fd, 4096).decode("ascii", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    lines = text.splitlines()
+    if len(lines) < 2:
+        return None
+    token = lines[0].strip()
+    try:
+        pid_text, start_text = lines[1].split()
+        pid, start = int(pid_text), int(start_text)
+    except ValueError:
+        return None
+    if not (len(token) == 64 and all(c in "0123456789abcdefABCDEF" for c in token)):
+        return None
+    try:
+        alive = os.stat(f"/proc/{pid}").st_uid == os.geteuid() and _process_start(pid) == start
+    except OSError:
+        alive = False
+    if not alive:
+        # The gateway is gone: another user may listen on its address now.
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+    return token
 
 
 def env_api_key(api_key: Optional[str]) -> Optional[str]:

@@ -6,12 +6,13 @@
 //! forgets in the same spirit: least recently used first. Two generations
 //! stand in for a list: entries go into the current map; when it holds
 //! half the bound, it becomes the previous one and the old previous one is
-//! dropped whole; an entry used again moves to the current map. Memory is
-//! bounded by the entry count ([`ENTRY_BYTES`] each), and every operation
+//! emptied and filled anew; an entry used again moves to the current map.
+//! Memory is bounded by the two maps' tables (a map of a power of two of
+//! [`BUCKET_BYTES`] buckets never grows past 7/8 full), and every operation
 //! is a few hash-map probes per chunk, with no list to keep in order.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 
 /// A replica as the index knows it: the hash of its id, which every
 /// gateway computes alike.
@@ -66,30 +67,71 @@ impl Holders {
     }
 }
 
-/// Chunk hashes are hashes already: the map uses them as they are.
-#[derive(Default)]
-struct Prehashed(u64);
+/// The map's own hasher: chunk hashes are hashes already, but unkeyed and
+/// the same in every gateway, so a client could pick texts whose hashes
+/// share the bits that choose a bucket. Each is mixed with a key drawn once
+/// per process (a folded 128-bit multiply: every output bit depends on
+/// every input bit) before the map sees it.
+#[derive(Clone, Copy)]
+pub struct Keyed(u64);
 
-impl Hasher for Prehashed {
+impl Default for Keyed {
+    fn default() -> Self {
+        static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        Keyed(*KEY.get_or_init(|| {
+            let mut b = [0u8; 8];
+            // Without randomness, a key from the clock and the process id
+            // still differs between runs.
+            if getrandom::fill(&mut b).is_err() {
+                let t = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64);
+                b = (t ^ u64::from(std::process::id())).to_le_bytes();
+            }
+            u64::from_le_bytes(b) | 1
+        }))
+    }
+}
+
+impl std::hash::BuildHasher for Keyed {
+    type Hasher = Mixed;
+    fn build_hasher(&self) -> Mixed {
+        Mixed {
+            key: self.0,
+            value: 0,
+        }
+    }
+}
+
+/// A [`Keyed`] hash of one `u64`.
+pub struct Mixed {
+    key: u64,
+    value: u64,
+}
+
+impl Hasher for Mixed {
     fn finish(&self) -> u64 {
-        self.0
+        let m =
+            u128::from(self.value ^ self.key) * u128::from(0x9E37_79B9_7F4A_7C15_u64 ^ self.key);
+        (m as u64) ^ ((m >> 64) as u64)
     }
     fn write(&mut self, bytes: &[u8]) {
         // Only `u64` keys are hashed; anything else is folded in.
         for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+            self.value = self.value.rotate_left(8) ^ u64::from(*b);
         }
     }
     fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+        self.value = n;
     }
 }
 
-type Map = HashMap<u64, Holders, BuildHasherDefault<Prehashed>>;
+type Map = HashMap<u64, Holders, Keyed>;
 
-/// The bytes one entry costs: key and value, the map's control byte, and
-/// the room a map keeps free (it is at most 7/8 full).
-pub const ENTRY_BYTES: usize = (std::mem::size_of::<(u64, Holders)>() + 1) * 8 / 7;
+/// The bytes one bucket of a map costs: key and value, and its control
+/// byte. A map of `n` entries has the next power of two above `n × 8 / 7`
+/// buckets.
+pub const BUCKET_BYTES: usize = std::mem::size_of::<(u64, Holders)>() + 1;
 
 /// The prefix index of one app's revision.
 pub struct PrefixIndex {
@@ -100,7 +142,10 @@ pub struct PrefixIndex {
 }
 
 impl PrefixIndex {
-    /// An empty index of at most `bytes` (at least a few entries).
+    /// An empty index of at most `bytes` of tables (each map's buckets,
+    /// rounded to the power of two the map allocates; at least a few
+    /// entries). The maps are allocated as they fill and kept when they
+    /// turn over.
     pub fn new(bytes: u64) -> PrefixIndex {
         PrefixIndex {
             current: Map::default(),
@@ -109,13 +154,28 @@ impl PrefixIndex {
         }
     }
 
+    /// Entries one map may hold so that both maps' tables fit in `bytes`:
+    /// the largest power of two of buckets that fits in half of it, 7/8
+    /// full.
     fn half_of(bytes: u64) -> usize {
-        (usize::try_from(bytes).unwrap_or(usize::MAX) / ENTRY_BYTES / 2).max(4)
+        let per_map = usize::try_from(bytes / 2).unwrap_or(usize::MAX) / BUCKET_BYTES;
+        let buckets = if per_map == 0 {
+            0
+        } else {
+            1usize << (usize::BITS - 1 - per_map.leading_zeros())
+        };
+        (buckets / 8 * 7).max(4)
     }
 
     /// Changes the bound; a smaller one takes effect as the maps turn over.
     pub fn set_bound(&mut self, bytes: u64) {
-        self.half = Self::half_of(bytes);
+        let half = Self::half_of(bytes);
+        if half != self.half {
+            self.half = half;
+            // Tables sized for the old bound are given back.
+            self.current.shrink_to(half);
+            self.previous.shrink_to(half);
+        }
     }
 
     /// Entries held.
@@ -128,9 +188,17 @@ impl PrefixIndex {
         self.len() == 0
     }
 
-    /// The bytes its entries cost (see [`ENTRY_BYTES`]).
+    /// The bytes its tables hold (see [`BUCKET_BYTES`]).
     pub fn bytes(&self) -> usize {
-        self.len() * ENTRY_BYTES
+        let buckets = |m: &Map| {
+            let c = m.capacity();
+            if c == 0 {
+                0
+            } else {
+                (c * 8 / 7).next_power_of_two()
+            }
+        };
+        (buckets(&self.current) + buckets(&self.previous)) * BUCKET_BYTES
     }
 
     fn get(&self, chunk: u64) -> Option<&Holders> {
@@ -171,7 +239,10 @@ impl PrefixIndex {
                 .unwrap_or_default();
             holders.touch(replica);
             if self.current.len() >= self.half && !self.current.contains_key(chunk) {
-                self.previous = std::mem::take(&mut self.current);
+                // The current map becomes the previous one; the old
+                // previous one's table is emptied and filled anew.
+                std::mem::swap(&mut self.current, &mut self.previous);
+                self.current.clear();
             }
             self.current.insert(*chunk, holders);
         }

@@ -23,9 +23,12 @@ pub const CHUNK_BYTES: usize = 128;
 /// prompt that opens with the same few words the same home. The prefix
 /// index refines it with the whole prompt.
 pub const HOME_CHUNKS: usize = 8;
-/// The most chunks hashed of one prompt (8 MiB of text): a longer prompt
-/// is routed on its first 8 MiB.
-pub const MAX_CHUNKS: usize = 64 * 1024;
+/// The most chunks hashed of one prompt: 512 KiB of text, about 128,000
+/// tokens, the context of the largest common models. A longer prompt is
+/// routed on its first 512 KiB; and one request cannot fill more than a
+/// sliver of the index (8 MiB holds about 150,000 chunks), so a few huge
+/// prompts do not push everyone else's out.
+pub const MAX_CHUNKS: usize = 4 * 1024;
 
 /// A request's routing key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +77,14 @@ struct Chunker {
 }
 
 impl Chunker {
+    fn is_full(&self) -> bool {
+        self.chunks.len() >= MAX_CHUNKS
+    }
+
     fn feed(&mut self, mut bytes: &[u8]) {
+        if self.is_full() {
+            return;
+        }
         if self.buf.is_empty() {
             self.buf.reserve(8 + CHUNK_BYTES);
             self.buf.extend_from_slice(&self.prev.to_le_bytes());
@@ -113,17 +123,19 @@ impl Chunker {
 // === reading a request ===
 
 /// The parts of an OpenAI request that make its prompt, borrowed from the
-/// body; every other key is skipped unread.
+/// body; every other key is skipped unread. `messages` stays raw text,
+/// read message by message into the chunker: a body of a million empty
+/// messages builds nothing.
 #[derive(Deserialize)]
 struct Prompted<'a> {
     #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
+    messages: Option<&'a RawValue>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     input: Option<&'a RawValue>,
     #[serde(borrow, default)]
-    instructions: Option<Cow<'a, str>>,
+    instructions: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -143,39 +155,60 @@ struct Message<'a> {
 const ROLE: &[u8] = b"\x1e";
 const CONTENT: &[u8] = b"\x1f";
 
-/// The prompt key of an OpenAI body (`messages`, `prompt`, `input`), or
-/// `None` when it has none (or is not an object).
+/// The prompt key of an OpenAI body, or `None` when it has no prompt (or
+/// is not an object). Its text, in this order whatever the order of the
+/// JSON keys: each message of `messages` (role, name, content, tool
+/// calls), then `instructions`, `prompt` and `input`. At most
+/// [`MAX_CHUNKS`] chunks are hashed; the rest is read past, not kept.
 pub fn prompt_key(body: &[u8]) -> Option<RouteKey> {
     let p: Prompted = serde_json::from_slice(body).ok()?;
-    let mut pieces: Vec<Cow<'_, [u8]>> = Vec::new();
-    if let Some(i) = &p.instructions {
-        pieces.push(Cow::Borrowed(ROLE));
-        pieces.push(Cow::Borrowed(i.as_bytes()));
+    let mut c = Chunker::default();
+    let mut any = false;
+    if let Some(m) = p.messages {
+        any = true;
+        feed_messages(m.get(), &mut c).ok()?;
     }
-    if let Some(messages) = &p.messages {
-        for m in messages {
-            pieces.push(Cow::Borrowed(ROLE));
-            pieces.push(Cow::Borrowed(m.role.as_bytes()));
-            if let Some(n) = &m.name {
-                pieces.push(Cow::Borrowed(n.as_bytes()));
+    for v in [p.instructions, p.prompt, p.input].into_iter().flatten() {
+        any = true;
+        c.feed(ROLE);
+        c.feed(&text_of(v));
+    }
+    any.then(|| c.finish())
+}
+
+/// Feeds the messages of a raw JSON array to `c`, one at a time.
+fn feed_messages(raw: &str, c: &mut Chunker) -> serde_json::Result<()> {
+    use serde::de::{Deserializer as _, IgnoredAny, SeqAccess, Visitor};
+    struct Feed<'c>(&'c mut Chunker);
+    impl<'de> Visitor<'de> for Feed<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an array of messages")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            while !self.0.is_full() {
+                let Some(m) = seq.next_element::<Message<'de>>()? else {
+                    return Ok(());
+                };
+                self.0.feed(ROLE);
+                self.0.feed(m.role.as_bytes());
+                if let Some(n) = &m.name {
+                    self.0.feed(n.as_bytes());
+                }
+                self.0.feed(CONTENT);
+                if let Some(content) = m.content {
+                    self.0.feed(&text_of(content));
+                }
+                if let Some(t) = m.tool_calls {
+                    self.0.feed(t.get().as_bytes());
+                }
             }
-            pieces.push(Cow::Borrowed(CONTENT));
-            if let Some(c) = m.content {
-                pieces.push(text_of(c));
-            }
-            if let Some(t) = m.tool_calls {
-                pieces.push(Cow::Borrowed(t.get().as_bytes()));
-            }
+            // Enough hashed: the rest is only read past.
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(())
         }
     }
-    for v in [p.prompt, p.input].into_iter().flatten() {
-        pieces.push(Cow::Borrowed(ROLE));
-        pieces.push(text_of(v));
-    }
-    if pieces.is_empty() {
-        return None;
-    }
-    Some(RouteKey::prompt(pieces.iter().map(|c| c.as_ref())))
+    serde_json::Deserializer::from_str(raw).deserialize_seq(Feed(c))
 }
 
 /// The session key of a request: `X-Session-Id`, else the body's `user`.
@@ -285,6 +318,32 @@ mod tests {
         let b = prompt_key(br#"{"model":"m","prompt":"b"}"#).expect("key");
         assert!(a.chunks.is_empty());
         assert_ne!(a.home, b.home);
+    }
+
+    #[test]
+    fn a_million_empty_messages_build_nothing_and_a_huge_prompt_is_cut() {
+        // Each message read and dropped in turn: no list of them is built.
+        let mut body = br#"{"model":"m","messages":["#.to_vec();
+        for i in 0..1_000_000 {
+            if i > 0 {
+                body.push(b',');
+            }
+            body.extend_from_slice(b"{}");
+        }
+        body.extend_from_slice(b"]}");
+        let k = prompt_key(&body).expect("key");
+        assert!(k.chunks.len() <= MAX_CHUNKS);
+        // A prompt past the cap is hashed on its first MAX_CHUNKS chunks.
+        let long = format!(
+            r#"{{"model":"m","prompt":"{}"}}"#,
+            "w".repeat((MAX_CHUNKS + 100) * CHUNK_BYTES)
+        );
+        assert_eq!(
+            prompt_key(long.as_bytes()).expect("key").chunks.len(),
+            MAX_CHUNKS
+        );
+        // Messages that are not objects end the key, not the request.
+        assert!(prompt_key(br#"{"model":"m","messages":"nope"}"#).is_none());
     }
 
     #[test]
