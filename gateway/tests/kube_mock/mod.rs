@@ -151,6 +151,12 @@ pub struct Cluster {
     pub calls: Vec<String>,
     /// Unreachable: every call fails (503) until it is back.
     pub down: bool,
+    /// Pod IPs handed out in turn, one per pod created (so each pod can
+    /// be a process of its own on a loopback address); none: every pod
+    /// is on `127.0.0.1`.
+    pub pod_ips: Vec<String>,
+    /// Pods created so far.
+    pub created: usize,
 }
 
 impl Cluster {
@@ -369,7 +375,13 @@ pub async fn serve(mut handle: Handle, cluster: Arc<Mutex<Cluster>>) {
                 // Scheduled, started and ready at once, on loopback.
                 let mut running = pod.clone();
                 running["metadata"]["resourceVersion"] = json!(c.bump());
-                running["status"] = json!({"phase": "Running", "podIP": "127.0.0.1",
+                let ip = if c.pod_ips.is_empty() {
+                    "127.0.0.1".to_string()
+                } else {
+                    c.pod_ips[c.created % c.pod_ips.len()].clone()
+                };
+                c.created += 1;
+                running["status"] = json!({"phase": "Running", "podIP": ip,
                     "conditions": [{"type": "Ready", "status": "True"}]});
                 c.pods.insert(name, running.clone());
                 c.pending.push(("MODIFIED".into(), running));
