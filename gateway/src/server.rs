@@ -85,6 +85,11 @@ pub fn admin_token() -> Option<String> {
 /// none (see `runtime::admin_token`); set once, before the gateway is made.
 static GENERATED_ADMIN_TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
+/// The token `serve` made for itself, when it did.
+pub(crate) fn generated_admin_token() -> Option<String> {
+    GENERATED_ADMIN_TOKEN.get().cloned()
+}
+
 /// Makes `token` the admin token of the gateway this process runs, when
 /// the environment gives none.
 pub(crate) fn use_generated_admin_token(token: String) {

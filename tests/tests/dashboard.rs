@@ -70,8 +70,9 @@ async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
     })
     .await;
 
-    // The page as the browser built it, once its script has read the API.
-    let url = gw.at("/ui");
+    // The page as the browser built it, once its script has read the API
+    // with the token the gateway made (as its start-up log shows the URL).
+    let url = format!("{}#token={}", gw.at("/ui"), gw.admin_token());
     let dom = eventually("the dashboard shows its data", || {
         let (browser, url) = (browser.clone(), url.clone());
         async move {

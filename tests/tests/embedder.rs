@@ -207,14 +207,16 @@ async fn a_second_cold_start_reads_the_weights_from_the_cache() {
         "it read the cache"
     );
 
-    // The worker's URL serves the worker (with its token) and no one else.
+    // The worker's URL serves the worker (with its token) and no one else
+    // (a client without a token: the harness's carries the admin token).
     let s = gw.app_status("minilm").await;
     assert_eq!(s["revision"], "minilm-00001");
+    let plain = reqwest::Client::new();
     for path in [
         "/v1/weights/minilm/minilm-00001",
         "/v1/weights/minilm/minilm-00001/config.json",
     ] {
-        let resp = gw.http.get(gw.at(path)).send().await.expect("send");
+        let resp = plain.get(gw.at(path)).send().await.expect("send");
         assert_eq!(resp.status(), 401, "{path}");
     }
 }

@@ -192,6 +192,14 @@ where
     let stop = shutdown_signal();
     tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
     println!("warmgate listening on http://{addr}");
+    // A token the gateway made is shown to the user who started it, as
+    // Jupyter shows its URL: the dashboard needs it.
+    if let Some(token) = crate::server::generated_admin_token() {
+        println!(
+            "dashboard: http://{addr}/ui#token={token} (admin token in {})",
+            gw.config().state_dir.join(admin_token::FILE_NAME).display()
+        );
+    }
     let _ = std::io::stdout().flush();
 
     tokio::select! {
