@@ -1164,12 +1164,7 @@ impl Config {
             let at = |key: &str| format!("apps[{i}].{key}");
             check_dns_label(&app.name).map_err(|m| (at("name"), m))?;
             for (j, alias) in app.aliases.iter().enumerate() {
-                if alias.is_empty() || alias.chars().any(char::is_whitespace) {
-                    return Err((
-                        at(&format!("aliases[{j}]")),
-                        format!("{alias:?} must be non-empty and contain no spaces"),
-                    ));
-                }
+                check_model_name(alias).map_err(|m| (at(&format!("aliases[{j}]")), m))?;
             }
             for (key, name) in std::iter::once(("name".to_string(), &app.name)).chain(
                 app.aliases
@@ -2134,6 +2129,37 @@ pub fn check_dns_label(name: &str) -> std::result::Result<(), String> {
     }
 }
 
+/// The most bytes of an alias (an OpenAI `model` name): Hugging Face
+/// repository ids are at most 96 characters; 128 leaves room for a tag.
+pub const MAX_MODEL_NAME_LEN: usize = 128;
+
+/// Checks an alias: the characters model names use (ASCII letters and
+/// digits, `-`, `_`, `.`, `/`, `:`, `@`), at most [`MAX_MODEL_NAME_LEN`]
+/// bytes, starting with a letter or digit, with no `..` segment. Control
+/// characters, zero-width and look-alike letters, and paths (`../x`) are
+/// refused: an alias is echoed in errors and logs and names a route.
+pub fn check_model_name(name: &str) -> std::result::Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_MODEL_NAME_LEN
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./:@".contains(&b))
+        && !name
+            .split('/')
+            .any(|seg| seg == ".." || seg == "." || seg.is_empty());
+    if ok {
+        Ok(())
+    } else {
+        let shown: String = name.chars().take(64).collect();
+        Err(format!(
+            "{shown:?} is not a valid model name: use 1-{MAX_MODEL_NAME_LEN} ASCII letters, \
+             digits and '-', '_', '.', '/', ':', '@', starting with a letter or digit, with \
+             no empty, '.' or '..' segment"
+        ))
+    }
+}
+
 fn one_line(s: &str) -> String {
     s.lines()
         .map(str::trim)
@@ -2144,6 +2170,36 @@ fn one_line(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn aliases_are_model_names_and_nothing_else() {
+        for good in [
+            "gpt-4o",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "org/model-x",
+            "m:v2",
+            "a@b",
+            "x_y.z",
+        ] {
+            super::check_model_name(good).unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+        let long = "a".repeat(super::MAX_MODEL_NAME_LEN + 1);
+        for bad in [
+            "",
+            "a\0b",
+            "a\u{1b}[31m",
+            "a\u{200b}b",
+            "gpt\u{0430}",
+            "../../etc/passwd",
+            "a/../b",
+            "a//b",
+            "-a",
+            "a b",
+            long.as_str(),
+        ] {
+            assert!(super::check_model_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
     use super::*;
 
     fn parse(text: &str) -> Result<Config> {

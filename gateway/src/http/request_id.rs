@@ -1,6 +1,8 @@
 //! `X-Request-Id`: a client's own (non-empty, at most
-//! [`MAX_REQUEST_ID_LEN`] bytes) is kept, a request without one gets 16 hex
-//! digits; either is passed on to the worker and echoed on the answer.
+//! [`MAX_REQUEST_ID_LEN`] bytes of visible ASCII) is kept, a request
+//! without one (or with another) gets 16 hex digits; either is passed on to
+//! the worker and echoed on the answer. Tabs, spaces and bytes past ASCII
+//! would otherwise reach logs and workers as they came.
 //!
 //! A tower layer of its own rather than `axum::middleware::from_fn`, which
 //! boxes the inner service and its future on every request: this one adds
@@ -56,7 +58,13 @@ where
 /// empty or too long): what its answer must carry.
 pub(crate) fn assign(req: &mut Request) -> HeaderValue {
     match req.headers().get(X_REQUEST_ID) {
-        Some(v) if !v.is_empty() && v.len() <= MAX_REQUEST_ID_LEN => v.clone(),
+        Some(v)
+            if !v.is_empty()
+                && v.len() <= MAX_REQUEST_ID_LEN
+                && v.as_bytes().iter().all(u8::is_ascii_graphic) =>
+        {
+            v.clone()
+        }
         _ => {
             // Made twice rather than cloned: a clone of a fresh header
             // value allocates as much as a second one.
@@ -157,7 +165,13 @@ mod tests {
     async fn a_client_s_id_is_kept_and_a_missing_or_oversized_one_replaced() {
         let (answered, seen) = call(Some("abc-123")).await;
         assert_eq!((answered.as_str(), seen.as_str()), ("abc-123", "abc-123"));
-        for bad in [None, Some(""), Some(&*"x".repeat(MAX_REQUEST_ID_LEN + 1))] {
+        for bad in [
+            None,
+            Some(""),
+            Some(&*"x".repeat(MAX_REQUEST_ID_LEN + 1)),
+            Some("a\tb"),
+            Some("a b"),
+        ] {
             let (answered, seen) = call(bad).await;
             assert_eq!(answered, seen, "the worker and the client see the same id");
             assert_eq!(answered.len(), 16, "{answered}");
