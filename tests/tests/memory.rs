@@ -407,7 +407,7 @@ async fn connections_announcing_large_bodies_hold_only_what_they_sent() {
     let held = eventually("the gateway to read what was sent", || async {
         let status = gw.json("/v1/status").await;
         let rss = rss_bytes(gw.pid());
-        let refused = metric(&gw, "warmgate_buffered_body_refusals_total").await;
+        let refused = gw.metric("warmgate_buffered_body_refusals_total").await;
         (refused > 0.0).then_some((rss, status))
     })
     .await;
@@ -422,20 +422,4 @@ async fn connections_announcing_large_bodies_hold_only_what_they_sent() {
         held.0.saturating_sub(before) / MIB as u64
     );
     drop(sending);
-}
-
-/// The value of an unlabelled counter in `/metrics`, 0 when absent.
-async fn metric(gw: &Gateway, name: &str) -> f64 {
-    let text = gw
-        .http
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
 }

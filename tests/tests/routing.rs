@@ -192,15 +192,7 @@ async fn a_shared_prefix_goes_back_to_the_engine_that_cached_it() {
         assert!(r["running"].is_u64() && r["waiting"].is_u64(), "{r}");
         assert!(r["age_seconds"].as_f64().is_some_and(|a| a < 2.0), "{r}");
     }
-    let metrics = gw
-        .http
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = gw.metrics_text().await;
     for name in [
         "warmgate_engine_requests_waiting{app=\"llm\"}",
         "warmgate_engine_replicas_read{app=\"llm\"} 3",
