@@ -7,6 +7,7 @@
 pub mod change;
 pub mod cli;
 pub mod error;
+pub mod gate;
 pub mod http;
 pub mod inplace;
 pub mod listener;

@@ -972,36 +972,24 @@ impl Gateway {
         let endpoint = format!("http://{}/apps/{}", self.reach, app.name);
         let run = async {
             if let Some((program, args)) = spec.gate_command.split_first() {
-                let mut cmd = tokio::process::Command::new(program);
-                cmd.args(args)
-                    .env("WARMGATE_EVAL_URL", &endpoint)
-                    .env(
+                // As a worker, not as the gateway: see `crate::gate`. It
+                // gets what the app's workers are given (`env`), and where
+                // to evaluate.
+                let mut vars: Vec<(&str, String)> = whole
+                    .env
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.clone()))
+                    .collect();
+                vars.extend([
+                    ("WARMGATE_EVAL_URL", endpoint.clone()),
+                    (
                         "WARMGATE_EVAL_OPENAI_BASE",
                         format!("http://{}/v1", self.reach),
-                    )
-                    .env("WARMGATE_EVAL_REVISION", rev)
-                    .env("WARMGATE_EVAL_APP", &app.name)
-                    .stdin(std::process::Stdio::null())
-                    .kill_on_drop(true);
-                if let Some(dir) = &self.workdir {
-                    cmd.current_dir(dir);
-                }
-                let out = cmd
-                    .output()
-                    .await
-                    .map_err(|e| format!("cannot run {program}: {e}"))?;
-                if !out.status.success() {
-                    let text = String::from_utf8_lossy(&out.stderr);
-                    let tail: String = text
-                        .chars()
-                        .rev()
-                        .take(300)
-                        .collect::<Vec<_>>()
-                        .into_iter()
-                        .rev()
-                        .collect();
-                    return Err(format!("{program} {}: {}", out.status, tail.trim()));
-                }
+                    ),
+                    ("WARMGATE_EVAL_REVISION", rev.to_string()),
+                    ("WARMGATE_EVAL_APP", app.name.clone()),
+                ]);
+                crate::gate::run(program, args, &vars, self.workdir.as_deref()).await?;
             }
             if let Some(url) = &spec.gate_url {
                 let body = serde_json::json!({
