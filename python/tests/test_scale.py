@@ -94,9 +94,21 @@ def test_the_async_client_holds_256_tasks_in_flight(gw: Gateway) -> None:
             # map with the same bound keeps 256 in flight, in order.
             m = pool.map(({"j": j, "sleep_ms": 50} for j in range(300)), concurrency=256)
             outs = []
-            async for o in m:
-                peak["submitted"] = max(peak["submitted"], m.in_flight)
-                outs.append(o["echo"]["j"])
+
+            async def sample() -> None:
+                # The most the map has had in flight at once, sampled while
+                # it runs (not only when an output is taken, which a busy
+                # machine may reach after many tasks ended).
+                while True:
+                    peak["submitted"] = max(peak["submitted"], m.in_flight)
+                    await asyncio.sleep(0.005)
+
+            sampler = asyncio.create_task(sample())
+            try:
+                async for o in m:
+                    outs.append(o["echo"]["j"])
+            finally:
+                sampler.cancel()
             assert outs == list(range(300))
             # The rest of the API mirrors the blocking client.
             assert [p["name"] for p in await client.pools()] == ["rollouts", "wide"]

@@ -231,11 +231,19 @@ class Settings:
         return {"authorization": f"Bearer {secret}"} if secret else {}
 
 
+#: Seconds an idle connection is kept for reuse. The gateway closes a
+#: connection idle for ``limits.header_read_timeout`` (30 s by default); a
+#: client that kept it as long would, now and then, send a request on a
+#: connection the gateway is closing and get "Server disconnected without
+#: sending a response" (seen once in CI at 30 s against 30 s).
+KEEPALIVE_EXPIRY = 10.0
+
+
 def limits(max_connections: int) -> httpx.Limits:
     return httpx.Limits(
         max_connections=max_connections,
         max_keepalive_connections=max_connections,
-        keepalive_expiry=30.0,
+        keepalive_expiry=KEEPALIVE_EXPIRY,
     )
 
 
