@@ -73,23 +73,9 @@ impl Prober {
     /// Probes `addr` once, as `health` says.
     pub async fn probe(&self, addr: SocketAddr, health: &HealthSpec) -> ProbeResult {
         let path = health.path.as_str();
-        let uri = format!("http://{addr}{path}");
-        let req = match http::Request::get(uri).body(Empty::new()) {
-            Ok(r) => r,
-            Err(e) => return ProbeResult::Unhealthy(format!("bad probe request: {e}")),
-        };
         let fut = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?;
-            let status = resp.status();
-            let body = Limited::new(resp.into_body(), MAX_HEALTH_BODY)
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
+            let (status, body) = self.get(addr, path, MAX_HEALTH_BODY).await?;
+            let body = body.unwrap_or_default();
             if !health.is_ready(status.as_u16()) {
                 let text = String::from_utf8_lossy(&body[..body.len().min(200)]);
                 let text = text.trim();
@@ -121,30 +107,46 @@ impl Prober {
         path: &str,
         timeout: Duration,
     ) -> Result<crate::engine::EngineLoad, String> {
-        let uri = format!("http://{addr}{path}");
-        let req = http::Request::get(uri)
-            .body(Empty::new())
-            .map_err(|e| format!("bad metrics request: {e}"))?;
         let fut = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?;
-            let status = resp.status();
+            let (status, body) = self.get(addr, path, MAX_METRICS_BODY).await?;
             if !status.is_success() {
                 return Err(format!("GET {path} answered {status}"));
             }
-            let body = Limited::new(resp.into_body(), MAX_METRICS_BODY)
-                .collect()
-                .await
-                .map_err(|e| format!("GET {path}: {e}"))?
-                .to_bytes();
+            let body = body.ok_or_else(|| {
+                format!("GET {path}: the answer broke off or passed {MAX_METRICS_BODY} bytes")
+            })?;
             Ok(crate::engine::parse(&String::from_utf8_lossy(&body)))
         };
         tokio::time::timeout(timeout, fut)
             .await
             .map_err(|_| format!("GET {path} took over {timeout:?}"))?
+    }
+}
+
+impl Prober {
+    /// One `GET path` at `addr`: its status, and its body when it came
+    /// whole within `limit` bytes (`None` otherwise).
+    async fn get(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        limit: usize,
+    ) -> Result<(http::StatusCode, Option<Bytes>), String> {
+        let req = http::Request::get(format!("http://{addr}{path}"))
+            .body(Empty::new())
+            .map_err(|e| format!("bad request for {path}: {e}"))?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), limit)
+            .collect()
+            .await
+            .ok()
+            .map(|c| c.to_bytes());
+        Ok((status, body))
     }
 }
 
