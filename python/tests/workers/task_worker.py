@@ -5,6 +5,7 @@
 checkpoint's tensor ``w``), after:
 
 * ``sleep_ms``: sleeping that long;
+* ``wait_for``: waiting (60 s at most) until that file exists;
 * ``fail``: failing in user code (500, which spends a retry);
 * ``big``: answering that many bytes of padding besides.
 
@@ -32,6 +33,10 @@ class TaskWorker(Worker):
         p = payload if isinstance(payload, dict) else {}
         if p.get("sleep_ms"):
             time.sleep(float(p["sleep_ms"]) / 1000)
+        if p.get("wait_for"):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(p["wait_for"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if p.get("fail"):
             raise RuntimeError("asked to fail")
         out = {
