@@ -135,8 +135,8 @@ impl Weights {
         let bad = |e: warmgate_pool::Error| {
             ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}"))
         };
-        self.allowed.check(uri, &self.base).map_err(bad)?;
-        Source::open(uri, &self.base).map_err(bad)
+        let limit = self.allowed.check(uri, &self.base).map_err(bad)?;
+        Source::open_within(uri, &self.base, limit).map_err(bad)
     }
 
     /// Serves `source` as the checkpoint of `target` at `revision`.

@@ -316,3 +316,89 @@ async fn each_replica_has_its_own_weights_token_which_ends_with_it() {
     let (status, body) = get(&gw, manifest, Some(&tokens[1])).await;
     assert_eq!(status, 200, "the live replica's token still reads: {body}");
 }
+
+/// The attack of issue 40: a checkpoint folder swapped for a symlink to
+/// elsewhere after it was checked, and symlinks planted in it after it was
+/// listed. The gateway keeps reading the folder it checked, from the
+/// descriptor it holds, and serves nothing outside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_swapped_for_a_symlink_or_given_one_later_serves_nothing_outside() {
+    let root = tempfile::tempdir().expect("dir");
+    let ck = root.path().join("ck");
+    let v6 = checkpoint(&ck, "v6");
+    std::fs::write(ck.join("v6/extra.bin"), "extra").expect("write");
+    let secret = root.path().join("secret");
+    std::fs::create_dir_all(&secret).expect("mkdir");
+    std::fs::write(secret.join("shadow"), "root:SECRET-HASH").expect("write");
+    std::fs::write(secret.join("model.bin"), "SECRET-MODEL").expect("write");
+    // No replica reads the checkpoint: its listing is made on first read,
+    // after the swap.
+    let gw = Gateway::start_with(
+        &format!(
+            r#"
+            [[apps]]
+            name = "m"
+            command = ["{{worker}}"]
+            checkpoint = "{v6}"
+            [apps.autoscale]
+            min = 0
+            "#
+        ),
+        &[],
+        &[("WARMGATE_ADMIN_TOKEN", ADMIN)],
+    );
+    let v6_dir = ck.join("v6");
+    std::fs::rename(&v6_dir, ck.join("v6.real")).expect("mv");
+    std::os::unix::fs::symlink(&secret, &v6_dir).expect("ln -s");
+    let manifest = "/v1/weights/m/m-00001";
+    let (status, body) = get(&gw, manifest, Some(ADMIN)).await;
+    assert_eq!(status, 200, "{body}");
+    let names: Vec<&str> = body["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["extra.bin", "model.bin"],
+        "the swapped-in folder is listed: {body}"
+    );
+    let read = |name: &'static str| {
+        let gw = &gw;
+        async move {
+            let r = gw
+                .http
+                .get(gw.at(&format!("{manifest}/{name}")))
+                .bearer_auth(ADMIN)
+                .send()
+                .await
+                .expect("send");
+            let status = r.status().as_u16();
+            match r.text().await {
+                Ok(text) => (status, text),
+                // The body ended with an error, never a clean end.
+                Err(e) => (0, format!("the body failed: {e}")),
+            }
+        }
+    };
+    let (status, text) = read("model.bin").await;
+    assert_eq!((status, text.as_str()), (200, "v6".repeat(100).as_str()));
+    let (status, text) = read("shadow").await;
+    assert_eq!(status, 404, "{text}");
+    // A symlink planted in the checked folder after listing, and a listed
+    // file not read yet replaced by one: neither leads out. (A file read
+    // once is served from the cache's verified copy.)
+    let real = ck.join("v6.real");
+    std::os::unix::fs::symlink(secret.join("shadow"), real.join("late.bin")).expect("ln -s");
+    let (status, text) = read("late.bin").await;
+    assert_eq!(status, 404, "{text}");
+    std::fs::remove_file(real.join("extra.bin")).expect("rm");
+    std::os::unix::fs::symlink(secret.join("model.bin"), real.join("extra.bin")).expect("ln -s");
+    let (status, text) = read("extra.bin").await;
+    assert!(!text.contains("SECRET"), "{status}: {text}");
+    assert!(
+        status == 0 || status >= 400,
+        "a replaced file is refused: {status} {text}"
+    );
+}

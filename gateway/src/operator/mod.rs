@@ -113,7 +113,7 @@ pub fn config_from(
     let uri_allowed = |key: &str, uri: Option<&String>| match uri {
         Some(uri) => allowed
             .check(uri, &base_dir)
-            .and_then(|()| warmgate_pool::weights::Source::open(uri, &base_dir).map(drop))
+            .and_then(|_| warmgate_pool::weights::Source::open(uri, &base_dir).map(drop))
             .map_err(|e| (key.to_string(), e.to_string())),
         None => Ok(()),
     };

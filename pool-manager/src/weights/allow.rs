@@ -58,7 +58,10 @@ impl AllowList {
 
     /// Ok when `uri` (a relative `file://` one resolved against `base`)
     /// lies under one of the prefixes; checked before anything is opened.
-    pub fn check(&self, uri: &str, base: &Path) -> Result<()> {
+    /// For a `file://` URI, the path of the prefix it lies under, which
+    /// the opened root must stay under too
+    /// ([`Source::open_within`](super::Source::open_within)).
+    pub fn check(&self, uri: &str, base: &Path) -> Result<Option<PathBuf>> {
         let url = resolve(uri, base)?;
         let segs = segments(&url, uri)?;
         let refused = || Error::Weights {
@@ -100,8 +103,9 @@ impl AllowList {
                     ),
                 });
             }
+            return Ok(Some(root));
         }
-        Ok(())
+        Ok(None)
     }
 }
 

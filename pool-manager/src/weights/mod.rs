@@ -16,6 +16,7 @@ mod allow;
 mod cache;
 pub mod fanout;
 pub mod header;
+pub mod local_tree;
 mod pull;
 mod recycle;
 mod source;

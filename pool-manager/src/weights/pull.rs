@@ -42,6 +42,8 @@ pub struct PullReport {
 
 /// The objects of a checkpoint: every object under the prefix, or the one
 /// object the URI names.
+///
+/// [`LocalTree`]: super::local_tree::LocalTree
 pub async fn plan(src: &Source) -> Result<Vec<PullItem>> {
     let objects = match src.list().await {
         Ok(objects) => objects,
@@ -51,20 +53,9 @@ pub async fn plan(src: &Source) -> Result<Vec<PullItem>> {
         },
     };
     let base = src.path_str().trim_end_matches('/').to_string();
-    // The local store follows symlinks; one that leads out of the
-    // checkpoint is neither listed nor served.
-    let root = src.local_path().and_then(|p| std::fs::canonicalize(p).ok());
+    // A local checkpoint lists only what lies inside it ([`LocalTree`]).
     objects
         .into_iter()
-        .filter(|meta| {
-            let Some(root) = &root else { return true };
-            let path = PathBuf::from(format!("/{}", meta.location.as_ref()));
-            let inside = std::fs::canonicalize(&path).is_ok_and(|real| real.starts_with(root));
-            if !inside {
-                tracing::warn!(uri = %src.uri(), file = %path.display(), "skipping a file that resolves outside the checkpoint");
-            }
-            inside
-        })
         .map(|meta| {
             let loc = meta.location.as_ref();
             let rel = loc

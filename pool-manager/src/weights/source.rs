@@ -10,6 +10,7 @@ use object_store::{GetOptions, GetResultPayload, ObjectMeta, ObjectStore, Object
 use safetensors::Dtype;
 
 use super::header::{self, Header, LEN_PREFIX, MAX_HEADER_BYTES};
+use super::local_tree::{LocalTree, TreeStore};
 use super::recycle::Recycler;
 use crate::{Error, Result};
 
@@ -72,8 +73,8 @@ pub struct Source {
     store: Arc<dyn ObjectStore>,
     path: Path,
     uri: String,
-    /// Whether the store is the local file system (rooted at `/`).
-    local: bool,
+    /// The checkpoint on this machine, held open, for a `file://` source.
+    tree: Option<Arc<LocalTree>>,
 }
 
 /// A checkpoint URI as the store will see it: a relative `file://` path
@@ -99,23 +100,34 @@ impl Source {
     /// endpoints come from the environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
     /// A relative `file://` path is resolved against `base`.
     pub fn open(uri: &str, base: &std::path::Path) -> Result<Source> {
+        Source::open_within(uri, base, None)
+    }
+
+    /// Opens a URI that [`AllowList::check`](super::AllowList::check)
+    /// passed: a `file://` checkpoint's root is opened now (or at first
+    /// read when it does not exist yet) and must then really lie under
+    /// `limit`, the allowed prefix's path; every file is then read from
+    /// that open root ([`LocalTree`]).
+    pub fn open_within(
+        uri: &str,
+        base: &std::path::Path,
+        limit: Option<std::path::PathBuf>,
+    ) -> Result<Source> {
         let bad = |reason: String| Error::Weights {
             uri: uri.to_string(),
             reason,
         };
         let url = resolve(uri, base)?;
         if url.scheme() == "file" {
-            // object_store's local store refuses paths that do not exist yet;
-            // a missing checkpoint is reported on first read instead.
+            // A missing checkpoint is reported on first read.
             let path = url
                 .to_file_path()
                 .map_err(|_| bad("not a valid local path".into()))?;
-            let store = object_store::local::LocalFileSystem::new();
-            let location = Path::from_filesystem_path(&path)
-                .or_else(|_| Path::parse(path.to_string_lossy().trim_start_matches('/')))
+            let location = Path::parse(path.to_string_lossy().trim_start_matches('/'))
                 .map_err(|e| bad(e.to_string()))?;
-            let mut src = Source::new(Arc::new(store), location, uri);
-            src.local = true;
+            let tree = Arc::new(LocalTree::new(uri, path, limit));
+            let mut src = Source::new(Arc::new(TreeStore(tree.clone())), location, uri);
+            src.tree = Some(tree);
             return Ok(src);
         }
         let mut options: Vec<(String, String)> = std::env::vars()
@@ -137,15 +149,15 @@ impl Source {
             store,
             path,
             uri: uri.into(),
-            local: false,
+            tree: None,
         }
     }
 
-    /// Where the object (or prefix) is on this machine's file system, for
-    /// a `file://` source.
+    /// Where the object is on this machine's file system, for a file of a
+    /// `file://` checkpoint whose name still leads to the file that was
+    /// listed there.
     pub fn local_path(&self) -> Option<std::path::PathBuf> {
-        self.local
-            .then(|| std::path::PathBuf::from(format!("/{}", self.path.as_ref())))
+        self.tree.as_ref()?.verified_path(&self.path)
     }
 
     /// The URI, for messages.
@@ -175,7 +187,7 @@ impl Source {
             store: self.store.clone(),
             path: location.clone(),
             uri,
-            local: self.local,
+            tree: self.tree.clone(),
         }
     }
 
