@@ -423,3 +423,103 @@ async fn connections_announcing_large_bodies_hold_only_what_they_sent() {
     );
     drop(sending);
 }
+
+/// The attack of issue 40: team-b's flood of large async results pushed
+/// out team-a's one unread result, which then read back as dropped "by a
+/// restart". Results are now shared fairly between tenants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_s_flood_of_results_leaves_another_s_unread_result() {
+    const BUDGET: usize = 16 * MIB;
+    const KEY_A: &str = "wg-team-a-key-results-5c1e";
+    const KEY_B: &str = "wg-team-b-key-results-93fa";
+    let gw = Gateway::start_with(
+        &format!(
+            r#"
+            [limits]
+            max_task_results_bytes = {BUDGET}
+            [[pools]]
+            name = "p"
+            command = ["{{worker}}"]
+            replicas = [1, 1]
+            concurrency = 4
+            [[tenants]]
+            name = "team-a"
+            api_key_env = "TEST_RESULTS_KEY_A"
+            [[tenants]]
+            name = "team-b"
+            api_key_env = "TEST_RESULTS_KEY_B"
+            "#
+        ),
+        &[],
+        &[("TEST_RESULTS_KEY_A", KEY_A), ("TEST_RESULTS_KEY_B", KEY_B)],
+    );
+    eventually("the pool's replica is ready", || async {
+        let s = gw.json("/v1/status").await;
+        (s["pools"][0]["ready"].as_u64() == Some(1)).then_some(())
+    })
+    .await;
+    let submit = async |key: &str, n: usize, bytes: usize| {
+        let r = gw
+            .http
+            .post(gw.at("/v1/pools/p/tasks?async=true"))
+            .bearer_auth(key)
+            .json(&json!({"input": {"n": n, "pad": "x".repeat(bytes)}}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 202);
+        let body: Value = r.json().await.expect("json");
+        body["id"].as_str().expect("id").to_string()
+    };
+    let read = async |key: &str, id: &str| -> Value {
+        gw.http
+            .get(gw.at(&format!("/v1/tasks/{id}")))
+            .bearer_auth(key)
+            .send()
+            .await
+            .expect("get")
+            .json()
+            .await
+            .expect("json")
+    };
+    let ended = async |key: &str, id: &str| {
+        let t = eventually("the task ends", || async {
+            let t = read(key, id).await;
+            (t["state"] == "succeeded" || t["state"] == "failed" || t["error"].is_object())
+                .then_some(t)
+        })
+        .await;
+        assert_eq!(t["state"], "succeeded", "{t}");
+    };
+    // team-a: one 1.5 MiB result, left unread (the test worker takes
+    // bodies of 2 MB at most).
+    let size = 3 * MIB / 2;
+    let a = submit(KEY_A, 0, size).await;
+    ended(KEY_A, &a).await;
+    // team-b: 20 results of 1.5 MiB, 30 MiB against a 16 MiB budget.
+    let mut b = Vec::new();
+    for i in 0..20 {
+        let id = submit(KEY_B, i, size).await;
+        ended(KEY_B, &id).await;
+        b.push(id);
+    }
+    let kept = read(KEY_A, &a).await;
+    assert_eq!(kept["state"], "succeeded");
+    assert_eq!(
+        kept["output"]["echo"]["pad"].as_str().map(str::len),
+        Some(size),
+        "team-a's result was dropped: {}",
+        kept.get("output_dropped").unwrap_or(&Value::Null)
+    );
+    // team-b's own oldest went, and says why, truthfully.
+    let oldest = read(KEY_B, &b[0]).await;
+    assert!(oldest["output"].is_null(), "{}", oldest["state"]);
+    assert_eq!(oldest["output_dropped_cause"], "result_budget", "{oldest}");
+    let why = oldest["output_dropped"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("max_task_results_bytes") && !why.contains("restart"),
+        "{why}"
+    );
+    let newest = read(KEY_B, &b[19]).await;
+    assert_eq!(newest["output"]["echo"]["n"], 19);
+}

@@ -5,7 +5,10 @@
 //! `GET /v1/tasks/{id}` reads ended tasks back from the journal.
 //!
 //! The journal is bounded in rows and in bytes (`limits.max_journal_bytes`):
-//! the oldest rows are pruned past either.
+//! the oldest rows are pruned past the row bound, and past the byte bound
+//! the bytes are shared fairly between owners (tenants): the rows pruned
+//! are the oldest of the owners that hold the most, so one tenant's flood
+//! does not push out another's results.
 //!
 //! One writer thread owns the write connection and commits whatever is
 //! waiting in one transaction (group commit), so a burst of submissions
@@ -40,7 +43,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     owner TEXT,
     state TEXT NOT NULL,
     at REAL NOT NULL,
-    body TEXT NOT NULL
+    body TEXT NOT NULL,
+    run TEXT
 );
 CREATE INDEX IF NOT EXISTS tasks_by_time ON tasks (at);
 ";
@@ -58,6 +62,9 @@ enum Op {
 /// The journal: a writer thread and a read connection.
 pub struct Journal {
     tx: SyncSender<Op>,
+    /// This run of the gateway: a row written by another run was read
+    /// back after a restart.
+    run: Arc<str>,
     read: Arc<Mutex<Connection>>,
     /// Reads waiting for the one read connection: a flood of lookups of
     /// unknown ids waits here, not in the blocking pool that replica logs
@@ -83,17 +90,21 @@ impl Journal {
     pub fn open(path: &Path, max_bytes: u64) -> rusqlite::Result<(Journal, Recovered)> {
         let write = connect(path)?;
         write.execute_batch(SCHEMA)?;
+        add_run_column(&write)?;
+        let run: Arc<str> = Arc::from(run_id().as_str());
+        let writer_run = run.clone();
         let failed = fail_unfinished(&write)?;
         prune(&write, max_bytes)?;
         let read = connect(path)?;
         let (tx, rx) = sync_channel(CAPACITY);
         std::thread::Builder::new()
             .name("task-journal".into())
-            .spawn(move || writer(write, rx, max_bytes))
+            .spawn(move || writer(write, rx, max_bytes, &writer_run))
             .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
         Ok((
             Journal {
                 tx,
+                run,
                 read: Arc::new(Mutex::new(read)),
                 readers: tokio::sync::Semaphore::new(READERS),
             },
@@ -136,7 +147,7 @@ impl Journal {
 
     /// A journaled task, as `GET /v1/tasks/{id}` shows it, and its owner.
     pub fn get(&self, id: &str) -> Option<(Value, Option<String>)> {
-        read_task(&self.read, id)
+        read_task(&self.read, id, &self.run)
     }
 
     /// [`Journal::get`] on the blocking pool: a read that waits on the
@@ -144,27 +155,72 @@ impl Journal {
     /// and the requests on it.
     pub async fn find(&self, id: &str) -> Option<(Value, Option<String>)> {
         let _turn = self.readers.acquire().await.ok()?;
-        let (read, id) = (self.read.clone(), id.to_string());
-        tokio::task::spawn_blocking(move || read_task(&read, &id))
+        let (read, id, run) = (self.read.clone(), id.to_string(), self.run.clone());
+        tokio::task::spawn_blocking(move || read_task(&read, &id, &run))
             .await
             .ok()
             .flatten()
     }
 }
 
-fn read_task(read: &Mutex<Connection>, id: &str) -> Option<(Value, Option<String>)> {
+fn read_task(read: &Mutex<Connection>, id: &str, run: &str) -> Option<(Value, Option<String>)> {
     let conn = read.lock();
-    let row: Option<(String, Option<String>)> = conn
+    let row: Option<(String, Option<String>, Option<String>)> = conn
         .query_row(
-            "SELECT body, owner FROM tasks WHERE id = ?1",
+            "SELECT body, owner, run FROM tasks WHERE id = ?1",
             params![id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .optional()
         .ok()
         .flatten();
-    let (body, owner) = row?;
-    serde_json::from_str(&body).ok().map(|v| (v, owner))
+    let (body, owner, written_by) = row?;
+    let mut v: Value = serde_json::from_str(&body).ok()?;
+    if v.get("output_dropped").is_some() {
+        // Say truthfully why the output is not here: the same run dropped
+        // its copy in memory to keep within the result budget; another
+        // run means the gateway restarted.
+        let restarted = written_by.as_deref() != Some(run);
+        let (cause, why) = if restarted {
+            (
+                "gateway_restarted",
+                format!(
+                    "the output was larger than {MAX_KEPT_OUTPUT} bytes, which the journal does not keep, and the gateway restarted since the task ended"
+                ),
+            )
+        } else {
+            (
+                "result_budget",
+                format!(
+                    "the output was larger than {MAX_KEPT_OUTPUT} bytes, which the journal does not keep, and its copy in memory was dropped to keep finished results within limits.max_task_results_bytes (the owner's fair share of it)"
+                ),
+            )
+        };
+        v["output_dropped"] = Value::String(why);
+        v["output_dropped_cause"] = Value::String(cause.into());
+    }
+    Some((v, owner))
+}
+
+/// Adds the `run` column to a journal made before it existed.
+fn add_run_column(conn: &Connection) -> rusqlite::Result<()> {
+    let has: bool = conn
+        .prepare("SELECT 1 FROM pragma_table_info('tasks') WHERE name = 'run'")?
+        .exists([])?;
+    if !has {
+        conn.execute_batch("ALTER TABLE tasks ADD COLUMN run TEXT")?;
+    }
+    Ok(())
+}
+
+/// 16 random bytes in hex, naming this run.
+fn run_id() -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        // Distinct enough from any earlier run.
+        return format!("t{}", now());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn connect(path: &Path) -> rusqlite::Result<Connection> {
@@ -203,8 +259,9 @@ fn body_of(record: &TaskRecord) -> String {
     let mut small = record.clone();
     small.output = None;
     let mut v = serde_json::to_value(&small).unwrap_or(Value::Null);
+    // Read back, this says why the output is missing (`read_task`).
     v["output_dropped"] = Value::String(format!(
-        "the output was larger than {MAX_KEPT_OUTPUT} bytes and was not kept across a restart"
+        "the output was larger than {MAX_KEPT_OUTPUT} bytes and is not journaled"
     ));
     v.to_string()
 }
@@ -233,15 +290,23 @@ fn fail_unfinished(conn: &Connection) -> rusqlite::Result<u64> {
     Ok(rows.len() as u64)
 }
 
-/// Drops the oldest rows past [`KEEP`] rows or `max_bytes` of bodies.
+/// Drops the oldest rows past [`KEEP`] rows, and rows past `max_bytes` of
+/// bodies shared fairly: each row is ranked by the bytes its owner's
+/// newer rows and itself hold (`k`), rows are kept in order of that rank
+/// while they fit, so the rows dropped are the oldest of whichever owners
+/// hold the most (with one owner: its oldest, as before).
 fn prune(conn: &Connection, max_bytes: u64) -> rusqlite::Result<()> {
     conn.execute(
         "DELETE FROM tasks WHERE id IN (SELECT id FROM tasks ORDER BY at DESC LIMIT -1 OFFSET ?1)",
         params![KEEP],
     )?;
     conn.execute(
-        "DELETE FROM tasks WHERE id IN (SELECT id FROM (SELECT id, SUM(length(body)) \
-         OVER (ORDER BY at DESC, rowid DESC ROWS UNBOUNDED PRECEDING) AS kept FROM tasks) WHERE kept > ?1)",
+        "DELETE FROM tasks WHERE id IN (SELECT id FROM ( \
+           SELECT id, SUM(n) OVER (ORDER BY k, at DESC, r DESC ROWS UNBOUNDED PRECEDING) AS kept FROM ( \
+             SELECT id, at, rowid AS r, length(body) AS n, SUM(length(body)) OVER ( \
+               PARTITION BY owner ORDER BY at DESC, rowid DESC ROWS UNBOUNDED PRECEDING) AS k \
+             FROM tasks)) \
+         WHERE kept > ?1)",
         params![i64::try_from(max_bytes).unwrap_or(i64::MAX)],
     )?;
     Ok(())
@@ -257,7 +322,7 @@ fn op_bytes(op: &Op) -> u64 {
     }
 }
 
-fn writer(mut conn: Connection, rx: Receiver<Op>, max_bytes: u64) {
+fn writer(mut conn: Connection, rx: Receiver<Op>, max_bytes: u64, run: &str) {
     let mut since_prune = 0usize;
     let mut bytes_since_prune = 0u64;
     while let Ok(first) = rx.recv() {
@@ -270,7 +335,7 @@ fn writer(mut conn: Connection, rx: Receiver<Op>, max_bytes: u64) {
         }
         since_prune += ops.len();
         bytes_since_prune += ops.iter().map(op_bytes).sum::<u64>();
-        let result = commit(&mut conn, &ops);
+        let result = commit(&mut conn, &ops, run);
         if let Err(e) = &result {
             tracing::error!(error = %e, "the task journal could not commit");
         }
@@ -289,7 +354,7 @@ fn writer(mut conn: Connection, rx: Receiver<Op>, max_bytes: u64) {
     }
 }
 
-fn commit(conn: &mut Connection, ops: &[Op]) -> Result<(), String> {
+fn commit(conn: &mut Connection, ops: &[Op], run: &str) -> Result<(), String> {
     let tx = conn.transaction().map_err(|e| e.to_string())?;
     for op in ops {
         // An end may overtake its accept (a task can end before the
@@ -301,11 +366,11 @@ fn commit(conn: &mut Connection, ops: &[Op]) -> Result<(), String> {
         }
         let (sql, record) = match op {
             Op::Accept { record, .. } => (
-                "INSERT OR IGNORE INTO tasks (id, owner, state, at, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                "INSERT OR IGNORE INTO tasks (id, owner, state, at, body, run) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 record,
             ),
             Op::End(record) => (
-                "INSERT OR REPLACE INTO tasks (id, owner, state, at, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                "INSERT OR REPLACE INTO tasks (id, owner, state, at, body, run) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 record,
             ),
             Op::Forget(_) => continue,
@@ -317,7 +382,8 @@ fn commit(conn: &mut Connection, ops: &[Op]) -> Result<(), String> {
                 record.owner,
                 state_name(record.state),
                 now(),
-                body_of(record)
+                body_of(record),
+                run
             ],
         )
         .map_err(|e| e.to_string())?;
@@ -404,5 +470,79 @@ mod tests {
         assert!(rows < 100, "{rows} rows, {bytes} bytes");
         assert!(j.get("t99").is_some(), "the newest is kept");
         assert!(j.get("t0").is_none(), "the oldest went first");
+    }
+
+    #[tokio::test]
+    async fn one_owner_s_flood_prunes_its_own_rows_before_another_s() {
+        const MAX: u64 = 40_000;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        let (j, _) = Journal::open(&path, MAX).expect("open");
+        let out = |n: usize| {
+            crate::tasks::record::Output::parse(format!("\"{}\"", "x".repeat(n)).as_bytes())
+                .expect("json")
+        };
+        let mut a = record("a-1", TaskState::Succeeded);
+        a.output = Some(out(2_000));
+        j.end(&a);
+        for i in 0..200 {
+            let mut r = record(&format!("b-{i}"), TaskState::Succeeded);
+            r.owner = Some("beta".into());
+            r.output = Some(out(1_000));
+            j.end(&r);
+        }
+        for id in ["sync-1", "sync-2"] {
+            j.accept(&record(id, TaskState::Pending))
+                .await
+                .expect("accept");
+        }
+        assert!(
+            j.get("a-1").is_some(),
+            "alpha's one result survived beta's flood"
+        );
+        assert!(j.get("b-199").is_some() && j.get("b-0").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_dropped_output_says_whether_the_budget_or_a_restart_dropped_it() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        let big = format!("\"{}\"", "x".repeat(MAX_KEPT_OUTPUT + 1));
+        {
+            let (j, _) = Journal::open(&path, u64::MAX).expect("open");
+            let mut r = record("big", TaskState::Succeeded);
+            r.output = Some(crate::tasks::record::Output::parse(big.as_bytes()).expect("json"));
+            j.end(&r);
+            j.accept(&record("sync", TaskState::Pending))
+                .await
+                .expect("accept");
+            let (v, _) = j.get("big").expect("big");
+            assert!(v["output"].is_null());
+            assert_eq!(v["output_dropped_cause"], "result_budget", "{v}");
+            assert!(
+                !v["output_dropped"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("restarted")
+            );
+        }
+        let (j, _) = Journal::open(&path, u64::MAX).expect("reopen");
+        let (v, _) = j.get("big").expect("big");
+        assert_eq!(v["output_dropped_cause"], "gateway_restarted", "{v}");
+    }
+
+    #[test]
+    fn a_journal_made_before_the_run_column_gains_it() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        let conn = connect(&path).expect("connect");
+        conn.execute_batch(
+            "CREATE TABLE tasks (id TEXT PRIMARY KEY, owner TEXT, state TEXT NOT NULL, at REAL NOT NULL, body TEXT NOT NULL);
+             INSERT INTO tasks VALUES ('old', NULL, 'succeeded', 1.0, '{\"id\":\"old\",\"state\":\"succeeded\"}');",
+        )
+        .expect("old schema");
+        drop(conn);
+        let (j, _) = Journal::open(&path, u64::MAX).expect("open");
+        assert_eq!(j.get("old").expect("old").0["state"], "succeeded");
     }
 }

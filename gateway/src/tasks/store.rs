@@ -35,7 +35,10 @@ impl Default for StoreLimits {
 /// Every task the gateway knows, bounded in count and in bytes. A task
 /// submitted without `?async=true` (one task or a batch) is forgotten once
 /// its outcome is handed to its waiter; finished async tasks are kept
-/// within `limits.max_task_results_bytes`, oldest dropped first.
+/// within `limits.max_task_results_bytes`, shared fairly between their
+/// owners (tenants): when the budget is full, the oldest result of the
+/// owner that holds the most goes first, so one tenant's flood of large
+/// results drops its own before anyone else's.
 #[derive(Default)]
 pub struct TaskStore {
     inner: Mutex<StoreInner>,
@@ -48,9 +51,59 @@ pub struct TaskStore {
 #[derive(Default)]
 struct StoreInner {
     records: HashMap<String, TaskRecord>,
-    /// Finished async tasks, oldest first, with the bytes each holds.
-    finished: VecDeque<(String, u64)>,
+    /// Finished async tasks by owner (`None`: no tenant).
+    finished: HashMap<Option<String>, Finished>,
+    /// Over every owner.
     finished_bytes: u64,
+    finished_count: usize,
+}
+
+/// One owner's finished async tasks, oldest first, with the bytes each
+/// holds.
+#[derive(Default)]
+struct Finished {
+    queue: VecDeque<(String, u64)>,
+    bytes: u64,
+}
+
+impl StoreInner {
+    /// Drops the oldest finished result of the owner holding the most
+    /// (bytes, or count when only the count is over), until both bounds
+    /// hold. Returns how many were dropped.
+    fn evict(&mut self, max_bytes: u64) -> u64 {
+        let mut evicted = 0;
+        while self.finished_count > MAX_FINISHED || self.finished_bytes > max_bytes {
+            let by_count = self.finished_bytes <= max_bytes;
+            let heaviest = self
+                .finished
+                .iter()
+                .max_by_key(|(_, f)| {
+                    if by_count {
+                        f.queue.len() as u64
+                    } else {
+                        f.bytes
+                    }
+                })
+                .map(|(owner, _)| owner.clone());
+            let Some(owner) = heaviest else { break };
+            let Some(f) = self.finished.get_mut(&owner) else {
+                break;
+            };
+            let Some((old, n)) = f.queue.pop_front() else {
+                self.finished.remove(&owner);
+                continue;
+            };
+            f.bytes -= n;
+            if f.queue.is_empty() {
+                self.finished.remove(&owner);
+            }
+            self.records.remove(&old);
+            self.finished_bytes -= n;
+            self.finished_count -= 1;
+            evicted += 1;
+        }
+        evicted
+    }
 }
 
 /// A live task's share of `limits.max_pending_task_bytes`, given back when
@@ -145,19 +198,12 @@ impl TaskStore {
             s.records.remove(id);
         } else if ended {
             let bytes = record_bytes(&out);
-            s.finished.push_back((id.to_string(), bytes));
+            let mine = s.finished.entry(out.owner.clone()).or_default();
+            mine.queue.push_back((id.to_string(), bytes));
+            mine.bytes += bytes;
             s.finished_bytes += bytes;
-            let mut evicted = 0u64;
-            while s.finished.len() > MAX_FINISHED
-                || s.finished_bytes > self.limits.max_results_bytes
-            {
-                let Some((old, n)) = s.finished.pop_front() else {
-                    break;
-                };
-                s.records.remove(&old);
-                s.finished_bytes -= n;
-                evicted += 1;
-            }
+            s.finished_count += 1;
+            let evicted = s.evict(self.limits.max_results_bytes);
             if evicted > 0 {
                 metrics::counter!("warmgate_task_results_evicted_total").increment(evicted);
             }
@@ -170,5 +216,73 @@ impl TaskStore {
             j.end(&out);
         }
         Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finish(store: &TaskStore, id: &str, owner: Option<&str>, output_bytes: usize) {
+        store.insert(TaskRecord {
+            id: id.to_string(),
+            pool: "p".into(),
+            state: TaskState::Running,
+            output: None,
+            error: None,
+            attempts: 1,
+            replica: None,
+            weights_version: None,
+            owner: owner.map(str::to_string),
+            durable: true,
+        });
+        let text = format!("\"{}\"", "x".repeat(output_bytes));
+        let output = super::super::record::Output::parse(text.as_bytes()).expect("json");
+        store.update(id, |r| {
+            r.state = TaskState::Succeeded;
+            r.output = Some(output);
+        });
+    }
+
+    #[test]
+    fn one_tenant_s_flood_of_large_results_drops_its_own_first() {
+        const MIB: usize = 1 << 20;
+        let store = TaskStore::new(StoreLimits {
+            max_pending_bytes: u64::MAX,
+            max_results_bytes: 64 * MIB as u64,
+        });
+        finish(&store, "a-1", Some("team-a"), 2 * MIB);
+        for i in 0..20 {
+            finish(&store, &format!("b-{i}"), Some("team-b"), 4 * MIB);
+        }
+        assert!(store.get("a-1").is_some_and(|r| r.output.is_some()));
+        // team-b kept what fits beside team-a's share, newest first.
+        assert!(store.get("b-19").is_some() && store.get("b-0").is_none());
+        let s = store.inner.lock();
+        assert!(s.finished_bytes <= 64 * MIB as u64);
+        assert_eq!(
+            s.finished_count,
+            s.finished.values().map(|f| f.queue.len()).sum::<usize>()
+        );
+    }
+
+    #[test]
+    fn with_one_owner_the_oldest_goes_first_as_before() {
+        let store = TaskStore::new(StoreLimits {
+            max_pending_bytes: u64::MAX,
+            max_results_bytes: 10_000,
+        });
+        for i in 0..10 {
+            finish(&store, &format!("t-{i}"), None, 3_000);
+        }
+        let kept: Vec<bool> = (0..10)
+            .map(|i| store.get(&format!("t-{i}")).is_some())
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                false, false, false, false, false, false, false, true, true, true
+            ]
+        );
     }
 }
