@@ -171,6 +171,42 @@ pub struct Config {
     /// What `warmgate operator` accepts from `ServingApp` and `WarmPool`
     /// resources (ignored by `serve`, whose file is trusted as a whole).
     pub operator: OperatorConfig,
+    /// HTTPS on `listen`: a certificate chain and its key, reloaded on
+    /// SIGHUP. Unset: plain HTTP.
+    pub tls: Option<TlsConfig>,
+    /// Who may reach what: the `Host` names served, and whether
+    /// `/metrics` and `/openapi.json` need the admin token.
+    pub access: AccessConfig,
+}
+
+/// The listener's certificate. Relative paths are resolved against the
+/// config file's folder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM file with the certificate chain, the gateway's own first.
+    pub cert: PathBuf,
+    /// PEM file with its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// Where the gateway also serves plain HTTP for its own workers (their
+    /// weights URL), which hold no CA to trust. Default with the local
+    /// backend: a free port on 127.0.0.1. Needed with the Kubernetes
+    /// backend, whose `advertise` must then name this port.
+    pub worker_listen: Option<SocketAddr>,
+}
+
+/// Who may reach what on the listener.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AccessConfig {
+    /// The names (or IP literals) clients may address the gateway by in
+    /// `Host`, matched without the port and case-insensitively; a request
+    /// naming any other host is refused (`421`). A defence against DNS
+    /// rebinding. Empty (the default): any `Host`.
+    pub allowed_hosts: Vec<String>,
+    /// Serve `/metrics` and `/openapi.json` without the admin token (for a
+    /// scraper that holds none). Off by default: they need it.
+    pub public_metrics: bool,
 }
 
 /// What the operator accepts from cluster resources. Anyone who may edit a
@@ -997,6 +1033,8 @@ impl Default for Config {
             pools: Vec::new(),
             tenants: Vec::new(),
             operator: OperatorConfig::default(),
+            tls: None,
+            access: AccessConfig::default(),
         }
     }
 }
@@ -1083,6 +1121,27 @@ impl Config {
         }
         if self.weights.concurrency == 0 {
             return Err(("weights.concurrency".into(), "must be at least 1".into()));
+        }
+        if self.tls.as_ref().is_some_and(|t| t.worker_listen.is_none())
+            && self.backend.kind == BackendKind::Kubernetes
+        {
+            return Err((
+                "tls.worker_listen".into(),
+                "is needed with the Kubernetes backend: the address (e.g. \"0.0.0.0:8081\") where pods read their weights over plain HTTP, which backend.kubernetes.advertise then names".into(),
+            ));
+        }
+        for (i, h) in self.access.allowed_hosts.iter().enumerate() {
+            let ip6 = h.parse::<std::net::Ipv6Addr>().is_ok();
+            let name = h
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
+            let ok = !h.is_empty() && h.len() <= 253 && (ip6 || name);
+            if !ok {
+                return Err((
+                    format!("access.allowed_hosts[{i}]"),
+                    format!("{h:?} is not a host name or IP address (no port, no scheme)"),
+                ));
+            }
         }
         for (i, p) in self.weights.allowed_prefixes.iter().flatten().enumerate() {
             let scheme_ok = p.split_once("://").is_some_and(|(scheme, rest)| {
@@ -1539,6 +1598,13 @@ impl Config {
     fn resolve_paths(&mut self, base: &Path) {
         if self.state_dir.is_relative() {
             self.state_dir = base.join(&self.state_dir);
+        }
+        if let Some(tls) = &mut self.tls {
+            for p in [&mut tls.cert, &mut tls.key] {
+                if p.is_relative() {
+                    *p = base.join(&*p);
+                }
+            }
         }
         for pool in &mut self.pools {
             pool.resolve_paths(base);

@@ -17,9 +17,9 @@ pub mod store;
 mod target;
 
 pub use config::{
-    AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
+    AccessConfig, AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
     KubeBackendConfig, LimitsConfig, NodeRequirement, OperatorConfig, PodSpec, PoolQueueSpec,
-    PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, Toleration, VolumeSpec,
+    PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, TlsConfig, Toleration, VolumeSpec,
     WeightsConfig, check_dns_label, defaults, parse_size,
 };
 pub use routing::{EngineSpec, RoutingPolicy, RoutingSpec};

@@ -717,3 +717,70 @@ fn the_weights_cache_can_be_a_persistent_volume() {
             .is_some_and(|c| c.claim_name == "models")
     }));
 }
+
+#[test]
+fn a_tls_secret_is_mounted_served_and_workers_keep_a_plain_port() {
+    let mut v = values();
+    v["tls"]["secretName"] = Value::String("gw-cert".into());
+    v["serviceMonitor"]["enabled"] = Value::Bool(true);
+    // The operator's config serves HTTPS from the mounted Secret, and
+    // workers read weights from the plain port the Service names.
+    let cm: ConfigMap = read("configmap.yaml", &v);
+    let toml = cm.data.expect("data")["warmgate.toml"].clone();
+    let mut config =
+        warmgate_deploy::Config::parse(&toml, Path::new("warmgate.toml"), Path::new("/"))
+            .unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    config.backend.kind = warmgate_deploy::BackendKind::Kubernetes;
+    config
+        .validate()
+        .unwrap_or_else(|e| panic!("{e:?}\n{toml}"));
+    let tls = config.tls.as_ref().expect("a [tls] table");
+    assert_eq!(tls.cert, Path::new("/etc/warmgate-tls/tls.crt"));
+    assert_eq!(tls.worker_listen.map(|a| a.port()), Some(8081));
+    assert_eq!(
+        config.backend.kubernetes.advertise.as_deref(),
+        Some("wg.ml.svc:8081")
+    );
+    let dep: Deployment = read("deployment.yaml", &v);
+    let pod = dep.spec.template.spec.expect("pod");
+    let secret = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|vol| vol.name == "tls")
+        .and_then(|vol| vol.secret.as_ref())
+        .and_then(|s| s.secret_name.clone());
+    assert_eq!(secret.as_deref(), Some("gw-cert"));
+    let c = &pod.containers[0];
+    assert!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "tls" && m.mount_path == "/etc/warmgate-tls")
+    );
+    let probe = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref());
+    assert_eq!(probe.and_then(|g| g.scheme.as_deref()), Some("HTTPS"));
+    let svc: Service = read("service.yaml", &v);
+    let ports: Vec<i32> = svc
+        .spec
+        .and_then(|s| s.ports)
+        .unwrap_or_default()
+        .iter()
+        .map(|p| p.port)
+        .collect();
+    assert_eq!(ports, [8080, 8081]);
+    // Without the Secret, none of it.
+    let cm: ConfigMap = read("configmap.yaml", &values());
+    assert!(!cm.data.expect("data")["warmgate.toml"].contains("[tls]"));
+    // And settings may not define [tls] beside the chart's own.
+    let mut bad = v.clone();
+    bad["settings"] = Value::String("[tls]\ncert = \"x\"\nkey = \"y\"\n".into());
+    let err = helm_template(Some("configmap.yaml"), &bad).expect_err("refused");
+    assert!(err.contains("must not define [tls]"), "{err}");
+    // The monitor scrapes with the token over HTTPS.
+    let sm = render("servicemonitor.yaml", &v);
+    assert!(
+        sm.contains("scheme: https") && sm.contains("key: token"),
+        "{sm}"
+    );
+}

@@ -87,7 +87,15 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+    /// A PEM file of CA certificates to trust, besides the system's, when
+    /// the gateway's address is `https://` (a private CA, or a
+    /// self-signed gateway).
+    #[arg(long, global = true, env = "WARMGATE_CACERT", value_name = "FILE")]
+    pub cacert: Option<PathBuf>,
 }
+
+/// The CA file `--cacert` named, for every call this CLI process makes.
+static CACERT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
@@ -325,6 +333,7 @@ pub enum WeightsCommand {
 
 /// Runs a command; returns the process exit code.
 pub fn run(cli: Cli) -> i32 {
+    let _ = CACERT.set(cli.cacert.clone());
     match cli.command {
         Command::Serve {
             config,
@@ -753,8 +762,7 @@ async fn call(
     timeout: Duration,
 ) -> Result<Value, CallError> {
     let url = format!("{}{path}", gateway.trim_end_matches('/'));
-    let client: Client<_, http_body_util::Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
+    let client = http_client(gateway)?;
     let bytes = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
     let mut req = http::Request::builder()
         .method(method)
@@ -784,7 +792,8 @@ async fn call(
         })?
         .map_err(|e| {
             CallError::Unreachable(format!(
-                "cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY): {e}"
+                "cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY): {}",
+                with_causes(&e)
             ))
         })?;
     let status = resp.status();
@@ -810,6 +819,48 @@ async fn call(
         });
     }
     v.ok_or_else(|| CallError::Protocol(format!("{url}: the answer is not JSON")))
+}
+
+/// An error and what caused it, `: `-separated (hyper's client error says
+/// only "client error (Connect)"; the cause says which certificate).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// A client for `gateway`: plain HTTP, or HTTPS trusting the system's
+/// roots and `--cacert`.
+fn http_client(
+    gateway: &str,
+) -> Result<
+    Client<
+        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+        http_body_util::Full<Bytes>,
+    >,
+    CallError,
+> {
+    let https = gateway.starts_with("https://");
+    let cacert = CACERT.get().and_then(Option::as_deref).filter(|_| https);
+    let tls = crate::tls::client_config(cacert, https)
+        .map_err(|e| CallError::Unreachable(format!("--cacert: {e}")))?;
+    let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls);
+    let connector = if https {
+        builder.https_only()
+    } else {
+        builder.https_or_http()
+    }
+    .enable_http1()
+    .build();
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
 }
 
 /// Runs one API call on a small runtime; prints errors; returns the exit

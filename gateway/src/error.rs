@@ -18,6 +18,9 @@ pub enum ErrorKind {
     NotFound,
     /// 405: the route exists but not for this method.
     MethodNotAllowed,
+    /// 421: the request names a `Host` this gateway does not serve
+    /// (`[access] allowed_hosts`).
+    MisdirectedRequest,
     /// 409: the request clashes with the current state (an older weights
     /// version, a sync already running).
     Conflict,
@@ -42,11 +45,12 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, for pre-registering metrics.
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::BadRequest,
         ErrorKind::Unauthorized,
         ErrorKind::NotFound,
         ErrorKind::MethodNotAllowed,
+        ErrorKind::MisdirectedRequest,
         ErrorKind::Conflict,
         ErrorKind::TooLarge,
         ErrorKind::QueueFull,
@@ -65,6 +69,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::MisdirectedRequest => StatusCode::MISDIRECTED_REQUEST,
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::QueueFull | ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
@@ -81,6 +86,7 @@ impl ErrorKind {
             ErrorKind::BadRequest
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed
+            | ErrorKind::MisdirectedRequest
             | ErrorKind::Conflict
             | ErrorKind::TooLarge => "invalid_request_error",
             ErrorKind::Unauthorized => "authentication_error",
@@ -104,6 +110,7 @@ impl ErrorKind {
                 | ErrorKind::Unauthorized
                 | ErrorKind::NotFound
                 | ErrorKind::MethodNotAllowed
+                | ErrorKind::MisdirectedRequest
                 | ErrorKind::TooLarge
                 | ErrorKind::Timeout
         )
@@ -116,6 +123,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::MisdirectedRequest => "misdirected_request",
             ErrorKind::Conflict => "conflict",
             ErrorKind::TooLarge => "too_large",
             ErrorKind::QueueFull => "queue_full",

@@ -26,6 +26,7 @@ pub mod status;
 pub mod tasks;
 pub mod telemetry;
 pub mod tenants;
+pub mod tls;
 pub mod trace;
 pub mod upstream;
 pub mod weights;

@@ -1,6 +1,8 @@
 //! The HTTP/1 accept loop: one task per connection, a bound on open
 //! connections (those over it are answered by one shared task, not one
-//! each), header-read and idle timeouts, and a graceful drain on shutdown.
+//! each), header-read and idle timeouts, TLS when configured (the
+//! handshake bounded by the header-read timeout, in the connection's own
+//! task), and a graceful drain on shutdown.
 //!
 //! axum's own `serve` would do, but it sniffs every connection for HTTP/2
 //! and hides hyper's knobs; serving HTTP/1 directly is measurably cheaper
@@ -65,12 +67,14 @@ impl From<&LimitsConfig> for ConnLimits {
     }
 }
 
-/// Serves `edge` on `listener` until `shutdown` resolves, then stops
-/// accepting and waits for the open connections to finish their requests.
+/// Serves `edge` on `listener` (over TLS when `tls` is given) until
+/// `shutdown` resolves, then stops accepting and waits for the open
+/// connections to finish their requests.
 pub async fn serve(
     listener: TcpListener,
     edge: Edge,
     limits: ConnLimits,
+    tls: Option<Arc<crate::tls::ServerTls>>,
     shutdown: impl Future<Output = ()>,
 ) {
     let graceful = GracefulShutdown::new();
@@ -102,23 +106,36 @@ pub async fn serve(
             continue;
         };
         let edge = edge.clone();
-        let service =
-            hyper::service::service_fn(move |req: http::Request<Incoming>| edge.serve(req));
         // A response the client stops reading ends the connection after
         // `idle_timeout`; hyper's header-read timeout covers slow headers
         // and idle keep-alive connections. Reads are not timed here: a
         // request held in the queue legitimately reads nothing for long.
         let mut io = TimeoutStream::new(stream);
         io.set_write_timeout(Some(limits.idle_timeout));
-        let conn = http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
-            .max_buf_size(MAX_CONNECTION_BUFFER)
-            .serve_connection(TokioIo::new(Box::pin(io)), service);
-        let conn = graceful.watch(conn);
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            match tls {
+                None => serve_connection(Box::pin(io), edge, limits, watcher, peer).await,
+                Some(tls) => {
+                    // The handshake counts toward the header-read timeout:
+                    // a client that opens and says nothing holds a slot no
+                    // longer than one that sends no headers.
+                    let accept = tls.acceptor().accept(Box::pin(io));
+                    match tokio::time::timeout(limits.header_read_timeout, accept).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(Box::pin(stream), edge, limits, watcher, peer).await;
+                        }
+                        Ok(Err(e)) => {
+                            metrics::counter!("warmgate_tls_handshake_failures_total").increment(1);
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        }
+                        Err(_) => {
+                            metrics::counter!("warmgate_tls_handshake_failures_total").increment(1);
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                        }
+                    }
+                }
             }
             drop(permit);
         });
@@ -127,6 +144,28 @@ pub async fn serve(
     drop(refused);
     graceful.shutdown().await;
     let _ = shedder.await;
+}
+
+/// Serves HTTP/1 on one accepted connection until it ends, or until the
+/// gateway drains.
+async fn serve_connection<I>(
+    io: std::pin::Pin<Box<I>>,
+    edge: Edge,
+    limits: ConnLimits,
+    watcher: hyper_util::server::graceful::Watcher,
+    peer: std::net::SocketAddr,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: http::Request<Incoming>| edge.serve(req));
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(MAX_CONNECTION_BUFFER)
+        .serve_connection(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
 }
 
 /// Answers the refused connections sent to it, at most

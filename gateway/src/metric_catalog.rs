@@ -151,6 +151,21 @@ pub const METRICS: &[Metric] = &[
         "Client connections refused at limits.max_connections.",
     ),
     counter(
+        "warmgate_tls_handshake_failures_total",
+        &[],
+        "TLS handshakes that failed or did not finish within limits.header_read_timeout.",
+    ),
+    counter(
+        "warmgate_tls_reloads_total",
+        &["outcome"],
+        "Reloads of the [tls] certificate on SIGHUP: ok, or error (the old pair stays).",
+    ),
+    counter(
+        "warmgate_host_refused_total",
+        &[],
+        "Requests refused because their Host is not in [access] allowed_hosts.",
+    ),
+    counter(
         "warmgate_route_decisions_total",
         &["reason"],
         "Requests routed by prompt or session ([apps.routing]): affinity (to the replica that was sent the longest part of the prompt, or the session before) or home (its rendezvous home under the load bound).",

@@ -35,6 +35,43 @@ impl Drop for Guard {
     }
 }
 
+/// A writer that escapes control characters in one formatted log line
+/// (`\n` as `\\n`, others as `\\xNN`) but for the line's own final
+/// newline. The text formatter writes each event whole, in one call.
+pub struct Escaping<W>(pub W);
+
+impl<W: std::io::Write> std::io::Write for Escaping<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+        if !body.iter().any(|&b| is_control(b)) {
+            self.0.write_all(buf)?;
+            return Ok(buf.len());
+        }
+        let mut out = Vec::with_capacity(buf.len() + 16);
+        for &b in body {
+            match b {
+                b'\n' => out.extend_from_slice(b"\\n"),
+                b'\r' => out.extend_from_slice(b"\\r"),
+                b if is_control(b) => out.extend_from_slice(format!("\\x{b:02x}").as_bytes()),
+                b => out.push(b),
+            }
+        }
+        if body.len() < buf.len() {
+            out.push(b'\n');
+        }
+        self.0.write_all(&out)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+fn is_control(b: u8) -> bool {
+    (b < 0x20 && b != b'\t') || b == 0x7f
+}
+
 /// Installs the global subscriber: `WARMGATE_LOG` filtering (or the usual
 /// `RUST_LOG` when it is unset), text or JSON lines on stderr (coloured
 /// only on a terminal, and never with `NO_COLOR` set), and OTLP export
@@ -52,9 +89,17 @@ pub fn init(format: LogFormat) -> Guard {
             .flatten_event(true)
             .with_writer(std::io::stderr)
             .boxed(),
-        LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_ansi(colour)
+        // Colour goes to a terminal, where a person reads; a log file or a
+        // pipe gets every control character of what the line quotes
+        // escaped, so a newline in a client's or a worker's text cannot
+        // forge a line of its own.
+        LogFormat::Text if colour => tracing_subscriber::fmt::layer()
+            .with_ansi(true)
             .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(false)
+            .with_writer(|| Escaping(std::io::stderr()))
             .boxed(),
     };
     let registry = tracing_subscriber::registry().with(filter).with(lines);
@@ -245,5 +290,25 @@ pub mod otlp {
             );
             assert!(body.windows(8).any(|w| w == b"warmgate"), "service name");
         }
+    }
+}
+
+#[cfg(test)]
+mod escaping_tests {
+    use super::Escaping;
+    use std::io::Write as _;
+
+    #[test]
+    fn a_quoted_newline_or_escape_cannot_forge_a_line() {
+        let mut out = Escaping(Vec::new());
+        out.write_all(b"INFO gate stderr=\"ok\nERROR forged \x1b[31mred\r\"\n")
+            .expect("write");
+        out.write_all(b"INFO plain line\n").expect("write");
+        let text = String::from_utf8(out.0).expect("utf8");
+        assert_eq!(
+            text,
+            "INFO gate stderr=\"ok\\nERROR forged \\x1b[31mred\\r\"\nINFO plain line\n"
+        );
+        assert_eq!(text.lines().count(), 2);
     }
 }

@@ -132,6 +132,7 @@ async fn the_control_plane_needs_the_admin_token() {
     let metrics = gw
         .http
         .get(gw.at("/metrics"))
+        .bearer_auth(gw.admin_token())
         .send()
         .await
         .expect("m")

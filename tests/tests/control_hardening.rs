@@ -384,7 +384,13 @@ async fn a_flood_of_refused_connections_holds_no_descriptor_each() {
         let _ = c.shutdown().await;
     }
     let refused = eventually("the gateway serves again", || async {
-        let r = gw.http.get(gw.at("/metrics")).send().await.ok()?;
+        let r = gw
+            .http
+            .get(gw.at("/metrics"))
+            .bearer_auth(gw.admin_token())
+            .send()
+            .await
+            .ok()?;
         if r.status() != 200 {
             return None;
         }

@@ -226,6 +226,7 @@ async fn api_keys_name_the_tenant_and_its_quotas_hold() {
     let metrics = gw
         .http
         .get(gw.at("/metrics"))
+        .bearer_auth(gw.admin_token())
         .send()
         .await
         .expect("metrics")
@@ -607,6 +608,7 @@ async fn a_replica_that_stalls_mid_answer_gives_up_its_slot_after_the_idle_timeo
     let metrics = gw
         .http
         .get(gw.at("/metrics"))
+        .bearer_auth(gw.admin_token())
         .send()
         .await
         .expect("metrics");

@@ -44,6 +44,7 @@ async fn every_series_has_help_and_is_in_the_catalog() {
         let text = gw
             .http
             .get(gw.at("/metrics"))
+            .bearer_auth(gw.admin_token())
             .send()
             .await
             .ok()?

@@ -28,6 +28,8 @@ use super::{admit_tenant, held};
 pub struct Edge {
     gw: Arc<Gateway>,
     router: Router,
+    /// `[access] allowed_hosts`, when set.
+    hosts: Option<Arc<super::host::AllowedHosts>>,
 }
 
 /// A hot route, recognised.
@@ -40,7 +42,12 @@ impl Edge {
     /// The edge of `gw`: its router and the hot routes beside it.
     pub fn new(gw: Arc<Gateway>) -> Self {
         let router = super::router(gw.clone());
-        Edge { gw, router }
+        let hosts = super::host::AllowedHosts::new(&gw.config().access.allowed_hosts);
+        Edge {
+            gw,
+            router,
+            hosts: (!hosts.is_empty()).then(|| Arc::new(hosts)),
+        }
     }
 
     /// Answers one request.
@@ -49,6 +56,17 @@ impl Edge {
         req: http::Request<Incoming>,
     ) -> impl Future<Output = Result<Response, Infallible>> + Send + use<> {
         let mut req = req.map(Body::new);
+        if let Some(hosts) = &self.hosts
+            && !hosts.admits(&req)
+        {
+            metrics::counter!("warmgate_host_refused_total").increment(1);
+            let refused = ApiError::new(
+                ErrorKind::MisdirectedRequest,
+                "this gateway does not serve the host this request names ([access] allowed_hosts)",
+            )
+            .into_response();
+            return Either::Right(Either::Right(std::future::ready(Ok(refused))));
+        }
         match recognise(&req) {
             Some(route) => {
                 let id = request_id::assign(&mut req);
@@ -58,7 +76,7 @@ impl Edge {
                     id,
                 ))
             }
-            None => Either::Right(self.router.clone().oneshot(req)),
+            None => Either::Right(Either::Left(self.router.clone().oneshot(req))),
         }
     }
 }

@@ -6,6 +6,7 @@
 pub(crate) mod body;
 pub(crate) mod control;
 pub(crate) mod forgery;
+pub(crate) mod host;
 pub(crate) mod hot;
 pub(crate) mod inference;
 pub(crate) mod ops;
@@ -99,6 +100,14 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/apps/{app}/revisions", get(revisions))
         .route("/v1/pools/{pool}/weights", post(sync_weights))
         .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
+    // What scrapers and tools read: behind the admin token unless
+    // `[access] public_metrics`.
+    let mut observe = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi));
+    if !gw.config().access.public_metrics {
+        observe = observe.route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
+    }
     // The data plane: with `[[tenants]]` configured, only callers with an
     // API key get through, each within its tenant's quotas.
     let mut data = MODEL_ROUTES
@@ -122,9 +131,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/ui/", get(dashboard))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .route("/openapi.json", get(openapi))
         .route(crate::peers::PEERS_PATH, post(peer_report))
+        .merge(observe)
         .merge(control)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

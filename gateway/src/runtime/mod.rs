@@ -92,6 +92,34 @@ async fn reload_on_hangup(
     std::future::pending().await
 }
 
+/// On every SIGHUP, reads the listener's certificate and key again; new
+/// connections get the new pair. A pair that does not load changes
+/// nothing and is logged.
+async fn reload_tls_on_hangup(
+    tls: Arc<crate::tls::ServerTls>,
+    hup: std::io::Result<tokio::signal::unix::Signal>,
+) {
+    let mut hup = match hup {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; a renewed certificate needs a restart");
+            return;
+        }
+    };
+    while hup.recv().await.is_some() {
+        match tls.reload() {
+            Ok(()) => {
+                metrics::counter!("warmgate_tls_reloads_total", "outcome" => "ok").increment(1);
+                tracing::info!(cert = %tls.cert_path().display(), "SIGHUP: TLS certificate reloaded");
+            }
+            Err(e) => {
+                metrics::counter!("warmgate_tls_reloads_total", "outcome" => "error").increment(1);
+                tracing::error!(error = %e, "SIGHUP: the TLS certificate does not load; the old one stays");
+            }
+        }
+    }
+}
+
 /// The backend the config names: local processes (after stopping any a
 /// crashed run left), or pods through the kubeconfig or in-cluster
 /// credentials.
@@ -178,25 +206,75 @@ where
         .increment(ORPHANS.load(std::sync::atomic::Ordering::Relaxed));
     let grace = config.backend.stop_grace;
     let conn_limits = crate::listener::ConnLimits::from(&config.limits);
-    let gw = Gateway::with_state(config, backend, metrics, addr, state)?;
+    let tls = match &config.tls {
+        Some(files) => Some(Arc::new(
+            crate::tls::ServerTls::load(files).context("load the TLS certificate")?,
+        )),
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    // Workers hold no CA to trust: with TLS they read their weights over
+    // plain HTTP from a listener of their own (loopback by default).
+    let worker_listener = match &config.tls {
+        Some(t) => {
+            let at = t
+                .worker_listen
+                .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+            Some(
+                tokio::net::TcpListener::bind(at)
+                    .await
+                    .with_context(|| format!("listen for workers on {at}"))?,
+            )
+        }
+        None => None,
+    };
+    let worker_addr = match &worker_listener {
+        Some(l) => l.local_addr().context("read the workers' address")?,
+        None => addr,
+    };
+    // A renewed certificate is read again on SIGHUP (listened for before
+    // the gateway says it listens).
+    let tls_reloader = tls.clone().map(|tls| {
+        let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
+        tokio::spawn(reload_tls_on_hangup(tls, hup))
+    });
+    let gw = Gateway::with_state(config, backend, metrics, worker_addr, state)?;
     let autoscaler = autoscale::spawn(&gw);
     let mut side = tokio::spawn(side(gw.clone()));
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let server = crate::listener::serve(listener, Edge::new(gw.clone()), conn_limits, async move {
-        let _ = stop_rx.wait_for(|s| *s).await;
-    });
+    let server = crate::listener::serve(
+        listener,
+        Edge::new(gw.clone()),
+        conn_limits,
+        tls,
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        },
+    );
     let mut server = tokio::spawn(server);
+    let worker_server = worker_listener.map(|l| {
+        let mut stop_rx = stop_tx.subscribe();
+        tokio::spawn(crate::listener::serve(
+            l,
+            Edge::new(gw.clone()),
+            conn_limits,
+            None,
+            async move {
+                let _ = stop_rx.wait_for(|s| *s).await;
+            },
+        ))
+    });
     // Before the gateway says it listens: a SIGTERM right after must
     // drain it, not kill it (its default).
     let stop = shutdown_signal();
     tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
-    println!("warmgate listening on http://{addr}");
+    println!("warmgate listening on {scheme}://{addr}");
     // A token the gateway made is shown to the user who started it, as
     // Jupyter shows its URL: the dashboard needs it.
     if let Some(token) = crate::server::generated_admin_token() {
         println!(
-            "dashboard: http://{addr}/ui#token={token} (admin token in {})",
+            "dashboard: {scheme}://{addr}/ui#token={token} (admin token in {})",
             gw.config().state_dir.join(admin_token::FILE_NAME).display()
         );
     }
@@ -214,6 +292,9 @@ where
         }
     }
     side.abort();
+    if let Some(t) = tls_reloader {
+        t.abort();
+    }
     tracing::info!(grace = ?grace, "shutting down: finishing requests in flight");
     gw.start_draining();
     autoscaler.abort();
@@ -221,6 +302,9 @@ where
     if tokio::time::timeout(grace, &mut server).await.is_err() {
         tracing::warn!(grace = ?grace, "requests still in flight after the grace period; closing them");
         server.abort();
+    }
+    if let Some(w) = worker_server {
+        w.abort();
     }
     tracing::info!("stopping replicas");
     gw.shutdown().await;

@@ -49,6 +49,8 @@ pub struct Gateway {
     pub dir: tempfile::TempDir,
     /// An HTTP client for tests.
     pub http: reqwest::Client,
+    /// The `WARMGATE_ADMIN_TOKEN` the test gave, if any.
+    given_token: Option<String>,
 }
 
 impl Gateway {
@@ -77,10 +79,15 @@ impl Gateway {
                 format!("Bearer {token}").parse().expect("header value"),
             );
         }
+        let given_token = env
+            .iter()
+            .find(|(k, _)| *k == "WARMGATE_ADMIN_TOKEN")
+            .map(|(_, v)| v.to_string());
         Gateway {
             child: Some(child),
             url,
             dir,
+            given_token,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
                 .default_headers(headers)
@@ -92,7 +99,9 @@ impl Gateway {
     /// The admin token the gateway made for itself (started without
     /// `WARMGATE_ADMIN_TOKEN`).
     pub fn admin_token(&self) -> String {
-        admin_token(self.dir.path())
+        self.given_token
+            .clone()
+            .unwrap_or_else(|| admin_token(self.dir.path()))
     }
 
     /// `kill -9` of the gateway (its replicas too, as a crash of the
@@ -190,10 +199,11 @@ impl Gateway {
         first
     }
 
-    /// The whole `/metrics` exposition.
+    /// The whole `/metrics` exposition (read with the admin token).
     pub async fn metrics_text(&self) -> String {
         self.http
             .get(self.at("/metrics"))
+            .bearer_auth(self.admin_token())
             .send()
             .await
             .expect("GET /metrics")
