@@ -353,3 +353,82 @@ fn operator_refuses_a_public_address_without_a_token() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("Kubernetes API"), "{err}");
 }
+
+/// DNS rebinding (issue 40): a page that rebinds its own name to the
+/// gateway's address sends that name as `Host`. With `allowed_hosts` set,
+/// only the listed names are served; probes and credentialed routes pass.
+/// And `/metrics` and `/openapi.json` need the token unless
+/// `public_metrics` lets scrapers in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_allowed_hosts_are_served_and_metrics_need_the_token() {
+    const ADMIN: &str = "admin-token-for-hosts-2e7a";
+    let gw = Gateway::start_with(
+        r#"
+        [access]
+        allowed_hosts = ["gw.example.test", "127.0.0.1"]
+        "#,
+        &[],
+        &[("WARMGATE_ADMIN_TOKEN", ADMIN)],
+    );
+    let port = gw.url.rsplit(':').next().expect("port").to_string();
+    let get = async |path: &str, host: &str, token: Option<&str>| {
+        let mut r = gw
+            .http
+            .get(gw.at(path))
+            .header("host", format!("{host}:{port}"));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        let r = r.send().await.expect("send");
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap_or(Value::Null))
+    };
+    let (status, body) = get("/v1/models", "rebound.attacker.example", None).await;
+    assert_eq!(status, 421, "{body}");
+    assert_eq!(kind(&body), "misdirected_request");
+    let (status, _) = get("/v1/status", "rebound.attacker.example", Some(ADMIN)).await;
+    assert_eq!(status, 421, "the token does not make another host this one");
+    for host in ["gw.example.test", "GW.EXAMPLE.TEST.", "127.0.0.1"] {
+        let (status, body) = get("/v1/models", host, None).await;
+        assert_eq!(status, 200, "{host}: {body}");
+    }
+    let (status, _) = get("/healthz", "10.1.2.3", None).await;
+    assert_eq!(status, 200, "probes come by the pod's IP");
+    assert!(gw.metric("warmgate_host_refused_total").await >= 2.0);
+
+    // /metrics and /openapi.json: the token, or 401.
+    for path in ["/metrics", "/openapi.json"] {
+        let (status, body) = get(path, "127.0.0.1", None).await;
+        assert_eq!(status, 401, "{path}: {body}");
+        let r = gw
+            .http
+            .get(gw.at(path))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    let open = Gateway::start_with(
+        r#"
+        [access]
+        public_metrics = true
+        "#,
+        &[],
+        &[("WARMGATE_ADMIN_TOKEN", ADMIN)],
+    );
+    let r = open
+        .http
+        .get(open.at("/metrics"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200, "public_metrics lets a scraper in");
+    let r = open
+        .http
+        .get(open.at("/v1/status"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 401, "and nothing else");
+}
