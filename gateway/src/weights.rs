@@ -326,6 +326,18 @@ impl Weights {
             };
             return Ok((follow(hit, size, expected), size));
         }
+        if item.source.is_local() {
+            // A local file replaced since it was listed is refused before
+            // an answer starts (one open and stat beneath the held root).
+            item.source.head().await.map_err(|e| {
+                ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "the checkpoint of '{target}' revision '{revision}' cannot serve '{name}': {e}"
+                    ),
+                )
+            })?;
+        }
         let entry = self.cache.entry_path(&key);
         let reader = self.download(key, item, expected.clone()).await?;
         let origin = Origin {

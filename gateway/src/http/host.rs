@@ -39,7 +39,7 @@ impl AllowedHosts {
         });
         named.is_some_and(|h| {
             let h = normalise(&h);
-            self.0.iter().any(|a| *a == h)
+            self.0.contains(&h)
         })
     }
 }

@@ -160,6 +160,11 @@ impl Source {
         self.tree.as_ref()?.verified_path(&self.path)
     }
 
+    /// Whether it is a checkpoint on this machine (`file://`).
+    pub fn is_local(&self) -> bool {
+        self.tree.is_some()
+    }
+
     /// The URI, for messages.
     pub fn uri(&self) -> &str {
         &self.uri
