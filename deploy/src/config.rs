@@ -662,6 +662,8 @@ pub struct AppSpec {
     pub routing: crate::routing::RoutingSpec,
     /// The engine's own load signals (`[apps.engine]`).
     pub engine: crate::routing::EngineSpec,
+    /// LoRA adapters served on the replicas (`[apps.adapters]`).
+    pub adapters: crate::adapters::AdaptersSpec,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
     /// Served by this warm pool's replicas instead of its own: requests go
@@ -1051,6 +1053,9 @@ impl AppSpec {
             resolve_checkpoint(w, base);
         }
         resolve_command(&mut self.promotion.gate_command, base);
+        for a in &mut self.adapters.models {
+            resolve_checkpoint(&mut a.checkpoint, base);
+        }
     }
 }
 
@@ -1225,12 +1230,21 @@ impl Config {
             for (j, alias) in app.aliases.iter().enumerate() {
                 check_model_name(alias).map_err(|m| (at(&format!("aliases[{j}]")), m))?;
             }
-            for (key, name) in std::iter::once(("name".to_string(), &app.name)).chain(
-                app.aliases
-                    .iter()
-                    .enumerate()
-                    .map(|(j, a)| (format!("aliases[{j}]"), a)),
-            ) {
+            let adapters = app
+                .adapters
+                .models
+                .iter()
+                .enumerate()
+                .map(|(j, a)| (format!("adapters.models[{j}].name"), &a.name));
+            for (key, name) in std::iter::once(("name".to_string(), &app.name))
+                .chain(
+                    app.aliases
+                        .iter()
+                        .enumerate()
+                        .map(|(j, a)| (format!("aliases[{j}]"), a)),
+                )
+                .chain(adapters)
+            {
                 if !names.insert(name) {
                     return Err((
                         at(&key),
@@ -1367,6 +1381,7 @@ impl Config {
             }
             app.routing.validate(at)?;
             app.engine.validate(at)?;
+            app.adapters.validate(at)?;
             let pr = &app.promotion;
             if pr.marker.is_empty() || pr.marker.contains('/') {
                 return Err((
@@ -1868,6 +1883,7 @@ impl Default for AppSpec {
             promotion: PromotionSpec::default(),
             routing: crate::routing::RoutingSpec::default(),
             engine: crate::routing::EngineSpec::default(),
+            adapters: crate::adapters::AdaptersSpec::default(),
             kubernetes: PodSpec::default(),
             pool: None,
         }

@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapters;
 pub mod admin_token;
 mod config;
 pub mod crd;
@@ -16,6 +17,7 @@ pub mod routing;
 pub mod store;
 mod target;
 
+pub use adapters::{AdapterSpec, AdaptersSpec};
 pub use config::{
     AccessConfig, AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
     KubeBackendConfig, LimitsConfig, NodeRequirement, OperatorConfig, PodSpec, PoolQueueSpec,

@@ -155,6 +155,11 @@ impl Gateway {
         if let Some(uri) = &spec.promotion.watch {
             self.weights.open(uri)?;
         }
+        // An adapter's folder is read by the engine, under the same
+        // allow-list as checkpoints.
+        for a in &spec.adapters.models {
+            self.weights.open(&a.checkpoint)?;
+        }
         let json = encode_spec(&spec)?;
         let Some(app) = current else {
             self.record(
@@ -223,6 +228,8 @@ impl Gateway {
         // Routing is the gateway's alone; `engine` changes what the pool
         // manager reads of each replica, so it rolls like the command.
         tuned.routing = spec.routing.clone();
+        // Adapters are loaded where requests go, at runtime.
+        tuned.adapters = spec.adapters.clone();
         // The saved spec goes back to the running one when the change is
         // not made, so a restart does not make it either.
         let undo = |e: ApiError| {
@@ -707,6 +714,7 @@ fn serves(app: &Served, spec: &AppSpec) -> bool {
     running.queue = spec.queue.clone();
     running.aliases = spec.aliases.clone();
     running.promotion = spec.promotion.clone();
+    running.adapters = spec.adapters.clone();
     running == *spec
 }
 

@@ -166,6 +166,32 @@ pub const METRICS: &[Metric] = &[
         "Requests refused because their Host is not in [access] allowed_hosts.",
     ),
     counter(
+        "warmgate_adapter_loads_total",
+        &["app", "adapter"],
+        "LoRA adapters loaded into a replica's engine ([apps.adapters]), each when a request needed it there.",
+    ),
+    counter(
+        "warmgate_adapter_load_failures_total",
+        &["app", "adapter"],
+        "Adapter loads the engine refused or did not answer within load_timeout.",
+    ),
+    counter(
+        "warmgate_adapter_evictions_total",
+        &["app", "adapter"],
+        "Idle adapters unloaded to make room for another on the same replica.",
+    ),
+    histogram(
+        "warmgate_adapter_load_seconds",
+        &["app", "adapter"],
+        "Time to load an adapter into a replica's engine: a cold-start phase of its own, which the request that waited for it pays.",
+        LONG,
+    ),
+    counter(
+        "warmgate_adapter_route_decisions_total",
+        &["reason"],
+        "Requests for an adapter routed: held (to a replica holding it, under the load bound), room (loaded where a slot was free), evict (an idle adapter unloaded to make room) or over_bound.",
+    ),
+    counter(
         "warmgate_route_decisions_total",
         &["reason"],
         "Requests routed by prompt or session ([apps.routing]): affinity (to the replica that was sent the longest part of the prompt, or the session before) or home (its rendezvous home under the load bound).",

@@ -21,6 +21,8 @@ use crate::tasks::pool::Pool;
 pub struct Registry {
     /// Apps by name and by alias.
     routes: HashMap<String, Arc<Served>>,
+    /// Apps by the name of an adapter they serve (`[apps.adapters]`).
+    adapters: HashMap<String, Arc<Served>>,
     /// Apps in order (config order, then added ones).
     apps: Vec<Arc<Served>>,
     /// Pools by name.
@@ -45,6 +47,9 @@ impl Registry {
     fn insert_app(&mut self, app: Arc<Served>) {
         for name in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
             self.routes.insert(name.clone(), app.clone());
+        }
+        for a in &app.spec().adapters.models {
+            self.adapters.insert(a.name.clone(), app.clone());
         }
         match self.apps.iter_mut().find(|a| a.name == app.name) {
             Some(slot) => *slot = app,
@@ -82,6 +87,7 @@ impl Registry {
         let mut next = self.clone();
         next.apps.retain(|a| a.name != name);
         next.routes.retain(|_, a| a.name != name);
+        next.adapters.retain(|_, a| a.name != name);
         next
     }
 
@@ -116,14 +122,22 @@ impl Registry {
         self.routes.get(name)
     }
 
+    /// The app serving the adapter `name` on its replicas.
+    pub fn adapter(&self, name: &str) -> Option<&Arc<Served>> {
+        self.adapters.get(name)
+    }
+
     /// Every app, in order.
     pub fn apps(&self) -> &[Arc<Served>] {
         &self.apps
     }
 
-    /// Every name and alias that routes to an app.
+    /// Every name, alias and adapter that routes to an app.
     pub fn route_names(&self) -> impl Iterator<Item = &str> {
-        self.routes.keys().map(String::as_str)
+        self.routes
+            .keys()
+            .chain(self.adapters.keys())
+            .map(String::as_str)
     }
 
     /// A pool by name.

@@ -631,6 +631,7 @@ impl Gateway {
                 promotion: None,
                 watch_scans: None,
                 served_by: Some(name.clone()),
+                adapters: Vec::new(),
             };
         }
         let shares = served.shares();
@@ -692,6 +693,18 @@ impl Gateway {
             None => (String::new(), 0, None, None),
         };
         let promotion = served.history.lock().promotion.clone();
+        let adapters = spec
+            .adapters
+            .models
+            .iter()
+            .map(|a| crate::status::AdapterStatus {
+                name: a.name.clone(),
+                replicas: live
+                    .iter()
+                    .flat_map(|r| r.adapter_holders(&a.name))
+                    .collect(),
+            })
+            .collect();
         AppStatus {
             name: served.name.clone(),
             aliases: spec.aliases.clone(),
@@ -715,6 +728,7 @@ impl Gateway {
                 .as_ref()
                 .map(|_| served.watch_scans.load(Ordering::Relaxed)),
             served_by: None,
+            adapters,
         }
     }
 

@@ -59,6 +59,18 @@ pub struct AppStatus {
     /// figures above are then the pool's, requests only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub served_by: Option<String>,
+    /// Its LoRA adapters and the replicas holding each loaded.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<AdapterStatus>,
+}
+
+/// One adapter of an app in `/v1/status`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AdapterStatus {
+    /// The model name requests use.
+    pub name: String,
+    /// Replicas (of every live revision) that hold it loaded.
+    pub replicas: Vec<String>,
 }
 
 /// One live revision in `/v1/status`.

@@ -47,15 +47,19 @@ pub struct Listing {
 
 /// The checkpoint URI prefixes the gateway may open: `[weights]
 /// allowed_prefixes` when set, else every checkpoint the config names
-/// (apps' and pools') and the apps' `promotion.watch` prefixes.
+/// (apps', their adapters' and pools') and the apps' `promotion.watch`
+/// prefixes.
 pub fn allowed_prefixes(config: &warmgate_deploy::Config) -> Vec<String> {
     if let Some(list) = &config.weights.allowed_prefixes {
         return list.clone();
     }
-    let apps = config
-        .apps
-        .iter()
-        .flat_map(|a| a.checkpoint.iter().chain(a.promotion.watch.iter()).cloned());
+    let apps = config.apps.iter().flat_map(|a| {
+        a.checkpoint
+            .iter()
+            .chain(a.promotion.watch.iter())
+            .chain(a.adapters.models.iter().map(|m| &m.checkpoint))
+            .cloned()
+    });
     let pools = config.pools.iter().filter_map(|p| p.checkpoint.clone());
     apps.chain(pools).collect()
 }

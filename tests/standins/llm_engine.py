@@ -47,6 +47,24 @@ Routes (as vLLM answers them):
   path in its dev mode, ``VLLM_SERVER_DEV_MODE=1``); counters keep going,
   as in vLLM: take differences.
 - ``GET /version``.
+- LoRA adapters, as vLLM with ``--enable-lora`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (without that variable the two
+  routes answer 404, as vLLM does not register them):
+  ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` answers 200
+  ``Success: LoRA adapter 'NAME' added successfully.`` after
+  ``--lora-load-ms``; a name already loaded gets 400 ``The lora adapter
+  'NAME' has already been loaded.``; a ``lora_path`` that is not a folder
+  with ``adapter_config.json`` gets 400. ``POST /v1/unload_lora_adapter
+  {"lora_name"}`` answers 200, or 404 ``The lora adapter 'NAME' cannot be
+  found.``. ``/v1/models`` lists each loaded adapter with ``root`` its path
+  and ``parent`` the base model. A request whose ``model`` is a loaded
+  adapter is served; one not loaded gets vLLM's 404. At most
+  ``--max-loras`` adapters are active at once (vLLM's GPU slots, LRU): a
+  request for a loaded adapter that is not active waits ``--lora-load-ms``
+  while it is swapped in (vLLM moves it from its CPU cache). Every load and
+  swap counts in ``standin:lora_loads_total`` (the stand-in's own counter;
+  vLLM has none), and ``vllm:lora_requests_info`` gives the running
+  adapters and ``max_lora`` as vLLM's does.
 
 Tokenisation: the prompt text split on whitespace (``str.split()``); each
 word is one token. A chat is first rendered to one text, like a chat
@@ -133,6 +151,9 @@ def parse_args(argv):
                    default=int(env("STANDIN_MAX_MODEL_LEN", "32768")))
     p.add_argument("--load-seconds", type=float,
                    default=float(env("STANDIN_LOAD_SECONDS", "0")))
+    p.add_argument("--max-loras", type=int, default=int(env("STANDIN_MAX_LORAS", "1")))
+    p.add_argument("--lora-load-ms", type=float,
+                   default=float(env("STANDIN_LORA_LOAD_MS", "200")))
     a = p.parse_args(argv)
     if a.port is None:
         port = os.environ.get("PORT", "8000")
@@ -140,6 +161,8 @@ def parse_args(argv):
             a.port = int(port)
         except ValueError:
             p.error(f"$PORT is {port!r}, not a number")
+    if a.max_loras < 1 or a.lora_load_ms < 0:
+        p.error("--max-loras must be >= 1 and --lora-load-ms >= 0")
     if a.slots < 1 or a.block_tokens < 1 or a.cache_tokens < 0 or a.max_model_len < 1:
         p.error("--slots, --block-tokens, --max-model-len must be >= 1, --cache-tokens >= 0")
     if a.prefill_ms_per_token < 0 or a.decode_ms_per_token < 0:
@@ -287,9 +310,60 @@ class ClientGone(Exception):
 
 # --- the engine ----------------------------------------------------------------
 
+class Loras:
+    """Adapters loaded (name -> path) and the active ones (LRU, at most
+    max_loras), as vLLM's LoRA manager keeps them."""
+
+    def __init__(self, max_loras, load_ms):
+        self.max, self.load_ms = max_loras, load_ms
+        self.loaded = {}
+        self.active = collections.OrderedDict()
+        self.loads = 0
+        self.running = collections.Counter()
+        self.lock = asyncio.Lock()
+
+    async def load(self, name, path):
+        if name in self.loaded:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.",
+                           "InvalidUserInput")
+        if not os.path.isfile(os.path.join(str(path), "adapter_config.json")):
+            raise ApiError(400, f"Loading lora {name} failed: No adapter found for {path}",
+                           "BadRequestError")
+        async with self.lock:
+            await asyncio.sleep(self.load_ms / 1000)
+            self.loads += 1
+            self.loaded[name] = path
+            self.activate(name)
+
+    def unload(self, name):
+        if name not in self.loaded:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.loaded[name]
+        self.active.pop(name, None)
+
+    def activate(self, name):
+        self.active[name] = True
+        self.active.move_to_end(name)
+        while len(self.active) > self.max:
+            self.active.popitem(last=False)
+
+    async def use(self, name):
+        """Makes `name` active, swapping it in (a load) if it is not."""
+        if name in self.active:
+            self.active.move_to_end(name)
+            return
+        async with self.lock:
+            if name not in self.active:
+                await asyncio.sleep(self.load_ms / 1000)
+                self.loads += 1
+            if name in self.loaded:
+                self.activate(name)
+
+
 class Engine:
     def __init__(self, cfg):
         self.cfg = cfg
+        self.loras = Loras(cfg.max_loras, cfg.lora_load_ms)
         self.cache = PrefixCache(cfg.cache_tokens // cfg.block_tokens, cfg.block_tokens)
         self.sched = Scheduler(cfg.slots)
         self.c = collections.Counter()  # counters
@@ -381,6 +455,13 @@ class Engine:
             "Number of generation tokens processed.", self.c["generation_tokens"])
         one("vllm:request_success_total", "counter",
             "Count of successfully processed requests.", self.c["request_success"], lbl_ok)
+        running = ",".join(sorted(n for n, c in self.loras.running.items() if c > 0))
+        one("vllm:lora_requests_info", "gauge", "Running stats on lora requests.", time.time(),
+            '{max_lora="%d",running_lora_adapters="%s",waiting_lora_adapters=""}'
+            % (self.loras.max, running))
+        one("standin:lora_loads_total", "counter",
+            "Adapters loaded or swapped into the active set (the stand-in's own).",
+            self.loras.loads)
         return "".join(out).encode()
 
 
@@ -435,7 +516,7 @@ def prompt_tokens(prompt):
 
 
 class Request:
-    __slots__ = ("method", "target", "version", "headers", "body", "keep_alive", "started")
+    __slots__ = ("method", "target", "version", "headers", "body", "keep_alive", "started", "lora")
 
 
 class HttpError(Exception):
@@ -617,6 +698,9 @@ class Server:
                 data = [{"id": n, "object": "model", "created": eng.created, "owned_by": "vllm",
                          "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len}
                         for n in cfg.names]
+                data += [{"id": n, "object": "model", "created": eng.created, "owned_by": "vllm",
+                          "root": p, "parent": cfg.model, "max_model_len": None}
+                         for n, p in eng.loras.loaded.items()]
                 await self.send(writer, 200, {"object": "list", "data": data}, keep)
                 return keep
             if path == "/version":
@@ -628,6 +712,29 @@ class Server:
                 eng.cache.reset()
                 writer.write(self.head(200, [("content-length", "0")], keep))
                 await writer.drain()
+                return keep
+            if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() not in ("1", "true"):
+                    raise HttpError(404, "Not Found")
+                if req.method != "POST":
+                    raise HttpError(405, "Method Not Allowed")
+                try:
+                    body = json.loads(req.body)
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise bad(f"the request body is not valid JSON: {e}")
+                name = body.get("lora_name") if isinstance(body, dict) else None
+                if not isinstance(name, str) or not name:
+                    raise bad("lora_name is required", "lora_name")
+                if path == "/v1/load_lora_adapter":
+                    lora_path = body.get("lora_path")
+                    if not isinstance(lora_path, str) or not lora_path:
+                        raise bad("lora_path is required", "lora_path")
+                    await eng.loras.load(name, lora_path)
+                    text = f"Success: LoRA adapter '{name}' added successfully."
+                else:
+                    eng.loras.unload(name)
+                    text = f"Success: LoRA adapter '{name}' removed successfully."
+                await self.send(writer, 200, text.encode(), keep, "text/plain; charset=utf-8")
                 return keep
             if path in ("/v1/completions", "/v1/chat/completions"):
                 if req.method != "POST":
@@ -650,6 +757,14 @@ class Server:
             return False
 
     async def complete(self, req, reader, writer, keep, chat):
+        try:
+            return await self._complete(req, reader, writer, keep, chat)
+        finally:
+            lora = getattr(req, "lora", None)
+            if lora is not None:
+                self.engine.loras.running[lora] -= 1
+
+    async def _complete(self, req, reader, writer, keep, chat):
         cfg, eng = self.cfg, self.engine
         try:
             body = json.loads(req.body)
@@ -658,7 +773,8 @@ class Server:
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model not in cfg.names:
+        lora = model if model in eng.loras.loaded else None
+        if model is not None and model not in cfg.names and lora is None:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         model = cfg.model if model is None else model
         if chat:
@@ -693,6 +809,10 @@ class Server:
                       f"However, you requested {len(tokens) + n_out} tokens ({len(tokens)} in the "
                       f"messages, {n_out} in the completion). Please reduce the length of the "
                       f"messages or completion.", "max_tokens")
+        if lora is not None:
+            req.lora = lora
+            eng.loras.running[lora] += 1
+            await eng.loras.use(lora)
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())

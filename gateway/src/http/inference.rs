@@ -34,10 +34,22 @@ pub(crate) async fn read_model(
         crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
     let model = model_field(&bytes)?;
     let registry = gw.registry.load();
-    let app = registry
-        .app(model.as_ref())
-        .cloned()
-        .ok_or_else(|| model_not_found(gw, &model))?;
+    let app = match registry.app(model.as_ref()) {
+        Some(app) => app.clone(),
+        None => {
+            // A LoRA adapter served on an app's replicas.
+            let app = registry
+                .adapter(model.as_ref())
+                .cloned()
+                .ok_or_else(|| model_not_found(gw, &model))?;
+            parts
+                .extensions
+                .insert(crate::serving::adapters::RequestedAdapter(Arc::from(
+                    model.as_ref(),
+                )));
+            app
+        }
+    };
     if let Some(key) = route_key(&app, path, &parts.headers, &bytes) {
         parts.extensions.insert(Arc::new(key));
     }
@@ -268,15 +280,24 @@ pub(crate) fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> R
 }
 
 #[utoipa::path(get, path = "/v1/models", tag = "inference",
-    responses((status = 200, description = "The apps and their aliases, as OpenAI models", body = Object)))]
+    responses((status = 200, description = "The apps and their aliases, as OpenAI models, and each app's LoRA adapters with `parent` set to the app", body = Object)))]
 pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Response {
     let mut data = Vec::new();
     for app in gw.registry.load().apps() {
-        for id in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
+        let spec = app.spec();
+        for id in std::iter::once(&app.name).chain(spec.aliases.iter()) {
             data.push(model_object(id));
+        }
+        for a in &spec.adapters.models {
+            data.push(adapter_object(&a.name, &app.name));
         }
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// An adapter as vLLM lists one: a model whose `parent` is the base.
+fn adapter_object(id: &str, parent: &str) -> serde_json::Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "warmgate", "parent": parent})
 }
 
 /// One OpenAI model object.
@@ -289,8 +310,11 @@ fn model_object(id: &str) -> serde_json::Value {
     responses((status = 200, description = "The model, as OpenAI's retrieve answers", body = Object),
               (status = 404, description = "No app answers to that name", body = ErrorBody)))]
 pub(crate) async fn model(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Response {
-    if gw.registry.load().app(&id).is_some() {
+    let registry = gw.registry.load();
+    if registry.app(&id).is_some() {
         axum::Json(model_object(&id)).into_response()
+    } else if let Some(app) = registry.adapter(&id) {
+        axum::Json(adapter_object(&id, &app.name)).into_response()
     } else {
         model_not_found(&gw, &id).into_response()
     }

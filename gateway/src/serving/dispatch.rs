@@ -17,6 +17,7 @@ use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
 use warmgate_deploy::{AppSpec, RoutingPolicy, TargetId};
 use warmgate_pool::ReplicaHandle;
 
+use super::adapters::{AdapterTable, Candidate as AdapterCandidate, LoadState, Ticket};
 use super::route::{self, Candidate, PrefixIndex, ReplicaKey, RouteKey};
 
 use crate::error::{ApiError, ErrorKind};
@@ -81,6 +82,8 @@ const LATENCY_WINDOW: usize = 2048;
 
 struct Slots {
     replicas: Vec<Arc<ReplicaHandle>>,
+    /// Which LoRA adapters each replica holds (`[apps.adapters]`).
+    adapters: AdapterTable,
     /// Where prompts went recently (`[apps.routing]`).
     index: PrefixIndex,
     /// Reused by each routing decision.
@@ -96,8 +99,8 @@ type Grant = Result<Granted, ApiError>;
 
 /// What a held request is given.
 enum Granted {
-    /// A slot on this replica.
-    Slot(Arc<ReplicaHandle>),
+    /// A slot on this replica, and what to do for its adapter first.
+    Slot(Arc<ReplicaHandle>, Option<Ticket>),
     /// Its revision gave its last replica to another (an in-place
     /// promotion or its rollback): ask that one.
     Moved(Arc<App>),
@@ -107,6 +110,8 @@ struct Waiter {
     tx: oneshot::Sender<Grant>,
     /// What it is routed on when a slot frees.
     key: Option<Arc<RouteKey>>,
+    /// The adapter it asks for.
+    adapter: Option<Arc<str>>,
 }
 
 /// What [`App::acquire`] found.
@@ -130,6 +135,10 @@ pub enum Acquire {
 pub struct SlotGuard {
     app: Arc<App>,
     replica: Arc<ReplicaHandle>,
+    /// The adapter the request asked for, released with the slot.
+    adapter: Option<Arc<str>>,
+    /// What to do for it before forwarding.
+    ticket: Option<Ticket>,
     /// When the request asked for a slot: its end-to-end clock.
     start: Instant,
 }
@@ -149,6 +158,8 @@ const STARTING_RETRY_AFTER_SECS: u64 = 5;
 /// A place in an app's hold queue.
 pub struct PendingSlot {
     app: Arc<App>,
+    /// The adapter the request asked for.
+    adapter: Option<Arc<str>>,
     rx: Option<oneshot::Receiver<Grant>>,
     since: Instant,
 }
@@ -228,6 +239,7 @@ impl App {
             slots: Mutex::new(Slots {
                 replicas: Vec::new(),
                 index: PrefixIndex::new(spec.routing.index_bytes),
+                adapters: AdapterTable::default(),
                 scratch: Vec::new(),
                 waiters: VecDeque::new(),
                 live_waiters: 0,
@@ -285,6 +297,7 @@ impl App {
         next.autoscale = spec.autoscale.clone();
         next.queue = spec.queue.clone();
         next.routing = spec.routing.clone();
+        next.adapters = spec.adapters.clone();
         self.scaler.lock().set_config(scaling_config(&next));
         self.spec.store(Arc::new(next));
     }
@@ -292,7 +305,7 @@ impl App {
     /// Takes a free slot, or a place in the hold queue, or says why neither
     /// can be had.
     pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
-        self.acquire_avoiding(&[], None)
+        self.acquire_avoiding(&[], None, None)
     }
 
     /// [`App::acquire`] for a request routed on `key` (see
@@ -303,6 +316,7 @@ impl App {
         self: &Arc<Self>,
         avoid: &[Arc<ReplicaHandle>],
         key: Option<&Arc<RouteKey>>,
+        adapter: Option<&Arc<str>>,
     ) -> Result<Acquire, ApiError> {
         let mut s = self.slots.lock();
         if s.replicas.is_empty()
@@ -313,10 +327,14 @@ impl App {
         let now = Instant::now();
         s.meter.arrivals = s.meter.arrivals.saturating_add(1);
         let spec = self.spec.load();
-        if s.live_waiters == 0
-            && let Some(r) =
-                pick_avoiding(&s.replicas, avoid).or_else(|| s.route(key.map(|k| &**k), &spec))
-        {
+        let found = match adapter {
+            Some(a) if s.live_waiters == 0 => s.route_adapter(a, &spec, avoid),
+            None if s.live_waiters == 0 => pick_avoiding(&s.replicas, avoid)
+                .or_else(|| s.route(key.map(|k| &**k), &spec))
+                .map(|r| (r, None)),
+            _ => None,
+        };
+        if let Some((r, ticket)) = found {
             r.acquire();
             s.inflight += 1;
             s.update_meter(now);
@@ -324,6 +342,8 @@ impl App {
             return Ok(Acquire::Ready(SlotGuard {
                 app: self.clone(),
                 replica: r,
+                adapter: adapter.cloned(),
+                ticket,
                 start: now,
             }));
         }
@@ -360,12 +380,14 @@ impl App {
         s.waiters.push_back(Waiter {
             tx,
             key: key.cloned(),
+            adapter: adapter.cloned(),
         });
         s.live_waiters += 1;
         s.update_meter(now);
         Ok(Acquire::Held {
             pending: PendingSlot {
                 app: self.clone(),
+                adapter: adapter.cloned(),
                 rx: Some(rx),
                 since: now,
             },
@@ -433,11 +455,34 @@ impl App {
         let before = s.replicas.len();
         s.replicas.retain(|r| !Arc::ptr_eq(r, replica));
         let removed = s.replicas.len() < before;
+        if removed {
+            s.adapters.forget(&replica.id);
+        }
         if removed && !s.index.is_empty() {
             // Its cache goes with it: nothing is routed to it by affinity.
             s.index.forget(ReplicaKey::of(&replica.id));
         }
         removed
+    }
+
+    /// A load of `adapter` on `replica` ended: tells the requests waiting
+    /// for it, and forgets it when it failed.
+    pub fn adapter_loaded(
+        &self,
+        replica: &str,
+        adapter: &str,
+        done: &tokio::sync::watch::Sender<LoadState>,
+        outcome: LoadState,
+    ) {
+        let mut s = self.slots.lock();
+        s.adapters
+            .loaded(replica, adapter, outcome == LoadState::Ready);
+        let _ = done.send(outcome);
+    }
+
+    /// The replicas holding `adapter` loaded, by id.
+    pub fn adapter_holders(&self, adapter: &str) -> Vec<String> {
+        self.slots.lock().adapters.holders(adapter)
     }
 
     /// The replicas taking its traffic now.
@@ -642,9 +687,12 @@ impl App {
         *self.handoff.lock()
     }
 
-    fn release(&self, replica: &Arc<ReplicaHandle>) {
+    fn release(&self, replica: &Arc<ReplicaHandle>, adapter: Option<&Arc<str>>) {
         let mut s = self.slots.lock();
         replica.release();
+        if let Some(a) = adapter {
+            s.adapters.release(&replica.id, a);
+        }
         s.inflight -= 1;
         s.meter.completions = s.meter.completions.saturating_add(1);
         if replica.is_routable() && s.live_waiters > 0 {
@@ -679,10 +727,18 @@ impl Slots {
             while self.waiters.front().is_some_and(|w| w.tx.is_closed()) {
                 self.waiters.pop_front();
             }
-            let Some(key) = self.waiters.front().map(|w| w.key.clone()) else {
+            let Some((key, adapter)) = self
+                .waiters
+                .front()
+                .map(|w| (w.key.clone(), w.adapter.clone()))
+            else {
                 break;
             };
-            let Some(replica) = self.route(key.as_deref(), spec) else {
+            let found = match &adapter {
+                Some(a) => self.route_adapter(a, spec, &[]),
+                None => self.route(key.as_deref(), spec).map(|r| (r, None)),
+            };
+            let Some((replica, ticket)) = found else {
                 break;
             };
             let Some(w) = self.waiters.pop_front() else {
@@ -691,11 +747,17 @@ impl Slots {
             replica.acquire();
             self.inflight += 1;
             self.live_waiters -= 1;
-            if w.tx.send(Ok(Granted::Slot(replica.clone()))).is_err() {
+            if w.tx
+                .send(Ok(Granted::Slot(replica.clone(), ticket)))
+                .is_err()
+            {
                 // The receiver is closed only under this lock, so this does
                 // not happen; undo the slot all the same.
                 replica.release();
                 self.inflight -= 1;
+                if let Some(a) = &adapter {
+                    self.adapters.release(&replica.id, a);
+                }
             }
         }
         self.update_meter(Instant::now());
@@ -749,6 +811,40 @@ impl Slots {
         metrics::counter!("warmgate_route_decisions_total", "reason" => choice.reason.as_str())
             .increment(1);
         Some(free[choice.index].clone())
+    }
+
+    /// The replica a request for `adapter` goes to, and what it must do
+    /// there first (see [`super::adapters`]); `None` when it must wait.
+    fn route_adapter(
+        &mut self,
+        adapter: &Arc<str>,
+        spec: &AppSpec,
+        avoid: &[Arc<ReplicaHandle>],
+    ) -> Option<(Arc<ReplicaHandle>, Option<Ticket>)> {
+        let free: Vec<&Arc<ReplicaHandle>> = self
+            .replicas
+            .iter()
+            .filter(|r| r.has_free_slot() && r.is_routable())
+            .filter(|r| !avoid.iter().any(|a| Arc::ptr_eq(a, r)))
+            .collect();
+        let candidates: Vec<AdapterCandidate<'_>> = free
+            .iter()
+            .map(|r| AdapterCandidate {
+                replica: &r.id,
+                load: r.inflight(),
+            })
+            .collect();
+        let (i, reason) = self.adapters.choose(
+            adapter,
+            &candidates,
+            spec.adapters.max_loaded,
+            spec.routing.load_bound,
+        )?;
+        let replica = free[i].clone();
+        let ticket = self.adapters.reserve(&replica.id, adapter, reason);
+        metrics::counter!("warmgate_adapter_route_decisions_total", "reason" => reason.as_str())
+            .increment(1);
+        Some((replica, Some(ticket)))
     }
 
     fn update_meter(&mut self, now: Instant) {
@@ -881,10 +977,41 @@ impl super::proxy::Slot for SlotGuard {
     }
 }
 
+impl SlotGuard {
+    /// What the request must do for its adapter before it is forwarded
+    /// (taken once).
+    pub fn take_ticket(&mut self) -> Option<Ticket> {
+        self.ticket.take()
+    }
+
+    /// The replica the slot is on.
+    pub fn replica_handle(&self) -> &Arc<ReplicaHandle> {
+        &self.replica
+    }
+
+    /// The adapter the request asked for.
+    pub fn adapter(&self) -> Option<&Arc<str>> {
+        self.adapter.as_ref()
+    }
+
+    /// The revision whose slot this is.
+    pub fn app(&self) -> &Arc<App> {
+        &self.app
+    }
+}
+
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        // A load this request was to start and never did: forget it.
+        if let (Some(Ticket::Load { .. }), Some(a)) = (&self.ticket, &self.adapter) {
+            self.app
+                .slots
+                .lock()
+                .adapters
+                .loaded(&self.replica.id, a, false);
+        }
         self.app.duration.record(self.start.elapsed().as_secs_f64());
-        self.app.release(&self.replica);
+        self.app.release(&self.replica, self.adapter.as_ref());
     }
 }
 
@@ -893,20 +1020,26 @@ impl Drop for SlotGuard {
 impl PendingSlot {
     fn slotted(&self, g: Granted) -> Slotted {
         match g {
-            Granted::Slot(replica) => {
-                let (guard, waited) = self.granted(replica);
+            Granted::Slot(replica, ticket) => {
+                let (guard, waited) = self.granted(replica, ticket);
                 Slotted::Slot(guard, waited)
             }
             Granted::Moved(to) => Slotted::Moved(to),
         }
     }
 
-    fn granted(&self, replica: Arc<ReplicaHandle>) -> (SlotGuard, Duration) {
+    fn granted(
+        &self,
+        replica: Arc<ReplicaHandle>,
+        ticket: Option<Ticket>,
+    ) -> (SlotGuard, Duration) {
         let waited = self.since.elapsed();
         self.app.queued.record(waited.as_secs_f64());
         let guard = SlotGuard {
             app: self.app.clone(),
             replica,
+            adapter: self.adapter.clone(),
+            ticket,
             start: self.since,
         };
         (guard, waited)
@@ -981,9 +1114,13 @@ impl Drop for PendingSlot {
         rx.close();
         match rx.try_recv() {
             // A slot was granted just as we gave up: give it back.
-            Ok(Ok(Granted::Slot(replica))) => {
+            Ok(Ok(Granted::Slot(replica, ticket))) => {
+                // A load it was to start never starts: forget the place.
+                if let (Some(Ticket::Load { .. }), Some(a)) = (&ticket, &self.adapter) {
+                    s.adapters.loaded(&replica.id, a, false);
+                }
                 drop(s);
-                self.app.release(&replica);
+                self.app.release(&replica, self.adapter.as_ref());
             }
             // Sent on: already off the queue.
             Ok(Ok(Granted::Moved(_))) => {}

@@ -2,6 +2,8 @@
 //! split), one revision's slots and hold queue, and the pipeline that
 //! takes a request from the split to a replica and back.
 
+pub mod adapter_load;
+pub mod adapters;
 pub mod buffered;
 pub mod dispatch;
 pub mod pipeline;

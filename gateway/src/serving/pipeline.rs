@@ -35,6 +35,16 @@ const MAX_MOVES: u32 = 4;
 /// Pause before the next try, times the tries so far.
 const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
 
+/// What a request is routed on: its prompt's key (`[apps.routing]`) and
+/// the adapter its `model` names (`[apps.adapters]`).
+#[derive(Debug, Default)]
+pub(crate) struct Wants {
+    /// The prompt's or session's key.
+    pub key: Option<Arc<RouteKey>>,
+    /// The adapter.
+    pub adapter: Option<Arc<str>>,
+}
+
 /// What serving a request needs: the upstream client, the pool manager
 /// (to wake an app at zero and to see a failing one), and the clock the
 /// autoscaler runs on.
@@ -132,7 +142,13 @@ impl Pipeline {
     ) -> Result<Response, ApiError> {
         // What the proxy uses of the request; its extensions stay behind,
         // but for the key it is routed on.
-        let key = req.extensions_mut().remove::<Arc<RouteKey>>();
+        let wants = Wants {
+            key: req.extensions_mut().remove::<Arc<RouteKey>>(),
+            adapter: req
+                .extensions_mut()
+                .remove::<super::adapters::RequestedAdapter>()
+                .map(|a| a.0),
+        };
         req.extensions_mut().clear();
         let mut req = read_small_body(req).await?;
         // A replica that refuses the connection (killed a moment ago, not
@@ -142,7 +158,7 @@ impl Pipeline {
         let mut refused: Vec<Arc<ReplicaHandle>> = Vec::new();
         loop {
             match self
-                .serve_once_or_refused(app, req, path_and_query, pinned, &refused, key.as_ref())
+                .serve_once_or_refused(app, req, path_and_query, pinned, &refused, &wants)
                 .await
             {
                 Err(Forward::Refused(e, back, replica)) if attempt < MAX_CONNECT_ATTEMPTS => {
@@ -170,7 +186,7 @@ impl Pipeline {
         path_and_query: &str,
         pinned: bool,
         avoid: &[Arc<ReplicaHandle>],
-        key: Option<&Arc<RouteKey>>,
+        wants: &Wants,
     ) -> Result<Response, Forward> {
         use super::dispatch::Slotted;
         use Forward::Failed;
@@ -183,7 +199,10 @@ impl Pipeline {
             if app.ready_replicas() == 0 {
                 self.refuse_if_failing(&app).map_err(Failed)?;
             }
-            let next = match app.acquire_avoiding(avoid, key).map_err(Failed)? {
+            let next = match app
+                .acquire_avoiding(avoid, wants.key.as_ref(), wants.adapter.as_ref())
+                .map_err(Failed)?
+            {
                 Acquire::Ready(slot) => break (slot, Duration::ZERO, false),
                 Acquire::Moved(to) => to,
                 Acquire::Held { pending, cold } => {
@@ -229,6 +248,12 @@ impl Pipeline {
             }
             app = next;
         };
+        let mut slot = slot;
+        // An adapter's request reaches its replica only once the adapter
+        // is loaded there.
+        super::adapter_load::prepare(&mut slot, &app.spec())
+            .await
+            .map_err(Failed)?;
         let replica = slot.replica().clone();
         let mut resp = super::proxy::forward(&self.upstream, req, path_and_query, slot).await?;
         let h = resp.headers_mut();

@@ -1,0 +1,186 @@
+//! Loading LoRA adapters into a replica's engine before a request for one
+//! is forwarded: vLLM's runtime API (`POST /v1/load_lora_adapter
+//! {"lora_name", "lora_path"}`, `POST /v1/unload_lora_adapter
+//! {"lora_name"}`), which the Python worker kit speaks too. The choice of
+//! replica and what to unload is [`super::adapters`]'; this is the I/O.
+//!
+//! A load runs as a task of its own, so a client that goes away does not
+//! leave it half done, and every request for that adapter on that replica
+//! waits for the one load.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use warmgate_deploy::AppSpec;
+
+use super::adapters::{LoadState, Ticket};
+use super::dispatch::SlotGuard;
+use crate::error::{ApiError, ErrorKind};
+
+/// An engine's answer to a load is a line of text; more is not read.
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// Makes the adapter `slot`'s request asked for ready on its replica:
+/// at once when it is loaded, after the load under way, or after a load
+/// started now. Fails when the load fails or outlasts `load_timeout`.
+pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<(), ApiError> {
+    let Some(ticket) = slot.take_ticket() else {
+        return Ok(());
+    };
+    let Some(name) = slot.adapter().cloned() else {
+        return Ok(());
+    };
+    let replica = slot.replica_handle().clone();
+    let timeout = spec.adapters.load_timeout;
+    let mut state = match ticket {
+        Ticket::Ready => return Ok(()),
+        Ticket::Wait(rx) => rx,
+        Ticket::Load { done, evict } => {
+            let rx = done.subscribe();
+            let path = spec
+                .adapters
+                .get(&name)
+                .map(|a| lora_path(&a.checkpoint))
+                .unwrap_or_default();
+            let app = slot.app().clone();
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                let outcome = load(replica.addr, &name, &path, evict.as_deref(), timeout).await;
+                let labels = [("app", app.name.clone()), ("adapter", name.to_string())];
+                match &outcome {
+                    Ok(()) => {
+                        metrics::counter!("warmgate_adapter_loads_total", &labels).increment(1);
+                        metrics::histogram!("warmgate_adapter_load_seconds", &labels)
+                            .record(t0.elapsed().as_secs_f64());
+                        tracing::info!(app = %app.name, adapter = %name, replica = %replica.id, took_ms = t0.elapsed().as_millis() as u64, evicted = evict.as_deref().unwrap_or(""), "adapter loaded");
+                    }
+                    Err(e) => {
+                        metrics::counter!("warmgate_adapter_load_failures_total", &labels)
+                            .increment(1);
+                        tracing::warn!(app = %app.name, adapter = %name, replica = %replica.id, error = %e, "adapter load failed");
+                    }
+                }
+                if let Some(ev) = &evict {
+                    metrics::counter!("warmgate_adapter_evictions_total", "app" => app.name.clone(), "adapter" => ev.to_string())
+                        .increment(1);
+                }
+                let state = match outcome {
+                    Ok(()) => LoadState::Ready,
+                    Err(e) => LoadState::Failed(e),
+                };
+                app.adapter_loaded(&replica.id, &name, &done, state);
+            });
+            rx
+        }
+    };
+    let waited = tokio::time::timeout(timeout, state.wait_for(|s| *s != LoadState::Loading)).await;
+    let failed = |why: String| {
+        ApiError::new(
+            ErrorKind::ReplicaFailed,
+            format!(
+                "adapter '{}' could not be loaded on replica {}: {why}",
+                slot.adapter().map_or("", |a| a),
+                slot.replica_handle().id
+            ),
+        )
+    };
+    match waited {
+        Ok(Ok(s)) => match &*s {
+            LoadState::Ready => Ok(()),
+            LoadState::Failed(why) => Err(failed(why.clone())),
+            LoadState::Loading => Err(failed("the load did not end".into())),
+        },
+        Ok(Err(_)) => Err(failed("the load was abandoned".into())),
+        Err(_) => Err(failed(format!(
+            "the load took longer than [apps.adapters] load_timeout ({})",
+            humantime::format_duration(timeout)
+        ))),
+    }
+}
+
+/// The folder the engine reads: a `file://` checkpoint's path.
+fn lora_path(checkpoint: &str) -> String {
+    checkpoint
+        .strip_prefix("file://")
+        .unwrap_or(checkpoint)
+        .to_string()
+}
+
+/// Unloads `evict` (if given) and loads `name` from `path` on the engine
+/// at `addr`. An adapter the engine already holds counts as loaded.
+async fn load(
+    addr: SocketAddr,
+    name: &str,
+    path: &str,
+    evict: Option<&str>,
+    timeout: Duration,
+) -> Result<(), String> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    if let Some(old) = evict {
+        let body = serde_json::json!({ "lora_name": old });
+        match post(&client, addr, "/v1/unload_lora_adapter", &body, timeout).await {
+            // 404: the engine had lost it already (a restart).
+            Ok((status, _)) if status.is_success() || status.as_u16() == 404 => {}
+            Ok((status, text)) => {
+                return Err(format!(
+                    "unloading '{old}' to make room answered {status}: {text}"
+                ));
+            }
+            Err(e) => return Err(format!("unloading '{old}' to make room: {e}")),
+        }
+    }
+    let body = serde_json::json!({ "lora_name": name, "lora_path": path });
+    let (status, text) = post(&client, addr, "/v1/load_lora_adapter", &body, timeout).await?;
+    if status.is_success() || text.contains("already been loaded") {
+        Ok(())
+    } else {
+        Err(format!("the engine answered {status}: {text}"))
+    }
+}
+
+async fn post(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    addr: SocketAddr,
+    path: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> Result<(http::StatusCode, String), String> {
+    let req = http::Request::post(format!("http://{addr}{path}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| e.to_string())?;
+    let call = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let bytes = Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        let text: String = String::from_utf8_lossy(&bytes)
+            .chars()
+            .filter(|c| !c.is_control())
+            .take(512)
+            .collect();
+        Ok::<_, String>((status, text))
+    };
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| format!("no answer within {}", humantime::format_duration(timeout)))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_gets_the_folder_of_a_file_checkpoint() {
+        assert_eq!(lora_path("file:///srv/adapters/sql"), "/srv/adapters/sql");
+    }
+}

@@ -1,0 +1,379 @@
+//! Which LoRA adapters each replica of a revision holds, and where a
+//! request for one goes: the gateway's own record, which is the truth it
+//! routes on (an engine's metrics list adapters with requests in flight,
+//! not those loaded). Pure: no I/O, no clock (recency is a counter).
+//!
+//! A request for adapter `a` goes, among the replicas with a free slot:
+//! 1. to the least loaded one that holds `a` (loaded or loading) and is
+//!    under the load bound;
+//! 2. else to the least loaded one with room for another adapter, which
+//!    loads `a`;
+//! 3. else to the least loaded one holding an idle adapter (no request in
+//!    flight), which unloads its least recently used idle adapter and
+//!    loads `a`;
+//! 4. else to the least loaded holder of `a`, over the bound;
+//! 5. else it waits for a slot.
+//!
+//! So an adapter stays where it is while its traffic fits there, and only
+//! an idle adapter is ever pushed out: no request is sent to a replica for
+//! an adapter before its load answered (a request that finds its adapter
+//! loading waits for that load).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+/// The adapter a request names as its `model` (a request extension, from
+/// the body to the pipeline).
+#[derive(Debug, Clone)]
+pub struct RequestedAdapter(pub Arc<str>);
+
+/// Where a load stands, as the requests waiting for it see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadState {
+    /// Under way.
+    Loading,
+    /// The engine answered success.
+    Ready,
+    /// The load failed, with why.
+    Failed(String),
+}
+
+/// What a request given a slot must do before it is forwarded.
+#[derive(Debug)]
+pub enum Ticket {
+    /// The adapter is loaded on its replica.
+    Ready,
+    /// Another request is loading it there: wait for that.
+    Wait(watch::Receiver<LoadState>),
+    /// Load it there (after unloading `evict`), and tell `done`.
+    Load {
+        /// Where the outcome goes.
+        done: watch::Sender<LoadState>,
+        /// An idle adapter to unload first.
+        evict: Option<Arc<str>>,
+    },
+}
+
+/// One replica's view, for [`AdapterTable::choose`].
+#[derive(Debug, Clone)]
+pub struct Candidate<'a> {
+    /// The replica's id.
+    pub replica: &'a str,
+    /// Requests in flight on it.
+    pub load: u32,
+}
+
+/// Why a replica was chosen (the metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// It holds the adapter, under the bound.
+    Held,
+    /// It had room: the adapter loads there.
+    Room,
+    /// An idle adapter makes room.
+    Evict,
+    /// It holds the adapter, over the bound (nowhere else could load it).
+    Over,
+}
+
+impl Reason {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Held => "held",
+            Reason::Room => "room",
+            Reason::Evict => "evict",
+            Reason::Over => "over_bound",
+        }
+    }
+}
+
+/// The adapters of every replica of one revision.
+#[derive(Debug, Default)]
+pub struct AdapterTable {
+    replicas: HashMap<String, Vec<Held>>,
+    /// The recency counter.
+    tick: u64,
+}
+
+#[derive(Debug)]
+struct Held {
+    name: Arc<str>,
+    state: watch::Receiver<LoadState>,
+    inflight: u32,
+    last_used: u64,
+}
+
+impl Held {
+    fn ready(&self) -> bool {
+        *self.state.borrow() == LoadState::Ready
+    }
+}
+
+impl AdapterTable {
+    /// The replica a request for `name` goes to (its index in
+    /// `candidates`, which all have a free slot) and why; `None`: wait.
+    /// `max_loaded` adapters fit on a replica; `bound` is the load factor
+    /// of `[apps.routing]`.
+    pub fn choose(
+        &self,
+        name: &str,
+        candidates: &[Candidate<'_>],
+        max_loaded: u32,
+        bound: f64,
+    ) -> Option<(usize, Reason)> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let total: u32 = candidates.iter().map(|c| c.load).sum();
+        let limit = (bound * f64::from(total + 1) / candidates.len() as f64).ceil() as u32;
+        let held = |c: &Candidate<'_>| self.holds(c.replica, name);
+        let least = |f: &dyn Fn(&Candidate<'_>) -> bool| {
+            candidates
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| f(c))
+                .min_by_key(|(_, c)| c.load)
+                .map(|(i, _)| i)
+        };
+        if let Some(i) = least(&|c| held(c) && c.load < limit) {
+            return Some((i, Reason::Held));
+        }
+        if let Some(i) = least(&|c| self.count(c.replica) < max_loaded as usize) {
+            return Some((i, Reason::Room));
+        }
+        if let Some(i) = least(&|c| self.idle(c.replica).is_some()) {
+            return Some((i, Reason::Evict));
+        }
+        least(&|c| held(c)).map(|i| (i, Reason::Over))
+    }
+
+    /// Takes a place for a request for `name` on `replica`, chosen by
+    /// [`AdapterTable::choose`] for `reason`: what the request must do.
+    pub fn reserve(&mut self, replica: &str, name: &Arc<str>, reason: Reason) -> Ticket {
+        self.tick += 1;
+        let tick = self.tick;
+        let held = self.replicas.entry(replica.to_string()).or_default();
+        if let Some(h) = held.iter_mut().find(|h| *h.name == **name) {
+            h.inflight += 1;
+            h.last_used = tick;
+            return if h.ready() {
+                Ticket::Ready
+            } else {
+                Ticket::Wait(h.state.clone())
+            };
+        }
+        let evict = if reason == Reason::Evict {
+            let at = held
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| h.inflight == 0 && h.ready())
+                .min_by_key(|(_, h)| h.last_used)
+                .map(|(i, _)| i);
+            at.map(|i| held.remove(i).name)
+        } else {
+            None
+        };
+        let (done, state) = watch::channel(LoadState::Loading);
+        held.push(Held {
+            name: name.clone(),
+            state,
+            inflight: 1,
+            last_used: tick,
+        });
+        Ticket::Load { done, evict }
+    }
+
+    /// A load on `replica` ended: a failed one leaves nothing behind.
+    pub fn loaded(&mut self, replica: &str, name: &str, ok: bool) {
+        if ok {
+            return;
+        }
+        if let Some(held) = self.replicas.get_mut(replica) {
+            held.retain(|h| &*h.name != name);
+        }
+    }
+
+    /// A request for `name` on `replica` ended.
+    pub fn release(&mut self, replica: &str, name: &str) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(h) = self
+            .replicas
+            .get_mut(replica)
+            .and_then(|held| held.iter_mut().find(|h| &*h.name == name))
+        {
+            h.inflight = h.inflight.saturating_sub(1);
+            h.last_used = tick;
+        }
+    }
+
+    /// A replica left: what it held goes with it.
+    pub fn forget(&mut self, replica: &str) {
+        self.replicas.remove(replica);
+    }
+
+    /// The adapters loaded on `replica`.
+    pub fn names_on(&self, replica: &str) -> Vec<Arc<str>> {
+        self.replicas
+            .get(replica)
+            .map(|h| {
+                h.iter()
+                    .filter(|h| h.ready())
+                    .map(|h| h.name.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The replicas holding `name` loaded.
+    pub fn holders(&self, name: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .replicas
+            .iter()
+            .filter(|(_, held)| held.iter().any(|h| &*h.name == name && h.ready()))
+            .map(|(r, _)| r.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn holds(&self, replica: &str, name: &str) -> bool {
+        self.replicas
+            .get(replica)
+            .is_some_and(|held| held.iter().any(|h| &*h.name == name))
+    }
+
+    fn count(&self, replica: &str) -> usize {
+        self.replicas.get(replica).map_or(0, Vec::len)
+    }
+
+    fn idle(&self, replica: &str) -> Option<&Held> {
+        self.replicas
+            .get(replica)?
+            .iter()
+            .filter(|h| h.inflight == 0 && h.ready())
+            .min_by_key(|h| h.last_used)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cands<'a>(loads: &[(&'a str, u32)]) -> Vec<Candidate<'a>> {
+        loads
+            .iter()
+            .map(|(r, l)| Candidate {
+                replica: r,
+                load: *l,
+            })
+            .collect()
+    }
+
+    /// Chooses and reserves; a load succeeds at once. Returns the replica.
+    fn send(t: &mut AdapterTable, name: &str, c: &[Candidate<'_>], max: u32) -> Option<String> {
+        let (i, why) = t.choose(name, c, max, 1.25)?;
+        let name: Arc<str> = Arc::from(name);
+        if let Ticket::Load { done, .. } = t.reserve(c[i].replica, &name, why) {
+            done.send(LoadState::Ready).expect("a receiver is kept");
+            t.loaded(c[i].replica, &name, true);
+        }
+        Some(c[i].replica.to_string())
+    }
+
+    #[test]
+    fn an_adapter_stays_where_it_is_loaded_while_its_replica_is_under_the_bound() {
+        let mut t = AdapterTable::default();
+        let c = cands(&[("r1", 0), ("r2", 0)]);
+        let first = send(&mut t, "sql", &c, 2).expect("a replica");
+        t.release(&first, "sql");
+        for _ in 0..10 {
+            let again = send(&mut t, "sql", &c, 2).expect("a replica");
+            assert_eq!(again, first);
+            t.release(&again, "sql");
+        }
+        // Its replica busy past the bound: another loads it.
+        let busy = if first == "r1" {
+            cands(&[("r1", 5), ("r2", 0)])
+        } else {
+            cands(&[("r1", 0), ("r2", 5)])
+        };
+        let (i, why) = t.choose("sql", &busy, 2, 1.25).expect("a replica");
+        assert_ne!(busy[i].replica, first);
+        assert_eq!(why, Reason::Room);
+    }
+
+    #[test]
+    fn room_is_made_only_by_unloading_the_least_recently_used_idle_adapter() {
+        let mut t = AdapterTable::default();
+        let c = cands(&[("r1", 0)]);
+        for name in ["a", "b"] {
+            send(&mut t, name, &c, 2);
+            t.release("r1", name);
+        }
+        // `a` used again: `b` is the least recently used.
+        send(&mut t, "a", &c, 2);
+        t.release("r1", "a");
+        let name: Arc<str> = Arc::from("c");
+        let (i, why) = t.choose("c", &c, 2, 1.25).expect("room by eviction");
+        assert_eq!(why, Reason::Evict);
+        match t.reserve(c[i].replica, &name, why) {
+            Ticket::Load { evict, .. } => assert_eq!(evict.as_deref(), Some("b")),
+            other => panic!("{other:?}"),
+        }
+        // With both remaining adapters busy, nothing is evicted: wait.
+        let busy = Arc::from("a");
+        t.reserve("r1", &busy, Reason::Held);
+        assert_eq!(t.choose("d", &c, 2, 1.25), None);
+    }
+
+    #[test]
+    fn a_request_that_finds_its_adapter_loading_waits_for_that_load() {
+        let mut t = AdapterTable::default();
+        let c = cands(&[("r1", 0)]);
+        let name: Arc<str> = Arc::from("sql");
+        let (_, why) = t.choose("sql", &c, 2, 1.25).expect("room");
+        let Ticket::Load { done, .. } = t.reserve("r1", &name, why) else {
+            panic!("the first loads");
+        };
+        let (_, why) = t.choose("sql", &c, 2, 1.25).expect("held");
+        assert_eq!(why, Reason::Held);
+        let Ticket::Wait(rx) = t.reserve("r1", &name, why) else {
+            panic!("the second waits");
+        };
+        assert_eq!(*rx.borrow(), LoadState::Loading);
+        assert!(
+            t.holders("sql").is_empty(),
+            "not loaded until the engine says so"
+        );
+        done.send(LoadState::Ready).expect("send");
+        assert_eq!(*rx.borrow(), LoadState::Ready);
+        assert_eq!(t.holders("sql"), ["r1"]);
+        // A failed load leaves nothing: the next request loads again.
+        let other: Arc<str> = Arc::from("bad");
+        let (_, why) = t.choose("bad", &c, 2, 1.25).expect("room");
+        let Ticket::Load { done, .. } = t.reserve("r1", &other, why) else {
+            panic!("loads");
+        };
+        done.send(LoadState::Failed("no such folder".into()))
+            .expect("send");
+        t.loaded("r1", "bad", false);
+        assert!(matches!(
+            t.reserve("r1", &other, Reason::Room),
+            Ticket::Load { .. }
+        ));
+    }
+
+    #[test]
+    fn a_replica_that_leaves_takes_its_adapters_with_it() {
+        let mut t = AdapterTable::default();
+        let c = cands(&[("r1", 0)]);
+        send(&mut t, "sql", &c, 2);
+        t.forget("r1");
+        assert!(t.holders("sql").is_empty());
+        assert!(t.names_on("r1").is_empty());
+    }
+}
