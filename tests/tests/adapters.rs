@@ -232,3 +232,81 @@ async fn an_idle_adapter_makes_room_and_a_failed_load_harms_no_other() {
         assert_eq!(status, 200, "{model}: {body}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_are_added_and_removed_through_the_api_without_a_restart() {
+    let dir = tempfile::tempdir().expect("dir");
+    let first = adapter(dir.path(), "first", false);
+    let added = adapter(dir.path(), "added", false);
+    let config = config(1, &[("first-lora", &first)]).replace(
+        "[[apps]]",
+        &format!(
+            "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
+            dir.path().display()
+        ),
+    );
+    let gw = Gateway::start(&config);
+    ready(&gw, 1).await;
+    let pid = gw.replica_pids("base").await;
+    let put = async |name: &str, body: Value| {
+        let r = gw
+            .http
+            .put(gw.at(&format!("/v1/apps/base/adapters/{name}")))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap_or(Value::Null))
+    };
+    let checkpoint = format!("file://{}", added.display());
+    let (status, body) = put("team/added-lora", json!({"checkpoint": checkpoint})).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["change"], "created");
+    let (status, body) = put("team/added-lora", json!({"checkpoint": checkpoint})).await;
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("unchanged")),
+        "{body}"
+    );
+    let (status, _, body) = chat(&gw, "team/added-lora").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(gw.replica_pids("base").await, pid, "no replica restarted");
+
+    // Refused: a folder outside the allowed prefixes, a store the engine
+    // cannot read, a name that is no model name, an unknown app.
+    let (status, body) = put("x-lora", json!({"checkpoint": "file:///etc"})).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = put("x-lora", json!({"checkpoint": "s3://bucket/x"})).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = put("bad%1Bname", json!({"checkpoint": checkpoint})).await;
+    assert_eq!(status, 400, "{body}");
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/nope/adapters/x"))
+        .json(&json!({"checkpoint": checkpoint}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 404);
+
+    // Deleted: no longer a model.
+    let r = gw
+        .http
+        .delete(gw.at("/v1/apps/base/adapters/team/added-lora"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let (status, _, _) = chat(&gw, "team/added-lora").await;
+    assert_eq!(status, 404);
+    let (status, _, body) = chat(&gw, "first-lora").await;
+    assert_eq!(status, 200, "{body}");
+    let r = gw
+        .http
+        .delete(gw.at("/v1/apps/base/adapters/team/added-lora"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 404);
+}

@@ -150,6 +150,102 @@ pub(crate) async fn delete_app(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// What `PUT /v1/apps/{app}/adapters/{name}` takes: an
+/// `[[apps.adapters.models]]` entry as JSON.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdapterBody {
+    name: Option<String>,
+    checkpoint: String,
+}
+
+/// `PUT /v1/apps/{app}/adapters/{name}`: adds an adapter to an app, or
+/// points one at another folder; applied in place (no replica restarts):
+/// it is loaded where its first request goes.
+#[utoipa::path(put, path = "/v1/apps/{app}/adapters/{name}", tag = "control",
+    params(("app" = String, Path, description = "App name"), ("name" = String, Path, description = "Adapter name (a model name; may contain '/')")),
+    request_body(content = Object, description = "`{\"checkpoint\": \"file://...\"}`: an `[[apps.adapters.models]]` entry as JSON"),
+    responses((status = 201, description = "Added: `{app, adapter, change}`", body = Object), (status = 200, description = "`{app, adapter, change}`: `unchanged` or `in_place`", body = Object), (status = 400, description = "Bad name, body or checkpoint", body = ErrorBody), (status = 404, description = "Unknown app", body = ErrorBody), (status = 409, description = "Another change or a promotion of this app is running", body = ErrorBody)))]
+pub(crate) async fn put_adapter(
+    State(gw): State<Arc<Gateway>>,
+    Path((app, name)): Path<(String, String)>,
+    req: Request,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&app, "app")?;
+        gw.check_api_changes_allowed()?;
+        let (_, bytes) = read_body(req, &gw).await?;
+        let body: AdapterBody = spec_from_json(&bytes, "an adapter")?;
+        if body.name.as_ref().is_some_and(|n| *n != name) {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!("the body names adapter {:?}, the path {name:?}", body.name),
+            ));
+        }
+        let mut spec = current_spec(&gw, &app)?;
+        let existed = spec.adapters.get(&name).is_some();
+        spec.adapters.models.retain(|a| a.name != name);
+        spec.adapters.models.push(warmgate_deploy::AdapterSpec {
+            name: name.clone(),
+            checkpoint: body.checkpoint,
+        });
+        if let Some(dir) = &gw.workdir {
+            spec.resolve_paths(dir);
+        }
+        let changed = gw.put_app(spec).await?;
+        let (status, change) = match changed {
+            crate::change::Changed::Unchanged => (StatusCode::OK, "unchanged"),
+            _ if !existed => (StatusCode::CREATED, "created"),
+            _ => (StatusCode::OK, "in_place"),
+        };
+        Ok((
+            status,
+            axum::Json(json!({"app": app, "adapter": name, "change": change})),
+        )
+            .into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/apps/{app}/adapters/{name}`: the adapter is no longer
+/// served; replicas that hold it unload it when they need the room.
+#[utoipa::path(delete, path = "/v1/apps/{app}/adapters/{name}", tag = "control",
+    params(("app" = String, Path, description = "App name"), ("name" = String, Path, description = "Adapter name")),
+    responses((status = 200, description = "`{app, adapter, change: \"deleted\"}`", body = Object), (status = 404, description = "Unknown app or adapter", body = ErrorBody), (status = 409, description = "Another change or a promotion of this app is running", body = ErrorBody)))]
+pub(crate) async fn delete_adapter(
+    State(gw): State<Arc<Gateway>>,
+    Path((app, name)): Path<(String, String)>,
+) -> Response {
+    let result: Result<Response, ApiError> = async {
+        check_path_name(&app, "app")?;
+        gw.check_api_changes_allowed()?;
+        let mut spec = current_spec(&gw, &app)?;
+        if spec.adapters.get(&name).is_none() {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("app '{app}' has no adapter {name:?}"),
+            ));
+        }
+        spec.adapters.models.retain(|a| a.name != name);
+        gw.put_app(spec).await?;
+        Ok(axum::Json(json!({"app": app, "adapter": name, "change": "deleted"})).into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The spec app `name` was put with (its name, not an alias), or 404.
+fn current_spec(gw: &Gateway, name: &str) -> Result<warmgate_deploy::AppSpec, ApiError> {
+    gw.registry
+        .load()
+        .apps()
+        .iter()
+        .find(|a| a.name == name)
+        .map(|a| (*a.spec()).clone())
+        .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))
+}
+
 /// `GET /v1/pools/{pool}`: one pool's status, as in `/v1/status`.
 #[utoipa::path(get, path = "/v1/pools/{pool}", tag = "control",
     params(("pool" = String, Path, description = "Pool name")),

@@ -95,6 +95,10 @@ pub fn router(gw: Arc<Gateway>) -> Router {
             "/v1/pools/{pool}",
             get(get_pool).put(put_pool).delete(delete_pool),
         )
+        .route(
+            "/v1/apps/{app}/adapters/{*name}",
+            axum::routing::put(put_adapter).delete(delete_adapter),
+        )
         .route("/v1/apps/{app}/promote", post(promote))
         .route("/v1/apps/{app}/rollback", post(rollback))
         .route("/v1/apps/{app}/revisions", get(revisions))
@@ -365,6 +369,8 @@ pub(crate) struct ErrorDetail {
         get_app,
         put_app,
         delete_app,
+        put_adapter,
+        delete_adapter,
         get_pool,
         put_pool,
         delete_pool,
