@@ -157,6 +157,15 @@ class Gateway:
             lambda: (lambda s: s if s["ready"] >= n else None)(self.pool_status(pool)),
         )
 
+    def wait_app_ready(self, app: str, n: int) -> Dict[str, Any]:
+        def ready() -> Optional[Dict[str, Any]]:
+            for a in self.get("/v1/status")["apps"]:
+                if a["name"] == app and a["ready"] >= n:
+                    return a
+            return None
+
+        return eventually(f"{n} ready replicas of {app}", ready)
+
     def metric(self, name: str) -> float:
         for line in self.get("/metrics").splitlines():
             parts = line.split()

@@ -140,7 +140,22 @@ async fn adapters_are_listed_loaded_on_demand_and_kept_where_they_are_loaded() {
     let one = gw.json("/v1/models/org/sql-lora").await;
     assert_eq!(one["parent"], "base", "{one}");
 
-    // Ten requests in turn: one load, one replica.
+    // The first request waits for the load, and says so.
+    let r = gw
+        .http
+        .post(gw.at("/v1/chat/completions"))
+        .json(&json!({"model": "org/sql-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let waited: u64 = r
+        .headers()
+        .get("x-warmgate-adapter-load-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .expect("x-warmgate-adapter-load-ms on the request that loaded it");
+    assert!(waited >= 50, "the stand-in takes 50 ms to load: {waited}");
+    // Ten more in turn: no other load, one replica.
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..10 {
         let (status, replica, body) = chat(&gw, "org/sql-lora").await;

@@ -286,7 +286,13 @@ async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() 
         max = 2
         "#,
     );
-    gw.wait_ready("deaf", 2).await;
+    let status = gw.wait_ready("deaf", 2).await;
+    let addrs: Vec<String> = status["pool"]["replicas"]
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .filter_map(|r| r["addr"].as_str().map(str::to_string))
+        .collect();
     let resp = gw
         .http
         .post(gw.at("/apps/deaf/close-listener"))
@@ -294,6 +300,29 @@ async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() 
         .await
         .expect("send");
     assert_eq!(resp.status(), 202);
+    let deaf = resp
+        .headers()
+        .get("x-warmgate-replica")
+        .and_then(|v| v.to_str().ok())
+        .expect("the replica that answered")
+        .to_string();
+    let deaf_addr = status["pool"]["replicas"]
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .find(|r| r["id"] == deaf.as_str())
+        .and_then(|r| r["addr"].as_str())
+        .unwrap_or_else(|| panic!("{deaf} in {addrs:?}"))
+        .to_string();
+    // Until the worker has closed its listening socket, the kernel still
+    // completes connections into its backlog, and drops them unread when
+    // the socket closes: a request sent then was never read, but the
+    // gateway cannot tell it from one a replica dropped mid-work. Wait for
+    // the refusal itself, which is what this test is about.
+    eventually("the deaf replica refuses connections", || async {
+        tokio::net::TcpStream::connect(&deaf_addr).await.err().map(|_| ())
+    })
+    .await;
     let size = 256 * 1024;
     let body = vec![b'z'; size];
     eventually(

@@ -28,17 +28,19 @@ const MAX_ANSWER_BYTES: usize = 64 * 1024;
 /// Makes the adapter `slot`'s request asked for ready on its replica:
 /// at once when it is loaded, after the load under way, or after a load
 /// started now. Fails when the load fails or outlasts `load_timeout`.
-pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<(), ApiError> {
+/// Returns how long the request waited for a load, if it did.
+pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<Option<Duration>, ApiError> {
     let Some(ticket) = slot.take_ticket() else {
-        return Ok(());
+        return Ok(None);
     };
     let Some(name) = slot.adapter().cloned() else {
-        return Ok(());
+        return Ok(None);
     };
+    let waiting = Instant::now();
     let replica = slot.replica_handle().clone();
     let timeout = spec.adapters.load_timeout;
     let mut state = match ticket {
-        Ticket::Ready => return Ok(()),
+        Ticket::Ready => return Ok(None),
         Ticket::Wait(rx) => rx,
         Ticket::Load { done, evict } => {
             let rx = done.subscribe();
@@ -91,7 +93,7 @@ pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<(), ApiErro
     };
     match waited {
         Ok(Ok(s)) => match &*s {
-            LoadState::Ready => Ok(()),
+            LoadState::Ready => Ok(Some(waiting.elapsed())),
             LoadState::Failed(why) => Err(failed(why.clone())),
             LoadState::Loading => Err(failed("the load did not end".into())),
         },

@@ -5,7 +5,9 @@
 //!
 //! A request for adapter `a` goes, among the replicas with a free slot:
 //! 1. to the least loaded one that holds `a` (loaded or loading) and is
-//!    under the load bound;
+//!    under the load bound: `bound` × the mean, or `slack` more requests
+//!    than the least loaded replica, whichever is more (a load costs far
+//!    more than waiting behind a few requests of a batch);
 //! 2. else to the least loaded one with room for another adapter, which
 //!    loads `a`;
 //! 3. else to the least loaded one holding an idle adapter (no request in
@@ -65,6 +67,16 @@ pub struct Candidate<'a> {
     pub load: u32,
 }
 
+/// How far a replica holding the adapter may be above the others and
+/// still get its requests (`[apps.routing]` `load_bound`, `load_slack`).
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    /// Times the mean load.
+    pub factor: f64,
+    /// Or this many requests above the least loaded replica.
+    pub slack: u32,
+}
+
 /// Why a replica was chosen (the metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
@@ -96,7 +108,13 @@ pub struct AdapterTable {
     replicas: HashMap<String, Vec<Held>>,
     /// The recency counter.
     tick: u64,
+    /// Requests per adapter, halved every [`DECAY_EVERY`] requests: how
+    /// often each is asked for lately.
+    uses: HashMap<Arc<str>, u64>,
 }
+
+/// Requests between two halvings of the use counts.
+const DECAY_EVERY: u64 = 1024;
 
 #[derive(Debug)]
 struct Held {
@@ -115,20 +133,22 @@ impl Held {
 impl AdapterTable {
     /// The replica a request for `name` goes to (its index in
     /// `candidates`, which all have a free slot) and why; `None`: wait.
-    /// `max_loaded` adapters fit on a replica; `bound` is the load factor
-    /// of `[apps.routing]`.
+    /// `max_loaded` adapters fit on a replica; `bound` and `slack` are the
+    /// load factor and slack of `[apps.routing]`.
     pub fn choose(
         &self,
         name: &str,
         candidates: &[Candidate<'_>],
         max_loaded: u32,
-        bound: f64,
+        bound: Bound,
     ) -> Option<(usize, Reason)> {
         if candidates.is_empty() {
             return None;
         }
         let total: u32 = candidates.iter().map(|c| c.load).sum();
-        let limit = (bound * f64::from(total + 1) / candidates.len() as f64).ceil() as u32;
+        let least = candidates.iter().map(|c| c.load).min().unwrap_or(0);
+        let limit = ((bound.factor * f64::from(total + 1) / candidates.len() as f64).ceil() as u32)
+            .max(least + bound.slack);
         let held = |c: &Candidate<'_>| self.holds(c.replica, name);
         let least = |f: &dyn Fn(&Candidate<'_>) -> bool| {
             candidates
@@ -144,7 +164,20 @@ impl AdapterTable {
         if let Some(i) = least(&|c| self.count(c.replica) < max_loaded as usize) {
             return Some((i, Reason::Room));
         }
-        if let Some(i) = least(&|c| self.idle(c.replica).is_some()) {
+        // The replica whose idle adapter is the least asked for lately (the
+        // least recently used among equals): an adapter in steady use is
+        // not pushed out for a rare one, and rare ones take turns in the
+        // room left.
+        let victim = candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                self.idle(c.replica)
+                    .map(|h| (i, (self.uses_of(&h.name), h.last_used, c.load)))
+            })
+            .min_by_key(|&(_, rank)| rank)
+            .map(|(i, _)| i);
+        if let Some(i) = victim {
             return Some((i, Reason::Evict));
         }
         least(&|c| held(c)).map(|i| (i, Reason::Over))
@@ -155,6 +188,14 @@ impl AdapterTable {
     pub fn reserve(&mut self, replica: &str, name: &Arc<str>, reason: Reason) -> Ticket {
         self.tick += 1;
         let tick = self.tick;
+        if tick % DECAY_EVERY == 0 {
+            self.uses.retain(|_, n| {
+                *n /= 2;
+                *n > 0
+            });
+        }
+        *self.uses.entry(name.clone()).or_default() += 1;
+        let uses = &self.uses;
         let held = self.replicas.entry(replica.to_string()).or_default();
         if let Some(h) = held.iter_mut().find(|h| *h.name == **name) {
             h.inflight += 1;
@@ -170,7 +211,7 @@ impl AdapterTable {
                 .iter()
                 .enumerate()
                 .filter(|(_, h)| h.inflight == 0 && h.ready())
-                .min_by_key(|(_, h)| h.last_used)
+                .min_by_key(|(_, h)| (uses.get(&h.name).copied().unwrap_or(0), h.last_used))
                 .map(|(i, _)| i);
             at.map(|i| held.remove(i).name)
         } else {
@@ -250,18 +291,29 @@ impl AdapterTable {
         self.replicas.get(replica).map_or(0, Vec::len)
     }
 
+    /// The idle adapter of `replica` that would be pushed out: the least
+    /// asked for, then the least recently used.
     fn idle(&self, replica: &str) -> Option<&Held> {
         self.replicas
             .get(replica)?
             .iter()
             .filter(|h| h.inflight == 0 && h.ready())
-            .min_by_key(|h| h.last_used)
+            .min_by_key(|h| (self.uses_of(&h.name), h.last_used))
+    }
+
+    fn uses_of(&self, name: &str) -> u64 {
+        self.uses.get(name).copied().unwrap_or(0)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const B: Bound = Bound {
+        factor: 1.25,
+        slack: 4,
+    };
 
     fn cands<'a>(loads: &[(&'a str, u32)]) -> Vec<Candidate<'a>> {
         loads
@@ -275,7 +327,7 @@ mod tests {
 
     /// Chooses and reserves; a load succeeds at once. Returns the replica.
     fn send(t: &mut AdapterTable, name: &str, c: &[Candidate<'_>], max: u32) -> Option<String> {
-        let (i, why) = t.choose(name, c, max, 1.25)?;
+        let (i, why) = t.choose(name, c, max, B)?;
         let name: Arc<str> = Arc::from(name);
         if let Ticket::Load { done, .. } = t.reserve(c[i].replica, &name, why) {
             done.send(LoadState::Ready).expect("a receiver is kept");
@@ -297,11 +349,11 @@ mod tests {
         }
         // Its replica busy past the bound: another loads it.
         let busy = if first == "r1" {
-            cands(&[("r1", 5), ("r2", 0)])
+            cands(&[("r1", 9), ("r2", 0)])
         } else {
-            cands(&[("r1", 0), ("r2", 5)])
+            cands(&[("r1", 0), ("r2", 9)])
         };
-        let (i, why) = t.choose("sql", &busy, 2, 1.25).expect("a replica");
+        let (i, why) = t.choose("sql", &busy, 2, B).expect("a replica");
         assert_ne!(busy[i].replica, first);
         assert_eq!(why, Reason::Room);
     }
@@ -318,7 +370,7 @@ mod tests {
         send(&mut t, "a", &c, 2);
         t.release("r1", "a");
         let name: Arc<str> = Arc::from("c");
-        let (i, why) = t.choose("c", &c, 2, 1.25).expect("room by eviction");
+        let (i, why) = t.choose("c", &c, 2, B).expect("room by eviction");
         assert_eq!(why, Reason::Evict);
         match t.reserve(c[i].replica, &name, why) {
             Ticket::Load { evict, .. } => assert_eq!(evict.as_deref(), Some("b")),
@@ -327,7 +379,7 @@ mod tests {
         // With both remaining adapters busy, nothing is evicted: wait.
         let busy = Arc::from("a");
         t.reserve("r1", &busy, Reason::Held);
-        assert_eq!(t.choose("d", &c, 2, 1.25), None);
+        assert_eq!(t.choose("d", &c, 2, B), None);
     }
 
     #[test]
@@ -335,11 +387,11 @@ mod tests {
         let mut t = AdapterTable::default();
         let c = cands(&[("r1", 0)]);
         let name: Arc<str> = Arc::from("sql");
-        let (_, why) = t.choose("sql", &c, 2, 1.25).expect("room");
+        let (_, why) = t.choose("sql", &c, 2, B).expect("room");
         let Ticket::Load { done, .. } = t.reserve("r1", &name, why) else {
             panic!("the first loads");
         };
-        let (_, why) = t.choose("sql", &c, 2, 1.25).expect("held");
+        let (_, why) = t.choose("sql", &c, 2, B).expect("held");
         assert_eq!(why, Reason::Held);
         let Ticket::Wait(rx) = t.reserve("r1", &name, why) else {
             panic!("the second waits");
@@ -354,7 +406,7 @@ mod tests {
         assert_eq!(t.holders("sql"), ["r1"]);
         // A failed load leaves nothing: the next request loads again.
         let other: Arc<str> = Arc::from("bad");
-        let (_, why) = t.choose("bad", &c, 2, 1.25).expect("room");
+        let (_, why) = t.choose("bad", &c, 2, B).expect("room");
         let Ticket::Load { done, .. } = t.reserve("r1", &other, why) else {
             panic!("loads");
         };
@@ -375,5 +427,31 @@ mod tests {
         t.forget("r1");
         assert!(t.holders("sql").is_empty());
         assert!(t.names_on("r1").is_empty());
+    }
+
+    #[test]
+    fn an_adapter_in_steady_use_is_not_pushed_out_for_a_rare_one() {
+        let mut t = AdapterTable::default();
+        let c = cands(&[("r1", 0), ("r2", 0)]);
+        // r1 holds hot and x, r2 holds y and z, all idle now.
+        for (r, name) in [("r1", "x"), ("r2", "y"), ("r2", "z"), ("r1", "hot")] {
+            let n: Arc<str> = Arc::from(name);
+            if let Ticket::Load { done, .. } = t.reserve(r, &n, Reason::Room) {
+                done.send(LoadState::Ready).expect("send");
+            }
+            t.release(r, name);
+        }
+        // hot is used again and again; a rare adapter pushes out x, y or
+        // z (the least recently used of all: x), never hot.
+        let hot: Arc<str> = Arc::from("hot");
+        t.reserve("r1", &hot, Reason::Held);
+        t.release("r1", "hot");
+        let rare: Arc<str> = Arc::from("rare");
+        let (i, why) = t.choose("rare", &c, 2, B).expect("room by eviction");
+        assert_eq!((c[i].replica, why), ("r1", Reason::Evict));
+        match t.reserve(c[i].replica, &rare, why) {
+            Ticket::Load { evict, .. } => assert_eq!(evict.as_deref(), Some("x")),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -838,7 +838,10 @@ impl Slots {
             adapter,
             &candidates,
             spec.adapters.max_loaded,
-            spec.routing.load_bound,
+            super::adapters::Bound {
+                factor: spec.routing.load_bound,
+                slack: spec.routing.load_slack,
+            },
         )?;
         let replica = free[i].clone();
         let ticket = self.adapters.reserve(&replica.id, adapter, reason);

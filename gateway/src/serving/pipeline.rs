@@ -24,6 +24,9 @@ pub const X_REPLICA: HeaderName = HeaderName::from_static("x-warmgate-replica");
 pub const X_REVISION: HeaderName = HeaderName::from_static("x-warmgate-revision");
 /// Milliseconds the request waited for a slot.
 pub const X_QUEUED_MS: HeaderName = HeaderName::from_static("x-warmgate-queued-ms");
+/// Milliseconds the request waited for its LoRA adapter to be loaded on
+/// its replica (a cold-start phase of its own); absent when it was loaded.
+pub const X_ADAPTER_LOAD_MS: HeaderName = HeaderName::from_static("x-warmgate-adapter-load-ms");
 /// Set when the request woke its app from zero.
 pub const X_COLD_START: HeaderName = HeaderName::from_static("x-warmgate-cold-start");
 /// Tries of a request whose replicas refuse the connection.
@@ -251,7 +254,7 @@ impl Pipeline {
         let mut slot = slot;
         // An adapter's request reaches its replica only once the adapter
         // is loaded there.
-        super::adapter_load::prepare(&mut slot, &app.spec())
+        let adapter_wait = super::adapter_load::prepare(&mut slot, &app.spec())
             .await
             .map_err(Failed)?;
         let replica = slot.replica().clone();
@@ -266,6 +269,9 @@ impl Pipeline {
             h.insert(X_REVISION, v.clone());
         }
         h.insert(X_QUEUED_MS, queued_ms(queued));
+        if let Some(waited) = adapter_wait {
+            h.insert(X_ADAPTER_LOAD_MS, queued_ms(waited));
+        }
         if cold {
             h.insert(X_COLD_START, HeaderValue::from_static("true"));
         }

@@ -123,7 +123,9 @@ fn upstream_error(e: &SendError, replica: &str, app: &str) -> ApiError {
     tracing::warn!(%replica, %app, error = %error_chain(e), "replica failed before answering");
     ApiError::new(
         ErrorKind::ReplicaFailed,
-        format!("replica {replica} of app '{app}' closed the connection before answering"),
+        format!(
+            "replica {replica} of app '{app}' closed the connection before answering: it stopped or failed with this request sent, which it may or may not have begun; send it again if it is safe to repeat"
+        ),
     )
 }
 

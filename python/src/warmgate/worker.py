@@ -348,6 +348,8 @@ class Worker:
         self.weights_seconds: Optional[float] = None
         self.last_error: Optional[str] = None
         self._swap = threading.Lock()
+        #: LoRA adapters loaded, by name: what ``load_adapter`` returned.
+        self.adapters: Dict[str, Any] = {}
         self._inflight = 0
         self._idle = threading.Condition()
         self.server: Optional[ThreadingHTTPServer] = None
@@ -366,6 +368,18 @@ class Worker:
         """Other routes: return ``(status, json)`` or ``None`` for 404."""
         return None
 
+    def load_adapter(self, name: str, path: str) -> Any:
+        """Loads a LoRA adapter from the folder ``path`` (``POST
+        /v1/load_lora_adapter``, vLLM's runtime API, which warmgate calls
+        where it routes a request for ``name``); what it returns is kept in
+        ``self.adapters[name]`` for ``handle`` to use. The default reads
+        ``adapter_config.json`` and fails without it."""
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            return {"path": path, "config": json.load(f)}
+
+    def unload_adapter(self, name: str) -> None:
+        """Frees what ``load_adapter`` made (``POST /v1/unload_lora_adapter``)."""
+
     # --- the contract -------------------------------------------------------
 
     def load_weights(self, url: str, version: int) -> None:
@@ -383,6 +397,36 @@ class Worker:
             self.model, self.weights_version = model, version
             self.weights_seconds = time.monotonic() - t0
             self.last_error = None
+
+    def _adapter_route(self, path: str, payload: Any) -> Reply:
+        """vLLM's answers to its two runtime LoRA routes."""
+        name = payload.get("lora_name") if isinstance(payload, dict) else None
+        if not isinstance(name, str) or not name:
+            return 400, {"error": {"message": "lora_name is required", "type": "BadRequestError",
+                                   "code": 400}}
+        if path.endswith("unload_lora_adapter"):
+            with self._swap:
+                if name not in self.adapters:
+                    return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found.",
+                                           "type": "NotFoundError", "code": 404}}
+                del self.adapters[name]
+            self.unload_adapter(name)
+            return 200, f"Success: LoRA adapter '{name}' removed successfully."
+        lora_path = payload.get("lora_path")
+        if not isinstance(lora_path, str) or not lora_path:
+            return 400, {"error": {"message": "lora_path is required", "type": "BadRequestError",
+                                   "code": 400}}
+        if name in self.adapters:
+            return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded.",
+                                   "type": "InvalidUserInput", "code": 400}}
+        try:
+            loaded = self.load_adapter(name, lora_path)
+        except Exception as e:
+            return 400, {"error": {"message": f"Loading lora {name} failed: {e}",
+                                   "type": "BadRequestError", "code": 400}}
+        with self._swap:
+            self.adapters[name] = loaded
+        return 200, f"Success: LoRA adapter '{name}' added successfully."
 
     def health(self) -> Dict[str, Any]:
         body: Dict[str, Any] = {"status": "ok", "weights_version": self.weights_version}
@@ -436,6 +480,9 @@ class Worker:
                             # one of the task's retries on it.
                             return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
                         return self._reply(200, out)
+                    if method == "POST" and self.path in ("/v1/load_lora_adapter",
+                                                          "/v1/unload_lora_adapter"):
+                        return self._reply(*worker._adapter_route(self.path, payload))
                     if method == "POST" and self.path == "/weights":
                         if not isinstance(payload, dict) or "url" not in payload:
                             return self._reply(400, {"error": "expected {\"url\", \"version\"}"})
