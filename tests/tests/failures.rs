@@ -320,7 +320,10 @@ async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() 
     // gateway cannot tell it from one a replica dropped mid-work. Wait for
     // the refusal itself, which is what this test is about.
     eventually("the deaf replica refuses connections", || async {
-        tokio::net::TcpStream::connect(&deaf_addr).await.err().map(|_| ())
+        tokio::net::TcpStream::connect(&deaf_addr)
+            .await
+            .err()
+            .map(|_| ())
     })
     .await;
     let size = 256 * 1024;
