@@ -188,7 +188,7 @@ impl AdapterTable {
     pub fn reserve(&mut self, replica: &str, name: &Arc<str>, reason: Reason) -> Ticket {
         self.tick += 1;
         let tick = self.tick;
-        if tick % DECAY_EVERY == 0 {
+        if tick.is_multiple_of(DECAY_EVERY) {
             self.uses.retain(|_, n| {
                 *n /= 2;
                 *n > 0
