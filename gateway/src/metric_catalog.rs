@@ -150,6 +150,11 @@ pub const METRICS: &[Metric] = &[
         &[],
         "Client connections refused at limits.max_connections.",
     ),
+    gauge(
+        "warmgate_buffered_body_bytes",
+        &[],
+        "Bytes of request bodies held now (being read, or waiting for a replica), of limits.max_buffered_body_bytes; read when scraped.",
+    ),
     counter(
         "warmgate_tls_handshake_failures_total",
         &[],

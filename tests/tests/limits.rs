@@ -509,6 +509,12 @@ async fn bodies_being_read_hold_their_bytes_in_the_buffered_budget() {
             .expect("write");
         held.push(s);
     }
+    // Probed only once both bodies are held: a probe read while one still
+    // grows could take the room it grows into, and have it refused instead.
+    eventually("both bodies are held", || async {
+        (gw.metric("warmgate_buffered_body_bytes").await >= (2 * 1048576) as f64).then_some(())
+    })
+    .await;
     let refused: Value = eventually("a request is refused while the budget is held", || async {
         let r = answered().await;
         if r.status() != 429 {
