@@ -1256,3 +1256,116 @@ async fn an_in_place_rollback_never_runs_a_revision_on_another_s_settings() {
         "{notes}"
     );
 }
+
+/// The attack of issue 40 on gates, against the real binary: a gate that
+/// prints its environment and leaves children behind, one in its process
+/// group and one in a session of its own (`setsid`). It sees none of the
+/// gateway's secrets, the child in its group dies with it, and the one
+/// that escaped the group (which only a cgroup could catch) does not hold
+/// the promotion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_sees_no_secret_and_its_children_hold_nothing() {
+    const ADMIN: &str = "admin-token-for-gates-5d0e";
+    const CLOUD: &str = "cloud-secret-for-gates-77a1";
+    let root = tempfile::tempdir().expect("dir");
+    let v1 = checkpoint(root.path(), "v1", false);
+    let v2 = checkpoint(root.path(), "v2", false);
+    let (env, kept, escaped) = (
+        root.path().join("gate.env"),
+        root.path().join("kept.pid"),
+        root.path().join("escaped.pid"),
+    );
+    let script = root.path().join("gate.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             env > {env}\n\
+             sleep 60 & echo $! > {kept}\n\
+             setsid sh -c 'echo $$ > {escaped}; exec sleep 60' > /dev/null 2>&1 &\n\
+             while [ ! -s {escaped} ]; do sleep 0.01; done\n\
+             echo 'the evaluation failed' >&2\n\
+             exit 1\n",
+            env = env.display(),
+            kept = kept.display(),
+            escaped = escaped.display()
+        ),
+    )
+    .expect("script");
+    let cfg = full_box_config(
+        &v1,
+        &format!("gate_command = [\"sh\", \"{}\"]", script.display()),
+    );
+    let gw = Gateway::start_with(
+        &cfg,
+        &[],
+        &[
+            ("WARMGATE_ADMIN_TOKEN", ADMIN),
+            ("AWS_SECRET_ACCESS_KEY", CLOUD),
+        ],
+    );
+    eventually("m is ready", || async {
+        let r = gw
+            .http
+            .get(gw.at("/v1/status"))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .ok()?;
+        let s: Value = r.json().await.ok()?;
+        (s["apps"][0]["ready"] == 2).then_some(())
+    })
+    .await;
+    let t0 = std::time::Instant::now();
+    let r = gw
+        .http
+        .post(gw.at("/v1/apps/m/promote"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"checkpoint": v2, "wait": true}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    let took = t0.elapsed();
+    let pid = |p: &Path| -> i32 {
+        std::fs::read_to_string(p)
+            .expect("pid file")
+            .trim()
+            .parse()
+            .expect("pid")
+    };
+    // Running: alive and not a zombie waiting to be reaped.
+    let running = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+            .unwrap_or(false)
+    };
+    let escaped_pid = pid(&escaped);
+    // The promotion ended while the escaped child still ran: not held.
+    assert!(
+        running(escaped_pid),
+        "the escaped child ended first: the promotion waited for it ({took:?})"
+    );
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(escaped_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    // The child in the gate's group was killed with it.
+    let kept_pid = pid(&kept);
+    eventually("the gate's own child is gone", || async {
+        (!running(kept_pid)).then_some(())
+    })
+    .await;
+    // No secret of the gateway's reached the gate.
+    let seen = std::fs::read_to_string(&env).expect("the gate's environment");
+    for secret in [ADMIN, CLOUD] {
+        assert!(
+            !seen.contains(secret),
+            "a secret leaked into the gate:\n{seen}"
+        );
+    }
+    assert!(seen.contains("WARMGATE_EVAL_URL="), "{seen}");
+}
