@@ -8,7 +8,14 @@
 //! [[apps.adapters.models]]
 //! name = "sql-lora"         # the `model` a request names
 //! checkpoint = "file://./adapters/sql"
+//! aliases = ["sql"]         # other names requests may use
 //! ```
+//!
+//! An adapter has revisions: the gateway raises `revision` each time its
+//! checkpoint changes (a `PUT`, `warmgate apply`, a promotion), and the
+//! engine holds revision `n > 1` as `name@n`, so a replica that still
+//! holds the old weights is never asked for the new ones under the old
+//! name.
 
 use std::time::Duration;
 
@@ -52,6 +59,54 @@ pub struct AdapterSpec {
     /// Where the adapter's files are: a `file://` folder (relative to the
     /// config's folder), which the engine reads as `lora_path`.
     pub checkpoint: String,
+    /// Other names requests may use for it; the engine is sent its own.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub aliases: Vec<String>,
+    /// Which revision of the adapter `checkpoint` is: 1 at first, raised by
+    /// the gateway whenever the checkpoint changes. Leave it out in a
+    /// config file.
+    #[serde(default = "first_revision", skip_serializing_if = "is_first")]
+    pub revision: u32,
+}
+
+fn first_revision() -> u32 {
+    1
+}
+
+fn is_first(r: &u32) -> bool {
+    *r <= 1
+}
+
+/// The name the engine holds revision `revision` of adapter `name` under
+/// (its `lora_name`): the name itself for the first, `name@n` after.
+pub fn engine_name(name: &str, revision: u32) -> String {
+    if revision <= 1 {
+        name.to_string()
+    } else {
+        format!("{name}@{revision}")
+    }
+}
+
+impl AdapterSpec {
+    /// A first revision of `name` at `checkpoint`, with no alias.
+    pub fn new(name: impl Into<String>, checkpoint: impl Into<String>) -> Self {
+        AdapterSpec {
+            name: name.into(),
+            checkpoint: checkpoint.into(),
+            aliases: Vec::new(),
+            revision: 1,
+        }
+    }
+
+    /// The `lora_name` the engine holds this revision under.
+    pub fn engine_name(&self) -> String {
+        engine_name(&self.name, self.revision)
+    }
+
+    /// Whether a request's `model` names it (its name or an alias).
+    pub fn answers_to(&self, model: &str) -> bool {
+        self.name == model || self.aliases.iter().any(|a| a == model)
+    }
 }
 
 impl Default for AdaptersSpec {
@@ -75,6 +130,33 @@ impl AdaptersSpec {
         self.models.iter().find(|a| a.name == name)
     }
 
+    /// Keeps each adapter's revision true against `current`, the adapters
+    /// as they were, and `used`, the highest revision each name was ever
+    /// given (a promotion rolled back, an adapter deleted and put again):
+    /// one whose checkpoint changed, or that comes back, gets a revision
+    /// past both, so an engine still holding an old one under its name is
+    /// never asked for the new one; one whose checkpoint did not change
+    /// keeps its revision (a file or a resource that says nothing of
+    /// revisions does not undo one).
+    pub fn carry_revisions(&mut self, current: &AdaptersSpec, used: impl Fn(&str) -> u32) {
+        for a in &mut self.models {
+            let used = used(&a.name);
+            match current.get(&a.name) {
+                Some(old) if old.checkpoint == a.checkpoint => {
+                    a.revision = a.revision.max(old.revision);
+                }
+                Some(old) => {
+                    let past = old.revision.max(used);
+                    if a.revision <= past {
+                        a.revision = past + 1;
+                    }
+                }
+                None if used > 0 && a.revision <= used => a.revision = used + 1,
+                None => {}
+            }
+        }
+    }
+
     /// Checks the section; `at` names a key in errors.
     pub fn validate(&self, at: impl Fn(&str) -> String) -> Result<(), (String, String)> {
         if self.is_empty() {
@@ -89,11 +171,41 @@ impl AdaptersSpec {
         for (i, a) in self.models.iter().enumerate() {
             let key = |k: &str| at(&format!("adapters.models[{i}].{k}"));
             crate::config::check_model_name(&a.name).map_err(|m| (key("name"), m))?;
-            if self.models[..i].iter().any(|b| b.name == a.name) {
+            if a.name.contains('@') {
                 return Err((
                     key("name"),
-                    format!("the adapter {:?} is listed twice", a.name),
+                    format!(
+                        "{:?}: an adapter's name has no '@' (the engine holds its later revisions as name@n)",
+                        a.name
+                    ),
                 ));
+            }
+            if self.models[..i]
+                .iter()
+                .any(|b| b.answers_to(&a.name) || a.aliases.iter().any(|x| b.answers_to(x)))
+            {
+                return Err((
+                    key("name"),
+                    format!(
+                        "the adapter {:?} (or an alias of it) is listed twice",
+                        a.name
+                    ),
+                ));
+            }
+            for (j, alias) in a.aliases.iter().enumerate() {
+                let key = || key(&format!("aliases[{j}]"));
+                crate::config::check_model_name(alias).map_err(|m| (key(), m))?;
+                if alias.contains('@') || *alias == a.name || a.aliases[..j].contains(alias) {
+                    return Err((
+                        key(),
+                        format!(
+                            "{alias:?}: an alias has no '@' and is listed once, apart from the name"
+                        ),
+                    ));
+                }
+            }
+            if a.revision == 0 {
+                return Err((key("revision"), "must be at least 1".into()));
             }
             if !a.checkpoint.starts_with("file://") {
                 return Err((
@@ -112,10 +224,7 @@ mod tests {
 
     fn one(name: &str, checkpoint: &str) -> AdaptersSpec {
         AdaptersSpec {
-            models: vec![AdapterSpec {
-                name: name.into(),
-                checkpoint: checkpoint.into(),
-            }],
+            models: vec![AdapterSpec::new(name, checkpoint)],
             ..AdaptersSpec::default()
         }
     }
@@ -135,5 +244,50 @@ mod tests {
         let mut zero = one("sql", "file:///a");
         zero.max_loaded = 0;
         assert!(zero.validate(at).is_err());
+        assert!(one("sql@2", "file:///a").validate(at).is_err());
+        let mut aliased = one("sql", "file:///a");
+        aliased.models[0].aliases = vec!["q".into()];
+        assert!(aliased.validate(at).is_ok());
+        aliased.models.push(AdapterSpec::new("q", "file:///b"));
+        assert_eq!(
+            aliased.validate(at).expect_err("alias taken").0,
+            "adapters.models[1].name"
+        );
+        aliased.models[1].name = "r".into();
+        aliased.models[1].aliases = vec!["r@1".into()];
+        assert_eq!(
+            aliased.validate(at).expect_err("@ in alias").0,
+            "adapters.models[1].aliases[0]"
+        );
+    }
+
+    #[test]
+    fn a_changed_checkpoint_is_a_new_revision_and_an_unchanged_one_keeps_its_own() {
+        let mut now = one("sql", "file:///v1");
+        now.models[0].revision = 3;
+        let none = |_: &str| 0;
+        let mut put = one("sql", "file:///v1");
+        put.carry_revisions(&now, none);
+        assert_eq!(put.models[0].revision, 3, "a file that says nothing");
+        assert_eq!(put.models[0].engine_name(), "sql@3");
+        let mut moved = one("sql", "file:///v2");
+        moved.carry_revisions(&now, none);
+        assert_eq!(moved.models[0].revision, 4);
+        let mut promoted = one("sql", "file:///v2");
+        promoted.models[0].revision = 7;
+        promoted.carry_revisions(&now, none);
+        assert_eq!(promoted.models[0].revision, 7, "a promotion names its own");
+        // Revision 4 went to a promotion that rolled back: never reused.
+        let mut after = one("sql", "file:///v5");
+        after.carry_revisions(&now, |_| 4);
+        assert_eq!(after.models[0].revision, 5);
+        // Deleted at revision 3, put again: not `sql` again.
+        let mut back = one("sql", "file:///v1");
+        back.carry_revisions(&AdaptersSpec::default(), |_| 3);
+        assert_eq!(back.models[0].revision, 4);
+        let mut fresh = one("sql", "file:///v1");
+        fresh.carry_revisions(&AdaptersSpec::default(), none);
+        assert_eq!(fresh.models[0].engine_name(), "sql");
+        assert_eq!(engine_name("sql", 1), "sql");
     }
 }

@@ -1230,12 +1230,14 @@ impl Config {
             for (j, alias) in app.aliases.iter().enumerate() {
                 check_model_name(alias).map_err(|m| (at(&format!("aliases[{j}]")), m))?;
             }
-            let adapters = app
-                .adapters
-                .models
-                .iter()
-                .enumerate()
-                .map(|(j, a)| (format!("adapters.models[{j}].name"), &a.name));
+            let adapters = app.adapters.models.iter().enumerate().flat_map(|(j, a)| {
+                std::iter::once((format!("adapters.models[{j}].name"), &a.name)).chain(
+                    a.aliases
+                        .iter()
+                        .enumerate()
+                        .map(move |(k, x)| (format!("adapters.models[{j}].aliases[{k}]"), x)),
+                )
+            });
             for (key, name) in std::iter::once(("name".to_string(), &app.name))
                 .chain(
                     app.aliases

@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapter_promotion;
 pub mod adapters;
 pub mod admin_token;
 mod config;

@@ -116,7 +116,7 @@ impl Gateway {
     }
 
     /// Puts an app: creates it, or changes the one of that name.
-    pub async fn put_app(self: &Arc<Self>, spec: AppSpec) -> Result<Changed, ApiError> {
+    pub async fn put_app(self: &Arc<Self>, mut spec: AppSpec) -> Result<Changed, ApiError> {
         let name = spec.name.clone();
         let _busy = self.refuse_if_busy(&format!("app '{name}'"))?;
         // One registry change at a time: each is checked against the
@@ -137,6 +137,15 @@ impl Gateway {
             .iter()
             .find(|a| a.name == name)
             .cloned();
+        if let Some(app) = &current {
+            // An adapter whose checkpoint changed is a new revision, never
+            // one an engine may hold already.
+            let incoming = spec.adapters.clone();
+            spec.adapters.carry_revisions(&app.spec().adapters, |n| {
+                let checkpoint = incoming.get(n).map(|a| a.checkpoint.as_str());
+                app.adapter_revision_used(n, checkpoint)
+            });
+        }
         let mut candidate = self.desired_config();
         let index = match candidate.apps.iter().position(|a| a.name == name) {
             Some(i) => {

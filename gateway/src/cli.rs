@@ -228,6 +228,11 @@ pub enum Command {
         /// The canary is the first replicas swapped.
         #[arg(long)]
         in_place: bool,
+        /// Promote this LoRA adapter of the app to the checkpoint (a
+        /// `file://` folder) instead: the canary is a share of that
+        /// adapter's requests, no replica starts.
+        #[arg(long, value_name = "NAME", conflicts_with = "in_place")]
+        adapter: Option<String>,
         /// The gateway to ask.
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
@@ -401,6 +406,7 @@ pub fn run(cli: Cli) -> i32 {
             bake,
             wait,
             in_place,
+            adapter,
             gateway,
             output,
         } => promote(
@@ -412,6 +418,7 @@ pub fn run(cli: Cli) -> i32 {
                 bake,
                 wait,
                 in_place,
+                adapter,
             },
             output,
         ),
@@ -899,6 +906,7 @@ struct Promotion {
     bake: Option<humantime::Duration>,
     wait: bool,
     in_place: bool,
+    adapter: Option<String>,
 }
 
 /// `warmgate promote`.
@@ -908,11 +916,19 @@ fn promote(gateway: &str, app: &str, checkpoint: &str, p: Promotion, output: Out
         bake,
         wait,
         in_place,
+        adapter,
     } = p;
     let mut body = serde_json::json!({"checkpoint": checkpoint, "wait": wait});
     if in_place {
         body["in_place"] = true.into();
     }
+    let what = match &adapter {
+        Some(a) => {
+            body["adapter"] = a.clone().into();
+            format!("{app}: adapter {a}")
+        }
+        None => app.to_string(),
+    };
     if let Some(c) = canary {
         body["canary"] = c.into();
     }
@@ -940,7 +956,11 @@ fn promote(gateway: &str, app: &str, checkpoint: &str, p: Promotion, output: Out
     }
     if !wait {
         if output == Output::Table {
-            println!("{app}: promoting {rev} (follow it with `warmgate revisions {app}`)");
+            let follow = match &adapter {
+                Some(_) => "`warmgate status`".to_string(),
+                None => format!("`warmgate revisions {app}`"),
+            };
+            println!("{what}: promoting {rev} (follow it with {follow})");
         }
         return 0;
     }
@@ -948,13 +968,13 @@ fn promote(gateway: &str, app: &str, checkpoint: &str, p: Promotion, output: Out
     match p["phase"].as_str() {
         Some("done") => {
             if output == Output::Table {
-                println!("{app}: {rev} serves 100%");
+                println!("{what}: {rev} serves 100%");
             }
             0
         }
         Some(phase) => {
             eprintln!(
-                "{app}: {rev} did not take over ({phase}): {}",
+                "{what}: {rev} did not take over ({phase}): {}",
                 p["reason"].as_str().unwrap_or("no reason given")
             );
             1

@@ -4,6 +4,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapter_promote;
 pub mod change;
 pub mod cli;
 pub mod error;

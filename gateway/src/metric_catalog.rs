@@ -192,6 +192,11 @@ pub const METRICS: &[Metric] = &[
         LONG,
     ),
     counter(
+        "warmgate_adapter_promotions_total",
+        &["app", "outcome"],
+        "Promotions of LoRA adapters ended: done (the new revision is the adapter's) or rolled_back.",
+    ),
+    counter(
         "warmgate_adapter_route_decisions_total",
         &["reason"],
         "Requests for an adapter routed: held (to a replica holding it, under the load bound), room (loaded where a slot was free), evict (an idle adapter unloaded to make room) or over_bound.",

@@ -24,6 +24,19 @@ use crate::serving::served::Served;
 /// How often a running promotion looks at its new revision.
 const STEP: Duration = Duration::from_millis(100);
 
+/// What an evaluation gate is run against.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Evaluated<'a> {
+    /// A revision of the app, pinned by `X-Warmgate-Revision`.
+    Revision(&'a str),
+    /// A revision of an adapter, by the model name that pins it
+    /// (`name@n`).
+    Adapter {
+        /// That name.
+        model: &'a str,
+    },
+}
+
 /// What `POST /v1/apps/{app}/promote` asks for.
 #[derive(Debug, Clone)]
 pub struct PromoteRequest {
@@ -823,7 +836,7 @@ impl Gateway {
                     Phase::Warming if p.plan.in_place => match self.warm_in_place(&app, &p).await {
                         _ if moved_on(&app) => continue,
                         Event::Ready => {
-                            let mut gate = self.gate(&app, &p.to).await;
+                            let mut gate = self.gate(&app, Evaluated::Revision(&p.to)).await;
                             // Judged on replicas it no longer has (one
                             // crashed): the verdict was not about them.
                             if gate == Event::Ready
@@ -840,7 +853,9 @@ impl Gateway {
                         other => Some(other),
                     },
                     Phase::Warming => match self.warming(&app, &p, since) {
-                        Some(Event::Ready) => Some(self.gate(&app, &p.to).await),
+                        Some(Event::Ready) => {
+                            Some(self.gate(&app, Evaluated::Revision(&p.to)).await)
+                        }
                         other => other,
                     },
                     Phase::Canary => match canary(&app, &p, to.as_deref(), baseline, since) {
@@ -963,12 +978,16 @@ impl Gateway {
 
     /// The evaluation gate, when the app has one: `Ready` when it passes,
     /// `Unhealthy` with its output when it fails or runs out of time.
-    async fn gate(&self, app: &Served, rev: &str) -> Event {
+    pub(crate) async fn gate(&self, app: &Served, what: Evaluated<'_>) -> Event {
         let whole = app.spec();
         let spec = &whole.promotion;
         if spec.gate_command.is_empty() && spec.gate_url.is_none() {
             return Event::Ready;
         }
+        let (rev, model) = match what {
+            Evaluated::Revision(rev) => (rev, None),
+            Evaluated::Adapter { model } => (model, Some(model)),
+        };
         let endpoint = format!("http://{}/apps/{}", self.reach, app.name);
         let run = async {
             if let Some((program, args)) = spec.gate_command.split_first() {
@@ -989,16 +1008,27 @@ impl Gateway {
                     ("WARMGATE_EVAL_REVISION", rev.to_string()),
                     ("WARMGATE_EVAL_APP", app.name.clone()),
                 ]);
+                if let Some(model) = model {
+                    vars.push(("WARMGATE_EVAL_MODEL", model.to_string()));
+                }
                 crate::gate::run(program, args, &vars, self.workdir.as_deref()).await?;
             }
             if let Some(url) = &spec.gate_url {
-                let body = serde_json::json!({
-                    "app": app.name,
-                    "revision": rev,
-                    "endpoint": endpoint,
-                    "openai_base": format!("http://{}/v1", self.reach),
-                    "headers": {"X-Warmgate-Revision": rev},
-                });
+                let body = match model {
+                    None => serde_json::json!({
+                        "app": app.name,
+                        "revision": rev,
+                        "endpoint": endpoint,
+                        "openai_base": format!("http://{}/v1", self.reach),
+                        "headers": {"X-Warmgate-Revision": rev},
+                    }),
+                    Some(model) => serde_json::json!({
+                        "app": app.name,
+                        "revision": rev,
+                        "model": model,
+                        "openai_base": format!("http://{}/v1", self.reach),
+                    }),
+                };
                 let status = self.upstream.post_json(url, &body).await?;
                 if !(200..300).contains(&status) {
                     return Err(format!("{url} answered {status}"));

@@ -49,7 +49,9 @@ impl Registry {
             self.routes.insert(name.clone(), app.clone());
         }
         for a in &app.spec().adapters.models {
-            self.adapters.insert(a.name.clone(), app.clone());
+            for name in std::iter::once(&a.name).chain(a.aliases.iter()) {
+                self.adapters.insert(name.clone(), app.clone());
+            }
         }
         match self.apps.iter_mut().find(|a| a.name == app.name) {
             Some(slot) => *slot = app,
@@ -122,9 +124,14 @@ impl Registry {
         self.routes.get(name)
     }
 
-    /// The app serving the adapter `name` on its replicas.
-    pub fn adapter(&self, name: &str) -> Option<&Arc<Served>> {
-        self.adapters.get(name)
+    /// The app serving the adapter a request's `model` names on its
+    /// replicas: by the adapter's name or alias, or `name@n` for one of
+    /// its revisions.
+    pub fn adapter(&self, model: &str) -> Option<&Arc<Served>> {
+        self.adapters.get(model).or_else(|| {
+            let (name, revision) = crate::serving::adapter_split::parse_model(model);
+            revision.and_then(|_| self.adapters.get(name))
+        })
     }
 
     /// Every app, in order.

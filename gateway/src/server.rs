@@ -697,12 +697,32 @@ impl Gateway {
             .adapters
             .models
             .iter()
-            .map(|a| crate::status::AdapterStatus {
-                name: a.name.clone(),
-                replicas: live
-                    .iter()
-                    .flat_map(|r| r.adapter_holders(&a.name))
-                    .collect(),
+            .map(|a| {
+                let engine = a.engine_name();
+                let promotion = served.adapter_promotion(&a.name);
+                crate::status::AdapterStatus {
+                    name: a.name.clone(),
+                    aliases: a.aliases.clone(),
+                    revision: a.revision,
+                    checkpoint: a.checkpoint.clone(),
+                    replicas: live
+                        .iter()
+                        .flat_map(|r| r.adapter_holders(&engine))
+                        .collect(),
+                    promotion: promotion.map(|c| {
+                        let mut p = c.promotion.lock().clone();
+                        if !p.phase.is_terminal() {
+                            (p.answered, p.failed) = c.counts();
+                        }
+                        crate::status::AdapterPromotionStatus {
+                            replicas: live
+                                .iter()
+                                .flat_map(|r| r.adapter_holders(&c.engine))
+                                .collect(),
+                            promotion: p,
+                        }
+                    }),
+                }
             })
             .collect();
         AppStatus {

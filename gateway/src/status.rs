@@ -69,7 +69,27 @@ pub struct AppStatus {
 pub struct AdapterStatus {
     /// The model name requests use.
     pub name: String,
+    /// Other names requests may use.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub aliases: Vec<String>,
+    /// The revision serving (the engine holds revision n > 1 as `name@n`).
+    pub revision: u32,
+    /// Its checkpoint.
+    pub checkpoint: String,
     /// Replicas (of every live revision) that hold it loaded.
+    pub replicas: Vec<String>,
+    /// Its promotion: the running one, else the last that ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub promotion: Option<AdapterPromotionStatus>,
+}
+
+/// An adapter's promotion in `/v1/status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdapterPromotionStatus {
+    /// The promotion: revisions, phase, share, the canary's answers.
+    #[serde(flatten)]
+    pub promotion: warmgate_deploy::adapter_promotion::AdapterPromotion,
+    /// Replicas holding the new revision loaded.
     pub replicas: Vec<String>,
 }
 

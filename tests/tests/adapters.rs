@@ -325,3 +325,271 @@ async fn adapters_are_added_and_removed_through_the_api_without_a_restart() {
         .expect("send");
     assert_eq!(r.status(), 404);
 }
+
+/// Requests answered, and the failures' statuses and messages.
+type Tally = (u64, Vec<String>);
+
+/// Requests sent in a loop to one model until told to stop, with the
+/// statuses they got.
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<(String, tokio::task::JoinHandle<Tally>)>,
+}
+
+impl Load {
+    fn start(gw: &Gateway, models: &[&str]) -> Load {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let tasks = models
+            .iter()
+            .map(|m| {
+                let (http, url, model, stop) = (
+                    gw.http.clone(),
+                    gw.at("/v1/chat/completions"),
+                    m.to_string(),
+                    stop.clone(),
+                );
+                let task = tokio::spawn(async move {
+                    let (mut ok, mut failed) = (0u64, Vec::new());
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let r = http
+                            .post(&url)
+                            .json(&json!({
+                                "model": model,
+                                "messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 2,
+                            }))
+                            .send()
+                            .await;
+                        match r {
+                            Ok(r) if r.status().is_success() => ok += 1,
+                            Ok(r) => failed.push(format!(
+                                "{}: {}",
+                                r.status(),
+                                r.text().await.unwrap_or_default()
+                            )),
+                            Err(e) => failed.push(e.to_string()),
+                        }
+                    }
+                    (ok, failed)
+                });
+                (m.to_string(), task)
+            })
+            .collect();
+        Load { stop, tasks }
+    }
+
+    /// Stops it: (model, answered, failures) each.
+    async fn stop(self) -> Vec<(String, u64, Vec<String>)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut out = Vec::new();
+        for (m, t) in self.tasks {
+            let (ok, failed) = t.await.expect("load task");
+            out.push((m, ok, failed));
+        }
+        out
+    }
+}
+
+async fn adapter_status(gw: &Gateway, name: &str) -> Value {
+    let s = gw.json("/v1/status").await;
+    s["apps"][0]["adapters"]
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["name"] == name).cloned())
+        .unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_promoted_under_load_rolls_back_on_a_failing_gate_or_canary_and_harms_no_other()
+{
+    let dir = tempfile::tempdir().expect("dir");
+    let v1 = adapter(dir.path(), "sql-v1", false);
+    let chat_dir = adapter(dir.path(), "chat", false);
+    let broken = adapter(dir.path(), "sql-broken", true);
+    let v2 = adapter(dir.path(), "sql-v2", false);
+    let fail = dir.path().join("gate-fails");
+    std::fs::write(&fail, b"").expect("write");
+    let blind = dir.path().join("gate-looks-away");
+    // The gate asks the new revision by the name that pins it; it fails
+    // while the file `gate-fails` exists, and passes without asking while
+    // `gate-looks-away` does (so that the canary is what catches a bad one).
+    let gate = dir.path().join("gate.py");
+    std::fs::write(
+        &gate,
+        format!(
+            r#"import json, os, sys, urllib.request
+if os.path.exists({fail:?}):
+    sys.exit("the evaluation found regressions")
+if os.path.exists({blind:?}):
+    sys.exit(0)
+req = urllib.request.Request(os.environ["WARMGATE_EVAL_OPENAI_BASE"] + "/chat/completions",
+    data=json.dumps({{"model": os.environ["WARMGATE_EVAL_MODEL"], "max_tokens": 2,
+                      "messages": [{{"role": "user", "content": "eval"}}]}}).encode(),
+    headers={{"content-type": "application/json"}})
+answer = json.load(urllib.request.urlopen(req, timeout=30))
+assert answer["model"] == os.environ["WARMGATE_EVAL_MODEL"], answer
+"#,
+            fail = fail.display().to_string(),
+            blind = blind.display().to_string()
+        ),
+    )
+    .expect("write gate");
+    let config = config(2, &[("sql-lora", &v1), ("chat-lora", &chat_dir)])
+        .replace(
+            "[[apps]]",
+            &format!(
+                "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
+                dir.path().display()
+            ),
+        )
+        .replace(
+            "[apps.adapters]",
+            &format!(
+                "[apps.promotion]\nmin_requests = 5\nmax_error_rate = 0.2\nbake = \"2s\"\n\
+                 gate_command = [\"python3\", \"{}\"]\ngate_timeout = \"60s\"\n[apps.adapters]",
+                gate.display()
+            ),
+        )
+        .replacen(
+            "name = \"sql-lora\"\n",
+            "name = \"sql-lora\"\naliases = [\"sql\"]\n",
+            1,
+        );
+    let gw = Gateway::start(&config);
+    ready(&gw, 2).await;
+    let models = gw.json("/v1/models").await;
+    assert!(
+        models["data"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|m| m["id"] == "sql" && m["parent"] == "base")),
+        "the alias is a model of base: {models}"
+    );
+    let (status, _, body) = chat(&gw, "sql").await;
+    assert_eq!(
+        (status, body["model"].as_str()),
+        (200, Some("sql-lora")),
+        "{body}"
+    );
+
+    let pids = gw.replica_pids("base").await;
+    let load = Load::start(&gw, &["base", "chat-lora", "sql", "sql-lora"]);
+    let promote = async |checkpoint: &Path, canary: u8| {
+        let (status, body) = gw
+            .post(
+                "/v1/apps/base/promote",
+                &json!({"adapter": "sql-lora", "checkpoint": format!("file://{}", checkpoint.display()),
+                        "canary": canary, "wait": true}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        body
+    };
+
+    // 1. Through the CLI: the gate fails, exit 1, nothing moved.
+    let out = tokio::process::Command::new(common::bin("warmgate"))
+        .args(["promote", "base", &format!("file://{}", v2.display())])
+        .args(["--adapter", "sql-lora", "--canary", "50", "--wait"])
+        .args(["--gateway", &gw.url])
+        .output()
+        .await
+        .expect("run warmgate promote");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("regressions"), "the gate's words: {said}");
+    assert!(said.contains("sql-lora@2"), "{said}");
+    assert_eq!(adapter_status(&gw, "sql-lora").await["revision"], 1);
+
+    // 2. A checkpoint the engine cannot load: the canary's requests fail,
+    // it rolls back on the error rate.
+    std::fs::remove_file(&fail).expect("rm");
+    std::fs::write(&blind, b"").expect("write");
+    let body = promote(&broken, 50).await;
+    assert_eq!(
+        body["revision"], "sql-lora@3",
+        "revision 2 is not given twice"
+    );
+    assert_eq!(body["promotion"]["phase"], "rolled_back", "{body}");
+    assert!(
+        body["promotion"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("error rate")),
+        "{body}"
+    );
+    let s = adapter_status(&gw, "sql-lora").await;
+    assert_eq!(
+        (s["revision"].as_u64(), &s["promotion"]["phase"]),
+        (Some(1), &json!("rolled_back")),
+        "{s}"
+    );
+
+    // 3. A good one: the gate reaches it by name, the canary is healthy,
+    // it becomes the adapter's, and both names now reach it.
+    std::fs::remove_file(&blind).expect("rm");
+    let body = promote(&v2, 50).await;
+    assert_eq!(body["promotion"]["phase"], "done", "{body}");
+    assert_eq!(body["revision"], "sql-lora@4");
+    assert!(body["promotion"]["answered"].as_u64() > Some(0), "{body}");
+    let (status, _, body) = chat(&gw, "sql").await;
+    assert_eq!(
+        (status, body["model"].as_str()),
+        (200, Some("sql-lora@4")),
+        "{body}"
+    );
+    let s = adapter_status(&gw, "sql-lora").await;
+    assert_eq!(s["revision"], 4, "{s}");
+    assert!(
+        s["checkpoint"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("sql-v2")),
+        "{s}"
+    );
+
+    // One at a time; an unknown adapter, a store the engine cannot read.
+    let slow = promote_started(&gw, &v1).await;
+    assert_eq!(slow.0, 202, "{}", slow.1);
+    let again = promote_started(&gw, &v1).await;
+    assert_eq!(again.0, 409, "{}", again.1);
+    let (status, body) = gw
+        .post(
+            "/v1/apps/base/promote",
+            &json!({"adapter": "nope", "checkpoint": format!("file://{}", v1.display())}),
+        )
+        .await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = gw
+        .post(
+            "/v1/apps/base/promote",
+            &json!({"adapter": "chat-lora", "checkpoint": "s3://bucket/x"}),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+
+    let results = load.stop().await;
+    for (model, ok, failed) in &results {
+        assert!(*ok > 0, "{model} was served");
+        if model != "sql" && model != "sql-lora" {
+            assert!(
+                failed.is_empty(),
+                "{model}: {} failed: {:?}",
+                failed.len(),
+                &failed[..failed.len().min(3)]
+            );
+        }
+    }
+    assert_eq!(gw.replica_pids("base").await, pids, "no replica restarted");
+    // The promoted adapter lost only its broken canary's requests.
+    for (model, _, failed) in &results {
+        for f in failed {
+            assert!(f.contains("sql-lora@3"), "{model}: {f}");
+        }
+    }
+}
+
+/// Starts a promotion of `sql-lora` to `checkpoint` with a long bake.
+async fn promote_started(gw: &Gateway, checkpoint: &Path) -> (u16, Value) {
+    gw.post(
+        "/v1/apps/base/promote",
+        &json!({"adapter": "sql-lora", "checkpoint": format!("file://{}", checkpoint.display()),
+                "bake": "10m"}),
+    )
+    .await
+}

@@ -157,6 +157,8 @@ pub(crate) async fn delete_app(
 struct AdapterBody {
     name: Option<String>,
     checkpoint: String,
+    #[serde(default)]
+    aliases: Vec<String>,
 }
 
 /// `PUT /v1/apps/{app}/adapters/{name}`: adds an adapter to an app, or
@@ -185,10 +187,9 @@ pub(crate) async fn put_adapter(
         let mut spec = current_spec(&gw, &app)?;
         let existed = spec.adapters.get(&name).is_some();
         spec.adapters.models.retain(|a| a.name != name);
-        spec.adapters.models.push(warmgate_deploy::AdapterSpec {
-            name: name.clone(),
-            checkpoint: body.checkpoint,
-        });
+        let mut adapter = warmgate_deploy::AdapterSpec::new(name.clone(), body.checkpoint);
+        adapter.aliases = body.aliases;
+        spec.adapters.models.push(adapter);
         if let Some(dir) = &gw.workdir {
             spec.resolve_paths(dir);
         }
@@ -327,14 +328,19 @@ pub(crate) struct PromoteBody<'a> {
     /// Swap the weights into the serving replicas instead of starting new
     /// ones (default: the app's `promotion.in_place`).
     in_place: Option<bool>,
+    /// Promote this LoRA adapter of the app (`[[apps.adapters.models]]`)
+    /// to the checkpoint instead: a new revision of the adapter, with the
+    /// canary as a share of that adapter's requests.
+    adapter: Option<String>,
 }
 
 pub(crate) fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
     gw.app(name)
 }
 
-/// `POST /v1/apps/{app}/promote`: a new revision from a checkpoint; 202
-/// with its id, or with `"wait": true` the promotion's outcome.
+/// `POST /v1/apps/{app}/promote`: a new revision from a checkpoint (of the
+/// app, or with `adapter` of one of its LoRA adapters); 202 with its id,
+/// or with `"wait": true` the promotion's outcome.
 #[utoipa::path(post, path = "/v1/apps/{app}/promote", tag = "promotion",
     params(("app" = String, Path, description = "App name")),
     request_body = PromoteBody,
@@ -351,7 +357,7 @@ pub(crate) async fn promote(
             ApiError::new(
                 ErrorKind::BadRequest,
                 format!(
-                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?, \"in_place\"?}} ({e})"
+                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?, \"in_place\"?, \"adapter\"?}} ({e})"
                 ),
             )
         })?;
@@ -359,6 +365,34 @@ pub(crate) async fn promote(
             return Err(ApiError::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
         }
         let bake = duration_value(&body.bake, "bake")?;
+        if let Some(adapter) = body.adapter {
+            if body.in_place.is_some() {
+                return Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    "in_place is for the app's revisions: an adapter is always loaded into the running replicas",
+                ));
+            }
+            let c = gw.promote_adapter(
+                &app,
+                crate::adapter_promote::AdapterPromoteRequest {
+                    adapter,
+                    checkpoint: body.checkpoint,
+                    canary: body.canary,
+                    bake,
+                },
+            )?;
+            let answer = |c: &crate::serving::adapter_split::AdapterCanary| {
+                let p = c.promotion.lock().clone();
+                json!({"app": app.name, "adapter": p.adapter, "revision": &*c.engine, "promotion": p})
+            };
+            if !body.wait {
+                return Ok((StatusCode::ACCEPTED, axum::Json(answer(&c))).into_response());
+            }
+            while c.running() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            return Ok(axum::Json(answer(&c)).into_response());
+        }
         let id = gw
             .promote(
                 &app,

@@ -34,25 +34,38 @@ pub(crate) async fn read_model(
         crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
     let model = model_field(&bytes)?;
     let registry = gw.registry.load();
+    let mut renamed = None;
     let app = match registry.app(model.as_ref()) {
         Some(app) => app.clone(),
         None => {
-            // A LoRA adapter served on an app's replicas.
-            let app = registry
-                .adapter(model.as_ref())
-                .cloned()
-                .ok_or_else(|| model_not_found(gw, &model))?;
-            parts
-                .extensions
-                .insert(crate::serving::adapters::RequestedAdapter(Arc::from(
-                    model.as_ref(),
-                )));
+            // A LoRA adapter served on an app's replicas: the engine is
+            // asked for it by the name it holds the chosen revision under.
+            let app = registry.adapter(model.as_ref()).cloned();
+            let requested = app.as_ref().and_then(|a| a.adapter_request(model.as_ref()));
+            let (Some(app), Some(requested)) = (app, requested) else {
+                return Err(model_not_found(gw, &model));
+            };
+            if *requested.engine != *model {
+                renamed = Some(requested.engine.clone());
+            }
+            parts.extensions.insert(requested);
             app
         }
     };
     if let Some(key) = route_key(&app, path, &parts.headers, &bytes) {
         parts.extensions.insert(Arc::new(key));
     }
+    let bytes = match renamed {
+        Some(name) => {
+            let body = crate::serving::adapter_split::with_model(&bytes, &name)?;
+            parts.headers.insert(
+                http::header::CONTENT_LENGTH,
+                http::HeaderValue::from(body.len()),
+            );
+            body
+        }
+        None => bytes,
+    };
     let body = reading.into_held(bytes);
     Ok((app, Request::from_parts(parts, Body::new(body))))
 }
@@ -289,7 +302,9 @@ pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Response {
             data.push(model_object(id));
         }
         for a in &spec.adapters.models {
-            data.push(adapter_object(&a.name, &app.name));
+            for id in std::iter::once(&a.name).chain(a.aliases.iter()) {
+                data.push(adapter_object(id, &app.name));
+            }
         }
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()

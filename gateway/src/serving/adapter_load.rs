@@ -29,7 +29,11 @@ const MAX_ANSWER_BYTES: usize = 64 * 1024;
 /// at once when it is loaded, after the load under way, or after a load
 /// started now. Fails when the load fails or outlasts `load_timeout`.
 /// Returns how long the request waited for a load, if it did.
-pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<Option<Duration>, ApiError> {
+pub async fn prepare(
+    slot: &mut SlotGuard,
+    spec: &AppSpec,
+    path: Option<&str>,
+) -> Result<Option<Duration>, ApiError> {
     let Some(ticket) = slot.take_ticket() else {
         return Ok(None);
     };
@@ -44,16 +48,14 @@ pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<Option<Dura
         Ticket::Wait(rx) => rx,
         Ticket::Load { done, evict } => {
             let rx = done.subscribe();
-            let path = spec
-                .adapters
-                .get(&name)
-                .map(|a| lora_path(&a.checkpoint))
-                .unwrap_or_default();
+            let path = path.unwrap_or_default().to_string();
             let app = slot.app().clone();
             tokio::spawn(async move {
                 let t0 = Instant::now();
                 let outcome = load(replica.addr, &name, &path, evict.as_deref(), timeout).await;
-                let labels = [("app", app.name.clone()), ("adapter", name.to_string())];
+                // By adapter, whichever revision (`name@n`) was loaded.
+                let adapter = super::adapter_split::parse_model(&name).0.to_string();
+                let labels = [("app", app.name.clone()), ("adapter", adapter.clone())];
                 match &outcome {
                     Ok(()) => {
                         metrics::counter!("warmgate_adapter_loads_total", &labels).increment(1);
@@ -68,7 +70,8 @@ pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<Option<Dura
                     }
                 }
                 if let Some(ev) = &evict {
-                    metrics::counter!("warmgate_adapter_evictions_total", "app" => app.name.clone(), "adapter" => ev.to_string())
+                    let evicted = super::adapter_split::parse_model(ev).0.to_string();
+                    metrics::counter!("warmgate_adapter_evictions_total", "app" => app.name.clone(), "adapter" => evicted)
                         .increment(1);
                 }
                 let state = match outcome {
@@ -103,14 +106,6 @@ pub async fn prepare(slot: &mut SlotGuard, spec: &AppSpec) -> Result<Option<Dura
             humantime::format_duration(timeout)
         ))),
     }
-}
-
-/// The folder the engine reads: a `file://` checkpoint's path.
-fn lora_path(checkpoint: &str) -> String {
-    checkpoint
-        .strip_prefix("file://")
-        .unwrap_or(checkpoint)
-        .to_string()
 }
 
 /// Unloads `evict` (if given) and loads `name` from `path` on the engine
@@ -175,14 +170,4 @@ async fn post(
     tokio::time::timeout(timeout, call)
         .await
         .map_err(|_| format!("no answer within {}", humantime::format_duration(timeout)))?
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_engine_gets_the_folder_of_a_file_checkpoint() {
-        assert_eq!(lora_path("file:///srv/adapters/sql"), "/srv/adapters/sql");
-    }
 }

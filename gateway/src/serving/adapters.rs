@@ -26,11 +26,6 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-/// The adapter a request names as its `model` (a request extension, from
-/// the body to the pipeline).
-#[derive(Debug, Clone)]
-pub struct RequestedAdapter(pub Arc<str>);
-
 /// Where a load stands, as the requests waiting for it see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LoadState {

@@ -3,6 +3,7 @@
 //! takes a request from the split to a replica and back.
 
 pub mod adapter_load;
+pub mod adapter_split;
 pub mod adapters;
 pub mod buffered;
 pub mod dispatch;

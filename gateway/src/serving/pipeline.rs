@@ -44,8 +44,10 @@ const CONNECT_RETRY_PAUSE: Duration = Duration::from_millis(20);
 pub(crate) struct Wants {
     /// The prompt's or session's key.
     pub key: Option<Arc<RouteKey>>,
-    /// The adapter.
+    /// The adapter, by the name the engine holds it under.
     pub adapter: Option<Arc<str>>,
+    /// Where the engine loads the adapter from.
+    pub lora_path: Option<Arc<str>>,
 }
 
 /// What serving a request needs: the upstream client, the pool manager
@@ -99,6 +101,11 @@ impl Pipeline {
             Err(e) => return (None, Err(e)),
         };
         span.record("revision", app.revision.as_str());
+        // A canary's request of a promoted adapter judges its new revision.
+        let canary = req
+            .extensions()
+            .get::<super::adapter_split::RequestedAdapter>()
+            .and_then(|a| a.canary.clone());
         let t0 = Instant::now();
         let result = self
             .serve_app(&app, req, path_and_query, pinned.is_some())
@@ -131,6 +138,9 @@ impl Pipeline {
         if pinned.is_none() {
             app.answered(failed, t0.elapsed());
         }
+        if let Some(c) = canary {
+            c.answered(failed);
+        }
         (Some(app), result)
     }
 
@@ -145,12 +155,13 @@ impl Pipeline {
     ) -> Result<Response, ApiError> {
         // What the proxy uses of the request; its extensions stay behind,
         // but for the key it is routed on.
+        let requested = req
+            .extensions_mut()
+            .remove::<super::adapter_split::RequestedAdapter>();
         let wants = Wants {
             key: req.extensions_mut().remove::<Arc<RouteKey>>(),
-            adapter: req
-                .extensions_mut()
-                .remove::<super::adapters::RequestedAdapter>()
-                .map(|a| a.0),
+            adapter: requested.as_ref().map(|a| a.engine.clone()),
+            lora_path: requested.map(|a| a.path),
         };
         req.extensions_mut().clear();
         let mut req = read_small_body(req).await?;
@@ -254,9 +265,10 @@ impl Pipeline {
         let mut slot = slot;
         // An adapter's request reaches its replica only once the adapter
         // is loaded there.
-        let adapter_wait = super::adapter_load::prepare(&mut slot, &app.spec())
-            .await
-            .map_err(Failed)?;
+        let adapter_wait =
+            super::adapter_load::prepare(&mut slot, &app.spec(), wants.lora_path.as_deref())
+                .await
+                .map_err(Failed)?;
         let replica = slot.replica().clone();
         let mut resp = super::proxy::forward(&self.upstream, req, path_and_query, slot).await?;
         let h = resp.headers_mut();

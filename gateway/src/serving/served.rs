@@ -10,6 +10,9 @@ use parking_lot::{Mutex, RwLock};
 use warmgate_deploy::AppSpec;
 use warmgate_deploy::revision::History;
 
+use warmgate_deploy::adapter_promotion::AdapterPhase;
+
+use super::adapter_split::{self, AdapterCanary, RequestedAdapter};
 use super::dispatch::App;
 use crate::error::{ApiError, ErrorKind};
 
@@ -33,6 +36,14 @@ pub struct Served {
     /// Which checkpoint watcher may run: one that started under an older
     /// generation stops.
     watcher: std::sync::atomic::AtomicU64,
+    /// Its adapters' promotions, by adapter name: the running one, else
+    /// the last that ended (one each at most).
+    adapter_promotions: Mutex<HashMap<String, Arc<AdapterCanary>>>,
+    /// The highest revision each adapter name has been given, kept when
+    /// the adapter is deleted: a revision is never given twice, since an
+    /// engine may still hold the old one under its name. One entry per
+    /// name the app ever served, gone with the app.
+    adapter_revisions: Mutex<HashMap<String, u32>>,
 }
 
 #[derive(Default)]
@@ -55,7 +66,67 @@ impl Served {
             watch_scans: std::sync::atomic::AtomicU64::new(0),
             removed: std::sync::atomic::AtomicBool::new(false),
             watcher: std::sync::atomic::AtomicU64::new(0),
+            adapter_promotions: Mutex::new(HashMap::new()),
+            adapter_revisions: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The adapter revision a request whose `model` is `model` goes to
+    /// (see [`adapter_split::route`]).
+    pub fn adapter_request(&self, model: &str) -> Option<RequestedAdapter> {
+        let spec = self.spec();
+        let promotions = &self.adapter_promotions;
+        adapter_split::route(&spec.adapters, model, |name| {
+            promotions.lock().get(name).cloned()
+        })
+    }
+
+    /// The promotion of adapter `name`: the running one, else the last.
+    pub fn adapter_promotion(&self, name: &str) -> Option<Arc<AdapterCanary>> {
+        self.adapter_promotions.lock().get(name).cloned()
+    }
+
+    /// Starts `canary` as adapter `name`'s promotion, unless one runs:
+    /// then that one is returned.
+    pub fn begin_adapter_promotion(
+        &self,
+        name: &str,
+        canary: Arc<AdapterCanary>,
+    ) -> Result<(), Arc<AdapterCanary>> {
+        let mut all = self.adapter_promotions.lock();
+        if let Some(running) = all.get(name).filter(|c| c.running()) {
+            return Err(running.clone());
+        }
+        all.insert(name.to_string(), canary);
+        Ok(())
+    }
+
+    /// The highest revision adapter `name` has been given: served, or
+    /// tried by a promotion (the running one's counts unless it is the one
+    /// being made the adapter's, at `checkpoint`).
+    pub fn adapter_revision_used(&self, name: &str, checkpoint: Option<&str>) -> u32 {
+        let used = self
+            .adapter_revisions
+            .lock()
+            .get(name)
+            .copied()
+            .unwrap_or(0);
+        let promoted = self.adapter_promotion(name).map_or(0, |c| {
+            let p = c.promotion.lock();
+            if checkpoint == Some(p.checkpoint.as_str()) && p.phase != AdapterPhase::RolledBack {
+                0
+            } else {
+                p.to_revision
+            }
+        });
+        used.max(promoted)
+    }
+
+    /// Records that adapter `name` was given `revision`.
+    pub fn use_adapter_revision(&self, name: &str, revision: u32) {
+        let mut used = self.adapter_revisions.lock();
+        let r = used.entry(name.to_string()).or_insert(0);
+        *r = (*r).max(revision);
     }
 
     /// The current watcher generation.
@@ -89,6 +160,20 @@ impl Served {
 
     /// Replaces its spec (the revisions it starts from now on use it).
     pub fn set_spec(&self, spec: AppSpec) {
+        for a in &spec.adapters.models {
+            self.use_adapter_revision(&a.name, a.revision);
+        }
+        // A promotion of an adapter changed or deleted meanwhile ends.
+        for (name, c) in self.adapter_promotions.lock().iter() {
+            let mut p = c.promotion.lock();
+            let kept = spec
+                .adapters
+                .get(name)
+                .is_some_and(|a| a.revision == p.from_revision || a.revision == p.to_revision);
+            if !kept {
+                p.roll_back("the adapter was changed or deleted during its promotion".into());
+            }
+        }
         self.spec.store(Arc::new(spec));
     }
 

@@ -1,0 +1,207 @@
+//! Promotions of LoRA adapters, carried out: the pure steps of
+//! `warmgate_deploy::adapter_promotion` decide, this module runs the gate,
+//! watches the canary's answers, and makes the new revision the adapter's
+//! checkpoint (saved as the app's spec, as a `PUT` of the adapter is).
+//!
+//! Nothing is persisted until the commit: a gateway that restarts during
+//! an adapter's promotion comes back serving the old revision, the
+//! promotion ended (as a rollback would).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use warmgate_deploy::adapter_promotion::{AdapterPlan, AdapterPromotion, AdapterStep};
+use warmgate_deploy::revision::Event;
+
+use crate::error::{ApiError, ErrorKind};
+use crate::promote::Evaluated;
+use crate::server::Gateway;
+use crate::serving::adapter_split::AdapterCanary;
+use crate::serving::served::Served;
+
+/// How often a running promotion looks at its canary.
+const STEP: Duration = Duration::from_millis(100);
+/// How long a commit waits for another change of the app to finish
+/// before the promotion gives up and rolls back.
+const COMMIT_PATIENCE: Duration = Duration::from_secs(60);
+/// The canary percent when neither the request nor the app names one:
+/// the new revision takes every request of the adapter during the bake,
+/// judged as a canary is.
+const WHOLE: u8 = 100;
+
+/// What `POST /v1/apps/{app}/promote` with `adapter` asks for.
+#[derive(Debug, Clone)]
+pub struct AdapterPromoteRequest {
+    /// The adapter.
+    pub adapter: String,
+    /// The new revision's checkpoint (a `file://` folder).
+    pub checkpoint: String,
+    /// Canary percent (overrides the app's `promotion.canary`).
+    pub canary: Option<u8>,
+    /// Bake time (overrides the app's `promotion.bake`).
+    pub bake: Option<Duration>,
+}
+
+impl Gateway {
+    /// Starts a promotion of one of `app`'s adapters; it runs on its own.
+    /// Refused when the adapter is unknown, its promotion runs already,
+    /// or the checkpoint is not one the engine may read.
+    pub(crate) fn promote_adapter(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        req: AdapterPromoteRequest,
+    ) -> Result<Arc<AdapterCanary>, ApiError> {
+        let spec = app.spec();
+        let Some(adapter) = spec.adapters.get(&req.adapter) else {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("app '{}' has no adapter {:?}", app.name, req.adapter),
+            ));
+        };
+        // Read as a `PUT` of the adapter reads it: relative to the
+        // gateway's folder, a `file://` folder, under the allow-list.
+        let mut probe = (*spec).clone();
+        probe.adapters.models = vec![warmgate_deploy::AdapterSpec::new(
+            adapter.name.clone(),
+            req.checkpoint.clone(),
+        )];
+        if let Some(dir) = &self.workdir {
+            probe.resolve_paths(dir);
+        }
+        let checkpoint = probe.adapters.models[0].checkpoint.clone();
+        probe
+            .adapters
+            .validate(|k| k.to_string())
+            .map_err(|(_, why)| ApiError::new(ErrorKind::BadRequest, why).param("checkpoint"))?;
+        self.weights.open(&checkpoint)?;
+        if checkpoint == adapter.checkpoint {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "adapter {:?} serves {checkpoint} already (revision {})",
+                    adapter.name, adapter.revision
+                ),
+            ));
+        }
+        let plan = AdapterPlan {
+            canary: req.canary.or(spec.promotion.canary).unwrap_or(WHOLE),
+            bake: req.bake.unwrap_or(spec.promotion.bake),
+            min_requests: spec.promotion.min_requests,
+            max_error_rate: spec.promotion.max_error_rate,
+        };
+        let to = adapter
+            .revision
+            .max(app.adapter_revision_used(&adapter.name, None))
+            + 1;
+        let canary = Arc::new(AdapterCanary::new(AdapterPromotion::begin(
+            &adapter.name,
+            adapter.revision,
+            to,
+            &checkpoint,
+            plan,
+        )));
+        app.begin_adapter_promotion(&adapter.name, canary.clone())
+            .map_err(|running| {
+                ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "adapter {:?} is being promoted to revision {} already",
+                        adapter.name,
+                        running.to_revision()
+                    ),
+                )
+            })?;
+        tracing::info!(app = %app.name, adapter = %adapter.name, to = %canary.engine, checkpoint = %checkpoint, "adapter promotion started");
+        tokio::spawn(self.clone().drive_adapter(app.clone(), canary.clone()));
+        Ok(canary)
+    }
+
+    /// Runs one adapter promotion to its end.
+    async fn drive_adapter(self: Arc<Self>, app: Arc<Served>, c: Arc<AdapterCanary>) {
+        let started = Instant::now();
+        let outcome = match self
+            .gate(
+                &app,
+                Evaluated::Adapter {
+                    model: c.engine.as_ref(),
+                },
+            )
+            .await
+        {
+            Event::Ready => Ok(()),
+            Event::Unhealthy(why) => Err(why),
+            other => Err(format!("the gate ended as {other:?}")),
+        };
+        let mut step = c.promotion.lock().gated(started.elapsed(), outcome);
+        while step == AdapterStep::Wait && c.running() {
+            tokio::time::sleep(STEP).await;
+            if app.is_removed() {
+                step = c.promotion.lock().roll_back("the app was deleted".into());
+                break;
+            }
+            let (answered, failed) = c.counts();
+            step = c
+                .promotion
+                .lock()
+                .observe(started.elapsed(), answered, failed);
+        }
+        if step == AdapterStep::Commit {
+            let (name, checkpoint, to) = {
+                let p = c.promotion.lock();
+                (p.adapter.clone(), p.checkpoint.clone(), p.to_revision)
+            };
+            match self.commit_adapter(&app, &name, &checkpoint, to).await {
+                Ok(()) => c.promotion.lock().committed(),
+                Err(e) => {
+                    c.promotion.lock().roll_back(format!(
+                        "could not make it the adapter's checkpoint: {}",
+                        e.message
+                    ));
+                }
+            }
+        }
+        let p = c.promotion.lock().clone();
+        let labels = [
+            ("app", app.name.clone()),
+            ("outcome", format!("{:?}", p.phase).to_lowercase()),
+        ];
+        metrics::counter!("warmgate_adapter_promotions_total", &labels).increment(1);
+        match &p.reason {
+            Some(why) => {
+                tracing::warn!(app = %app.name, adapter = %p.adapter, to = %c.engine, reason = %why, "adapter promotion rolled back");
+            }
+            None => {
+                tracing::info!(app = %app.name, adapter = %p.adapter, to = %c.engine, "adapter promoted");
+            }
+        }
+    }
+
+    /// Makes revision `to` at `checkpoint` adapter `name`'s, as a change
+    /// of the app's spec; waits (bounded) for another change to finish.
+    async fn commit_adapter(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        name: &str,
+        checkpoint: &str,
+        to: u32,
+    ) -> Result<(), ApiError> {
+        let until = Instant::now() + COMMIT_PATIENCE;
+        loop {
+            let mut spec = (*app.spec()).clone();
+            let Some(a) = spec.adapters.models.iter_mut().find(|a| a.name == name) else {
+                return Err(ApiError::new(
+                    ErrorKind::NotFound,
+                    "the adapter was deleted during its promotion",
+                ));
+            };
+            a.checkpoint = checkpoint.to_string();
+            a.revision = to;
+            match self.put_app(spec).await {
+                Err(e) if e.kind == ErrorKind::Conflict && Instant::now() < until => {
+                    tokio::time::sleep(STEP * 5).await;
+                }
+                other => return other.map(|_| ()),
+            }
+        }
+    }
+}
