@@ -157,6 +157,12 @@ impl ReplicaSink for Sink {
         }
         let app = self.revisions.read().get(&replica.target).cloned();
         if let Some(app) = app {
+            if !app.spec().adapters.is_empty() {
+                tokio::spawn(crate::serving::adapter_load::reconcile(
+                    app.clone(),
+                    replica.clone(),
+                ));
+            }
             app.add_replica(replica);
         } else if let Some(pool) = self.registry.load().pool_of_target(&replica.target) {
             pool.add_replica(replica);

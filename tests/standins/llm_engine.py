@@ -64,7 +64,8 @@ Routes (as vLLM answers them):
   while it is swapped in (vLLM moves it from its CPU cache). Every load and
   swap counts in ``standin:lora_loads_total`` (the stand-in's own counter;
   vLLM has none), and ``vllm:lora_requests_info`` gives the running
-  adapters and ``max_lora`` as vLLM's does.
+  adapters and ``max_lora`` as vLLM's does. ``--lora-modules NAME=PATH
+  ...`` loads adapters at start, as vLLM's option does.
 
 Tokenisation: the prompt text split on whitespace (``str.split()``); each
 word is one token. A chat is first rendered to one text, like a chat
@@ -154,6 +155,8 @@ def parse_args(argv):
     p.add_argument("--max-loras", type=int, default=int(env("STANDIN_MAX_LORAS", "1")))
     p.add_argument("--lora-load-ms", type=float,
                    default=float(env("STANDIN_LORA_LOAD_MS", "200")))
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters loaded at start, as vLLM's --lora-modules")
     a = p.parse_args(argv)
     if a.port is None:
         port = os.environ.get("PORT", "8000")
@@ -163,6 +166,8 @@ def parse_args(argv):
             p.error(f"$PORT is {port!r}, not a number")
     if a.max_loras < 1 or a.lora_load_ms < 0:
         p.error("--max-loras must be >= 1 and --lora-load-ms >= 0")
+    if any("=" not in m for m in a.lora_modules):
+        p.error("--lora-modules takes NAME=PATH pairs")
     if a.slots < 1 or a.block_tokens < 1 or a.cache_tokens < 0 or a.max_model_len < 1:
         p.error("--slots, --block-tokens, --max-model-len must be >= 1, --cache-tokens >= 0")
     if a.prefill_ms_per_token < 0 or a.decode_ms_per_token < 0:
@@ -364,6 +369,9 @@ class Engine:
     def __init__(self, cfg):
         self.cfg = cfg
         self.loras = Loras(cfg.max_loras, cfg.lora_load_ms)
+        for m in cfg.lora_modules:
+            name, path = m.split("=", 1)
+            self.loras.loaded[name] = path
         self.cache = PrefixCache(cfg.cache_tokens // cfg.block_tokens, cfg.block_tokens)
         self.sched = Scheduler(cfg.slots)
         self.c = collections.Counter()  # counters

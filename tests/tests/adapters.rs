@@ -593,3 +593,80 @@ async fn promote_started(gw: &Gateway, checkpoint: &Path) -> (u16, Value) {
     )
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_engine_holds_when_it_joins_is_checked_against_the_record() {
+    let dir = tempfile::tempdir().expect("dir");
+    let sql = adapter(dir.path(), "sql", false);
+    let chat_dir = adapter(dir.path(), "chat", false);
+    let elsewhere = adapter(dir.path(), "elsewhere", false);
+    let stale = adapter(dir.path(), "stale", false);
+    // The engine starts with three adapters (vLLM's --lora-modules): one
+    // the app serves from that folder, one it serves from another folder,
+    // and one it does not serve.
+    let config = config(1, &[("sql-lora", &sql), ("chat-lora", &chat_dir)]).replace(
+        r#""--lora-load-ms", "50"]"#,
+        &format!(
+            r#""--lora-load-ms", "50", "--lora-modules", "sql-lora={}", "chat-lora={}", "stale-lora={}"]"#,
+            sql.display(),
+            elsewhere.display(),
+            stale.display()
+        ),
+    );
+    assert!(config.contains("--lora-modules"));
+    let gw = Gateway::start(&config);
+    ready(&gw, 1).await;
+    let engine_models = async || -> Vec<String> {
+        let v = gw.json("/apps/base/v1/models").await;
+        let mut ids: Vec<String> = v["data"]
+            .as_array()
+            .map(|d| {
+                d.iter()
+                    .filter(|m| !m["parent"].is_null())
+                    .filter_map(|m| m["id"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort();
+        ids
+    };
+    eventually(
+        "the engine holds only what the gateway serves there",
+        || async { (engine_models().await == ["sql-lora"]).then_some(()) },
+    )
+    .await;
+    let held = eventually("sql-lora is recorded as loaded", || async {
+        let s = gw.json("/v1/status").await;
+        let a = &s["apps"][0]["adapters"];
+        let sql = a.as_array()?.iter().find(|x| x["name"] == "sql-lora")?;
+        (!sql["replicas"].as_array()?.is_empty()).then(|| a.clone())
+    })
+    .await;
+    let chat_status = held
+        .as_array()
+        .and_then(|a| a.iter().find(|x| x["name"] == "chat-lora").cloned())
+        .expect("chat-lora listed");
+    assert_eq!(
+        chat_status["replicas"],
+        json!([]),
+        "loaded from another folder: not adopted"
+    );
+
+    // Served without a load; chat-lora is loaded from its own folder.
+    let r = gw
+        .http
+        .post(gw.at("/v1/chat/completions"))
+        .json(&json!({"model": "sql-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers().get("x-warmgate-adapter-load-ms").is_none(),
+        "no load"
+    );
+    assert_eq!(loads(&gw, "sql-lora").await, 0.0);
+    let (status, _, body) = chat(&gw, "chat-lora").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(loads(&gw, "chat-lora").await, 1.0);
+}

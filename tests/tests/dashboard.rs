@@ -48,21 +48,27 @@ async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
         eprintln!("SKIPPED: apt-get install chromium");
         return;
     };
-    let gw = Gateway::start(
+    let adapters = tempfile::tempdir().expect("dir");
+    let gw = Gateway::start(&format!(
         r#"
         [[apps]]
         name = "chat"
-        command = ["{worker}"]
+        command = ["{{worker}}"]
         [apps.autoscale]
         min = 2
         max = 3
+        [[apps.adapters.models]]
+        name = "sql-lora"
+        checkpoint = "file://{adapters}"
+        aliases = ["sql"]
 
         [[pools]]
         name = "rollouts"
-        command = ["{worker}"]
+        command = ["{{worker}}"]
         replicas = [1, 1]
         "#,
-    );
+        adapters = adapters.path().display()
+    ));
     gw.wait_ready("chat", 2).await;
     eventually("the pool is ready", || async {
         let s = gw.json("/v1/status").await;
@@ -97,6 +103,10 @@ async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
     assert!(dom.contains("data-revision=\"chat-00001\""), "{dom}");
     assert!(dom.contains("100%"), "the revision's traffic: {dom}");
     assert!(dom.contains("<canvas"), "the demand chart");
+    assert!(
+        dom.contains("data-adapter=\"sql-lora\"") && dom.contains("sql-lora (sql)"),
+        "the app's adapters, with their aliases: {dom}"
+    );
 
     // A screenshot for people to look at.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");

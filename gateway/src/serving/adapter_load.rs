@@ -18,8 +18,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use warmgate_deploy::AppSpec;
 
+use std::sync::Arc;
+
+use warmgate_pool::ReplicaHandle;
+
 use super::adapters::{LoadState, Ticket};
-use super::dispatch::SlotGuard;
+use super::dispatch::{App, SlotGuard};
 use crate::error::{ApiError, ErrorKind};
 
 /// An engine's answer to a load is a line of text; more is not read.
@@ -171,3 +175,91 @@ async fn post(
         .await
         .map_err(|_| format!("no answer within {}", humantime::format_duration(timeout)))?
 }
+
+/// How long a replica's engine has to list its models when it joins.
+const LIST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Checks the record against a replica's engine when it joins: adapters
+/// its `/v1/models` lists (with `parent` set) that the revision serves,
+/// from the same `lora_path`, count as loaded there (an engine started
+/// with `--lora-modules`, a replica that outlived the gateway); the others
+/// (a deleted adapter, an old revision, another folder) are unloaded, so
+/// the engine holds only what the record says.
+pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let found = match list(&client, replica.addr).await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::debug!(app = %app.name, replica = %replica.id, error = %e, "could not list the engine's adapters");
+            return;
+        }
+    };
+    if found.is_empty() {
+        return;
+    }
+    let kept = found.len();
+    let stray = app.adopt_adapters(&replica.id, found);
+    tracing::info!(app = %app.name, replica = %replica.id, adopted = kept - stray.len(), unloading = stray.len(), "adapters found in the engine");
+    for name in stray {
+        let body = serde_json::json!({ "lora_name": name });
+        if let Err(e) = post(
+            &client,
+            replica.addr,
+            "/v1/unload_lora_adapter",
+            &body,
+            LIST_TIMEOUT,
+        )
+        .await
+        {
+            tracing::warn!(app = %app.name, replica = %replica.id, adapter = %name, error = %e, "could not unload an adapter the gateway does not serve there");
+        }
+    }
+}
+
+/// The adapters an engine's `GET /v1/models` lists: (id, root) of each
+/// model with a `parent`.
+async fn list(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    addr: SocketAddr,
+) -> Result<Vec<(String, String)>, String> {
+    let req = http::Request::get(format!("http://{addr}/v1/models"))
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let call = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("/v1/models answered {}", resp.status()));
+        }
+        Limited::new(resp.into_body(), MAX_LIST_BYTES)
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .map_err(|e| e.to_string())
+    };
+    let bytes = tokio::time::timeout(LIST_TIMEOUT, call)
+        .await
+        .map_err(|_| "no answer".to_string())??;
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<Model>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        id: String,
+        #[serde(default)]
+        root: Option<String>,
+        #[serde(default)]
+        parent: Option<String>,
+    }
+    let models: Models = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+    Ok(models
+        .data
+        .into_iter()
+        .filter(|m| m.parent.is_some())
+        .map(|m| (m.id, m.root.unwrap_or_default()))
+        .collect())
+}
+
+/// An engine's model list is a few entries; a megabyte is plenty.
+const MAX_LIST_BYTES: usize = 1024 * 1024;

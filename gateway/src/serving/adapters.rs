@@ -222,6 +222,27 @@ impl AdapterTable {
         Ticket::Load { done, evict }
     }
 
+    /// Records `name` as loaded on `replica` (found in its engine), when
+    /// it is not held there already and `max_loaded` leaves room; whether
+    /// it was.
+    pub fn adopt(&mut self, replica: &str, name: Arc<str>, max_loaded: usize) -> bool {
+        let held = self.replicas.entry(replica.to_string()).or_default();
+        if held.len() >= max_loaded {
+            return false;
+        }
+        if held.iter().any(|h| h.name == name) {
+            return true;
+        }
+        let (_done, state) = watch::channel(LoadState::Ready);
+        held.push(Held {
+            name,
+            state,
+            inflight: 0,
+            last_used: 0,
+        });
+        true
+    }
+
     /// A load on `replica` ended: a failed one leaves nothing behind.
     pub fn loaded(&mut self, replica: &str, name: &str, ok: bool) {
         if ok {
@@ -448,5 +469,17 @@ mod tests {
             Ticket::Load { evict, .. } => assert_eq!(evict.as_deref(), Some("x")),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn adapters_found_in_an_engine_are_adopted_within_its_room() {
+        let mut t = AdapterTable::default();
+        let (a, b, c): (Arc<str>, Arc<str>, Arc<str>) = ("a".into(), "b".into(), "c".into());
+        assert!(t.adopt("r1", a.clone(), 2));
+        assert!(t.adopt("r1", a.clone(), 2), "once");
+        assert!(t.adopt("r1", b.clone(), 2));
+        assert!(!t.adopt("r1", c.clone(), 2), "no room");
+        assert_eq!(t.holders("a"), vec!["r1".to_string()]);
+        assert!(matches!(t.reserve("r1", &a, Reason::Held), Ticket::Ready));
     }
 }

@@ -480,6 +480,27 @@ impl App {
         let _ = done.send(outcome);
     }
 
+    /// Adapters found loaded in `replica`'s engine (name, `lora_path`):
+    /// those this revision serves at that path are recorded as loaded
+    /// there (within `max_loaded`); returns the others, for the engine to
+    /// unload.
+    pub fn adopt_adapters(&self, replica: &str, found: Vec<(String, String)>) -> Vec<String> {
+        let spec = self.spec();
+        let mut s = self.slots.lock();
+        let max = spec.adapters.max_loaded as usize;
+        found
+            .into_iter()
+            .filter(|(name, path)| {
+                let ours = spec.adapters.models.iter().any(|a| {
+                    a.engine_name() == *name
+                        && super::adapter_split::lora_path(&a.checkpoint) == *path
+                });
+                !(ours && s.adapters.adopt(replica, Arc::from(name.as_str()), max))
+            })
+            .map(|(name, _)| name)
+            .collect()
+    }
+
     /// The replicas holding `adapter` loaded, by id.
     pub fn adapter_holders(&self, adapter: &str) -> Vec<String> {
         self.slots.lock().adapters.holders(adapter)
