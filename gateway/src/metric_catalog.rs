@@ -171,6 +171,11 @@ pub const METRICS: &[Metric] = &[
         "Requests refused because their Host is not in [access] allowed_hosts.",
     ),
     counter(
+        "warmgate_adapter_requests_total",
+        &["app", "adapter"],
+        "Requests routed to a LoRA adapter (by its name or an alias, any revision).",
+    ),
+    counter(
         "warmgate_adapter_loads_total",
         &["app", "adapter"],
         "LoRA adapters loaded into a replica's engine ([apps.adapters]), each when a request needed it there.",

@@ -711,6 +711,7 @@ impl Gateway {
                     aliases: a.aliases.clone(),
                     revision: a.revision,
                     checkpoint: a.checkpoint.clone(),
+                    requests: served.adapter_requests(&a.name),
                     replicas: live
                         .iter()
                         .flat_map(|r| r.adapter_holders(&engine))

@@ -78,6 +78,8 @@ pub struct AdapterStatus {
     pub checkpoint: String,
     /// Replicas (of every live revision) that hold it loaded.
     pub replicas: Vec<String>,
+    /// Requests routed to it (any revision) since the gateway started.
+    pub requests: u64,
     /// Its promotion: the running one, else the last that ended.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub promotion: Option<AdapterPromotionStatus>,

@@ -536,6 +536,12 @@ assert answer["model"] == os.environ["WARMGATE_EVAL_MODEL"], answer
     );
     let s = adapter_status(&gw, "sql-lora").await;
     assert_eq!(s["revision"], 4, "{s}");
+    assert!(s["requests"].as_u64() > Some(100), "requests counted: {s}");
+    assert!(
+        gw.metric(r#"warmgate_adapter_requests_total{app="base",adapter="sql-lora"}"#)
+            .await
+            > 100.0
+    );
     assert!(
         s["checkpoint"]
             .as_str()

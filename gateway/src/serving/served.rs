@@ -44,6 +44,8 @@ pub struct Served {
     /// engine may still hold the old one under its name. One entry per
     /// name the app ever served, gone with the app.
     adapter_revisions: Mutex<HashMap<String, u32>>,
+    /// Requests routed to each adapter it serves, by adapter name.
+    adapter_requests: Mutex<HashMap<String, u64>>,
 }
 
 #[derive(Default)]
@@ -68,6 +70,7 @@ impl Served {
             watcher: std::sync::atomic::AtomicU64::new(0),
             adapter_promotions: Mutex::new(HashMap::new()),
             adapter_revisions: Mutex::new(HashMap::new()),
+            adapter_requests: Mutex::new(HashMap::new()),
         }
     }
 
@@ -76,9 +79,23 @@ impl Served {
     pub fn adapter_request(&self, model: &str) -> Option<RequestedAdapter> {
         let spec = self.spec();
         let promotions = &self.adapter_promotions;
-        adapter_split::route(&spec.adapters, model, |name| {
+        let routed = adapter_split::route(&spec.adapters, model, |name| {
             promotions.lock().get(name).cloned()
-        })
+        })?;
+        let name = adapter_split::parse_model(&routed.engine).0;
+        *self
+            .adapter_requests
+            .lock()
+            .entry(name.to_string())
+            .or_default() += 1;
+        metrics::counter!("warmgate_adapter_requests_total", "app" => self.name.clone(), "adapter" => name.to_string())
+            .increment(1);
+        Some(routed)
+    }
+
+    /// Requests routed to adapter `name` so far.
+    pub fn adapter_requests(&self, name: &str) -> u64 {
+        self.adapter_requests.lock().get(name).copied().unwrap_or(0)
     }
 
     /// The promotion of adapter `name`: the running one, else the last.
@@ -163,6 +180,9 @@ impl Served {
         for a in &spec.adapters.models {
             self.use_adapter_revision(&a.name, a.revision);
         }
+        self.adapter_requests
+            .lock()
+            .retain(|name, _| spec.adapters.get(name).is_some());
         // A promotion of an adapter changed or deleted meanwhile ends.
         for (name, c) in self.adapter_promotions.lock().iter() {
             let mut p = c.promotion.lock();
