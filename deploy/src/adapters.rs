@@ -34,6 +34,10 @@ pub mod defaults {
     pub const LOAD_TIMEOUT: Duration = Duration::from_secs(60);
 }
 
+/// Where an adapter's checkpoint may live: a folder the engine reads, or
+/// an object store the gateway pulls it from.
+pub const CHECKPOINT_SCHEMES: [&str; 4] = ["file://", "s3://", "gs://", "az://"];
+
 /// `[apps.adapters]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
@@ -57,7 +61,9 @@ pub struct AdapterSpec {
     /// The model name requests use, and the `lora_name` the engine gets.
     pub name: String,
     /// Where the adapter's files are: a `file://` folder (relative to the
-    /// config's folder), which the engine reads as `lora_path`.
+    /// config's folder), which the engine reads as `lora_path`, or an
+    /// `s3://`, `gs://` or `az://` prefix, which the gateway pulls into a
+    /// folder of its `state_dir` first (local backend).
     pub checkpoint: String,
     /// Other names requests may use for it; the engine is sent its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -207,10 +213,13 @@ impl AdaptersSpec {
             if a.revision == 0 {
                 return Err((key("revision"), "must be at least 1".into()));
             }
-            if !a.checkpoint.starts_with("file://") {
+            if !CHECKPOINT_SCHEMES
+                .iter()
+                .any(|s| a.checkpoint.starts_with(s))
+            {
                 return Err((
                     key("checkpoint"),
-                    "must be a file:// folder the engine can read as its lora_path (object-store adapters are not served yet)".into(),
+                    "must be a file:// folder, or an s3://, gs:// or az:// prefix the gateway pulls into a folder".into(),
                 ));
             }
         }
@@ -234,7 +243,8 @@ mod tests {
         let at = |k: &str| k.to_string();
         assert!(one("org/sql-lora", "file:///a/sql").validate(at).is_ok());
         assert!(one("../x", "file:///a").validate(at).is_err());
-        assert!(one("sql", "s3://b/sql").validate(at).is_err());
+        assert!(one("sql", "s3://b/sql").validate(at).is_ok());
+        assert!(one("sql", "http://b/sql").validate(at).is_err());
         let mut two = one("sql", "file:///a");
         two.models.push(two.models[0].clone());
         assert_eq!(

@@ -1278,6 +1278,20 @@ impl Config {
                 }
                 _ => {}
             }
+            if self.backend.kind == BackendKind::Kubernetes
+                && let Some((j, _)) = app
+                    .adapters
+                    .models
+                    .iter()
+                    .enumerate()
+                    .find(|(_, a)| !a.checkpoint.starts_with("file://"))
+            {
+                return Err((
+                    at(&format!("adapters.models[{j}].checkpoint")),
+                    "on the kubernetes backend the engine reads an adapter from a path in its own pod:                      use file:// on a volume the pods mount (object-store adapters are pulled by the                      gateway, for engines on its machine)"
+                        .into(),
+                ));
+            }
             check_pod(&app.kubernetes).map_err(|(k, m)| (at(&k), m))?;
             for key in app.env.keys() {
                 if key.is_empty() || key.contains('=') || key.contains('\0') {
@@ -2288,6 +2302,26 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config> {
         Config::parse(text, Path::new("test.toml"), Path::new("/base"))
+    }
+
+    #[test]
+    fn object_store_adapters_are_pulled_by_the_gateway_so_not_on_kubernetes() {
+        let app = |backend: &str, uri: &str| {
+            parse(&format!(
+                "{backend}[[apps]]\nname = \"m\"\ncommand = [\"./w\"]\nimage = \"w:1\"\n\
+                 [[apps.adapters.models]]\nname = \"sql\"\ncheckpoint = \"{uri}\"\n"
+            ))
+        };
+        assert!(app("", "s3://b/sql").is_ok());
+        assert!(app("[backend]\nkind = \"kubernetes\"\n", "file:///mnt/sql").is_ok());
+        let err = app("[backend]\nkind = \"kubernetes\"\n", "s3://b/sql")
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.contains("apps[0].adapters.models[0].checkpoint"),
+            "{err}"
+        );
+        assert!(err.contains("volume"), "{err}");
     }
 
     #[test]

@@ -297,15 +297,21 @@ impl Gateway {
             &base,
         )
         .context("weights.allowed_prefixes")?;
+        let stream = warmgate_pool::weights::StreamConfig {
+            concurrency: w.concurrency,
+            part_size: w.part_size_bytes,
+            memory_limit: w.memory_limit_bytes,
+        };
         let weights = Arc::new(crate::weights::Weights::new(
             cache,
-            warmgate_pool::weights::StreamConfig {
-                concurrency: w.concurrency,
-                part_size: w.part_size_bytes,
-                memory_limit: w.memory_limit_bytes,
-            },
+            stream.clone(),
             allowed,
             base,
+        ));
+        let adapter_files = Arc::new(crate::serving::adapter_files::AdapterFiles::new(
+            weights.clone(),
+            stream,
+            config.state_dir.join("adapters"),
         ));
         // Pods reach the gateway at its advertised address (its Service);
         // workers on this machine on loopback when it listens on every
@@ -393,6 +399,7 @@ impl Gateway {
                 upstream.clone(),
                 pool.clone(),
                 started,
+                adapter_files,
             ),
             config: Arc::new(config),
             registry,

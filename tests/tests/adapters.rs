@@ -676,3 +676,95 @@ async fn what_an_engine_holds_when_it_joins_is_checked_against_the_record() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(loads(&gw, "chat-lora").await, 1.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_in_an_object_store_is_pulled_once_into_a_folder_the_engine_loads() {
+    let Some(moto) = common::Moto::start(&[]) else {
+        return;
+    };
+    let http = reqwest::Client::new();
+    let put = async |path: &str, body: &'static [u8]| {
+        let r = http
+            .put(format!("{}/{path}", moto.endpoint))
+            .body(body)
+            .send()
+            .await
+            .expect("put");
+        assert!(r.status().is_success(), "{path}: {}", r.status());
+    };
+    put("adapters", b"").await;
+    put(
+        "adapters/sql/adapter_config.json",
+        br#"{"peft_type": "LORA", "r": 8}"#,
+    )
+    .await;
+    // An empty safetensors file: its 8-byte header length, then `{}`.
+    let empty: &'static [u8] = b"\x02\0\0\0\0\0\0\0{}";
+    put("adapters/sql/adapter_model.safetensors", empty).await;
+    put("adapters/broken/adapter_model.safetensors", empty).await;
+    let env = moto.env("test");
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let config = config(1, &[])
+        .replace(
+            "[[apps]]",
+            "[weights]\nallowed_prefixes = [\"s3://adapters/\"]\n[[apps]]",
+        )
+        .replace(
+        "max_loaded = 2",
+        "max_loaded = 2\n[[apps.adapters.models]]\nname = \"sql-lora\"\ncheckpoint = \"s3://adapters/sql\"\n\
+         [[apps.adapters.models]]\nname = \"broken-lora\"\ncheckpoint = \"s3://adapters/broken\"\n",
+    );
+    let gw = Gateway::start_with(&config, &[], &env);
+    ready(&gw, 1).await;
+
+    let (status, _, body) = chat(&gw, "sql-lora").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, _, _) = chat(&gw, "sql-lora").await;
+    assert_eq!(status, 200);
+    assert_eq!(loads(&gw, "sql-lora").await, 1.0, "loaded once");
+    // The engine read a folder of the gateway's state, holding the files.
+    let v = gw.json("/apps/base/v1/models").await;
+    let root = v["data"]
+        .as_array()
+        .and_then(|d| d.iter().find(|m| m["id"] == "sql-lora"))
+        .and_then(|m| m["root"].as_str())
+        .expect("the engine lists sql-lora")
+        .to_string();
+    assert!(root.contains("/state/adapters/"), "{root}");
+    let config_file = std::path::Path::new(&root).join("adapter_config.json");
+    assert!(
+        std::fs::read_to_string(&config_file).is_ok_and(|t| t.contains("LORA")),
+        "{}",
+        config_file.display()
+    );
+
+    // Files the engine refuses: a clear error, and the others unharmed.
+    let (status, _, body) = chat(&gw, "broken-lora").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("broken-lora") && m.contains("No adapter found")),
+        "{body}"
+    );
+    let (status, _, _) = chat(&gw, "sql-lora").await;
+    assert_eq!(status, 200);
+
+    // A prefix with nothing in it, through the API: the load names it.
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/base/adapters/empty-lora"))
+        .json(&json!({"checkpoint": "s3://adapters/nothing-here"}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 201);
+    let (status, _, body) = chat(&gw, "empty-lora").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("s3://adapters/nothing-here")),
+        "{body}"
+    );
+}

@@ -4,13 +4,11 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use common::bin;
+use common::{Moto, bin};
 use futures_util::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -184,78 +182,6 @@ fn pull_refuses_a_lying_checkpoint_before_downloading_it() {
     let (code, _, err) = pull(&["file://./missing", "out"], dir.path(), &[]);
     assert_eq!(code, 1);
     assert!(err.contains("file://./missing"), "{err}");
-}
-
-/// A moto S3 server on a free loopback port, stopped on drop.
-struct Moto {
-    child: Child,
-    endpoint: String,
-}
-
-impl Moto {
-    /// Starts moto, or returns `None` (with a notice) where it is not
-    /// installed; under CI it must be (`.ci/run` installs it).
-    fn start(extra_env: &[(&str, &str)]) -> Option<Moto> {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let child = Command::new("python3")
-            .args([
-                "-m",
-                "moto.server",
-                "-H",
-                "127.0.0.1",
-                "-p",
-                &port.to_string(),
-            ])
-            .envs(extra_env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let mut child = match child {
-            Ok(c) => c,
-            Err(e) => return Moto::missing(&e.to_string()),
-        };
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return Some(Moto { child, endpoint });
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                return Moto::missing(&format!("moto exited with {status}"));
-            }
-            assert!(Instant::now() < deadline, "moto did not start within 30s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn missing(why: &str) -> Option<Moto> {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "moto is required under CI ({why}); .ci/run installs it"
-        );
-        eprintln!("SKIPPED: moto is not installed ({why}); pip install 'moto[server]'");
-        None
-    }
-
-    fn env(&self, key: &str) -> Vec<(&'static str, String)> {
-        vec![
-            ("AWS_ENDPOINT", self.endpoint.clone()),
-            ("AWS_ALLOW_HTTP", "true".into()),
-            ("AWS_ACCESS_KEY_ID", key.into()),
-            ("AWS_SECRET_ACCESS_KEY", "test-secret".into()),
-            ("AWS_REGION", "us-east-1".into()),
-        ]
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

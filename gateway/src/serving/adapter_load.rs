@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use warmgate_pool::ReplicaHandle;
 
+use super::adapter_files::AdapterFiles;
 use super::adapters::{LoadState, Ticket};
 use super::dispatch::{App, SlotGuard};
 use crate::error::{ApiError, ErrorKind};
@@ -36,7 +37,8 @@ const MAX_ANSWER_BYTES: usize = 64 * 1024;
 pub async fn prepare(
     slot: &mut SlotGuard,
     spec: &AppSpec,
-    path: Option<&str>,
+    checkpoint: Option<&str>,
+    files: &Arc<AdapterFiles>,
 ) -> Result<Option<Duration>, ApiError> {
     let Some(ticket) = slot.take_ticket() else {
         return Ok(None);
@@ -52,11 +54,15 @@ pub async fn prepare(
         Ticket::Wait(rx) => rx,
         Ticket::Load { done, evict } => {
             let rx = done.subscribe();
-            let path = path.unwrap_or_default().to_string();
+            let checkpoint = checkpoint.unwrap_or_default().to_string();
+            let files = files.clone();
             let app = slot.app().clone();
             tokio::spawn(async move {
                 let t0 = Instant::now();
-                let outcome = load(replica.addr, &name, &path, evict.as_deref(), timeout).await;
+                let outcome = match files.local_path(&checkpoint).await {
+                    Ok(path) => load(replica.addr, &name, &path, evict.as_deref(), timeout).await,
+                    Err(e) => Err(e),
+                };
                 // By adapter, whichever revision (`name@n`) was loaded.
                 let adapter = super::adapter_split::parse_model(&name).0.to_string();
                 let labels = [("app", app.name.clone()), ("adapter", adapter.clone())];

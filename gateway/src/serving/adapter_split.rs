@@ -25,8 +25,9 @@ use crate::error::{ApiError, ErrorKind};
 pub struct RequestedAdapter {
     /// The name the engine holds it under (`lora_name`).
     pub engine: Arc<str>,
-    /// The folder the engine loads it from (`lora_path`).
-    pub path: Arc<str>,
+    /// Its checkpoint (a `file://` folder is the engine's `lora_path`; an
+    /// object-store one is pulled first: `super::adapter_files`).
+    pub checkpoint: Arc<str>,
     /// The promotion whose canary this request is part of: its answer
     /// judges the new revision.
     pub canary: Option<Arc<AdapterCanary>>,
@@ -36,7 +37,7 @@ impl RequestedAdapter {
     fn stable(a: &AdapterSpec) -> Self {
         RequestedAdapter {
             engine: Arc::from(a.engine_name()),
-            path: Arc::from(lora_path(&a.checkpoint)),
+            checkpoint: Arc::from(a.checkpoint.as_str()),
             canary: None,
         }
     }
@@ -50,8 +51,8 @@ pub struct AdapterCanary {
     pub promotion: Mutex<AdapterPromotion>,
     /// The new revision's `lora_name`.
     pub engine: Arc<str>,
-    /// The new revision's `lora_path`.
-    pub path: Arc<str>,
+    /// The new revision's checkpoint.
+    pub checkpoint: Arc<str>,
     seq: AtomicU64,
     answered: AtomicU64,
     failed: AtomicU64,
@@ -65,7 +66,7 @@ impl AdapterCanary {
                 &promotion.adapter,
                 promotion.to_revision,
             )),
-            path: Arc::from(lora_path(&promotion.checkpoint)),
+            checkpoint: Arc::from(promotion.checkpoint.as_str()),
             promotion: Mutex::new(promotion),
             seq: AtomicU64::new(0),
             answered: AtomicU64::new(0),
@@ -143,7 +144,7 @@ pub fn route(
     let promoted = canary(&a.name).filter(|c| c.running());
     let candidate = |c: Arc<AdapterCanary>, counted: bool| RequestedAdapter {
         engine: c.engine.clone(),
-        path: c.path.clone(),
+        checkpoint: c.checkpoint.clone(),
         canary: counted.then_some(c),
     };
     match pinned {
@@ -157,14 +158,6 @@ pub fn route(
             _ => Some(RequestedAdapter::stable(a)),
         },
     }
-}
-
-/// The folder the engine reads: a `file://` checkpoint's path.
-pub fn lora_path(checkpoint: &str) -> String {
-    checkpoint
-        .strip_prefix("file://")
-        .unwrap_or(checkpoint)
-        .to_string()
 }
 
 /// `body` (a JSON object) with its `model` set to `model`; every other
@@ -231,7 +224,7 @@ mod tests {
         assert_eq!(engine("sql@3"), None, "no such revision");
         assert_eq!(engine("other"), None);
         let r = route(&a, "chat", none).expect("chat");
-        assert_eq!(&*r.path, "/a/chat");
+        assert_eq!(&*r.checkpoint, "file:///a/chat");
     }
 
     #[test]

@@ -493,7 +493,7 @@ impl App {
             .filter(|(name, path)| {
                 let ours = spec.adapters.models.iter().any(|a| {
                     a.engine_name() == *name
-                        && super::adapter_split::lora_path(&a.checkpoint) == *path
+                        && a.checkpoint.strip_prefix("file://") == Some(path.as_str())
                 });
                 !(ours && s.adapters.adopt(replica, Arc::from(name.as_str()), max))
             })

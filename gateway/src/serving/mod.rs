@@ -2,6 +2,7 @@
 //! split), one revision's slots and hold queue, and the pipeline that
 //! takes a request from the split to a replica and back.
 
+pub mod adapter_files;
 pub mod adapter_load;
 pub mod adapter_split;
 pub mod adapters;

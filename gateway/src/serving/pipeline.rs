@@ -46,8 +46,8 @@ pub(crate) struct Wants {
     pub key: Option<Arc<RouteKey>>,
     /// The adapter, by the name the engine holds it under.
     pub adapter: Option<Arc<str>>,
-    /// Where the engine loads the adapter from.
-    pub lora_path: Option<Arc<str>>,
+    /// The adapter's checkpoint.
+    pub checkpoint: Option<Arc<str>>,
 }
 
 /// What serving a request needs: the upstream client, the pool manager
@@ -58,15 +58,23 @@ pub struct Pipeline {
     upstream: Upstream,
     pool: PoolManager,
     started: Instant,
+    adapter_files: Arc<super::adapter_files::AdapterFiles>,
 }
 
 impl Pipeline {
-    /// A pipeline over these parts; `started` is the autoscaler's clock.
-    pub fn new(upstream: Upstream, pool: PoolManager, started: Instant) -> Self {
+    /// A pipeline over these parts; `started` is the autoscaler's clock;
+    /// adapters' files come from `adapter_files`.
+    pub fn new(
+        upstream: Upstream,
+        pool: PoolManager,
+        started: Instant,
+        adapter_files: Arc<super::adapter_files::AdapterFiles>,
+    ) -> Self {
         Pipeline {
             upstream,
             pool,
             started,
+            adapter_files,
         }
     }
 
@@ -161,7 +169,7 @@ impl Pipeline {
         let wants = Wants {
             key: req.extensions_mut().remove::<Arc<RouteKey>>(),
             adapter: requested.as_ref().map(|a| a.engine.clone()),
-            lora_path: requested.map(|a| a.path),
+            checkpoint: requested.map(|a| a.checkpoint),
         };
         req.extensions_mut().clear();
         let mut req = read_small_body(req).await?;
@@ -265,10 +273,14 @@ impl Pipeline {
         let mut slot = slot;
         // An adapter's request reaches its replica only once the adapter
         // is loaded there.
-        let adapter_wait =
-            super::adapter_load::prepare(&mut slot, &app.spec(), wants.lora_path.as_deref())
-                .await
-                .map_err(Failed)?;
+        let adapter_wait = super::adapter_load::prepare(
+            &mut slot,
+            &app.spec(),
+            wants.checkpoint.as_deref(),
+            &self.adapter_files,
+        )
+        .await
+        .map_err(Failed)?;
         let replica = slot.replica().clone();
         let mut resp = super::proxy::forward(&self.upstream, req, path_and_query, slot).await?;
         let h = resp.headers_mut();
