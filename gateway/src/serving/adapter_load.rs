@@ -60,7 +60,13 @@ pub async fn prepare(
             tokio::spawn(async move {
                 let t0 = Instant::now();
                 let outcome = match files.local_path(&checkpoint).await {
-                    Ok(path) => load(replica.addr, &name, &path, evict.as_deref(), timeout).await,
+                    Ok(path) => {
+                        // In the order they were decided: the unload that
+                        // made room before a later load of the same name.
+                        let calls = app.engine_calls(&replica.id);
+                        let _turn = calls.lock().await;
+                        load(replica.addr, &name, &path, evict.as_deref(), timeout).await
+                    }
                     Err(e) => Err(e),
                 };
                 // By adapter, whichever revision (`name@n`) was loaded.
@@ -88,7 +94,7 @@ pub async fn prepare(
                     Ok(()) => LoadState::Ready,
                     Err(e) => LoadState::Failed(e),
                 };
-                app.adapter_loaded(&replica.id, &name, &done, state);
+                app.adapter_loaded(&replica.id, &name, evict.as_deref(), &done, state);
             });
             rx
         }
@@ -207,6 +213,8 @@ pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
     let kept = found.len();
     let stray = app.adopt_adapters(&replica.id, found);
     tracing::info!(app = %app.name, replica = %replica.id, adopted = kept - stray.len(), unloading = stray.len(), "adapters found in the engine");
+    let calls = app.engine_calls(&replica.id);
+    let _turn = calls.lock().await;
     for name in stray {
         let body = serde_json::json!({ "lora_name": name });
         if let Err(e) = post(

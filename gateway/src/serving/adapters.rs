@@ -117,11 +117,15 @@ struct Held {
     state: watch::Receiver<LoadState>,
     inflight: u32,
     last_used: u64,
+    /// Chosen to make room: its unload is under way. It still takes its
+    /// room, serves nothing, and no load of it goes to this replica until
+    /// the unload has answered (else the unload could overtake it).
+    unloading: bool,
 }
 
 impl Held {
     fn ready(&self) -> bool {
-        *self.state.borrow() == LoadState::Ready
+        !self.unloading && *self.state.borrow() == LoadState::Ready
     }
 }
 
@@ -149,6 +153,7 @@ impl AdapterTable {
             candidates
                 .iter()
                 .enumerate()
+                .filter(|(_, c)| !self.is_unloading(c.replica, name))
                 .filter(|(_, c)| f(c))
                 .min_by_key(|(_, c)| c.load)
                 .map(|(i, _)| i)
@@ -166,6 +171,7 @@ impl AdapterTable {
         let victim = candidates
             .iter()
             .enumerate()
+            .filter(|(_, c)| !self.is_unloading(c.replica, name))
             .filter_map(|(i, c)| {
                 self.idle(c.replica)
                     .map(|h| (i, (self.uses_of(&h.name), h.last_used, c.load)))
@@ -192,7 +198,7 @@ impl AdapterTable {
         *self.uses.entry(name.clone()).or_default() += 1;
         let uses = &self.uses;
         let held = self.replicas.entry(replica.to_string()).or_default();
-        if let Some(h) = held.iter_mut().find(|h| *h.name == **name) {
+        if let Some(h) = held.iter_mut().find(|h| *h.name == **name && !h.unloading) {
             h.inflight += 1;
             h.last_used = tick;
             return if h.ready() {
@@ -208,7 +214,10 @@ impl AdapterTable {
                 .filter(|(_, h)| h.inflight == 0 && h.ready())
                 .min_by_key(|(_, h)| (uses.get(&h.name).copied().unwrap_or(0), h.last_used))
                 .map(|(i, _)| i);
-            at.map(|i| held.remove(i).name)
+            at.map(|i| {
+                held[i].unloading = true;
+                held[i].name.clone()
+            })
         } else {
             None
         };
@@ -218,6 +227,7 @@ impl AdapterTable {
             state,
             inflight: 1,
             last_used: tick,
+            unloading: false,
         });
         Ticket::Load { done, evict }
     }
@@ -239,6 +249,7 @@ impl AdapterTable {
             state,
             inflight: 0,
             last_used: 0,
+            unloading: false,
         });
         true
     }
@@ -249,7 +260,27 @@ impl AdapterTable {
             return;
         }
         if let Some(held) = self.replicas.get_mut(replica) {
-            held.retain(|h| &*h.name != name);
+            held.retain(|h| &*h.name != name || h.unloading);
+        }
+    }
+
+    /// The unload of `name` made for room on `replica` was sent (whatever
+    /// it answered): its room is free.
+    pub fn unloaded(&mut self, replica: &str, name: &str) {
+        if let Some(held) = self.replicas.get_mut(replica) {
+            held.retain(|h| &*h.name != name || !h.unloading);
+        }
+    }
+
+    /// A load that was to unload `name` for room never started: `name`
+    /// stays as it was.
+    pub fn keep(&mut self, replica: &str, name: &str) {
+        if let Some(h) = self
+            .replicas
+            .get_mut(replica)
+            .and_then(|held| held.iter_mut().find(|h| &*h.name == name && h.unloading))
+        {
+            h.unloading = false;
         }
     }
 
@@ -300,7 +331,13 @@ impl AdapterTable {
     fn holds(&self, replica: &str, name: &str) -> bool {
         self.replicas
             .get(replica)
-            .is_some_and(|held| held.iter().any(|h| &*h.name == name))
+            .is_some_and(|held| held.iter().any(|h| &*h.name == name && !h.unloading))
+    }
+
+    fn is_unloading(&self, replica: &str, name: &str) -> bool {
+        self.replicas
+            .get(replica)
+            .is_some_and(|held| held.iter().any(|h| &*h.name == name && h.unloading))
     }
 
     fn count(&self, replica: &str) -> usize {
@@ -481,5 +518,37 @@ mod tests {
         assert!(!t.adopt("r1", c.clone(), 2), "no room");
         assert_eq!(t.holders("a"), vec!["r1".to_string()]);
         assert!(matches!(t.reserve("r1", &a, Reason::Held), Ticket::Ready));
+    }
+
+    #[test]
+    fn an_adapter_being_unloaded_keeps_its_room_and_is_not_loaded_there_again_meanwhile() {
+        let mut t = AdapterTable::default();
+        let c = [Candidate {
+            replica: "r1",
+            load: 0,
+        }];
+        let (x, y): (Arc<str>, Arc<str>) = ("x".into(), "y".into());
+        assert!(t.adopt("r1", x.clone(), 1));
+        // y pushes x out: x's unload is under way.
+        let (_, why) = t.choose("y", &c, 1, B).expect("evict");
+        assert_eq!(why, Reason::Evict);
+        let Ticket::Load { evict, .. } = t.reserve("r1", &y, why) else {
+            panic!("a load");
+        };
+        assert_eq!(evict.as_deref(), Some("x"));
+        assert!(t.holders("x").is_empty());
+        // x is not loaded there again before its unload answered.
+        assert_eq!(t.choose("x", &c, 2, B), None);
+        t.unloaded("r1", "x");
+        assert_eq!(t.choose("x", &c, 2, B).map(|(_, r)| r), Some(Reason::Room));
+        // A load that never started gives the adapter back.
+        let mut u = AdapterTable::default();
+        assert!(u.adopt("r1", x.clone(), 1));
+        let Ticket::Load { .. } = u.reserve("r1", &y, Reason::Evict) else {
+            panic!("a load");
+        };
+        u.loaded("r1", "y", false);
+        u.keep("r1", "x");
+        assert_eq!(u.holders("x"), vec!["r1".to_string()]);
     }
 }

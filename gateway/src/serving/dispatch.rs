@@ -6,7 +6,7 @@
 //! `concurrency` requests, and a freed slot goes to the oldest held request
 //! before any newcomer can take it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -84,6 +84,10 @@ struct Slots {
     replicas: Vec<Arc<ReplicaHandle>>,
     /// Which LoRA adapters each replica holds (`[apps.adapters]`).
     adapters: AdapterTable,
+    /// One adapter call at a time to each replica's engine, so an unload
+    /// made for room cannot overtake a load of the same adapter sent
+    /// after it (by replica id).
+    engine_calls: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
     /// Where prompts went recently (`[apps.routing]`).
     index: PrefixIndex,
     /// Reused by each routing decision.
@@ -240,6 +244,7 @@ impl App {
                 replicas: Vec::new(),
                 index: PrefixIndex::new(spec.routing.index_bytes),
                 adapters: AdapterTable::default(),
+                engine_calls: HashMap::new(),
                 scratch: Vec::new(),
                 waiters: VecDeque::new(),
                 live_waiters: 0,
@@ -457,6 +462,7 @@ impl App {
         let removed = s.replicas.len() < before;
         if removed {
             s.adapters.forget(&replica.id);
+            s.engine_calls.remove(&replica.id);
         }
         if removed && !s.index.is_empty() {
             // Its cache goes with it: nothing is routed to it by affinity.
@@ -471,12 +477,16 @@ impl App {
         &self,
         replica: &str,
         adapter: &str,
+        evicted: Option<&str>,
         done: &tokio::sync::watch::Sender<LoadState>,
         outcome: LoadState,
     ) {
         let mut s = self.slots.lock();
         s.adapters
             .loaded(replica, adapter, outcome == LoadState::Ready);
+        if let Some(e) = evicted {
+            s.adapters.unloaded(replica, e);
+        }
         let _ = done.send(outcome);
     }
 
@@ -499,6 +509,17 @@ impl App {
             })
             .map(|(name, _)| name)
             .collect()
+    }
+
+    /// The lock that orders adapter calls (loads and unloads) to
+    /// `replica`'s engine.
+    pub fn engine_calls(&self, replica: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.slots
+            .lock()
+            .engine_calls
+            .entry(replica.to_string())
+            .or_default()
+            .clone()
     }
 
     /// The replicas holding `adapter` loaded, by id.
@@ -1027,12 +1048,12 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         // A load this request was to start and never did: forget it.
-        if let (Some(Ticket::Load { .. }), Some(a)) = (&self.ticket, &self.adapter) {
-            self.app
-                .slots
-                .lock()
-                .adapters
-                .loaded(&self.replica.id, a, false);
+        if let (Some(Ticket::Load { evict, .. }), Some(a)) = (&self.ticket, &self.adapter) {
+            let mut s = self.app.slots.lock();
+            s.adapters.loaded(&self.replica.id, a, false);
+            if let Some(e) = evict {
+                s.adapters.keep(&self.replica.id, e);
+            }
         }
         self.app.duration.record(self.start.elapsed().as_secs_f64());
         self.app.release(&self.replica, self.adapter.as_ref());
@@ -1140,8 +1161,11 @@ impl Drop for PendingSlot {
             // A slot was granted just as we gave up: give it back.
             Ok(Ok(Granted::Slot(replica, ticket))) => {
                 // A load it was to start never starts: forget the place.
-                if let (Some(Ticket::Load { .. }), Some(a)) = (&ticket, &self.adapter) {
+                if let (Some(Ticket::Load { evict, .. }), Some(a)) = (&ticket, &self.adapter) {
                     s.adapters.loaded(&replica.id, a, false);
+                    if let Some(e) = evict {
+                        s.adapters.keep(&replica.id, e);
+                    }
                 }
                 drop(s);
                 self.app.release(&replica, self.adapter.as_ref());
