@@ -68,6 +68,13 @@ pub struct AdapterSpec {
     /// Other names requests may use for it; the engine is sent its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub aliases: Vec<String>,
+    /// A prefix where training writes this adapter's checkpoints, one
+    /// folder each: the newest folder holding the app's
+    /// `promotion.marker` is promoted as its next revision (with the
+    /// app's gate, canary and bake), as `promotion.watch` does for the
+    /// app's own checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub watch: Option<String>,
     /// Which revision of the adapter `checkpoint` is: 1 at first, raised by
     /// the gateway whenever the checkpoint changes. Leave it out in a
     /// config file.
@@ -100,6 +107,7 @@ impl AdapterSpec {
             name: name.into(),
             checkpoint: checkpoint.into(),
             aliases: Vec::new(),
+            watch: None,
             revision: 1,
         }
     }
@@ -126,6 +134,11 @@ impl Default for AdaptersSpec {
 }
 
 impl AdaptersSpec {
+    /// Whether an adapter follows a training run (`watch`).
+    pub fn watched(&self) -> bool {
+        self.models.iter().any(|a| a.watch.is_some())
+    }
+
     /// Whether any adapter is configured.
     pub fn is_empty(&self) -> bool {
         self.models.is_empty()
@@ -209,6 +222,14 @@ impl AdaptersSpec {
                         ),
                     ));
                 }
+            }
+            if let Some(w) = &a.watch
+                && !CHECKPOINT_SCHEMES.iter().any(|s| w.starts_with(s))
+            {
+                return Err((
+                    key("watch"),
+                    "must be a file://, s3://, gs:// or az:// prefix".into(),
+                ));
             }
             if a.revision == 0 {
                 return Err((key("revision"), "must be at least 1".into()));

@@ -1055,6 +1055,9 @@ impl AppSpec {
         resolve_command(&mut self.promotion.gate_command, base);
         for a in &mut self.adapters.models {
             resolve_checkpoint(&mut a.checkpoint, base);
+            if let Some(w) = &mut a.watch {
+                resolve_checkpoint(w, base);
+            }
         }
     }
 }
@@ -1279,12 +1282,10 @@ impl Config {
                 _ => {}
             }
             if self.backend.kind == BackendKind::Kubernetes
-                && let Some((j, _)) = app
-                    .adapters
-                    .models
-                    .iter()
-                    .enumerate()
-                    .find(|(_, a)| !a.checkpoint.starts_with("file://"))
+                && let Some((j, _)) = app.adapters.models.iter().enumerate().find(|(_, a)| {
+                    !a.checkpoint.starts_with("file://")
+                        || a.watch.as_ref().is_some_and(|w| !w.starts_with("file://"))
+                })
             {
                 return Err((
                     at(&format!("adapters.models[{j}].checkpoint")),

@@ -116,6 +116,78 @@ impl Gateway {
         Ok(canary)
     }
 
+    /// Starts the watcher of `app`'s adapters' training runs (`watch`),
+    /// unless it runs already or no adapter has one.
+    pub(crate) fn watch_adapters(self: &Arc<Self>, app: &Arc<Served>) {
+        use std::sync::atomic::Ordering;
+        if !app.spec().adapters.watched() || app.adapter_watcher.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(self.clone().follow_adapters(app.clone()));
+    }
+
+    /// Lists each watched adapter's prefix every `promotion.watch_interval`
+    /// and promotes the newest complete checkpoint it has not seen; ends
+    /// when the app is deleted or no adapter is watched any more.
+    async fn follow_adapters(self: Arc<Self>, app: Arc<Served>) {
+        loop {
+            use std::sync::atomic::Ordering;
+            let spec = app.spec();
+            if app.is_removed() || !spec.adapters.watched() {
+                app.adapter_watcher.store(false, Ordering::Release);
+                // A change that added a watch just now found this one
+                // still running, and left it the work.
+                if !app.is_removed()
+                    && app.spec().adapters.watched()
+                    && !app.adapter_watcher.swap(true, Ordering::AcqRel)
+                {
+                    continue;
+                }
+                return;
+            }
+            for a in spec.adapters.models.iter() {
+                let Some(uri) = &a.watch else { continue };
+                let source = match self.weights.open(uri) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(app = %app.name, adapter = %a.name, %uri, error = %e.message, "cannot watch the adapter's checkpoints");
+                        continue;
+                    }
+                };
+                let folder = match crate::promote::newest_complete(&source, &spec.promotion.marker)
+                    .await
+                {
+                    Ok(Some(f)) => f,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::debug!(app = %app.name, adapter = %a.name, error = %e, "nothing to watch yet");
+                        continue;
+                    }
+                };
+                let checkpoint = format!("{}/{folder}", uri.trim_end_matches('/'));
+                let seen = a.checkpoint == checkpoint
+                    || app.adapter_promotion(&a.name).is_some_and(|c| {
+                        let p = c.promotion.lock();
+                        p.checkpoint == checkpoint || !p.phase.is_terminal()
+                    });
+                if seen {
+                    continue;
+                }
+                tracing::info!(app = %app.name, adapter = %a.name, %checkpoint, "a new adapter checkpoint is complete; promoting it");
+                let req = AdapterPromoteRequest {
+                    adapter: a.name.clone(),
+                    checkpoint,
+                    canary: None,
+                    bake: None,
+                };
+                if let Err(e) = self.promote_adapter(&app, req) {
+                    tracing::warn!(app = %app.name, adapter = %a.name, error = %e.message, "the watcher could not promote the adapter");
+                }
+            }
+            tokio::time::sleep(spec.promotion.watch_interval).await;
+        }
+    }
+
     /// Runs one adapter promotion to its end.
     async fn drive_adapter(self: Arc<Self>, app: Arc<Served>, c: Arc<AdapterCanary>) {
         let started = Instant::now();

@@ -263,6 +263,7 @@ impl Gateway {
         };
         // Aliases may have changed: the app is routed by its new ones.
         self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
+        self.watch_adapters(&app);
         if watch_changed {
             // The running watcher sees a newer generation and stops.
             app.next_watcher();

@@ -1148,7 +1148,7 @@ impl Gateway {
 
 /// The newest direct sub-folder of `source` holding `marker`, by the
 /// marker's modification time.
-async fn newest_complete(
+pub(crate) async fn newest_complete(
     source: &warmgate_pool::weights::Source,
     marker: &str,
 ) -> Result<Option<String>, warmgate_pool::Error> {

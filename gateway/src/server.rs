@@ -544,6 +544,7 @@ impl Gateway {
         if app.spec().promotion.watch.is_some() {
             tokio::spawn(self.clone().watch(app.clone()));
         }
+        self.watch_adapters(&app);
         Ok(app)
     }
 

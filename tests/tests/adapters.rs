@@ -768,3 +768,88 @@ async fn an_adapter_in_an_object_store_is_pulled_once_into_a_folder_the_engine_l
         "{body}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_training_run_is_followed_and_each_complete_checkpoint_promoted() {
+    let dir = tempfile::tempdir().expect("dir");
+    let first = adapter(dir.path(), "first", false);
+    let runs = dir.path().join("runs");
+    std::fs::create_dir_all(&runs).expect("mkdir");
+    let config = config(1, &[("sql-lora", &first)])
+        .replace(
+            "[[apps]]",
+            &format!(
+                "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
+                dir.path().display()
+            ),
+        )
+        .replace(
+            "[apps.adapters]",
+            "[apps.promotion]\nbake = \"500ms\"\nwatch_interval = \"200ms\"\n[apps.adapters]",
+        )
+        .replacen(
+            "name = \"sql-lora\"\n",
+            &format!(
+                "name = \"sql-lora\"\nwatch = \"file://{}\"\n",
+                runs.display()
+            ),
+            1,
+        );
+    let gw = Gateway::start(&config);
+    ready(&gw, 1).await;
+    let pids = gw.replica_pids("base").await;
+
+    // A step being written (no marker yet) is left alone.
+    adapter(&runs, "step-100", false);
+    let (status, _, body) = chat(&gw, "sql-lora").await;
+    assert_eq!((status, body["model"].as_str()), (200, Some("sql-lora")));
+    // Whole: promoted, and served by its new revision.
+    std::fs::write(runs.join("step-100/_COMPLETE"), b"").expect("marker");
+    let s = eventually("step-100 is the adapter's", || async {
+        let s = adapter_status(&gw, "sql-lora").await;
+        s["checkpoint"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("runs/step-100"))
+            .then_some(s)
+    })
+    .await;
+    assert_eq!(s["revision"], 2, "{s}");
+    assert_eq!(s["promotion"]["phase"], "done", "{s}");
+    let (status, _, body) = chat(&gw, "sql-lora").await;
+    assert_eq!(
+        (status, body["model"].as_str()),
+        (200, Some("sql-lora@2")),
+        "{body}"
+    );
+
+    // A broken one is rolled back on its canary and not tried again; the
+    // next good one is promoted past it.
+    adapter(&runs, "step-200", true);
+    std::fs::write(runs.join("step-200/_COMPLETE"), b"").expect("marker");
+    let s = eventually("step-200 rolled back", || async {
+        // Traffic for the canary to judge.
+        let _ = chat(&gw, "sql-lora").await;
+        let s = adapter_status(&gw, "sql-lora").await;
+        (s["promotion"]["phase"] == "rolled_back").then_some(s)
+    })
+    .await;
+    assert!(
+        s["promotion"]["checkpoint"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("step-200")),
+        "{s}"
+    );
+    assert_eq!(s["revision"], 2, "{s}");
+    adapter(&runs, "step-300", false);
+    std::fs::write(runs.join("step-300/_COMPLETE"), b"").expect("marker");
+    let s = eventually("step-300 is the adapter's", || async {
+        let s = adapter_status(&gw, "sql-lora").await;
+        s["checkpoint"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("runs/step-300"))
+            .then_some(s)
+    })
+    .await;
+    assert_eq!(s["revision"], 4, "revision 3 went to step-200: {s}");
+    assert_eq!(gw.replica_pids("base").await, pids, "no replica restarted");
+}

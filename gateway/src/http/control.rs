@@ -159,6 +159,7 @@ struct AdapterBody {
     checkpoint: String,
     #[serde(default)]
     aliases: Vec<String>,
+    watch: Option<String>,
 }
 
 /// `PUT /v1/apps/{app}/adapters/{name}`: adds an adapter to an app, or
@@ -189,6 +190,7 @@ pub(crate) async fn put_adapter(
         spec.adapters.models.retain(|a| a.name != name);
         let mut adapter = warmgate_deploy::AdapterSpec::new(name.clone(), body.checkpoint);
         adapter.aliases = body.aliases;
+        adapter.watch = body.watch;
         spec.adapters.models.push(adapter);
         if let Some(dir) = &gw.workdir {
             spec.resolve_paths(dir);

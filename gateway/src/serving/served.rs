@@ -46,6 +46,8 @@ pub struct Served {
     adapter_revisions: Mutex<HashMap<String, u32>>,
     /// Requests routed to each adapter it serves, by adapter name.
     adapter_requests: Mutex<HashMap<String, u64>>,
+    /// Whether the watcher of its adapters' training runs is running.
+    pub adapter_watcher: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -71,6 +73,7 @@ impl Served {
             adapter_promotions: Mutex::new(HashMap::new()),
             adapter_revisions: Mutex::new(HashMap::new()),
             adapter_requests: Mutex::new(HashMap::new()),
+            adapter_watcher: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
