@@ -1289,7 +1289,9 @@ impl Config {
             {
                 return Err((
                     at(&format!("adapters.models[{j}].checkpoint")),
-                    "on the kubernetes backend the engine reads an adapter from a path in its own pod:                      use file:// on a volume the pods mount (object-store adapters are pulled by the                      gateway, for engines on its machine)"
+                    "on the kubernetes backend the engine reads an adapter from a path in its own pod: \
+                     use file:// on a volume the pods mount (object-store adapters are pulled by \
+                     the gateway, for engines on its machine)"
                         .into(),
                 ));
             }

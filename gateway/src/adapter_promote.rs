@@ -46,11 +46,14 @@ impl Gateway {
     /// Starts a promotion of one of `app`'s adapters; it runs on its own.
     /// Refused when the adapter is unknown, its promotion runs already,
     /// or the checkpoint is not one the engine may read.
-    pub(crate) fn promote_adapter(
+    pub(crate) async fn promote_adapter(
         self: &Arc<Self>,
         app: &Arc<Served>,
         req: AdapterPromoteRequest,
     ) -> Result<Arc<AdapterCanary>, ApiError> {
+        // Revisions are handed out one change at a time: a `PUT` of the
+        // adapter and this never take the same number.
+        let _one = self.changes.lock().await;
         let spec = app.spec();
         let Some(adapter) = spec.adapters.get(&req.adapter) else {
             return Err(ApiError::new(
@@ -73,6 +76,16 @@ impl Gateway {
             .adapters
             .validate(|k| k.to_string())
             .map_err(|(_, why)| ApiError::new(ErrorKind::BadRequest, why).param("checkpoint"))?;
+        if self.config.backend.kind == warmgate_deploy::BackendKind::Kubernetes
+            && !checkpoint.starts_with("file://")
+        {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "on the kubernetes backend the engine reads an adapter from a path in its own pod: \
+                 give a file:// path on a volume the pods mount",
+            )
+            .param("checkpoint"));
+        }
         self.weights.open(&checkpoint)?;
         if checkpoint == adapter.checkpoint {
             return Err(ApiError::new(
@@ -89,18 +102,16 @@ impl Gateway {
             min_requests: spec.promotion.min_requests,
             max_error_rate: spec.promotion.max_error_rate,
         };
-        let to = adapter
-            .revision
-            .max(app.adapter_revision_used(&adapter.name, None))
-            + 1;
-        let canary = Arc::new(AdapterCanary::new(AdapterPromotion::begin(
-            &adapter.name,
-            adapter.revision,
-            to,
-            &checkpoint,
-            plan,
-        )));
-        app.begin_adapter_promotion(&adapter.name, canary.clone())
+        let canary = app
+            .begin_adapter_promotion(&adapter.name, adapter.revision, |to| {
+                AdapterCanary::new(AdapterPromotion::begin(
+                    &adapter.name,
+                    adapter.revision,
+                    to,
+                    &checkpoint,
+                    plan,
+                ))
+            })
             .map_err(|running| {
                 ApiError::new(
                     ErrorKind::Conflict,
@@ -180,7 +191,7 @@ impl Gateway {
                     canary: None,
                     bake: None,
                 };
-                if let Err(e) = self.promote_adapter(&app, req) {
+                if let Err(e) = self.promote_adapter(&app, req).await {
                     tracing::warn!(app = %app.name, adapter = %a.name, error = %e.message, "the watcher could not promote the adapter");
                 }
             }
@@ -191,11 +202,21 @@ impl Gateway {
     /// Runs one adapter promotion to its end.
     async fn drive_adapter(self: Arc<Self>, app: Arc<Served>, c: Arc<AdapterCanary>) {
         let started = Instant::now();
+        // A gate written for revisions pins the app's serving revision
+        // with `X-Warmgate-Revision`; the adapter's new revision is the
+        // model it names.
+        let serving = app
+            .history
+            .lock()
+            .serving()
+            .map(|r| r.id.clone())
+            .unwrap_or_default();
         let outcome = match self
             .gate(
                 &app,
                 Evaluated::Adapter {
                     model: c.engine.as_ref(),
+                    revision: &serving,
                 },
             )
             .await
@@ -222,7 +243,7 @@ impl Gateway {
                 let p = c.promotion.lock();
                 (p.adapter.clone(), p.checkpoint.clone(), p.to_revision)
             };
-            match self.commit_adapter(&app, &name, &checkpoint, to).await {
+            match self.commit_adapter(&app, &c, &name, &checkpoint, to).await {
                 Ok(()) => c.promotion.lock().committed(),
                 Err(e) => {
                     c.promotion.lock().roll_back(format!(
@@ -253,12 +274,22 @@ impl Gateway {
     async fn commit_adapter(
         self: &Arc<Self>,
         app: &Arc<Served>,
+        c: &AdapterCanary,
         name: &str,
         checkpoint: &str,
         to: u32,
     ) -> Result<(), ApiError> {
         let until = Instant::now() + COMMIT_PATIENCE;
         loop {
+            // Rolled back meanwhile (the adapter was changed or deleted, the
+            // app deleted): nothing is committed over that change.
+            if !c.running() || app.is_removed() {
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    "the adapter or its app changed during its promotion",
+                ));
+            }
+            let from = c.promotion.lock().from_revision;
             let mut spec = (*app.spec()).clone();
             let Some(a) = spec.adapters.models.iter_mut().find(|a| a.name == name) else {
                 return Err(ApiError::new(
@@ -266,9 +297,18 @@ impl Gateway {
                     "the adapter was deleted during its promotion",
                 ));
             };
+            if a.revision != from {
+                return Err(ApiError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "the adapter moved to revision {} during its promotion",
+                        a.revision
+                    ),
+                ));
+            }
             a.checkpoint = checkpoint.to_string();
             a.revision = to;
-            match self.put_app(spec).await {
+            match self.put_app_adapters(spec).await {
                 Err(e) if e.kind == ErrorKind::Conflict && Instant::now() < until => {
                     tokio::time::sleep(STEP * 5).await;
                 }

@@ -116,7 +116,25 @@ impl Gateway {
     }
 
     /// Puts an app: creates it, or changes the one of that name.
-    pub async fn put_app(self: &Arc<Self>, mut spec: AppSpec) -> Result<Changed, ApiError> {
+    pub async fn put_app(self: &Arc<Self>, spec: AppSpec) -> Result<Changed, ApiError> {
+        self.put_app_from(spec, false).await
+    }
+
+    /// [`Gateway::put_app`] for an adapter promotion's commit: a change
+    /// of adapters alone is made in place, also while a promotion of the
+    /// app's own revisions runs (it touches no revision).
+    pub(crate) async fn put_app_adapters(
+        self: &Arc<Self>,
+        spec: AppSpec,
+    ) -> Result<Changed, ApiError> {
+        self.put_app_from(spec, true).await
+    }
+
+    async fn put_app_from(
+        self: &Arc<Self>,
+        mut spec: AppSpec,
+        adapters_only: bool,
+    ) -> Result<Changed, ApiError> {
         let name = spec.name.clone();
         let _busy = self.refuse_if_busy(&format!("app '{name}'"))?;
         // One registry change at a time: each is checked against the
@@ -142,8 +160,8 @@ impl Gateway {
             // one an engine may hold already.
             let incoming = spec.adapters.clone();
             spec.adapters.carry_revisions(&app.spec().adapters, |n| {
-                let checkpoint = incoming.get(n).map(|a| a.checkpoint.as_str());
-                app.adapter_revision_used(n, checkpoint)
+                let given = incoming.get(n).map(|a| (a.revision, a.checkpoint.as_str()));
+                app.adapter_revision_floor(n, given)
             });
         }
         let mut candidate = self.desired_config();
@@ -224,7 +242,6 @@ impl Gateway {
         if *old == spec && serves(&app, &spec) {
             return Ok(Changed::Unchanged);
         }
-        self.refuse_if_promoting(&app)?;
         let old_json = serde_json::to_string(&*old).ok();
         let watch_changed = old.promotion.watch != spec.promotion.watch
             || old.promotion.marker != spec.promotion.marker
@@ -239,13 +256,23 @@ impl Gateway {
         tuned.routing = spec.routing.clone();
         // Adapters are loaded where requests go, at runtime.
         tuned.adapters = spec.adapters.clone();
+        let in_place = tuned == spec && serves(&app, &old);
+        if !(adapters_only && in_place) {
+            self.refuse_if_promoting(&app)?;
+        }
+        if adapters_only && !in_place {
+            return Err(ApiError::new(
+                ErrorKind::Conflict,
+                format!("app '{name}' changed in more than its adapters meanwhile"),
+            ));
+        }
         // The saved spec goes back to the running one when the change is
         // not made, so a restart does not make it either.
         let undo = |e: ApiError| {
             let _ = self.record(SpecKind::App, &name, old_json.as_deref(), "");
             e
         };
-        let changed = if tuned == spec && serves(&app, &old) {
+        let changed = if in_place {
             self.record(
                 SpecKind::App,
                 &name,

@@ -41,6 +41,10 @@ pub enum CallError {
     /// (`EX_PROTOCOL`).
     #[error("{0}")]
     Protocol(String),
+    /// The command line itself is wrong (a `--gateway` that is not a URL,
+    /// a token that cannot be sent). Exit 64 (`EX_USAGE`).
+    #[error("{0}")]
+    Usage(String),
 }
 
 impl CallError {
@@ -52,11 +56,14 @@ impl CallError {
     /// - 70 (`EX_SOFTWARE`): the gateway or a worker failed (500, 502);
     /// - 75 (`EX_TEMPFAIL`): try again later (409 while a promotion runs,
     ///   429, 503, 504);
+    /// - 64 (`EX_USAGE`): the command line is wrong (`--gateway` is not
+    ///   an `http://` or `https://` URL);
     /// - 76 (`EX_PROTOCOL`): the answer was not the API's;
     /// - 77 (`EX_NOPERM`): a token is missing or wrong (401, 403).
     pub fn exit_code(&self) -> i32 {
         match self {
             CallError::Unreachable(_) => EXIT_UNAVAILABLE,
+            CallError::Usage(_) => EXIT_USAGE,
             CallError::Protocol(_) => 76,
             CallError::Answered { status, .. } => match status {
                 401 | 403 => 77,
@@ -92,6 +99,17 @@ pub struct Cli {
     /// self-signed gateway).
     #[arg(long, global = true, env = "WARMGATE_CACERT", value_name = "FILE")]
     pub cacert: Option<PathBuf>,
+}
+
+impl Cli {
+    /// Whether it is a client command (not `serve` or `operator`, which
+    /// run until stopped and must outlive their clients' closed pipes).
+    pub fn is_client(&self) -> bool {
+        !matches!(
+            self.command,
+            Command::Serve { .. } | Command::Operator { .. }
+        )
+    }
 }
 
 /// The CA file `--cacert` named, for every call this CLI process makes.
@@ -229,8 +247,9 @@ pub enum Command {
         #[arg(long)]
         in_place: bool,
         /// Promote this LoRA adapter of the app to the checkpoint (a
-        /// `file://` folder) instead: the canary is a share of that
-        /// adapter's requests, no replica starts.
+        /// `file://` folder, or an `s3://`, `gs://` or `az://` prefix)
+        /// instead: the canary is a share of that adapter's requests, no
+        /// replica starts.
         #[arg(long, value_name = "NAME", conflicts_with = "in_place")]
         adapter: Option<String>,
         /// The gateway to ask.
@@ -768,6 +787,7 @@ async fn call(
     body: Option<Value>,
     timeout: Duration,
 ) -> Result<Value, CallError> {
+    check_gateway_url(gateway)?;
     let url = format!("{}{path}", gateway.trim_end_matches('/'));
     let client = http_client(gateway)?;
     let bytes = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
@@ -785,7 +805,7 @@ async fn call(
         .or_else(|| crate::runtime::admin_token::find_for(gateway));
     if let Some(token) = token {
         let v = http::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
-            CallError::Unreachable("WARMGATE_ADMIN_TOKEN is not a valid header value".into())
+            CallError::Usage("WARMGATE_ADMIN_TOKEN is not a valid header value".into())
         })?;
         req.headers_mut().insert(http::header::AUTHORIZATION, v);
     }
@@ -883,6 +903,22 @@ fn api(
         eprintln!("error: {e}");
         e.exit_code()
     })
+}
+
+/// `--gateway` (or `$WARMGATE_GATEWAY`) must be an `http://` or
+/// `https://` URL with a host: `localhost:8000` alone is a usage error,
+/// not an unreachable gateway.
+fn check_gateway_url(gateway: &str) -> Result<(), CallError> {
+    let uri: Result<http::Uri, _> = gateway.parse();
+    let ok = uri
+        .is_ok_and(|u| matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some());
+    if ok {
+        Ok(())
+    } else {
+        Err(CallError::Usage(format!(
+            "--gateway {gateway:?} is not a URL: give http://HOST:PORT (or https://)"
+        )))
+    }
 }
 
 /// One API call on a small runtime of its own.

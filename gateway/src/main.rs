@@ -51,9 +51,38 @@ fn refuse_transparent_huge_pages() {
     }
 }
 
+/// A client command whose reader went away (`warmgate status --watch |
+/// head`) ends as Unix tools do, killed by `SIGPIPE`, rather than with a
+/// panic on the failed write. Rust ignores `SIGPIPE` by default; the
+/// servers keep ignoring it (a client that closes its connection must not
+/// kill the gateway).
+#[allow(unsafe_code)]
+fn end_quietly_on_a_closed_pipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: restoring the default disposition installs no handler of
+    // ours, and runs before any other thread exists.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
 fn main() {
     return_freed_memory_promptly();
     refuse_transparent_huge_pages();
-    let cli = warmgate_gateway::cli::Cli::parse();
+    let cli = match warmgate_gateway::cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version are answers (0); anything else is a usage
+            // error: 64 (`EX_USAGE`), as the CLI reference says, not
+            // clap's 2.
+            let _ = e.print();
+            std::process::exit(if e.use_stderr() {
+                warmgate_gateway::cli::EXIT_USAGE
+            } else {
+                0
+            });
+        }
+    };
+    if cli.is_client() {
+        end_quietly_on_a_closed_pipe();
+    }
     std::process::exit(warmgate_gateway::cli::run(cli));
 }

@@ -30,10 +30,12 @@ pub(crate) enum Evaluated<'a> {
     /// A revision of the app, pinned by `X-Warmgate-Revision`.
     Revision(&'a str),
     /// A revision of an adapter, by the model name that pins it
-    /// (`name@n`).
+    /// (`name@n`), on the app's serving revision.
     Adapter {
         /// That name.
         model: &'a str,
+        /// The app's serving revision (`WARMGATE_EVAL_REVISION`).
+        revision: &'a str,
     },
 }
 
@@ -986,7 +988,7 @@ impl Gateway {
         }
         let (rev, model) = match what {
             Evaluated::Revision(rev) => (rev, None),
-            Evaluated::Adapter { model } => (model, Some(model)),
+            Evaluated::Adapter { model, revision } => (revision, Some(model)),
         };
         let endpoint = format!("http://{}/apps/{}", self.reach, app.name);
         let run = async {
@@ -1026,7 +1028,9 @@ impl Gateway {
                         "app": app.name,
                         "revision": rev,
                         "model": model,
+                        "endpoint": endpoint,
                         "openai_base": format!("http://{}/v1", self.reach),
+                        "headers": {"X-Warmgate-Revision": rev},
                     }),
                 };
                 let status = self.upstream.post_json(url, &body).await?;

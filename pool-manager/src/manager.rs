@@ -102,12 +102,22 @@ pub struct TargetHealth {
     /// Replicas waiting for resources.
     pub pending: usize,
     /// Set when the target keeps failing to start and waits before the next
-    /// try: how long until it.
+    /// try: how long until it (in seconds, as JSON).
+    #[serde(serialize_with = "seconds")]
     pub retry_in: Option<Duration>,
     /// The last start or crash error.
     pub last_error: Option<String>,
     /// True when the latest attempts failed before becoming ready.
     pub failing_to_start: bool,
+}
+
+/// A duration as a number of seconds (`1.5`), not serde's
+/// `{"secs", "nanos"}`.
+fn seconds<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&d.as_secs_f64()),
+        None => s.serialize_none(),
+    }
 }
 
 /// The phases of the last cold start of a target.

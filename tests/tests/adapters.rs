@@ -675,6 +675,33 @@ async fn what_an_engine_holds_when_it_joins_is_checked_against_the_record() {
     let (status, _, body) = chat(&gw, "chat-lora").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(loads(&gw, "chat-lora").await, 1.0);
+
+    // A client cannot load or unload adapters behind the record's back
+    // through the passthrough (it could plant its own folder as a future
+    // revision's name).
+    for path in [
+        "/apps/base/v1/load_lora_adapter",
+        "/apps/base/V1/./unload_lora_adapter",
+        "/apps/base/x/../v1/%6Coad_lora_adapter",
+    ] {
+        let r = gw
+            .http
+            .post(gw.at(path))
+            .json(&json!({"lora_name": "sql-lora@9", "lora_path": stale.display().to_string()}))
+            .send()
+            .await
+            .expect("send");
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 404, "{path}: {body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("/v1/apps/{app}/adapters")),
+            "{body}"
+        );
+    }
+    assert_eq!(engine_models().await, ["chat-lora", "sql-lora"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -331,7 +331,7 @@ fn simulate_prints_the_policy_table_for_each_cold_start() {
         .args(["simulate", "--shape", "tsunami"])
         .output()
         .expect("run");
-    assert_eq!(out.status.code(), Some(2), "clap's usage error");
+    assert_eq!(out.status.code(), Some(64), "a usage error is EX_USAGE");
     assert!(String::from_utf8_lossy(&out.stderr).contains("known: steady"));
 
     // A bad trace is a clear usage error.
@@ -483,6 +483,65 @@ async fn the_cli_exit_code_names_the_class_of_failure() {
         v["revisions"].as_array().is_some_and(|r| !r.is_empty()),
         "{v}"
     );
+    assert_eq!(
+        v["revisions"][0]["spec"]["name"], "m",
+        "a revision's spec is an object, not a string of JSON: {v}"
+    );
+
+    // Usage errors are 64 (EX_USAGE), as the reference says: a gateway
+    // address without a scheme, a missing argument, an unknown flag.
+    let (code, _, err) = run(&["status"], "127.0.0.1:9");
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("http://"), "says what to give: {err}");
+    let (code, _, err) = run(&["promote", "m"], &gw.url);
+    assert_eq!(code, 64, "a missing CHECKPOINT: {err}");
+    let (code, _, err) = run(&["status", "--no-such-flag"], &gw.url);
+    assert_eq!(code, 64, "{err}");
+    let (code, out, _) = run(&["--help"], &gw.url);
+    assert_eq!(code, 0, "help is an answer");
+    assert!(out.contains("Usage"), "{out}");
+
+    // `status --watch | head`: the watch ends when its reader does.
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "{} status --watch --interval 100ms --gateway {} | head -n 1 > /dev/null; \
+             echo \"status=${{PIPESTATUS[0]}}\"",
+            bin("warmgate").display(),
+            gw.url
+        ))
+        .output()
+        .expect("bash");
+    let said = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        said.contains("status=141"),
+        "killed by SIGPIPE: {said} {err}"
+    );
+}
+
+/// A client command whose reader goes away ends quietly, as Unix tools
+/// do (killed by SIGPIPE), not with a panic on the failed write.
+#[test]
+fn a_closed_pipe_ends_a_client_command_without_a_panic() {
+    for args in ["completions bash", "completions zsh"] {
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "{} {args} | head -c 10 > /dev/null; echo \"status=${{PIPESTATUS[0]}}\"",
+                bin("warmgate").display()
+            ))
+            .output()
+            .expect("bash");
+        let said = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args}: {err}");
+        assert!(
+            said.contains("status=0") || said.contains("status=141"),
+            "{args}: ended by SIGPIPE (141) or before it (0), not 101: {said} {err}"
+        );
+    }
 }
 
 /// `warmgate completions SHELL` prints a script the shell accepts.
@@ -516,7 +575,7 @@ fn the_completion_scripts_are_valid_shell() {
         .expect("run warmgate");
     assert_eq!(
         out.status.code(),
-        Some(2),
+        Some(64),
         "an unknown shell is a usage error"
     );
 }

@@ -374,15 +374,17 @@ pub(crate) async fn promote(
                     "in_place is for the app's revisions: an adapter is always loaded into the running replicas",
                 ));
             }
-            let c = gw.promote_adapter(
-                &app,
-                crate::adapter_promote::AdapterPromoteRequest {
-                    adapter,
-                    checkpoint: body.checkpoint,
-                    canary: body.canary,
-                    bake,
-                },
-            )?;
+            let c = gw
+                .promote_adapter(
+                    &app,
+                    crate::adapter_promote::AdapterPromoteRequest {
+                        adapter,
+                        checkpoint: body.checkpoint,
+                        canary: body.canary,
+                        bake,
+                    },
+                )
+                .await?;
             let answer = |c: &crate::serving::adapter_split::AdapterCanary| {
                 let p = c.promotion.lock().clone();
                 json!({"app": app.name, "adapter": p.adapter, "revision": &*c.engine, "promotion": p})
@@ -454,8 +456,19 @@ pub(crate) async fn revisions(
                 format!("cannot read the history: {e}"),
             )
         })?;
-        let mut revisions = h.revisions.clone();
-        revisions.reverse();
+        // Each revision's spec as the object it is, not a string of JSON.
+        let revisions: Vec<serde_json::Value> = h
+            .revisions
+            .iter()
+            .rev()
+            .map(|r| {
+                let mut v = json!(r);
+                if let Ok(spec) = serde_json::from_str::<serde_json::Value>(&r.spec) {
+                    v["spec"] = spec;
+                }
+                v
+            })
+            .collect();
         Ok(axum::Json(json!({
             "app": app.name,
             "revisions": revisions,

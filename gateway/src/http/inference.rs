@@ -178,12 +178,14 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         return finish(None, Err(err));
     };
     if let Some(control) = worker_control_path(sub) {
+        let instead = if control.contains("lora") {
+            "use PUT or DELETE /v1/apps/{app}/adapters/{name}"
+        } else {
+            "use POST /v1/pools/{pool}/weights or /v1/pools/{pool}/tasks"
+        };
         let err = ApiError::new(
             ErrorKind::NotFound,
-            format!(
-                "{control} is the worker contract's control path, which only the gateway calls; \
-                 use POST /v1/pools/{{pool}}/weights or /v1/pools/{{pool}}/tasks"
-            ),
+            format!("{control} is a control path only the gateway calls; {instead}"),
         );
         return finish(None, Err(err));
     }
@@ -209,30 +211,36 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
 /// ignored. Returns the path refused.
 pub(crate) fn worker_control_path(path: &str) -> Option<&'static str> {
     let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
-    // Only the first segment left once `..` is applied matters: keep it
-    // and the depth, not the segments (this runs for every request).
-    let mut first: Option<&str> = None;
+    // Only the first two segments left once `..` is applied matter, and
+    // the depth: keep those, not every segment (this runs for every
+    // request).
+    let mut head: [&str; 2] = ["", ""];
     let mut depth = 0usize;
     for seg in decoded.split(['/', '\\']) {
         match seg {
             "" | "." => {}
-            ".." => {
-                depth = depth.saturating_sub(1);
-                if depth == 0 {
-                    first = None;
-                }
-            }
+            ".." => depth = depth.saturating_sub(1),
             s => {
-                if depth == 0 {
-                    first = Some(s);
+                if depth < head.len() {
+                    head[depth] = s;
                 }
                 depth += 1;
             }
         }
     }
-    match first {
-        Some(s) if s.eq_ignore_ascii_case("weights") => Some("/weights"),
-        Some(s) if s.eq_ignore_ascii_case("invoke") => Some("/invoke"),
+    let is = |s: &str, what: &str| s.eq_ignore_ascii_case(what);
+    match (depth, head) {
+        (1.., [first, _]) if is(first, "weights") => Some("/weights"),
+        (1.., [first, _]) if is(first, "invoke") => Some("/invoke"),
+        // The engine's runtime LoRA API: only the gateway loads adapters,
+        // under the names its record holds (a client loading its own
+        // folder as `name@n` would have it served as that revision).
+        (2, [v1, what]) if is(v1, "v1") && is(what, "load_lora_adapter") => {
+            Some("/v1/load_lora_adapter")
+        }
+        (2, [v1, what]) if is(v1, "v1") && is(what, "unload_lora_adapter") => {
+            Some("/v1/unload_lora_adapter")
+        }
         _ => None,
     }
 }
@@ -353,6 +361,10 @@ mod tests {
             "/a/b/../../weights",
             "/../weights",
             "/a/../b/../Invoke",
+            "/v1/load_lora_adapter",
+            "/V1/Unload_Lora_Adapter/",
+            "/x/../v1/%6Coad_lora_adapter",
+            "//v1//load_lora_adapter",
         ] {
             assert!(worker_control_path(p).is_some(), "{p}");
         }
@@ -364,6 +376,9 @@ mod tests {
             "/invoke-me",
             "/weights/../x",
             "/a/b/../weights",
+            "/v1/load_lora_adapter/x",
+            "/v1/models",
+            "/load_lora_adapter",
         ] {
             assert!(worker_control_path(p).is_none(), "{p}");
         }

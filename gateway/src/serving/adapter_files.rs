@@ -36,6 +36,14 @@ pub struct AdapterFiles {
 impl AdapterFiles {
     /// Pulls into `dir`, opening checkpoints through `weights`.
     pub fn new(weights: Arc<Weights>, cfg: StreamConfig, dir: PathBuf) -> Self {
+        // Pulls a stop cut short left these behind.
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.filter_map(Result::ok) {
+                if e.file_name().to_string_lossy().ends_with(".partial") {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         AdapterFiles {
             weights,
             cfg,
@@ -65,9 +73,11 @@ impl AdapterFiles {
         let lock = self.pulling.lock().entry(key.clone()).or_default().clone();
         let _one = lock.lock().await;
         if !dest.join(COMPLETE).exists() {
-            self.pull(&items, &key, &dest)
-                .await
-                .map_err(|e| format!("pulling {checkpoint}: {e}"))?;
+            let pulled = self.pull(&items, &key, &dest).await;
+            if let Err(e) = pulled {
+                self.pulling.lock().remove(&key);
+                return Err(format!("pulling {checkpoint}: {e}"));
+            }
             tracing::info!(checkpoint, folder = %dest.display(), files = items.len(), "adapter pulled");
         }
         // Its use keeps it: the least recently used folders go first.
@@ -81,25 +91,29 @@ impl AdapterFiles {
     async fn pull(&self, items: &[PullItem], key: &str, dest: &Path) -> Result<(), String> {
         let partial = self.dir.join(format!("{key}.partial"));
         let _ = tokio::fs::remove_dir_all(&partial).await;
-        tokio::fs::create_dir_all(&partial)
-            .await
-            .map_err(|e| format!("create {}: {e}", partial.display()))?;
-        let sums = warmgate_pool::weights::checksums(items, &self.cfg)
-            .await
-            .map_err(|e| e.to_string())?;
-        let pulled =
-            warmgate_pool::weights::pull(items, &partial, &self.cfg, None, &sums, &|_| {}).await;
-        if let Err(e) = pulled {
+        let made = async {
+            tokio::fs::create_dir_all(&partial)
+                .await
+                .map_err(|e| format!("create {}: {e}", partial.display()))?;
+            let sums = warmgate_pool::weights::checksums(items, &self.cfg)
+                .await
+                .map_err(|e| e.to_string())?;
+            warmgate_pool::weights::pull(items, &partial, &self.cfg, None, &sums, &|_| {})
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::fs::write(partial.join(COMPLETE), b"")
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = tokio::fs::remove_dir_all(dest).await;
+            tokio::fs::rename(&partial, dest)
+                .await
+                .map_err(|e| format!("rename into {}: {e}", dest.display()))
+        };
+        let outcome = made.await;
+        if outcome.is_err() {
             let _ = tokio::fs::remove_dir_all(&partial).await;
-            return Err(e.to_string());
         }
-        tokio::fs::write(partial.join(COMPLETE), b"")
-            .await
-            .map_err(|e| e.to_string())?;
-        let _ = tokio::fs::remove_dir_all(dest).await;
-        tokio::fs::rename(&partial, dest)
-            .await
-            .map_err(|e| format!("rename into {}: {e}", dest.display()))
+        outcome
     }
 
     /// Removes the least recently used folders past [`MAX_FOLDERS`],

@@ -59,7 +59,7 @@ pub async fn prepare(
             let app = slot.app().clone();
             tokio::spawn(async move {
                 let t0 = Instant::now();
-                let outcome = match files.local_path(&checkpoint).await {
+                let (evicted, outcome) = match files.local_path(&checkpoint).await {
                     Ok(path) => {
                         // In the order they were decided: the unload that
                         // made room before a later load of the same name.
@@ -67,7 +67,7 @@ pub async fn prepare(
                         let _turn = calls.lock().await;
                         load(replica.addr, &name, &path, evict.as_deref(), timeout).await
                     }
-                    Err(e) => Err(e),
+                    Err(e) => (false, Err(e)),
                 };
                 // By adapter, whichever revision (`name@n`) was loaded.
                 let adapter = super::adapter_split::parse_model(&name).0.to_string();
@@ -85,7 +85,7 @@ pub async fn prepare(
                         tracing::warn!(app = %app.name, adapter = %name, replica = %replica.id, error = %e, "adapter load failed");
                     }
                 }
-                if let Some(ev) = &evict {
+                if let Some(ev) = evict.as_ref().filter(|_| evicted) {
                     let evicted = super::adapter_split::parse_model(ev).0.to_string();
                     metrics::counter!("warmgate_adapter_evictions_total", "app" => app.name.clone(), "adapter" => evicted)
                         .increment(1);
@@ -94,7 +94,7 @@ pub async fn prepare(
                     Ok(()) => LoadState::Ready,
                     Err(e) => LoadState::Failed(e),
                 };
-                app.adapter_loaded(&replica.id, &name, evict.as_deref(), &done, state);
+                app.adapter_loaded(&replica.id, &name, evict.as_deref(), evicted, &done, state);
             });
             rx
         }
@@ -125,14 +125,18 @@ pub async fn prepare(
 }
 
 /// Unloads `evict` (if given) and loads `name` from `path` on the engine
-/// at `addr`. An adapter the engine already holds counts as loaded.
+/// at `addr`. Returns whether `evict` is gone from the engine (unloaded,
+/// or found gone), and how the load went. An adapter the engine holds
+/// already counts as loaded only when it holds it from `path` (its
+/// `/v1/models` `root`); from another folder it is unloaded and loaded
+/// again.
 async fn load(
     addr: SocketAddr,
     name: &str,
     path: &str,
     evict: Option<&str>,
     timeout: Duration,
-) -> Result<(), String> {
+) -> (bool, Result<(), String>) {
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     if let Some(old) = evict {
@@ -141,20 +145,42 @@ async fn load(
             // 404: the engine had lost it already (a restart).
             Ok((status, _)) if status.is_success() || status.as_u16() == 404 => {}
             Ok((status, text)) => {
-                return Err(format!(
-                    "unloading '{old}' to make room answered {status}: {text}"
-                ));
+                return (
+                    false,
+                    Err(format!(
+                        "unloading '{old}' to make room answered {status}: {text}"
+                    )),
+                );
             }
-            Err(e) => return Err(format!("unloading '{old}' to make room: {e}")),
+            Err(e) => return (false, Err(format!("unloading '{old}' to make room: {e}"))),
         }
     }
-    let body = serde_json::json!({ "lora_name": name, "lora_path": path });
-    let (status, text) = post(&client, addr, "/v1/load_lora_adapter", &body, timeout).await?;
-    if status.is_success() || text.contains("already been loaded") {
-        Ok(())
-    } else {
-        Err(format!("the engine answered {status}: {text}"))
-    }
+    let loaded = async {
+        let body = serde_json::json!({ "lora_name": name, "lora_path": path });
+        let (status, text) = post(&client, addr, "/v1/load_lora_adapter", &body, timeout).await?;
+        if status.is_success() {
+            return Ok(());
+        }
+        if !text.contains("already been loaded") {
+            return Err(format!("the engine answered {status}: {text}"));
+        }
+        // Held already: from the folder asked for, or it is reloaded.
+        let held = list(&client, addr).await?;
+        if held.iter().any(|(n, root)| n == name && root == path) {
+            return Ok(());
+        }
+        let unload = serde_json::json!({ "lora_name": name });
+        post(&client, addr, "/v1/unload_lora_adapter", &unload, timeout).await?;
+        let (status, text) = post(&client, addr, "/v1/load_lora_adapter", &body, timeout).await?;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "the engine held '{name}' from another folder; reloading it answered {status}: {text}"
+            ))
+        }
+    };
+    (true, loaded.await)
 }
 
 async fn post(
@@ -200,6 +226,9 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
+    // No load or unload of the gateway's runs on the engine meanwhile.
+    let calls = app.engine_calls(&replica.id);
+    let _turn = calls.lock().await;
     let found = match list(&client, replica.addr).await {
         Ok(found) => found,
         Err(e) => {
@@ -213,8 +242,6 @@ pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
     let kept = found.len();
     let stray = app.adopt_adapters(&replica.id, found);
     tracing::info!(app = %app.name, replica = %replica.id, adopted = kept - stray.len(), unloading = stray.len(), "adapters found in the engine");
-    let calls = app.engine_calls(&replica.id);
-    let _turn = calls.lock().await;
     for name in stray {
         let body = serde_json::json!({ "lora_name": name });
         if let Err(e) = post(

@@ -161,7 +161,7 @@ pub fn route(
 }
 
 /// `body` (a JSON object) with its `model` set to `model`; every other
-/// value kept byte for byte.
+/// value kept byte for byte (the keys come out sorted).
 pub fn with_model(body: &[u8], model: &str) -> Result<Bytes, ApiError> {
     let mut fields: BTreeMap<String, &RawValue> = serde_json::from_slice(body).map_err(|e| {
         ApiError::new(

@@ -237,11 +237,11 @@ impl AdapterTable {
     /// it was.
     pub fn adopt(&mut self, replica: &str, name: Arc<str>, max_loaded: usize) -> bool {
         let held = self.replicas.entry(replica.to_string()).or_default();
+        if held.iter().any(|h| h.name == name && !h.unloading) {
+            return true;
+        }
         if held.len() >= max_loaded {
             return false;
-        }
-        if held.iter().any(|h| h.name == name) {
-            return true;
         }
         let (_done, state) = watch::channel(LoadState::Ready);
         held.push(Held {

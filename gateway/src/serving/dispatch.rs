@@ -471,21 +471,27 @@ impl App {
         removed
     }
 
-    /// A load of `adapter` on `replica` ended: tells the requests waiting
-    /// for it, and forgets it when it failed.
+    /// A load of `adapter` on `replica` ended (after unloading `evict`
+    /// for room, if `evicted`): tells the requests waiting for it, and
+    /// forgets it when it failed.
     pub fn adapter_loaded(
         &self,
         replica: &str,
         adapter: &str,
-        evicted: Option<&str>,
+        evict: Option<&str>,
+        evicted: bool,
         done: &tokio::sync::watch::Sender<LoadState>,
         outcome: LoadState,
     ) {
         let mut s = self.slots.lock();
         s.adapters
             .loaded(replica, adapter, outcome == LoadState::Ready);
-        if let Some(e) = evicted {
-            s.adapters.unloaded(replica, e);
+        // The adapter chosen to make room is gone when its unload
+        // answered; else the engine still holds it, and so does the record.
+        match evict {
+            Some(e) if evicted => s.adapters.unloaded(replica, e),
+            Some(e) => s.adapters.keep(replica, e),
+            None => {}
         }
         let _ = done.send(outcome);
     }
@@ -501,11 +507,26 @@ impl App {
         found
             .into_iter()
             .filter(|(name, path)| {
-                let ours = spec.adapters.models.iter().any(|a| {
-                    a.engine_name() == *name
-                        && a.checkpoint.strip_prefix("file://") == Some(path.as_str())
-                });
-                !(ours && s.adapters.adopt(replica, Arc::from(name.as_str()), max))
+                let Some(a) = spec
+                    .adapters
+                    .models
+                    .iter()
+                    .find(|a| a.engine_name() == *name)
+                else {
+                    // Not served here (deleted, an old revision): unload.
+                    return true;
+                };
+                match a.checkpoint.strip_prefix("file://") {
+                    Some(folder) if folder == path.as_str() => {
+                        !s.adapters.adopt(replica, Arc::from(name.as_str()), max)
+                    }
+                    // From another folder: unload.
+                    Some(_) => true,
+                    // Pulled from an object store: its folder is known
+                    // only once pulled, so it is not adopted; its first
+                    // load finds it held and checks the folder then.
+                    None => false,
+                }
             })
             .map(|(name, _)| name)
             .collect()

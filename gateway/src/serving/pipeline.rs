@@ -146,8 +146,14 @@ impl Pipeline {
         if pinned.is_none() {
             app.answered(failed, t0.elapsed());
         }
-        if let Some(c) = canary {
-            c.answered(failed);
+        // An adapter's canary is judged on what its revision did: a 5xx, a
+        // failed load or a timeout; not on the gateway's own overload, nor
+        // on requests pinned to an app revision.
+        if let Some(c) = canary.filter(|_| pinned.is_none()) {
+            c.answered(match &result {
+                Ok(r) => r.status().is_server_error(),
+                Err(e) => matches!(e.kind, ErrorKind::ReplicaFailed | ErrorKind::Timeout),
+            });
         }
         (Some(app), result)
     }

@@ -10,8 +10,6 @@ use parking_lot::{Mutex, RwLock};
 use warmgate_deploy::AppSpec;
 use warmgate_deploy::revision::History;
 
-use warmgate_deploy::adapter_promotion::AdapterPhase;
-
 use super::adapter_split::{self, AdapterCanary, RequestedAdapter};
 use super::dispatch::App;
 use crate::error::{ApiError, ErrorKind};
@@ -43,7 +41,7 @@ pub struct Served {
     /// the adapter is deleted: a revision is never given twice, since an
     /// engine may still hold the old one under its name. One entry per
     /// name the app ever served, gone with the app.
-    adapter_revisions: Mutex<HashMap<String, u32>>,
+    adapter_revisions: Mutex<HashMap<String, (u32, String)>>,
     /// Requests routed to each adapter it serves, by adapter name.
     adapter_requests: Mutex<HashMap<String, u64>>,
     /// Whether the watcher of its adapters' training runs is running.
@@ -106,47 +104,46 @@ impl Served {
         self.adapter_promotions.lock().get(name).cloned()
     }
 
-    /// Starts `canary` as adapter `name`'s promotion, unless one runs:
-    /// then that one is returned.
+    /// Starts a promotion of adapter `name` (serving `serving`), made by
+    /// `make` for the revision it is given (past every revision the
+    /// adapter was ever given), unless one runs: then that one is
+    /// returned.
     pub fn begin_adapter_promotion(
         &self,
         name: &str,
-        canary: Arc<AdapterCanary>,
-    ) -> Result<(), Arc<AdapterCanary>> {
+        serving: u32,
+        make: impl FnOnce(u32) -> AdapterCanary,
+    ) -> Result<Arc<AdapterCanary>, Arc<AdapterCanary>> {
         let mut all = self.adapter_promotions.lock();
         if let Some(running) = all.get(name).filter(|c| c.running()) {
             return Err(running.clone());
         }
-        all.insert(name.to_string(), canary);
-        Ok(())
+        let to = serving.max(self.adapter_revision_floor(name, None)) + 1;
+        let canary = Arc::new(make(to));
+        self.use_adapter_revision(name, to, &canary.checkpoint);
+        all.insert(name.to_string(), canary.clone());
+        Ok(canary)
     }
 
-    /// The highest revision adapter `name` has been given: served, or
-    /// tried by a promotion (the running one's counts unless it is the one
-    /// being made the adapter's, at `checkpoint`).
-    pub fn adapter_revision_used(&self, name: &str, checkpoint: Option<&str>) -> u32 {
-        let used = self
-            .adapter_revisions
-            .lock()
-            .get(name)
-            .copied()
-            .unwrap_or(0);
-        let promoted = self.adapter_promotion(name).map_or(0, |c| {
-            let p = c.promotion.lock();
-            if checkpoint == Some(p.checkpoint.as_str()) && p.phase != AdapterPhase::RolledBack {
-                0
-            } else {
-                p.to_revision
-            }
-        });
-        used.max(promoted)
+    /// The revision an incoming revision of adapter `name` must be past:
+    /// the highest it was ever given (served, or tried by a promotion),
+    /// unless `incoming` (revision, checkpoint) is that very one (a
+    /// promotion's commit).
+    pub fn adapter_revision_floor(&self, name: &str, incoming: Option<(u32, &str)>) -> u32 {
+        match self.adapter_revisions.lock().get(name) {
+            Some((r, c)) if incoming == Some((*r, c.as_str())) => r - 1,
+            Some((r, _)) => *r,
+            None => 0,
+        }
     }
 
-    /// Records that adapter `name` was given `revision`.
-    pub fn use_adapter_revision(&self, name: &str, revision: u32) {
+    /// Records that adapter `name` was given `revision` at `checkpoint`.
+    pub fn use_adapter_revision(&self, name: &str, revision: u32, checkpoint: &str) {
         let mut used = self.adapter_revisions.lock();
-        let r = used.entry(name.to_string()).or_insert(0);
-        *r = (*r).max(revision);
+        let r = used.entry(name.to_string()).or_insert((0, String::new()));
+        if revision > r.0 {
+            *r = (revision, checkpoint.to_string());
+        }
     }
 
     /// The current watcher generation.
@@ -181,7 +178,7 @@ impl Served {
     /// Replaces its spec (the revisions it starts from now on use it).
     pub fn set_spec(&self, spec: AppSpec) {
         for a in &spec.adapters.models {
-            self.use_adapter_revision(&a.name, a.revision);
+            self.use_adapter_revision(&a.name, a.revision, &a.checkpoint);
         }
         self.adapter_requests
             .lock()
@@ -189,10 +186,10 @@ impl Served {
         // A promotion of an adapter changed or deleted meanwhile ends.
         for (name, c) in self.adapter_promotions.lock().iter() {
             let mut p = c.promotion.lock();
-            let kept = spec
-                .adapters
-                .get(name)
-                .is_some_and(|a| a.revision == p.from_revision || a.revision == p.to_revision);
+            let kept = spec.adapters.get(name).is_some_and(|a| {
+                a.revision == p.from_revision
+                    || (a.revision == p.to_revision && a.checkpoint == p.checkpoint)
+            });
             if !kept {
                 p.roll_back("the adapter was changed or deleted during its promotion".into());
             }
