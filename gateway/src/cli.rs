@@ -574,11 +574,45 @@ fn serve(
         config.listen = l;
     }
     if check {
+        // Beyond the schema: what `serve` would trip on on this machine.
+        let search = std::env::var("PATH").ok();
+        let mut found = crate::preflight::check(
+            &config,
+            search.as_deref(),
+            crate::preflight::nvidia_gpu_present,
+        );
+        found.extend(crate::preflight::check_listen(config.listen));
+        let errors = found
+            .iter()
+            .filter(|f| f.level == crate::preflight::Level::Error)
+            .count();
+        for f in &found {
+            let level = match f.level {
+                crate::preflight::Level::Error => "error",
+                crate::preflight::Level::Warning => "warning",
+            };
+            eprintln!("{level}: {}: {}: {}", path.display(), f.key, f.message);
+        }
+        if errors > 0 {
+            eprintln!(
+                "{}: {errors} error{} ({} warning{})",
+                path.display(),
+                if errors == 1 { "" } else { "s" },
+                found.len() - errors,
+                if found.len() - errors == 1 { "" } else { "s" }
+            );
+            return EXIT_USAGE;
+        }
         println!(
-            "{}: ok ({} app{})",
+            "{}: ok ({} app{}{})",
             path.display(),
             config.apps.len(),
-            if config.apps.len() == 1 { "" } else { "s" }
+            if config.apps.len() == 1 { "" } else { "s" },
+            match found.len() {
+                0 => String::new(),
+                1 => ", 1 warning".into(),
+                n => format!(", {n} warnings"),
+            }
         );
         return 0;
     }

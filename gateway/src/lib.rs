@@ -16,6 +16,7 @@ pub mod metric_catalog;
 pub mod operator;
 pub mod peering;
 pub mod peers;
+pub mod preflight;
 pub mod promote;
 pub mod registry;
 pub mod runtime;
