@@ -141,6 +141,11 @@ pub enum Command {
         /// can reach the port may then promote, roll back and sync weights.
         #[arg(long)]
         insecure: bool,
+        /// Start from the config file alone: drop the changes made through
+        /// the API (which are otherwise kept over the file, and listed in
+        /// `status` as such).
+        #[arg(long)]
+        config_wins: bool,
     },
     /// Print the Kubernetes CustomResourceDefinitions (`ServingApp`,
     /// `WarmPool`) as YAML, for `kubectl apply -f -`.
@@ -366,7 +371,18 @@ pub fn run(cli: Cli) -> i32 {
             threads,
             log_format,
             insecure,
-        } => serve(config, listen, check, threads, log_format, insecure),
+            config_wins,
+        } => serve(
+            config,
+            listen,
+            check,
+            threads,
+            log_format,
+            Start {
+                insecure,
+                config_wins,
+            },
+        ),
         Command::Status {
             watch,
             interval,
@@ -555,14 +571,26 @@ fn refuse_open_listen(listen: SocketAddr, insecure: bool) -> Result<(), String> 
     ))
 }
 
+/// How `serve` starts, beyond its config.
+struct Start {
+    /// `--insecure`.
+    insecure: bool,
+    /// `--config-wins`.
+    config_wins: bool,
+}
+
 fn serve(
     path: PathBuf,
     listen: Option<SocketAddr>,
     check: bool,
     threads: Option<usize>,
     log_format: LogFormat,
-    insecure: bool,
+    start: Start,
 ) -> i32 {
+    let Start {
+        insecure,
+        config_wins,
+    } = start;
     let mut config = match Config::load(&path) {
         Ok(c) => c,
         Err(e) => {
@@ -630,7 +658,7 @@ fn serve(
             return 1;
         }
     };
-    match rt.block_on(crate::runtime::serve_async(config, path)) {
+    match rt.block_on(crate::runtime::serve_async(config, path, config_wins)) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -1300,6 +1328,18 @@ pub fn render_status(v: &Value) -> String {
     }
     if apps.is_empty() && pools.is_empty() {
         out.push_str("(no apps or pools configured)\n");
+    }
+    let changed: Vec<&str> = v["api_changes"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if !changed.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nchanged through the API, kept over the config file: {} \
+             (`warmgate apply FILE`, SIGHUP or `serve --config-wins` makes the file win)",
+            changed.join(", ")
+        );
     }
     out
 }

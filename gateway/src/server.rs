@@ -349,7 +349,7 @@ impl Gateway {
             one.apply_to(&mut candidate);
             match candidate.validate() {
                 Ok(()) => {
-                    tracing::info!(change = %what, "applying a change made through the API over the config file");
+                    tracing::warn!(change = %what, "a change made through the API is kept over the config file (`warmgate apply FILE`, SIGHUP or `serve --config-wins` makes the file win)");
                     config = candidate;
                 }
                 Err((key, message)) => tracing::warn!(
@@ -806,9 +806,25 @@ impl Gateway {
             })
             .collect();
         pools.sort_by(|a, b| a.name.cmp(&b.name));
+        // What the API changed is kept over the file at the next start.
+        let api_changes = self
+            .store
+            .overlay()
+            .map(|o| {
+                let name = |kind: &str, n: &str, deleted: bool| {
+                    format!("{kind} {n}{}", if deleted { " (deleted)" } else { "" })
+                };
+                o.apps
+                    .iter()
+                    .map(|(n, s)| name("app", n, s.is_none()))
+                    .chain(o.pools.iter().map(|(n, s)| name("pool", n, s.is_none())))
+                    .collect()
+            })
+            .unwrap_or_default();
         GatewayStatus {
             apps: self.status(),
             pools,
+            api_changes,
             tenants: self
                 .tenants
                 .as_ref()

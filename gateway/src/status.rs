@@ -16,6 +16,12 @@ pub struct GatewayStatus {
     pub pools: Vec<PoolStatus>,
     /// Tenants with their quotas and use (empty when the data plane is open).
     pub tenants: Vec<TenantStatus>,
+    /// The apps and pools changed through the API (`app NAME`, `pool NAME`,
+    /// `(deleted)`): kept over the config file at the next start, until
+    /// the file is applied (`warmgate apply`, SIGHUP) or the gateway
+    /// starts with `--config-wins`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub api_changes: Vec<String>,
 }
 
 /// One app in `/v1/status`.

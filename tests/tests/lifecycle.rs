@@ -618,3 +618,62 @@ fn the_completion_scripts_are_valid_shell() {
         "an unknown shell is a usage error"
     );
 }
+
+/// A change made through the API is kept over the config file at the next
+/// start: said in the log and in `status`, and `serve --config-wins`
+/// starts from the file alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_change_kept_over_the_file_is_said_and_config_wins_drops_it() {
+    let mut gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        concurrency = 2
+        "#,
+    );
+    let concurrency =
+        async |gw: &Gateway| gw.json("/v1/status").await["apps"][0]["concurrency"].clone();
+    assert_eq!(concurrency(&gw).await, 2);
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/m"))
+        .json(&serde_json::json!({"command": [common::test_worker()], "concurrency": 3}))
+        .send()
+        .await
+        .expect("put");
+    assert!(
+        r.status().is_success(),
+        "{}",
+        r.text().await.unwrap_or_default()
+    );
+    assert_eq!(
+        gw.json("/v1/status").await["api_changes"],
+        serde_json::json!(["app m"])
+    );
+
+    gw.restart();
+    assert_eq!(concurrency(&gw).await, 3, "the API's change is kept");
+    assert_eq!(
+        gw.json("/v1/status").await["api_changes"],
+        serde_json::json!(["app m"])
+    );
+    assert!(
+        gw.log().contains("kept over the config file"),
+        "the start says so: {}",
+        gw.log()
+    );
+    let out = Command::new(bin("warmgate"))
+        .args(["status", "--gateway", &gw.url])
+        .output()
+        .expect("run warmgate");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("kept over the config file: app m") && table.contains("--config-wins"),
+        "{table}"
+    );
+
+    gw.restart_with(&["--config-wins"]);
+    assert_eq!(concurrency(&gw).await, 2, "the file wins");
+    assert!(gw.json("/v1/status").await.get("api_changes").is_none());
+}

@@ -20,9 +20,16 @@ use warmgate_pool::LocalBackend;
 use crate::http::hot::Edge;
 use crate::server::Gateway;
 
-pub(crate) async fn serve_async(config: Config, path: PathBuf) -> anyhow::Result<()> {
+pub(crate) async fn serve_async(
+    config: Config,
+    path: PathBuf,
+    config_wins: bool,
+) -> anyhow::Result<()> {
     // Before anything in the folder is touched (orphans, cache, journal).
     let _owner = state_lock::lock(&config.state_dir)?;
+    if config_wins {
+        drop_api_changes(&config)?;
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
@@ -370,4 +377,29 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
             _ = tokio::signal::ctrl_c() => {}
         }
     }
+}
+
+/// `serve --config-wins`: the changes made through the API are dropped
+/// before the start reads them, so the file is the truth.
+fn drop_api_changes(config: &Config) -> anyhow::Result<()> {
+    let db = config.state_dir.join("state.db");
+    if !db.exists() {
+        return Ok(());
+    }
+    let mut store = warmgate_deploy::store::Store::open(&db)
+        .with_context(|| format!("open {}", db.display()))?;
+    let dropped = store
+        .overlay()
+        .map(|o| o.apps.len() + o.pools.len())
+        .unwrap_or(0);
+    store
+        .clear_overlay()
+        .context("drop the changes made through the API (--config-wins)")?;
+    if dropped > 0 {
+        tracing::warn!(
+            changes = dropped,
+            "--config-wins: the changes made through the API were dropped; the config file is the truth"
+        );
+    }
+    Ok(())
 }

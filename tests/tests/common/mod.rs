@@ -126,13 +126,18 @@ impl Gateway {
     /// fresh `warmgate serve` on the same config and state folder, on a
     /// new port.
     pub fn restart(&mut self) {
+        self.restart_with(&[]);
+    }
+
+    /// [`Gateway::restart`] with extra `serve` arguments.
+    pub fn restart_with(&mut self, args: &[&str]) {
         let status = self.stop();
         assert!(
             status.success(),
             "warmgate exited with {status}:\n{}",
             self.log()
         );
-        let (child, url) = spawn(self.dir.path(), &[], &[]);
+        let (child, url) = spawn(self.dir.path(), args, &[]);
         self.child = Some(child);
         self.url = url;
     }
