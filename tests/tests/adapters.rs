@@ -831,15 +831,8 @@ async fn an_adapters_training_run_is_followed_and_each_complete_checkpoint_promo
     let (status, _, body) = chat(&gw, "sql-lora").await;
     assert_eq!((status, body["model"].as_str()), (200, Some("sql-lora")));
     // Whole: promoted, and served by its new revision.
-    std::fs::write(runs.join("step-100/_COMPLETE"), b"").expect("marker");
-    let s = eventually("step-100 is the adapter's", || async {
-        let s = adapter_status(&gw, "sql-lora").await;
-        s["checkpoint"]
-            .as_str()
-            .is_some_and(|c| c.ends_with("runs/step-100"))
-            .then_some(s)
-    })
-    .await;
+    complete(&runs, "step-100");
+    let s = serving_step(&gw, "step-100").await;
     assert_eq!(s["revision"], 2, "{s}");
     assert_eq!(s["promotion"]["phase"], "done", "{s}");
     let (status, _, body) = chat(&gw, "sql-lora").await;
@@ -852,7 +845,7 @@ async fn an_adapters_training_run_is_followed_and_each_complete_checkpoint_promo
     // A broken one is rolled back on its canary and not tried again; the
     // next good one is promoted past it.
     adapter(&runs, "step-200", true);
-    std::fs::write(runs.join("step-200/_COMPLETE"), b"").expect("marker");
+    complete(&runs, "step-200");
     let s = eventually("step-200 rolled back", || async {
         // Traffic for the canary to judge.
         let _ = chat(&gw, "sql-lora").await;
@@ -868,15 +861,26 @@ async fn an_adapters_training_run_is_followed_and_each_complete_checkpoint_promo
     );
     assert_eq!(s["revision"], 2, "{s}");
     adapter(&runs, "step-300", false);
-    std::fs::write(runs.join("step-300/_COMPLETE"), b"").expect("marker");
-    let s = eventually("step-300 is the adapter's", || async {
-        let s = adapter_status(&gw, "sql-lora").await;
-        s["checkpoint"]
-            .as_str()
-            .is_some_and(|c| c.ends_with("runs/step-300"))
-            .then_some(s)
-    })
-    .await;
+    complete(&runs, "step-300");
+    let s = serving_step(&gw, "step-300").await;
     assert_eq!(s["revision"], 4, "revision 3 went to step-200: {s}");
     assert_eq!(gw.replica_pids("base").await, pids, "no replica restarted");
+}
+
+/// Training marks the checkpoint `step` of `runs` whole.
+fn complete(runs: &Path, step: &str) {
+    std::fs::write(runs.join(step).join("_COMPLETE"), b"").expect("marker");
+}
+
+/// Waits until `sql-lora` serves the checkpoint `runs/step`; its status.
+async fn serving_step(gw: &Gateway, step: &str) -> Value {
+    let suffix = format!("runs/{step}");
+    eventually(&format!("{step} is the adapter's"), || async {
+        let s = adapter_status(gw, "sql-lora").await;
+        s["checkpoint"]
+            .as_str()
+            .is_some_and(|c| c.ends_with(&suffix))
+            .then_some(s)
+    })
+    .await
 }
