@@ -148,7 +148,7 @@ pub mod defaults {
 }
 
 /// The whole config file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Address the gateway listens on.
@@ -181,7 +181,7 @@ pub struct Config {
 
 /// The listener's certificate. Relative paths are resolved against the
 /// config file's folder.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
     /// PEM file with the certificate chain, the gateway's own first.
@@ -196,7 +196,7 @@ pub struct TlsConfig {
 }
 
 /// Who may reach what on the listener.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AccessConfig {
     /// The names (or IP literals) clients may address the gateway by in
@@ -213,7 +213,7 @@ pub struct AccessConfig {
 /// `ServingApp` is not thereby trusted to run code in the operator's pod or
 /// to make it send requests inside the cluster, so the spec fields that do
 /// either are refused unless the operator's own config allows them.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OperatorConfig {
     /// Accept `promotion.gate_command` from resources: it runs in the
@@ -225,7 +225,7 @@ pub struct OperatorConfig {
 }
 
 /// A tenant of the data plane: who holds an API key, and its quotas.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TenantSpec {
     /// The tenant's name (a DNS label), used for fairness, status and
@@ -267,7 +267,7 @@ impl TenantSpec {
 }
 
 /// Which backend runs replicas, and its resources.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct BackendConfig {
     /// `local` (child processes) or `kubernetes`.
@@ -276,6 +276,7 @@ pub struct BackendConfig {
     pub gpus: Vec<u32>,
     /// Time between SIGTERM and SIGKILL when a replica is stopped.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub stop_grace: Duration,
     /// Settings of the kubernetes backend.
     pub kubernetes: KubeBackendConfig,
@@ -288,7 +289,7 @@ pub struct BackendConfig {
 }
 
 /// Settings of the kubernetes backend.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct KubeBackendConfig {
     /// Namespace of the replica pods (default: the operator's own, from
@@ -511,7 +512,7 @@ fn check_volumes(at: &str, pod: &PodSpec, k: &KubeBackendConfig) -> Result<(), (
 }
 
 /// The kind of backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
     /// Child processes on this machine.
@@ -522,29 +523,35 @@ pub enum BackendKind {
 }
 
 /// Limits applied to every data-plane request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct LimitsConfig {
     /// Largest request body accepted, in bytes (413 past it).
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub max_body_bytes: u64,
     /// Largest body of a task submission or a batch, in bytes (413 past it).
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub max_task_body_bytes: u64,
     /// Input bytes of all tasks accepted and not ended, over every pool
     /// (`429 queue_full` past it).
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub max_pending_task_bytes: u64,
     /// Bytes of inference bodies read into memory and not yet sent to a
     /// replica, over every app (`429 queue_full` past it).
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub max_buffered_body_bytes: u64,
     /// Bytes of finished async task results kept in memory; the oldest are
     /// dropped first and then read back from the journal.
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub max_task_results_bytes: u64,
     /// Bytes of the async-task journal on disk; the oldest rows are pruned.
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub max_journal_bytes: u64,
     /// Client connections open at once; past it a new connection gets
     /// `503 no_capacity` and is closed.
@@ -553,32 +560,38 @@ pub struct LimitsConfig {
     /// connection opening or the previous response ending (so it also
     /// closes idle keep-alive connections).
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub header_read_timeout: Duration,
     /// A request body or a response that moves no byte for this long ends
     /// the connection.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub idle_timeout: Duration,
     /// Deadline of an inference request, from arrival to the response's
     /// headers (504 past it). Tasks keep their own `timeout`.
     #[serde(with = "bounded")]
+    #[schemars(with = "String")]
     pub request_timeout: Duration,
 }
 
 /// How checkpoints are streamed from object storage and cached.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct WeightsConfig {
     /// Ranged GETs in flight per object.
     pub concurrency: usize,
     /// Bytes per ranged GET.
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub part_size_bytes: u64,
     /// Bytes of parts held in memory per object.
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub memory_limit_bytes: u64,
     /// Size of the node-local cache under `state_dir/cache`; least recently
     /// used entries are evicted past it.
     #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
     pub cache_max_bytes: u64,
     /// Checkpoint URI prefixes the gateway may open (weight sync, promote,
     /// the checkpoint watcher, the operator's resources); anything else is
@@ -2117,6 +2130,26 @@ pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
 /// (`Ki`/`Mi`/`Gi`/`Ti` are the binary units, as in Kubernetes).
 pub(crate) mod size {
     use serde::{Deserialize, Deserializer, Serializer};
+
+    /// The schema of a size: a whole number of bytes or a text with a unit.
+    pub struct Size;
+
+    impl schemars::JsonSchema for Size {
+        fn schema_name() -> std::borrow::Cow<'static, str> {
+            "Size".into()
+        }
+
+        fn inline_schema() -> bool {
+            true
+        }
+
+        fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+            schemars::json_schema!({
+                "type": ["integer", "string"],
+                "format": "size",
+            })
+        }
+    }
 
     pub fn serialize<S: Serializer>(n: &u64, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u64(*n)

@@ -93,6 +93,20 @@ fn the_cli_reference_is_every_command_s_help() {
 async fn the_http_reference_is_the_gateway_s_openapi_document() {
     let gw = Gateway::start("");
     let doc = gw.json("/openapi.json").await;
+    // The bodies of PUT apps and pools are the config's own tables, typed.
+    for (path, schema, key) in [
+        ("/v1/apps/{app}", "AppSpec", "autoscale"),
+        ("/v1/pools/{pool}", "PoolSpec", "queue"),
+    ] {
+        let body = &doc["paths"][path]["put"]["requestBody"]["content"]["application/json"];
+        assert_eq!(
+            body["schema"]["$ref"],
+            format!("#/components/schemas/{schema}"),
+            "{path}: {body}"
+        );
+        let props = &doc["components"]["schemas"][schema]["properties"];
+        assert!(props[key]["$ref"].is_string(), "{schema}.{key}: {props}");
+    }
     let text = serde_json::to_string_pretty(&doc).expect("json") + "\n";
     check("openapi.json", &text);
 }

@@ -392,9 +392,31 @@ pub(crate) struct ErrorDetail {
 )]
 pub struct ApiDoc;
 
-pub(crate) async fn openapi() -> Response {
+/// The OpenAPI document served at `/openapi.json`: the handlers' paths,
+/// with the bodies of `PUT /v1/apps/{app}` and `PUT /v1/pools/{pool}`
+/// typed by the config's own schema (the keys `warmgate serve` reads).
+pub fn api_document() -> serde_json::Value {
     use utoipa::OpenApi as _;
-    axum::Json(ApiDoc::openapi()).into_response()
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).expect("the OpenAPI document is JSON");
+    let mut generator = schemars::generate::SchemaSettings::draft2020_12()
+        .with(|s| s.definitions_path = "/components/schemas".into())
+        .into_generator();
+    let bodies = [
+        ("/v1/apps/{app}", generator.subschema_for::<warmgate_deploy::AppSpec>()),
+        ("/v1/pools/{pool}", generator.subschema_for::<warmgate_deploy::PoolSpec>()),
+    ];
+    for (path, schema) in bodies {
+        doc["paths"][path]["put"]["requestBody"]["content"]["application/json"]["schema"] =
+            schema.to_value();
+    }
+    if let Some(schemas) = doc["components"]["schemas"].as_object_mut() {
+        schemas.extend(generator.take_definitions(true));
+    }
+    doc
+}
+
+pub(crate) async fn openapi() -> Response {
+    axum::Json(api_document()).into_response()
 }
 
 pub(crate) async fn not_found(req: Request) -> Response {
