@@ -5,7 +5,7 @@
 //! - restart: `kill -9` of the gateway itself under load.
 //!
 //! Each prints a `RELIABILITY` line with its counts (run with
-//! `--no-capture` to see them); the README's reliability table comes from
+//! `--no-capture` to see them); the reliability table in `docs/benchmarks.md` comes from
 //! these lines.
 
 mod common;
