@@ -55,6 +55,11 @@ pub trait Process: Send {
     fn pid(&self) -> Option<u32>;
     /// Where its output goes.
     fn log(&self) -> String;
+    /// The last lines of its output, bounded and with its secrets
+    /// redacted, when the backend keeps them here (the local backend).
+    fn tail(&self) -> Option<String> {
+        None
+    }
     /// Waits until it exits; says how. Cancel-safe.
     async fn wait(&mut self) -> String;
     /// Asks it to stop (SIGTERM).
@@ -381,6 +386,11 @@ impl Backend for LocalBackend {
             record,
             addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
             log: log_path.clone(),
+            secrets: vars
+                .iter()
+                .filter(|(k, _)| crate::logs::is_secret_name(k))
+                .map(|(_, v)| v.clone())
+                .collect(),
             copier: None,
             _live: live,
         };
@@ -444,6 +454,9 @@ struct LocalProcess {
     record: Option<PathBuf>,
     addr: SocketAddr,
     log: PathBuf,
+    /// The values of its environment whose names say they are secrets,
+    /// kept out of its output's tail.
+    secrets: Vec<String>,
     /// Copies its output into its log.
     copier: Option<Copier>,
     /// Its log counted as in use (never pruned) while it lives.
@@ -462,6 +475,15 @@ impl Process for LocalProcess {
 
     fn log(&self) -> String {
         display_path(&self.log)
+    }
+
+    fn tail(&self) -> Option<String> {
+        crate::logs::tail(
+            &self.log,
+            crate::logs::TAIL_BYTES,
+            crate::logs::TAIL_LINES,
+            &self.secrets,
+        )
     }
 
     async fn wait(&mut self) -> String {

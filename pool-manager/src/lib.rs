@@ -55,12 +55,14 @@ pub enum Error {
     #[error("could not find a free port: {0}")]
     NoFreePort(String),
     /// The worker exited before it answered `/healthz` with 200.
-    #[error("the worker {exit} before it became ready (log: {log})")]
+    #[error("the worker {exit} before it became ready{}", last_output(.output, .log))]
     ExitedBeforeReady {
         /// How it exited (`exited with status 1`).
         exit: String,
         /// Where its output is.
         log: String,
+        /// The last lines of its output, when the backend has them.
+        output: Option<String>,
     },
     /// A checkpoint could not be read, or is not what it claims to be.
     #[error("{uri}: {reason}")]
@@ -80,7 +82,7 @@ pub enum Error {
     },
     /// The worker did not answer its health path with a ready status
     /// within `startup_timeout`.
-    #[error("the worker did not become ready within {after:?}; last probe: {last} (log: {log})")]
+    #[error("the worker did not become ready within {after:?}; last probe: {last}{}", last_output(.output, .log))]
     StartupTimeout {
         /// The startup timeout.
         after: Duration,
@@ -88,7 +90,27 @@ pub enum Error {
         last: String,
         /// Where its output is.
         log: String,
+        /// The last lines of its output, when the backend has them.
+        output: Option<String>,
     },
+}
+
+/// What an error says of a replica's output: its last lines when the
+/// backend has them (so the cause reaches whoever reads the error), or
+/// where to read it (`kubectl logs ...`).
+pub fn last_output(output: &Option<String>, log: &str) -> String {
+    match output {
+        Some(text) => format!("; its last output:\n{}", indent(text)),
+        None if log.is_empty() => String::new(),
+        None => format!(" (log: {log})"),
+    }
+}
+
+fn indent(text: &str) -> String {
+    text.lines()
+        .map(|l| format!("  {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The result type of this crate.

@@ -224,6 +224,117 @@ impl Drop for Copier {
     }
 }
 
+/// How much of a failed replica's output travels with its error.
+pub const TAIL_BYTES: usize = 2048;
+/// Lines of it, at most.
+pub const TAIL_LINES: usize = 20;
+/// A line longer than this is cut (a progress bar, a JSON dump).
+const TAIL_LINE_CHARS: usize = 300;
+
+/// The last lines of `<replica>.log` (with the end of `<replica>.log.1`
+/// when the file was just rotated), at most `max_bytes` and `max_lines`,
+/// each cut at a few hundred characters, with `secrets` and anything that
+/// looks like a token redacted. `None` when there is no output.
+pub fn tail(path: &Path, max_bytes: usize, max_lines: usize, secrets: &[String]) -> Option<String> {
+    let older = rotated(path);
+    let mut bytes = last_bytes(&older, max_bytes);
+    bytes.extend(last_bytes(path, max_bytes));
+    let start = bytes.len().saturating_sub(max_bytes);
+    let whole: u64 = [&older, path]
+        .iter()
+        .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+        .sum();
+    let text = String::from_utf8_lossy(&bytes[start..]).into_owned();
+    // A first line cut in the middle is dropped, unless it is the only one.
+    let cut = whole > (bytes.len() - start) as u64;
+    let text = match (cut, text.split_once('\n')) {
+        (true, Some((_, rest))) if !rest.trim().is_empty() => rest.to_string(),
+        _ => text,
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let lines = &lines[lines.len().saturating_sub(max_lines)..];
+    if lines.is_empty() {
+        return None;
+    }
+    let cut: Vec<String> = lines
+        .iter()
+        .map(|l| match l.char_indices().nth(TAIL_LINE_CHARS) {
+            Some((i, _)) => format!("{}…", &l[..i]),
+            None => (*l).to_string(),
+        })
+        .collect();
+    Some(redact(&cut.join("\n"), secrets))
+}
+
+/// Reads at most the last `n` bytes of `path`; empty when it cannot.
+pub(crate) fn last_bytes(path: &Path, n: usize) -> Vec<u8> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    let len = file.metadata().map_or(0, |m| m.len());
+    let from = len.saturating_sub(n as u64);
+    let mut buf = Vec::with_capacity((len - from) as usize);
+    if file.seek(SeekFrom::Start(from)).is_err() {
+        return Vec::new();
+    }
+    let _ = file.take(n as u64).read_to_end(&mut buf);
+    buf
+}
+
+/// Reads up to `max` bytes of `path` from `offset`: the bytes and the
+/// file's length. Reading from past the end (a rotated file) starts over.
+pub fn read_from(path: &Path, offset: u64, max: usize) -> io::Result<(Vec<u8>, u64)> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let from = if offset > len { 0 } else { offset };
+    file.seek(SeekFrom::Start(from))?;
+    let mut buf = Vec::with_capacity(max.min((len - from) as usize));
+    file.take(max as u64).read_to_end(&mut buf)?;
+    Ok((buf, from))
+}
+
+/// `text` with each of `secrets` (values of six characters or more) and
+/// each run of 32 or more hex digits (the gateway's tokens, a key's
+/// digest) replaced by `[redacted]`: a worker that prints its environment
+/// does not hand its credentials to whoever reads its error.
+pub fn redact(text: &str, secrets: &[String]) -> String {
+    let mut out = text.to_string();
+    for s in secrets.iter().filter(|s| s.len() >= 6) {
+        out = out.replace(s.as_str(), "[redacted]");
+    }
+    let mut clean = String::with_capacity(out.len());
+    let mut run = String::new();
+    for c in out.chars() {
+        if c.is_ascii_hexdigit() {
+            run.push(c);
+            continue;
+        }
+        flush_hex(&mut clean, &mut run);
+        clean.push(c);
+    }
+    flush_hex(&mut clean, &mut run);
+    clean
+}
+
+fn flush_hex(out: &mut String, run: &mut String) {
+    if run.len() >= 32 {
+        out.push_str("[redacted]");
+    } else {
+        out.push_str(run);
+    }
+    run.clear();
+}
+
+/// Whether an environment variable's name says it holds a credential.
+pub fn is_secret_name(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    ["TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH"]
+        .iter()
+        .any(|w| upper.contains(w))
+}
+
 /// Deletes the logs of replicas not in `live`, oldest first, until those
 /// left take at most `budget` bytes. Returns the files deleted. `live` is
 /// asked again just before each file goes, so a replica that starts
@@ -296,6 +407,38 @@ mod tests {
             "{:?}",
             &now[now.len().saturating_sub(40)..]
         );
+    }
+
+    #[test]
+    fn a_tail_is_the_last_lines_bounded_and_redacted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r-1.log");
+        let mut text = String::new();
+        for i in 0..100 {
+            text.push_str(&format!("line {i}\n"));
+        }
+        text.push_str(&format!("token hf_secret_value and {}\n", "ab".repeat(32)));
+        text.push_str(&"x".repeat(1000));
+        text.push_str("\nRuntimeError: CUDA out of memory\n");
+        std::fs::write(&path, &text).unwrap();
+        let tail = tail(&path, 2048, 5, &["hf_secret_value".into()]).unwrap();
+        let lines: Vec<&str> = tail.lines().collect();
+        assert_eq!(lines.len(), 5, "{tail}");
+        assert_eq!(lines[0], "line 98");
+        assert_eq!(lines[2], "token [redacted] and [redacted]");
+        assert!(lines[3].ends_with('…') && lines[3].chars().count() == 301);
+        assert_eq!(lines[4], "RuntimeError: CUDA out of memory");
+        // Bounded by bytes too, and a line cut at the front is dropped.
+        let short = super::tail(&path, 40, 50, &[]).unwrap();
+        assert_eq!(short, "RuntimeError: CUDA out of memory");
+        assert_eq!(super::tail(&dir.path().join("none.log"), 2048, 5, &[]), None);
+    }
+
+    #[test]
+    fn short_hex_and_short_secrets_are_kept() {
+        assert_eq!(redact("pid 1234 abc", &["abc".into()]), "pid 1234 abc");
+        assert!(is_secret_name("HF_TOKEN") && is_secret_name("aws_secret_access_key"));
+        assert!(!is_secret_name("PORT"));
     }
 
     #[test]

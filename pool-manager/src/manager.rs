@@ -238,6 +238,8 @@ enum Event {
         seq: u64,
         how: String,
         asked: bool,
+        /// The last lines of its output, when it ended by itself.
+        output: Option<String>,
     },
     Unhealthy {
         seq: u64,
@@ -857,7 +859,12 @@ impl Actor {
                 drop(shared);
                 self.inner.sink.start_failed(&name, &error, &health);
             }
-            Event::Exited { seq, how, asked } => {
+            Event::Exited {
+                seq,
+                how,
+                asked,
+                output,
+            } => {
                 let Some(slot) = shared.replicas.remove(&seq) else {
                     return;
                 };
@@ -878,7 +885,11 @@ impl Actor {
                 let log = slot.log.clone().unwrap_or_default();
                 tracing::warn!(target_name = %name, replica = %slot.id, %how, log = %log, "replica crashed; replacing it");
                 shared.record_failure(
-                    format!("replica {} {how} (log: {log})", slot.id),
+                    format!(
+                        "replica {} {how}{}",
+                        slot.id,
+                        crate::last_output(&output, &log)
+                    ),
                     false,
                     ready_for,
                 );
@@ -1031,7 +1042,7 @@ impl ReplicaTask {
             None => tokio::select! {
                 biased;
                 _ = &mut stop => {
-                    self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true }).await;
+                    self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true, output: None }).await;
                     return;
                 }
                 r = self.inner.backend.spawn(&launch) => r,
@@ -1069,11 +1080,11 @@ impl ReplicaTask {
                 biased;
                 _ = &mut stop => {
                     let how = stop_process(proc.as_mut(), None, self.spec.stop_grace).await;
-                    self.send(Event::Exited { seq, how, asked: true }).await;
+                    self.send(Event::Exited { seq, how, asked: true, output: None }).await;
                     return;
                 }
                 how = proc.wait() => {
-                    let error = Error::ExitedBeforeReady { exit: how, log: proc.log() };
+                    let error = Error::ExitedBeforeReady { exit: how, log: proc.log(), output: proc.tail() };
                     self.send(Event::StartFailed { seq, error }).await;
                     return;
                 }
@@ -1085,7 +1096,7 @@ impl ReplicaTask {
                     }
                     proc.kill();
                     proc.wait().await;
-                    let error = Error::StartupTimeout { after: self.spec.startup_timeout, last, log: proc.log() };
+                    let error = Error::StartupTimeout { after: self.spec.startup_timeout, last, log: proc.log(), output: proc.tail() };
                     self.send(Event::StartFailed { seq, error }).await;
                     return;
                 }
@@ -1163,11 +1174,12 @@ impl ReplicaTask {
                 biased;
                 _ = &mut stop => {
                     let how = stop_process(proc.as_mut(), Some(&handle), self.spec.stop_grace).await;
-                    self.send(Event::Exited { seq, how, asked: true }).await;
+                    self.send(Event::Exited { seq, how, asked: true, output: None }).await;
                     return;
                 }
                 how = proc.wait() => {
-                    self.send(Event::Exited { seq, how, asked: false }).await;
+                    let output = proc.tail();
+                    self.send(Event::Exited { seq, how, asked: false, output }).await;
                     return;
                 }
                 _ = engine_tick.tick(), if engine.metrics_path.is_some() => {

@@ -25,7 +25,9 @@
 //! manifest's `path` says it lies on this machine, as the Python kit does,
 //! instead of over HTTP. A checkpoint with a file named `BROKEN` makes the worker
 //! answer every other request with 500: a deliberately broken model. One
-//! with a file named `SLOW` adds 200 ms to every request.
+//! with a file named `SLOW` adds 200 ms to every request. One with a file
+//! named `CRASH` cannot be loaded: the worker prints a CUDA out-of-memory
+//! error and exits 1 at start, and a `POST /weights` of it answers 500.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -407,6 +409,12 @@ async fn load_weights(http: &reqwest::Client, url: &str, version: u64) -> anyhow
         .error_for_status()?
         .json()
         .await?;
+    if manifest.files.iter().any(|f| f.name == "CRASH") {
+        anyhow::bail!(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB \
+             (the checkpoint has a CRASH file)"
+        );
+    }
     let started_ms = unix_ms();
     let hash = !std::env::var("TEST_WORKER_WEIGHTS_NO_HASH").is_ok_and(|v| parse_flag(&v));
     let mut hasher = sha2::Sha256::new();
