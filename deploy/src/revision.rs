@@ -103,8 +103,10 @@ pub struct Plan {
     /// How long the canary runs before the rest of the traffic moves.
     #[serde(with = "humantime_serde")]
     pub bake: Duration,
-    /// The app has no replicas: nothing is started; the next request
-    /// wakes the new revision.
+    /// The app had no replicas when the promotion began. The new revision
+    /// still starts one replica, is gated and switched to only once it is
+    /// ready (then scales to zero again with no traffic); only
+    /// [`Promotion::switch`] moves traffic without starting anything.
     pub at_zero: bool,
     /// The new revision's weights are swapped into the serving revision's
     /// replicas (the worker's `POST /weights`) instead of starting replicas
@@ -215,7 +217,9 @@ pub struct Promotion {
 }
 
 impl Promotion {
-    /// Starts promoting `to` over `from`.
+    /// Starts promoting `to` over `from`: `to` starts (one replica even
+    /// when the app is at zero) and takes traffic only once it is ready,
+    /// as a Knative revision does. Nothing is switched to unseen.
     pub fn begin(app: &str, from: Option<&str>, to: &str, plan: Plan) -> (Promotion, Vec<Effect>) {
         let p = Promotion {
             app: app.to_string(),
@@ -225,16 +229,30 @@ impl Promotion {
             phase: Phase::Warming,
             fell_back: None,
         };
-        if p.plan.at_zero {
-            // Nothing to warm: the split applies now, and the first request
-            // wakes whichever revision it is routed to.
-            return p.ready();
-        }
         let effects = vec![
             Effect::State(p.to.clone(), RevisionState::Warming),
             Effect::Start(p.to.clone()),
         ];
         (p, effects)
+    }
+
+    /// Moves all traffic to `to` at once, starting nothing: for a
+    /// gateway's start from its config (nothing runs yet, and the first
+    /// request wakes the revision) and a rollback at zero to a revision
+    /// that already served.
+    pub fn switch(app: &str, from: Option<&str>, to: &str, plan: Plan) -> (Promotion, Vec<Effect>) {
+        let p = Promotion {
+            app: app.to_string(),
+            from: from.map(str::to_string),
+            to: to.to_string(),
+            plan: Plan {
+                canary: None,
+                ..plan
+            },
+            phase: Phase::Warming,
+            fell_back: None,
+        };
+        p.finish()
     }
 
     /// The next step after `event`.
@@ -619,16 +637,22 @@ mod tests {
     }
 
     #[test]
-    fn an_app_at_zero_switches_without_starting_anything() {
-        let (p, fx) = Promotion::begin(
-            "m",
-            Some("m-00001"),
-            "m-00002",
-            Plan {
-                at_zero: true,
-                ..plan(None)
-            },
-        );
+    fn an_app_at_zero_starts_the_new_revision_and_switches_when_it_is_ready() {
+        let at_zero = Plan {
+            at_zero: true,
+            ..plan(None)
+        };
+        let (p, fx) = Promotion::begin("m", Some("m-00001"), "m-00002", at_zero.clone());
+        assert_eq!(p.phase, Phase::Warming);
+        assert!(fx.contains(&Effect::Start("m-00002".into())));
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Traffic(_))));
+        // It fails to start: nothing moved, the old revision still serves.
+        let mut h = history();
+        let p = run(&mut h, None, &[Event::StartFailed("exit 1".into())]);
+        assert!(matches!(p.phase, Phase::Failed { .. }));
+        assert_eq!(h.split(), [("m-00001".to_string(), 100)]);
+        // A switch (a start from the config) starts nothing.
+        let (p, fx) = Promotion::switch("m", Some("m-00001"), "m-00002", at_zero);
         assert_eq!(p.phase, Phase::Done);
         assert!(!fx.iter().any(|e| matches!(e, Effect::Start(_))));
         assert!(fx.contains(&Effect::Traffic(vec![("m-00002".into(), 100)])));

@@ -97,7 +97,7 @@ impl Gateway {
                 let id = rev.id.clone();
                 h.revisions.push(rev);
                 h.config = Some(config);
-                let (p, fx) = Promotion::begin(
+                let (p, fx) = Promotion::switch(
                     &app.name,
                     from.as_deref(),
                     &id,
@@ -477,7 +477,13 @@ impl Gateway {
                 )
                 .retry_after(2));
             }
-            let (p, fx) = Promotion::begin(&app.name, from.as_deref(), &prev.id, plan);
+            // At zero, back to a revision that served, with nothing to
+            // start: the next request wakes it.
+            let (p, fx) = if plan.at_zero {
+                Promotion::switch(&app.name, from.as_deref(), &prev.id, plan)
+            } else {
+                Promotion::begin(&app.name, from.as_deref(), &prev.id, plan)
+            };
             self.commit(
                 app,
                 &mut h,

@@ -1369,3 +1369,89 @@ async fn a_gate_sees_no_secret_and_its_children_hold_nothing() {
     }
     assert!(seen.contains("WARMGATE_EVAL_URL="), "{seen}");
 }
+
+/// Runs `warmgate ARGS --gateway URL`: exit code, stdout, stderr.
+fn cli_status(gw: &Gateway, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(common::bin("warmgate"))
+        .args(args)
+        .args(["--gateway", &gw.url])
+        .output()
+        .expect("run warmgate");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// An app at zero replicas (the default) is promoted to a checkpoint its
+/// workers cannot load: the promotion starts one replica, sees it fail,
+/// and the old revision keeps serving; `--wait` exits 1 with the worker's
+/// own words. A good checkpoint is then switched to only once a replica
+/// of it is ready, and the app scales back to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_checkpoint_promoted_at_zero_fails_and_the_old_revision_serves() {
+    let root = tempfile::tempdir().expect("dir");
+    let crash = checkpoint_with(root.path(), "crash", &["CRASH"]);
+    let good = checkpoint(root.path(), "good", false);
+    let gw = Gateway::start(
+        &config("").replace("min = 1", "min = 0\n        scale_to_zero_after = \"2s\""),
+    );
+    assert_eq!(app(&gw).await["revision"], "m-00001");
+
+    let (code, out, err) = cli_status(&gw, &["promote", "m", &crash, "--wait"]);
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        err.contains("CUDA out of memory") && !out.contains("serves 100%"),
+        "the cause is shown: {out}{err}"
+    );
+    assert!(!err.contains("/logs/"), "no path on the gateway's disk: {err}");
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    assert_eq!(revs["revisions"][0]["id"], "m-00002", "{revs}");
+    assert_eq!(revs["revisions"][0]["state"], "failed", "{revs}");
+    assert_eq!(revs["revisions"][1]["traffic"], 100, "{revs}");
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("get");
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.headers()["x-warmgate-revision"], "m-00001");
+
+    let (code, out, err) = cli_status(&gw, &["promote", "m", &good, "--wait"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("m-00003 serves 100%"), "{out}{err}");
+    let s = app(&gw).await;
+    assert_eq!(s["revision"], "m-00003", "{s}");
+    eventually("the app scales back to zero", || async {
+        let s = app(&gw).await;
+        (s["pool"]["desired"] == 0 && s["pool"]["replicas"].as_array().is_some_and(Vec::is_empty))
+            .then_some(())
+    })
+    .await;
+}
+
+/// The same for a live change that rolls an app at zero: the new revision
+/// must come up before it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_that_rolls_an_app_at_zero_onto_a_crashing_spec_keeps_the_old_revision() {
+    let gw = Gateway::start(&config("").replace("min = 1", "min = 0"));
+    let spec = json!({
+        "command": [common::test_worker()],
+        "env": {"TEST_WORKER_EXIT_AT_START": "3"},
+        "concurrency": 16,
+    });
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/m"))
+        .json(&spec)
+        .send()
+        .await
+        .expect("put");
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(body["change"], "rolled", "{body}");
+    eventually("the roll fails and m-00001 still serves", || async {
+        let s = app(&gw).await;
+        (s["promotion"]["phase"] == "failed" && s["revision"] == "m-00001").then_some(s)
+    })
+    .await;
+    let r = gw.http.get(gw.at("/apps/m/x")).send().await.expect("get");
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.headers()["x-warmgate-revision"], "m-00001");
+}
