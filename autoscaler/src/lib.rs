@@ -602,6 +602,14 @@ impl Autoscaler {
         self.desired
     }
 
+    /// A start failed: the replicas asked for are no longer kept for
+    /// their cold start, so a target nothing asks for scales to zero
+    /// after `scale_to_zero_after` instead of being started again and
+    /// again until the commitment lapses.
+    pub fn start_failed(&mut self) {
+        self.committed = None;
+    }
+
     // --- private helpers ---
 
     /// Appends a sample and drops what no window can see any more.
@@ -762,6 +770,36 @@ mod tests {
         });
         assert_eq!(at(&mut b, 0, 0.0), 2);
         assert_eq!(at(&mut b, 100_000, 0.0), 2);
+    }
+
+    #[test]
+    fn a_target_that_fails_to_start_is_not_kept_for_its_cold_start() {
+        let config = ScalingConfig {
+            min: 0,
+            max: 4,
+            target: 1.0,
+            scale_to_zero_after: Duration::from_secs(60),
+            ..ScalingConfig::default()
+        };
+        let idle = |a: &mut Autoscaler, s: u64| {
+            a.observe(Observation {
+                now: Duration::from_secs(s),
+                concurrency: 0.0,
+                ready: 0,
+                ..Observation::default()
+            })
+            .desired
+        };
+        // Woken, never ready, nothing asks any more: kept for the start.
+        let mut a = Autoscaler::new(config.clone());
+        assert_eq!(a.wake(Duration::ZERO), 1);
+        assert_eq!(idle(&mut a, 90), 1);
+        // Its start failed: to zero once the idle time has passed.
+        let mut b = Autoscaler::new(config);
+        assert_eq!(b.wake(Duration::ZERO), 1);
+        b.start_failed();
+        assert_eq!(idle(&mut b, 30), 1);
+        assert_eq!(idle(&mut b, 90), 0);
     }
 
     #[test]

@@ -1265,6 +1265,34 @@ pub fn render_revisions(v: &Value) -> String {
     out
 }
 
+/// The `! ...` lines under an app or pool that keeps failing: its state
+/// (`CrashLoopBackOff` past the bound) and its last error, output included.
+fn health_line(out: &mut String, health: &Value) {
+    use std::fmt::Write as _;
+    let failing = health["failing_to_start"].as_bool() == Some(true);
+    let looping = health["crash_loop"].as_bool() == Some(true);
+    let Some(err) = health["last_error"].as_str().filter(|_| failing || looping) else {
+        return;
+    };
+    if looping {
+        let retry = health["retry_in"]
+            .as_f64()
+            .map_or(String::new(), |s| format!(", next try in {}s", s.ceil()));
+        let _ = writeln!(
+            out,
+            "  ! CrashLoopBackOff: {} failures in a row{retry}",
+            health["failures"]
+        );
+    }
+    let mut lines = err.lines();
+    if let Some(first) = lines.next() {
+        let _ = writeln!(out, "  ! {first}");
+    }
+    for l in lines {
+        let _ = writeln!(out, "  ! {l}");
+    }
+}
+
 /// The `status` table: one line per app, then its replicas.
 pub fn render_status(v: &Value) -> String {
     use std::fmt::Write as _;
@@ -1291,11 +1319,7 @@ pub fn render_status(v: &Value) -> String {
             app["queued"],
             cold,
         );
-        if let Some(err) = pool["health"]["last_error"].as_str()
-            && pool["health"]["failing_to_start"].as_bool() == Some(true)
-        {
-            let _ = writeln!(out, "  ! {err}");
-        }
+        health_line(&mut out, &pool["health"]);
         replica_lines(&mut out, pool);
     }
     let pools = v["pools"].as_array().cloned().unwrap_or_default();
@@ -1323,6 +1347,7 @@ pub fn render_status(v: &Value) -> String {
                 p["pending"],
                 weights,
             );
+            health_line(&mut out, &p["pool"]["health"]);
             replica_lines(&mut out, &p["pool"]);
         }
     }

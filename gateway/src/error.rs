@@ -150,6 +150,9 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
     /// The request field at fault, when there is one (`model`).
     pub param: Option<&'static str>,
+    /// Trying again now cannot help, whatever the kind (a worker in a
+    /// crash loop): the answer says `x-should-retry: false`.
+    pub no_retry: bool,
 }
 
 impl ApiError {
@@ -160,7 +163,14 @@ impl ApiError {
             message: message.into(),
             retry_after: None,
             param: None,
+            no_retry: false,
         }
+    }
+
+    /// Says that trying again now cannot help (`x-should-retry: false`).
+    pub fn no_retry(mut self) -> Self {
+        self.no_retry = true;
+        self
     }
 
     /// Names the request field at fault.
@@ -211,7 +221,7 @@ impl IntoResponse for ApiError {
             },
         };
         let mut resp = (self.kind.status(), Json(body)).into_response();
-        if !self.kind.retryable() {
+        if !self.kind.retryable() || self.no_retry {
             resp.headers_mut().insert(
                 http::HeaderName::from_static("x-should-retry"),
                 HeaderValue::from_static("false"),

@@ -190,19 +190,36 @@ impl ReplicaSink for Sink {
     }
 
     fn start_failed(&self, target: &TargetId, error: &warmgate_pool::Error, health: &TargetHealth) {
+        let app = self.revisions.read().get(target).cloned();
+        if let Some(app) = &app {
+            // Nothing is kept started for a start that failed: with no
+            // demand, the app scales to zero and stops trying.
+            app.start_failed();
+        }
         if health.ready > 0 || health.starting > 0 {
             return;
         }
-        let app = self.revisions.read().get(target).cloned();
         if let Some(app) = app {
-            app.fail_waiters(&ApiError::new(
-                ErrorKind::ReplicaFailed,
-                format!("app '{}' failed to start: {error}", app.name),
-            ));
+            let what = format!("app '{}'", app.name);
+            app.fail_waiters(
+                &crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(
+                    || {
+                        ApiError::new(
+                            ErrorKind::ReplicaFailed,
+                            format!("{what} failed to start: {error}"),
+                        )
+                    },
+                ),
+            );
         } else if let Some(pool) = self.registry.load().pool_of_target(target).cloned() {
-            let err = ApiError::new(
-                ErrorKind::ReplicaFailed,
-                format!("pool '{target}' failed to start a replica: {error}"),
+            let what = format!("pool '{}'", pool.name);
+            let err = crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(
+                || {
+                    ApiError::new(
+                        ErrorKind::ReplicaFailed,
+                        format!("{what} failed to start a replica: {error}"),
+                    )
+                },
             );
             if matches!(target, TargetId::OnDemand(_)) {
                 pool.fail_fallback(&err);
@@ -581,6 +598,15 @@ impl Gateway {
         ),
         ApiError,
     > {
+        // In a crash loop, while its backoff runs: one answer, at once,
+        // rather than a wait that ends in a bare timeout.
+        if let Some(h) = self.pool.health(&pool.target())
+            && h.retry_in.is_some()
+            && let Some(e) =
+                crate::serving::crash_loop::crash_loop_error(&format!("pool '{}'", pool.name), &h)
+        {
+            return Err(e);
+        }
         let out = pool.submit(submit)?;
         self.nudge_pool(pool);
         Ok(out)

@@ -26,7 +26,9 @@ pub mod weights;
 
 pub use backend::{Adopted, Backend, Launch, LocalBackend, Orphan, Process, interchangeable};
 pub use gpu::GpuInventory;
-pub use manager::{PoolManager, ReplicaSink, TargetHealth, TargetSpec, TargetStatus};
+pub use manager::{
+    CRASH_LOOP_AFTER, PoolManager, ReplicaSink, TargetHealth, TargetSpec, TargetStatus,
+};
 pub use replica::{ReplicaHandle, ReplicaState, ReplicaStatus};
 
 use std::path::PathBuf;

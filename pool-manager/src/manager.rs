@@ -28,8 +28,12 @@ use crate::replica::{ReplicaHandle, ReplicaState, ReplicaStatus, Transition};
 const STABLE_RESET: Duration = Duration::from_secs(10);
 /// First delay of the crash-loop backoff (after the second failure in a row).
 const BACKOFF_BASE: Duration = Duration::from_millis(500);
-/// Cap of the crash-loop backoff: a broken worker is retried twice a minute.
-const BACKOFF_CAP: Duration = Duration::from_secs(30);
+/// Cap of the crash-loop backoff, Kubernetes' own: a broken worker that
+/// something keeps asking for is retried every five minutes.
+const BACKOFF_CAP: Duration = Duration::from_secs(300);
+/// Failures in a row after which a target is in a crash loop (Kubernetes'
+/// `CrashLoopBackOff`): callers stop waiting for it and are told why.
+pub const CRASH_LOOP_AFTER: u32 = 5;
 /// Events in flight from replica tasks to their actor; a replica sends a
 /// handful in its life, so this only fills if the actor is stuck.
 const EVENT_QUEUE: usize = 256;
@@ -109,6 +113,13 @@ pub struct TargetHealth {
     pub last_error: Option<String>,
     /// True when the latest attempts failed before becoming ready.
     pub failing_to_start: bool,
+    /// Failed starts and crashes in a row.
+    pub failures: u32,
+    /// [`CRASH_LOOP_AFTER`] failures in a row and no replica ready since:
+    /// Kubernetes' `CrashLoopBackOff`. A request or task is answered at
+    /// once with `last_error` while the backoff runs, and the next start
+    /// waits for one to ask again.
+    pub crash_loop: bool,
 }
 
 /// A duration as a number of seconds (`1.5`), not serde's
@@ -197,6 +208,8 @@ struct Shared {
     backoff_until: Option<Instant>,
     last_error: Option<String>,
     last_failure_at_start: bool,
+    /// See [`TargetHealth::crash_loop`].
+    crash_loop: bool,
     restarts: u64,
     last_cold_start: Option<ColdStart>,
 }
@@ -303,6 +316,7 @@ impl PoolManager {
             backoff_until: None,
             last_error: None,
             last_failure_at_start: false,
+            crash_loop: false,
             restarts: 0,
             last_cold_start: None,
         }));
@@ -501,6 +515,8 @@ impl Shared {
         }
         h.last_error = self.last_error.clone();
         h.failing_to_start = self.last_failure_at_start && self.consecutive_failures > 0;
+        h.failures = self.consecutive_failures;
+        h.crash_loop = self.crash_loop;
         h.retry_in = self
             .backoff_until
             .filter(|until| *until > now)
@@ -820,6 +836,7 @@ impl Actor {
                 );
                 shared.last_failure_at_start = false;
                 shared.backoff_until = None;
+                shared.crash_loop = false;
                 if adopted {
                     // Not a cold start: nothing to measure.
                     return;
@@ -944,6 +961,16 @@ impl Shared {
         self.last_failure_at_start = at_start;
         let delay = crash_backoff(self.consecutive_failures);
         self.backoff_until = (!delay.is_zero()).then(|| Instant::now() + delay);
+        if self.consecutive_failures >= CRASH_LOOP_AFTER && !self.crash_loop {
+            self.crash_loop = true;
+            tracing::warn!(
+                target_name = %self.spec.id,
+                failures = self.consecutive_failures,
+                retry_in_s = delay.as_secs(),
+                error = self.last_error.as_deref().unwrap_or_default(),
+                "the target is in a crash loop (CrashLoopBackOff): requests are answered with its last error until a replica is ready"
+            );
+        }
     }
 }
 
@@ -1274,7 +1301,8 @@ mod tests {
         assert_eq!(crash_backoff(1), Duration::ZERO);
         assert_eq!(crash_backoff(2), Duration::from_millis(500));
         assert_eq!(crash_backoff(3), Duration::from_secs(1));
-        assert_eq!(crash_backoff(8), BACKOFF_CAP);
+        assert_eq!(crash_backoff(8), Duration::from_secs(32));
+        assert_eq!(crash_backoff(12), BACKOFF_CAP);
         assert_eq!(crash_backoff(u32::MAX), BACKOFF_CAP);
     }
 }

@@ -38,6 +38,58 @@ fn headless(browser: &str, args: &[&str]) -> std::process::Output {
         .expect("run chromium")
 }
 
+/// The page as the browser built it once its script has read the API
+/// and the DOM holds `wanted`.
+async fn rendered(browser: &str, url: &str, wanted: &str) -> String {
+    eventually("the dashboard shows its data", || {
+        let (browser, url, wanted) = (browser.to_string(), url.to_string(), wanted.to_string());
+        async move {
+            let out =
+                tokio::task::spawn_blocking(move || headless(&browser, &["--dump-dom", &url]))
+                    .await
+                    .expect("join");
+            let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+            (dom.contains("data-loaded=\"true\"") && dom.contains(&wanted)).then_some(dom)
+        }
+    })
+    .await
+}
+
+/// An app in a crash loop says so on its card, with the worker's last
+/// output, instead of showing `starting` with no reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_why_an_app_is_not_serving() {
+    let Some(browser) = chromium() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "Chromium is required under CI (.ci/run installs it)"
+        );
+        eprintln!("SKIPPED: apt-get install chromium");
+        return;
+    };
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "broken"
+        command = ["{worker}"]
+        env = { TEST_WORKER_EXIT_AT_START = "3" }
+        "#,
+    );
+    eventually("the app is in a crash loop", || async {
+        let _ = gw.http.get(gw.at("/apps/broken/x")).send().await;
+        let s = gw.app_status("broken").await;
+        (s["pool"]["health"]["crash_loop"] == true).then_some(())
+    })
+    .await;
+    let url = format!("{}#token={}", gw.at("/ui"), gw.admin_token());
+    let dom = rendered(&browser, &url, "data-failure").await;
+    assert!(dom.contains("CrashLoopBackOff"), "{dom}");
+    assert!(
+        dom.contains("TEST_WORKER_EXIT_AT_START=3, exiting before binding"),
+        "the worker's last output: {dom}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
     let Some(browser) = chromium() else {
@@ -79,18 +131,7 @@ async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
     // The page as the browser built it, once its script has read the API
     // with the token the gateway made (as its start-up log shows the URL).
     let url = format!("{}#token={}", gw.at("/ui"), gw.admin_token());
-    let dom = eventually("the dashboard shows its data", || {
-        let (browser, url) = (browser.clone(), url.clone());
-        async move {
-            let out =
-                tokio::task::spawn_blocking(move || headless(&browser, &["--dump-dom", &url]))
-                    .await
-                    .expect("join");
-            let dom = String::from_utf8_lossy(&out.stdout).into_owned();
-            dom.contains("data-loaded=\"true\"").then_some(dom)
-        }
-    })
-    .await;
+    let dom = rendered(&browser, &url, "data-loaded=\"true\"").await;
     assert!(dom.contains("data-app=\"chat\""), "{dom}");
     assert!(dom.contains("data-pool=\"rollouts\""), "{dom}");
     assert!(dom.contains(">2/2<"), "ready/desired of the app: {dom}");

@@ -399,6 +399,125 @@ async fn a_worker_that_exits_at_start_fails_fast_and_backs_off() {
     assert!(s["pool"]["health"]["failing_to_start"] == true, "{s}");
 }
 
+/// An app whose worker exits at every start, asked for until it is in a
+/// crash loop: every request then gets the same answer at once (502 with
+/// `x-should-retry: false`, the state and the worker's last words, no path
+/// on the gateway's disk), status and the CLI say `CrashLoopBackOff`, and
+/// once nothing asks for it and its idle time has passed it is not started
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_looping_app_stops_restarting_and_answers_one_clear_error() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "looping"
+        command = ["{worker}"]
+        env = { TEST_WORKER_EXIT_AT_START = "3", HF_TOKEN = "hf_do_not_echo_this" }
+        [apps.autoscale]
+        scale_to_zero_after = "2s"
+        "#,
+    );
+    let (headers, body) = eventually("the app is in a crash loop", || async {
+        let r = gw.http.get(gw.at("/apps/looping/x")).send().await.ok()?;
+        let headers = r.headers().clone();
+        let body: Value = r.json().await.ok()?;
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        msg.contains("CrashLoopBackOff").then_some((headers, body))
+    })
+    .await;
+    assert_eq!(kind(&body), "replica_failed", "{body}");
+    assert_eq!(headers["x-should-retry"], "false", "{headers:?}");
+    assert!(!headers.contains_key("retry-after"), "{headers:?}");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("exiting before binding") && !msg.contains("/logs/"),
+        "the worker's own words, not a path: {msg}"
+    );
+    // The same answer while it lasts, not 503 one time and 502 the next.
+    for _ in 0..5 {
+        let r = gw.http.get(gw.at("/apps/looping/x")).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 502);
+        assert_eq!(r.headers()["x-should-retry"], "false");
+    }
+    let s = gw.app_status("looping").await;
+    let health = &s["pool"]["health"];
+    assert_eq!(health["crash_loop"], true, "{s}");
+    assert!(health["failures"].as_u64() >= Some(5), "{s}");
+    let status = std::process::Command::new(common::bin("warmgate"))
+        .args(["status", "--gateway", &gw.url])
+        .output()
+        .expect("warmgate status");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("CrashLoopBackOff") && text.contains("exiting before binding"),
+        "{text}"
+    );
+
+    // Nothing asks for it any more: it scales to zero, and once its
+    // backoff has passed nothing starts it again.
+    eventually("the app scales to zero", || async {
+        let s = gw.app_status("looping").await;
+        (s["pool"]["desired"] == 0).then_some(())
+    })
+    .await;
+    let restarts = gw.app_status("looping").await["pool"]["restarts"].clone();
+    eventually("its backoff has passed", || async {
+        let s = gw.app_status("looping").await;
+        s["pool"]["health"]["retry_in"].is_null().then_some(())
+    })
+    .await;
+    let s = gw.app_status("looping").await;
+    assert_eq!(s["pool"]["restarts"], restarts, "restarted with nothing asking: {s}");
+    assert_eq!(s["pool"]["desired"], 0, "{s}");
+    assert!(
+        s["pool"]["replicas"].as_array().is_some_and(Vec::is_empty),
+        "{s}"
+    );
+}
+
+/// A pool in the same state answers its tasks as an app does, instead of
+/// holding them until a bare 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_looping_pool_answers_its_tasks_with_the_cause() {
+    let gw = Gateway::start(
+        r#"
+        [[pools]]
+        name = "looping"
+        command = ["{worker}"]
+        replicas = [0, 1]
+        env = { TEST_WORKER_EXIT_AT_START = "3" }
+        "#,
+    );
+    let (status, headers, body) = eventually("the pool is in a crash loop", || async {
+        let r = gw
+            .http
+            .post(gw.at("/v1/pools/looping/tasks"))
+            .json(&json!({"input": {}, "timeout": "1s"}))
+            .send()
+            .await
+            .ok()?;
+        let (status, headers) = (r.status().as_u16(), r.headers().clone());
+        let body: Value = r.json().await.ok()?;
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        // Never a timeout that does not say why.
+        if status == 504 {
+            assert!(msg.contains("exiting before binding"), "{body}");
+        }
+        msg.contains("CrashLoopBackOff").then_some((status, headers, body))
+    })
+    .await;
+    assert_eq!((status, kind(&body)), (502, "replica_failed"), "{body}");
+    assert_eq!(headers["x-should-retry"], "false");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("exiting before binding")),
+        "{body}"
+    );
+    let s = gw.json("/v1/pools/looping").await;
+    assert_eq!(s["pool"]["health"]["crash_loop"], true, "{s}");
+}
+
 /// `x.pipe(f)` for chaining an async function onto a value.
 trait Pipe: Sized {
     fn pipe<R>(self, f: impl FnOnce(Self) -> R) -> R {

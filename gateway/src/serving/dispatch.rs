@@ -677,6 +677,12 @@ impl App {
         apply(desired);
     }
 
+    /// A start failed: its autoscaler keeps no replica for it beyond what
+    /// the demand asks for.
+    pub fn start_failed(&self) {
+        self.scaler.lock().start_failed();
+    }
+
     /// Starts its autoscaler from `n` replicas taken over from an earlier
     /// run (a failover), `now` being the time since the gateway started.
     pub fn adopt(&self, n: u32, now: Duration) {

@@ -7,6 +7,7 @@ pub mod adapter_load;
 pub mod adapter_split;
 pub mod adapters;
 pub mod buffered;
+pub(crate) mod crash_loop;
 pub mod dispatch;
 pub mod pipeline;
 pub mod proxy;

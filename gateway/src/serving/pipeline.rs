@@ -314,6 +314,13 @@ impl Pipeline {
         let Some(h) = self.pool.health(&app.target) else {
             return Ok(());
         };
+        // In a crash loop, while its backoff runs: one answer, at once.
+        if h.retry_in.is_some()
+            && let Some(e) =
+                super::crash_loop::crash_loop_error(&format!("app '{}'", app.name), &h)
+        {
+            return Err(e);
+        }
         if h.ready == 0
             && h.starting == 0
             && h.failing_to_start

@@ -774,7 +774,7 @@ impl Pool {
     /// Fails the waiting tasks whose timeout has passed, so a task never
     /// waits past it even while no replica can take it.
     pub fn expire(&self, now: Instant) {
-        let (expired, late) = {
+        let (expired, late, cause) = {
             let mut st = self.state.lock();
             if st.queue.pending() == 0 && st.fallback.is_empty() {
                 return;
@@ -786,14 +786,18 @@ impl Pool {
             for t in &late {
                 st.queue.done(&t.tenant);
             }
-            (expired, late)
+            let cause = st
+                .last_start_error
+                .clone()
+                .filter(|_| st.ready_pool_replicas() == 0);
+            (expired, late, cause)
         };
         let any = !expired.is_empty() || !late.is_empty();
         for (_, task) in expired {
-            self.finish(task, Err(timeout_error(&self.name)), None);
+            self.finish(task, Err(timeout_error(&self.name, cause.as_ref())), None);
         }
         for task in late {
-            self.finish(task, Err(timeout_error(&self.name)), None);
+            self.finish(task, Err(timeout_error(&self.name, cause.as_ref())), None);
         }
         if any {
             // Requests held back by those tasks may go now.
@@ -910,7 +914,7 @@ impl Pool {
                 let (_, task) = st.queue.pop()?;
                 st.queue.done(&task.tenant);
                 drop(st);
-                self.finish(task, Err(timeout_error(&self.name)), None);
+                self.finish(task, Err(timeout_error(&self.name, None)), None);
                 self.freed.notify_waiters();
                 continue;
             }
@@ -999,7 +1003,7 @@ impl Pool {
         match result {
             Err(_) => {
                 self.state.lock().queue.done(&task.tenant);
-                self.finish(task, Err(timeout_error(&self.name)), Some(&replica));
+                self.finish(task, Err(timeout_error(&self.name, None)), Some(&replica));
             }
             Ok(Ok(output)) => {
                 self.state.lock().queue.done(&task.tenant);
@@ -1237,10 +1241,15 @@ enum Failure {
     User(String),
 }
 
-fn timeout_error(pool: &str) -> ApiError {
+/// A task's timeout passed; `cause` is the pool's last failure to start
+/// a replica when none is ready, so the answer says why it never ran.
+fn timeout_error(pool: &str, cause: Option<&ApiError>) -> ApiError {
+    let because = cause.map_or(String::new(), |e| {
+        format!(" (no replica is ready: {})", e.message)
+    });
     ApiError::new(
         ErrorKind::Timeout,
-        format!("the task did not finish within its timeout in pool '{pool}'"),
+        format!("the task did not finish within its timeout in pool '{pool}'{because}"),
     )
 }
 

@@ -1,0 +1,61 @@
+//! What clients are told about a target in a crash loop (Kubernetes'
+//! `CrashLoopBackOff`): one answer, the same every time, with the worker's
+//! last words, that no client retries.
+
+use warmgate_pool::TargetHealth;
+
+use crate::error::{ApiError, ErrorKind};
+
+/// The answer for `what` (`app 'm'`, `pool 'p'`) when its target is in a
+/// crash loop with nothing ready or starting; `None` otherwise.
+pub(crate) fn crash_loop_error(what: &str, h: &TargetHealth) -> Option<ApiError> {
+    if !h.crash_loop || h.ready > 0 || h.starting > 0 {
+        return None;
+    }
+    let next = match h.retry_in {
+        Some(d) => format!(
+            "it is tried again in {}s if something asks for it",
+            d.as_secs_f64().ceil() as u64
+        ),
+        None => "it is tried again when something asks for it".into(),
+    };
+    Some(
+        ApiError::new(
+            ErrorKind::ReplicaFailed,
+            format!(
+                "{what} is in a crash loop (CrashLoopBackOff): {} starts failed in a row; {next}. \
+                 The last failure: {}",
+                h.failures,
+                h.last_error.as_deref().unwrap_or("unknown")
+            ),
+        )
+        .no_retry(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn only_a_crash_loop_with_nothing_running_is_refused() {
+        let mut h = TargetHealth {
+            crash_loop: true,
+            failures: 5,
+            retry_in: Some(Duration::from_millis(3500)),
+            last_error: Some("exited with status 1; its last output:\n  CUDA out of memory".into()),
+            ..TargetHealth::default()
+        };
+        let e = crash_loop_error("app 'm'", &h).expect("refused");
+        assert_eq!(e.kind, ErrorKind::ReplicaFailed);
+        assert!(e.no_retry);
+        assert!(e.message.contains("5 starts failed") && e.message.contains("in 4s"));
+        assert!(e.message.ends_with("CUDA out of memory"), "{}", e.message);
+        h.starting = 1;
+        assert_eq!(crash_loop_error("app 'm'", &h), None);
+        h.starting = 0;
+        h.crash_loop = false;
+        assert_eq!(crash_loop_error("app 'm'", &h), None);
+    }
+}
