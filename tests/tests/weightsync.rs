@@ -176,9 +176,8 @@ async fn weights_roll_out_in_place_one_replica_at_a_time() {
     assert_eq!(status, 409, "{out}");
     assert_eq!(kind(&out), "conflict");
 
-    // Going back a version is refused; bad requests say what is wrong.
-    let (status, out) = sync(&gw, json!({"checkpoint": v0, "version": 0})).await;
-    assert_eq!(status, 409, "{out}");
+    // Bad requests say what is wrong (going back a version is a new
+    // version: `a_sync_no_replica_can_load_is_rolled_back_...`).
     let (status, out) = sync(&gw, json!({"checkpoint": "nope://x", "version": 2})).await;
     assert_eq!(status, 400, "{out}");
     let missing = format!("file://{}", root.join("absent").display());
@@ -268,6 +267,77 @@ async fn failing_and_hanging_replicas_are_replaced_within_the_deadline() {
     let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 1})).await;
     assert_eq!(status, 200, "{out}");
     assert_eq!(out["output"]["weights_version"], 1);
+}
+
+/// A checkpoint the workers crash on is synced to a pool serving version
+/// 1: the first replica to try it fails, the sync stops and rolls back
+/// (502, with the worker's words), the pool keeps serving version 1 on
+/// every replica, and syncing an older checkpoint afterwards is a new
+/// version rather than a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() {
+    let (_keep, root) = root();
+    let (v0, sha0) = checkpoint(&root, "v0", 10_000);
+    let (v1, sha1) = checkpoint(&root, "v1", 20_000);
+    let (bad, _) = checkpoint(&root, "bad", 10_000);
+    std::fs::write(root.join("bad").join("CRASH"), "yes").expect("write");
+    let gw = Gateway::start(&config(&v0, 2, ""));
+    wait_ready(&gw, 2).await;
+    let (status, out) = sync(&gw, json!({"checkpoint": v1, "version": 1})).await;
+    assert_eq!(status, 200, "{out}");
+
+    let r = gw
+        .http
+        .post(gw.at("/v1/pools/rollouts/weights"))
+        .json(&json!({"checkpoint": bad, "version": 2}))
+        .send()
+        .await
+        .expect("sync");
+    assert_eq!(r.status().as_u16(), 502);
+    assert_eq!(r.headers()["x-should-retry"], "false");
+    let out: Value = r.json().await.expect("json");
+    let msg = out["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("rolled back") && msg.contains("keeps version 1") && msg.contains("CUDA out of memory"),
+        "{out}"
+    );
+    let s = gw.json("/v1/status").await;
+    assert_eq!(s["pools"][0]["weights_version"], 1, "{s}");
+    assert!(s["pools"][0]["syncing_to"].is_null(), "{s}");
+    // Every replica serves version 1 again, the failed one replaced.
+    let ready = eventually("2 ready replicas on version 1", || async {
+        let rs = replicas(&gw).await;
+        let ok: Vec<Value> = rs
+            .into_iter()
+            .filter(|r| r["state"] == "ready" && r["weights_version"] == 1)
+            .collect();
+        (ok.len() == 2).then_some(ok)
+    })
+    .await;
+    for r in &ready {
+        assert_eq!(stats(&gw, r).await["weights"]["sha256"], sha1.as_str(), "{r}");
+    }
+    let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 1})).await;
+    assert_eq!(status, 200, "{out}");
+    let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 2})).await;
+    assert_eq!(status, 409, "version 2 was never served: {out}");
+
+    // Back to the first checkpoint: a new version, 2, not a conflict.
+    let (status, out) = sync(&gw, json!({"checkpoint": v0, "version": 0})).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!((out["version"].as_u64(), out["asked_version"].as_u64()), (Some(2), Some(0)), "{out}");
+    let ready = eventually("2 ready replicas on version 2", || async {
+        let rs = replicas(&gw).await;
+        let ok: Vec<Value> = rs
+            .into_iter()
+            .filter(|r| r["state"] == "ready" && r["weights_version"] == 2)
+            .collect();
+        (ok.len() == 2).then_some(ok)
+    })
+    .await;
+    for r in &ready {
+        assert_eq!(stats(&gw, r).await["weights"]["sha256"], sha0.as_str(), "{r}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

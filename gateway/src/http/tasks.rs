@@ -471,7 +471,7 @@ pub(crate) struct SyncBody<'a> {
 #[utoipa::path(post, path = "/v1/pools/{pool}/weights", tag = "pools",
     params(("pool" = String, Path, description = "Pool name")),
     request_body = SyncBody,
-    responses((status = 200, description = "`{pool, version, checkpoint, seconds, synced, replaced, replicas}`", body = Object), (status = 409, description = "Older version, or a sync is running", body = ErrorBody)))]
+    responses((status = 200, description = "`{pool, version, asked_version, checkpoint, seconds, synced, replaced, replicas}`: `version` is the one asked for, or the next one when that would go back (an older number, or the latest's number for another checkpoint)", body = Object), (status = 409, description = "A sync is running", body = ErrorBody), (status = 502, description = "No replica could load the new version: the sync was rolled back and the pool keeps its version", body = ErrorBody)))]
 pub(crate) async fn sync_weights(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
@@ -487,7 +487,9 @@ pub(crate) async fn sync_weights(
             duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec().weight_sync_timeout);
         let ready = pool.load().2;
         let max_unavailable = max_unavailable(&body.max_unavailable, ready)?;
-        let version = body.version;
+        // Going back to an earlier checkpoint is a new version.
+        let asked = body.version;
+        let version = pool.version_for(asked, &body.checkpoint);
         pool.check_sync(version)?;
         let source = gw.weights.open(&body.checkpoint)?;
         let revision = format!("v{version}");
@@ -509,34 +511,63 @@ pub(crate) async fn sync_weights(
             }
             return Err(e);
         }
-        // Older versions are no longer served: replicas that start from
-        // now on, and the ones synced in place, read this one.
-        gw.weights.retain_only(&pool.name, &revision);
-        let checkpoint = body.checkpoint.clone();
-        for target in std::iter::once(pool.target()).chain(pool.ondemand_target()) {
-            gw.pool.update_target(&target, |t| {
-                t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
-                t.env
-                    .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
-                t.checkpoint = Some(checkpoint.clone());
-            });
-        }
+        // Once a replica has loaded it: older versions are no longer
+        // served, and replicas that start from then on read this one.
+        let commit = {
+            let (gw, pool, url, revision) = (gw.clone(), pool.clone(), url.clone(), revision.clone());
+            let checkpoint = body.checkpoint.clone();
+            move || {
+                gw.weights.retain_only(&pool.name, &revision);
+                pool.set_latest_checkpoint(&checkpoint);
+                for target in std::iter::once(pool.target()).chain(pool.ondemand_target()) {
+                    gw.pool.update_target(&target, |t| {
+                        t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
+                        t.env
+                            .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
+                        t.checkpoint = Some(checkpoint.clone());
+                    });
+                }
+            }
+        };
         let started = Instant::now();
         let deadline = started + timeout;
         // In its own task: a client that hangs up does not cut a rollout
         // short and leave replicas out of dispatch.
         let job = {
             let pool = pool.clone();
-            tokio::spawn(async move { pool.sync_weights(max_unavailable, deadline).await })
+            tokio::spawn(async move { pool.sync_weights(max_unavailable, deadline, commit).await })
         };
-        let results = job.await.map_err(|e| {
+        let outcome = job.await.map_err(|e| {
             ApiError::new(ErrorKind::ReplicaFailed, format!("the weight sync failed: {e}"))
         })?;
+        let results = outcome.replicas;
+        if outcome.rolled_back {
+            if fresh {
+                gw.weights.unregister(&pool.name, &revision);
+            }
+            let why: Vec<String> = results
+                .iter()
+                .map(|r| format!("{}: {}", r.replica, r.error.as_deref().unwrap_or("failed")))
+                .collect();
+            tracing::warn!(pool = %pool.name, version, "weight sync rolled back: no replica could load it");
+            return Err(ApiError::new(
+                ErrorKind::ReplicaFailed,
+                format!(
+                    "weights version {version} ({}) failed on every replica that tried it, so the sync was rolled back: pool '{}' keeps version {} and the failed replicas were replaced on it. {}",
+                    body.checkpoint,
+                    pool.name,
+                    pool.status().weights_version,
+                    why.join("; ")
+                ),
+            )
+            .no_retry());
+        }
         let synced = results.iter().filter(|r| r.ok).count();
         tracing::info!(pool = %pool.name, version, synced, replaced = results.len() - synced, "weight sync done");
         Ok(axum::Json(json!({
             "pool": pool.name,
             "version": version,
+            "asked_version": asked,
             "checkpoint": body.checkpoint,
             "seconds": started.elapsed().as_secs_f64(),
             "synced": synced,

@@ -28,7 +28,7 @@ use super::store::{InputCharge, TaskStore};
 use crate::error::{ApiError, ErrorKind};
 
 mod sync;
-pub use sync::ReplicaSync;
+pub use sync::{ReplicaSync, SyncOutcome};
 
 /// Replicas lost under one task before it fails for good.
 pub const MAX_SYSTEM_RETRIES: u32 = 5;
@@ -176,8 +176,12 @@ struct PoolState {
     latest_version: u64,
     /// Where workers fetch it (`None` until the first sync).
     latest_url: Option<String>,
-    /// The version a sync in progress is rolling out.
+    /// The checkpoint it was synced from (the spec's until the first sync).
+    latest_checkpoint: Option<String>,
+    /// The version a sync in progress is rolling out, and where from; the
+    /// pool's latest only once a replica has loaded it.
     syncing_to: Option<u64>,
+    syncing_url: Option<String>,
     /// Replicas taken out of dispatch while they swap weights.
     syncing: HashSet<String>,
     /// Stopped entirely after `suspend_after` of idleness, until a task
@@ -222,7 +226,9 @@ impl Pool {
                 inflight: 0,
                 latest_version: 0,
                 latest_url: None,
+                latest_checkpoint: spec.checkpoint.clone(),
                 syncing_to: None,
+                syncing_url: None,
                 syncing: HashSet::new(),
                 fallback: VecDeque::new(),
                 suspended: false,
@@ -711,13 +717,19 @@ impl Pool {
     /// A replica is ready. One that comes up behind the latest synced
     /// weights (it was started before the sync) is caught up in place.
     pub fn add_replica(self: &Arc<Self>, r: Arc<ReplicaHandle>) {
+        self.state.lock().replicas.push(r.clone());
+        self.catch_up(&r);
+        self.notify();
+    }
+
+    /// Syncs `r` to the latest weights in place when it is behind them and
+    /// no sync runs (a sync in progress picks it up in its next round).
+    pub(crate) fn catch_up(self: &Arc<Self>, r: &Arc<ReplicaHandle>) {
         let catch_up = {
             let mut st = self.state.lock();
-            st.replicas.push(r.clone());
             let behind = r.weights_version.load(Ordering::Relaxed) < st.latest_version;
-            // A sync in progress picks it up in its next round.
             match (st.latest_url.clone(), st.syncing_to) {
-                (Some(url), None) if behind => {
+                (Some(url), None) if behind && r.is_routable() && !st.syncing.contains(&r.id) => {
                     st.syncing.insert(r.id.clone());
                     Some((url, st.latest_version))
                 }
@@ -725,7 +737,7 @@ impl Pool {
             }
         };
         if let Some((url, version)) = catch_up {
-            let pool = self.clone();
+            let (pool, r) = (self.clone(), r.clone());
             tokio::spawn(async move {
                 let deadline = Instant::now() + pool.spec().weight_sync_timeout;
                 let result = pool.sync_replica(&r, &url, version, deadline).await;
@@ -734,7 +746,6 @@ impl Pool {
                 pool.notify();
             });
         }
-        self.notify();
     }
 
     /// A replica must take no more tasks.
@@ -1380,8 +1391,8 @@ mod tests {
         for (id, v) in [("old", 0), ("behind", 2), ("latest", 3)] {
             pool.add_replica(replica(id, v));
         }
-        pool.begin_sync(3, "http://127.0.0.1:9/v1/weights/p/v3".into())
-            .expect("sync");
+        // Version 3 was synced (a replica proved it).
+        pool.make_latest(3, "http://127.0.0.1:9/v1/weights/p/v3");
 
         // Staleness 1 from version 3: "old" (0) never gets a task.
         for _ in 0..3 {
@@ -1425,11 +1436,14 @@ mod tests {
             })
             .expect_err("refused");
         assert_eq!(e.kind, ErrorKind::Conflict);
-        // And a sync may not go back.
+        // A sync of an older version, or of the latest's number with
+        // another checkpoint, is a new version: going back is a step
+        // forward, not a conflict.
         pool.state.lock().syncing_to = None;
-        assert_eq!(
-            pool.begin_sync(2, String::new()).expect_err("older").kind,
-            ErrorKind::Conflict
-        );
+        pool.state.lock().latest_checkpoint = Some("file:///v3".into());
+        assert_eq!(pool.version_for(2, "file:///v1"), 4);
+        assert_eq!(pool.version_for(3, "file:///v3"), 3);
+        assert_eq!(pool.version_for(3, "file:///v1"), 4);
+        assert_eq!(pool.version_for(9, "file:///v9"), 9);
     }
 }

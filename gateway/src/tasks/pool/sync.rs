@@ -32,19 +32,42 @@ pub struct ReplicaSync {
     pub action: &'static str,
 }
 
+/// How a weight sync ended.
+#[derive(Debug, Clone)]
+pub struct SyncOutcome {
+    /// Each replica's turn.
+    pub replicas: Vec<ReplicaSync>,
+    /// No replica could load the new version: the pool keeps the one it
+    /// had, and the failed replicas were replaced on it.
+    pub rolled_back: bool,
+}
+
 impl Pool {
+    /// The version a sync of `checkpoint` asked as `asked` becomes: the
+    /// number asked, unless it would go back (an older number) or reuse
+    /// the latest's number for another checkpoint; then the next one. A
+    /// trainer that syncs an earlier checkpoint back moves forward to it.
+    pub fn version_for(&self, asked: u64, checkpoint: &str) -> u64 {
+        let st = self.state.lock();
+        let same = st.latest_checkpoint.as_deref() == Some(checkpoint);
+        if asked < st.latest_version || (asked == st.latest_version && !same && asked > 0) {
+            st.latest_version + 1
+        } else {
+            asked
+        }
+    }
+
     /// Starts a weight sync to `version`, whose files workers fetch from
-    /// `url`: from now on it is the pool's latest version (so
-    /// `max_staleness` counts from it) and new replicas start with it.
+    /// `url`. The pool keeps its latest version (status, `max_staleness`,
+    /// the replicas it starts) until a replica has loaded the new one.
     /// Refused while another sync runs, or for a version older than the
-    /// latest; the latest itself may be synced again, to finish a sync that
-    /// failed part way.
+    /// latest ([`Pool::version_for`] picks one that is not); the latest
+    /// itself may be synced again, to finish a sync that failed part way.
     pub fn begin_sync(&self, version: u64, url: String) -> Result<(), ApiError> {
         let mut st = self.state.lock();
         self.refuse_sync(&st, version)?;
-        st.latest_version = version;
-        st.latest_url = Some(url);
         st.syncing_to = Some(version);
+        st.syncing_url = Some(url);
         Ok(())
     }
 
@@ -75,22 +98,49 @@ impl Pool {
         Ok(())
     }
 
-    /// Rolls the latest weights out to every ready replica behind it, at
-    /// most `max_unavailable` at a time so the rest keep taking tasks. Each
-    /// replica finishes its tasks in flight, then loads the weights through
-    /// its `POST /weights`. One that fails, or has not finished by
-    /// `deadline`, is replaced: its successor starts with the new weights.
+    /// Rolls the version being synced out to every ready replica behind
+    /// it, at most `max_unavailable` at a time so the rest keep taking
+    /// tasks. Each replica finishes its tasks in flight, then loads the
+    /// weights through its `POST /weights`.
+    ///
+    /// The new version is proven by the first replica that loads it: only
+    /// then does it become the pool's latest, and `commit` runs (new
+    /// replicas start with it, the old one is no longer served). If every
+    /// replica of the first round fails, the sync stops there and rolls
+    /// back: the pool keeps its version, and the failed replicas are
+    /// replaced on it. A replica that fails after the proof, or has not
+    /// finished by `deadline`, is replaced by one that starts with the
+    /// new weights. With no replica ready there is nothing to prove it
+    /// on: it is committed at once, and replicas start with it.
     pub async fn sync_weights(
         self: &Arc<Self>,
         max_unavailable: usize,
         deadline: Instant,
-    ) -> Vec<ReplicaSync> {
-        let (version, url) = {
+        commit: impl FnOnce() + Send,
+    ) -> SyncOutcome {
+        let (version, url, mut proven) = {
             let st = self.state.lock();
-            (st.latest_version, st.latest_url.clone().unwrap_or_default())
+            let version = st.syncing_to.unwrap_or(st.latest_version);
+            (
+                version,
+                st.syncing_url.clone().unwrap_or_default(),
+                version <= st.latest_version,
+            )
         };
+        // The replicas the sync is for: ones that become ready meanwhile
+        // (a failed replica's successor) are caught up after it, on a
+        // deadline of their own.
+        let members: HashSet<String> = self
+            .state
+            .lock()
+            .replicas
+            .iter()
+            .map(|r| r.id.clone())
+            .collect();
+        let mut commit = Some(commit);
         let mut results: Vec<ReplicaSync> = Vec::new();
         let mut tried: HashSet<String> = HashSet::new();
+        let mut rolled_back = false;
         loop {
             let batch: Vec<Arc<ReplicaHandle>> = {
                 let mut st = self.state.lock();
@@ -99,6 +149,7 @@ impl Pool {
                     .iter()
                     .filter(|r| {
                         r.is_routable()
+                            && members.contains(&r.id)
                             && !tried.contains(&r.id)
                             && !st.syncing.contains(&r.id)
                             && r.weights_version.load(Ordering::Relaxed) < version
@@ -125,10 +176,41 @@ impl Pool {
                     st.syncing.remove(&r.id);
                 }
             }
-            self.notify();
+            let any_ok = round.iter().any(|r| r.ok);
             results.extend(round);
+            if !proven {
+                if !any_ok {
+                    rolled_back = true;
+                    self.notify();
+                    break;
+                }
+                proven = true;
+                self.make_latest(version, &url);
+                if let Some(commit) = commit.take() {
+                    commit();
+                }
+            }
+            self.notify();
         }
-        self.state.lock().syncing_to = None;
+        if !proven && !rolled_back {
+            // Nothing ready to prove it on: replicas start with it.
+            self.make_latest(version, &url);
+            if let Some(commit) = commit.take() {
+                commit();
+            }
+        }
+        let behind: Vec<Arc<ReplicaHandle>> = {
+            let mut st = self.state.lock();
+            st.syncing_to = None;
+            st.syncing_url = None;
+            st.replicas.clone()
+        };
+        // Replicas that became ready during the sync (a failed replica's
+        // successor, started before the proof on the old weights) were in
+        // no round: caught up now.
+        for r in &behind {
+            self.catch_up(r);
+        }
         self.notify();
         let ok = results.iter().filter(|r| r.ok).count();
         metrics::counter!("warmgate_weight_syncs_total", "pool" => self.name.clone()).increment(1);
@@ -136,7 +218,22 @@ impl Pool {
             .increment(ok as u64);
         metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "replaced")
             .increment((results.len() - ok) as u64);
-        results
+        SyncOutcome {
+            replicas: results,
+            rolled_back,
+        }
+    }
+
+    /// `version` is the pool's latest from now on.
+    pub(super) fn make_latest(&self, version: u64, url: &str) {
+        let mut st = self.state.lock();
+        st.latest_version = st.latest_version.max(version);
+        st.latest_url = Some(url.to_string());
+    }
+
+    /// The checkpoint the latest version came from.
+    pub fn set_latest_checkpoint(&self, checkpoint: &str) {
+        self.state.lock().latest_checkpoint = Some(checkpoint.to_string());
     }
 
     /// Swaps one replica's weights in place: waits for its tasks in flight
