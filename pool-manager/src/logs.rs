@@ -189,10 +189,18 @@ impl Copier {
     /// still held open after that (a helper that left the process group)
     /// is no longer read.
     pub(crate) async fn finish(&mut self) {
-        let Some(task) = self.task.take() else {
+        // Cancel-safe: the task stays here until it has ended, so a wait
+        // cut short (a select that took another branch) is taken up again
+        // by the next call, and the last lines are never read before they
+        // are written.
+        let Some(task) = self.task.as_mut() else {
             return;
         };
-        if !drain(task).await {
+        let ended = tokio::time::timeout(DRAIN, task).await.is_ok();
+        if let Some(task) = self.task.take()
+            && !ended
+        {
+            task.abort();
             tracing::warn!(
                 "a replica's output pipe stayed open after its process group ended; no longer read"
             );
