@@ -290,6 +290,27 @@ pub enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Print a replica's output (its log on the gateway's machine) through
+    /// the API: the last lines of the replica that wrote last, or of
+    /// REPLICA; `-f` keeps printing what it writes. Secrets the replica
+    /// was given are redacted. Needs the admin token.
+    Logs {
+        /// The app or pool.
+        name: String,
+        /// One of its replicas (`warmgate status` lists them; default:
+        /// the one whose log was written last, running or ended).
+        replica: Option<String>,
+        /// Keep printing new lines as the replica writes them (Ctrl-C
+        /// ends it).
+        #[arg(long, short)]
+        follow: bool,
+        /// Lines of the end to print first.
+        #[arg(long, default_value_t = 100)]
+        tail: usize,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+    },
     /// List an app's revisions: checkpoint, created, state, traffic.
     Revisions {
         /// The app.
@@ -472,6 +493,13 @@ pub fn run(cli: Cli) -> i32 {
             gateway,
             output,
         } => revisions(&gateway, &app, output),
+        Command::Logs {
+            name,
+            replica,
+            follow,
+            tail,
+            gateway,
+        } => logs(&gateway, &name, replica.as_deref(), follow, tail),
         Command::Operator {
             config,
             namespace,
@@ -788,6 +816,72 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
 /// A size as people write it (`8MiB`, `16Gi`) or a number of bytes.
 fn parse_size_arg(text: &str) -> Result<u64, String> {
     warmgate_deploy::parse_size(text)
+}
+
+/// How often `logs -f` asks for more.
+const FOLLOW_EVERY: Duration = Duration::from_secs(1);
+
+fn logs(gateway: &str, name: &str, replica: Option<&str>, follow: bool, tail: usize) -> i32 {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 70;
+        }
+    };
+    let enc = |s: &str| percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string();
+    rt.block_on(async {
+        // An app's, else a pool's.
+        let mut query = format!("lines={tail}");
+        if let Some(r) = replica {
+            query.push_str(&format!("&replica={}", enc(r)));
+        }
+        let mut base = format!("/v1/apps/{}/logs", enc(name));
+        let mut chunk = get_json(gateway, &format!("{base}?{query}")).await;
+        if let Err(CallError::Answered { status: 404, message, .. }) = &chunk
+            && message.contains("not found")
+        {
+            base = format!("/v1/pools/{}/logs", enc(name));
+            chunk = get_json(gateway, &format!("{base}?{query}")).await;
+        }
+        let mut chunk = match chunk {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return e.exit_code();
+            }
+        };
+        let replica = chunk["replica"].as_str().unwrap_or_default().to_string();
+        if follow {
+            eprintln!("==> {replica} <==");
+        }
+        loop {
+            print!("{}", chunk["text"].as_str().unwrap_or_default());
+            let _ = std::io::stdout().flush();
+            if !follow {
+                return 0;
+            }
+            let next = chunk["next_offset"].as_u64().unwrap_or(0);
+            let size = chunk["size"].as_u64().unwrap_or(0);
+            if next >= size {
+                tokio::select! {
+                    _ = tokio::time::sleep(FOLLOW_EVERY) => {}
+                    _ = tokio::signal::ctrl_c() => return 0,
+                }
+            }
+            let path = format!("{base}?replica={}&offset={next}", enc(&replica));
+            chunk = match get_json(gateway, &path).await {
+                Ok(v) => v,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return e.exit_code();
+                }
+            };
+        }
+    })
 }
 
 fn status(gateway: &str, watch: bool, interval: Duration, output: Output) -> i32 {

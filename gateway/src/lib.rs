@@ -19,6 +19,7 @@ pub mod peers;
 pub mod preflight;
 pub mod promote;
 pub mod registry;
+pub mod replica_logs;
 pub mod runtime;
 pub mod server;
 pub mod serving;

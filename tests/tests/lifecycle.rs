@@ -417,6 +417,8 @@ async fn the_openapi_document_matches_the_routes() {
         "/v1/apps/{app}/promote",
         "/v1/apps/{app}/rollback",
         "/v1/apps/{app}/revisions",
+        "/v1/apps/{app}/logs",
+        "/v1/pools/{pool}/logs",
         "/v1/pools/{pool}/tasks",
         "/v1/pools/{pool}/tasks/batch",
         "/v1/pools/{pool}/weights",

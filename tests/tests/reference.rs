@@ -26,6 +26,7 @@ const COMMANDS: &[&[&str]] = &[
     &["apply"],
     &["promote"],
     &["rollback"],
+    &["logs"],
     &["revisions"],
     &["weights"],
     &["weights", "pull"],

@@ -9,6 +9,7 @@ pub(crate) mod forgery;
 pub(crate) mod host;
 pub(crate) mod hot;
 pub(crate) mod inference;
+pub(crate) mod logs;
 pub(crate) mod ops;
 pub(crate) mod request_id;
 pub(crate) mod tasks;
@@ -103,6 +104,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/apps/{app}/rollback", post(rollback))
         .route("/v1/apps/{app}/revisions", get(revisions))
         .route("/v1/pools/{pool}/weights", post(sync_weights))
+        .route("/v1/apps/{app}/logs", get(logs::app_logs))
+        .route("/v1/pools/{pool}/logs", get(logs::pool_logs))
         .route_layer(middleware::from_fn_with_state(gw.clone(), require_admin));
     // What scrapers and tools read: behind the admin token unless
     // `[access] public_metrics`.
@@ -377,6 +380,8 @@ pub(crate) struct ErrorDetail {
         promote,
         rollback,
         revisions,
+        logs::app_logs,
+        logs::pool_logs,
         submit_task,
         submit_batch,
         sync_weights,
