@@ -2039,7 +2039,9 @@ fn resolve_command(command: &mut [String], base: &Path) {
     }
 }
 
-fn resolve_checkpoint(c: &mut String, base: &Path) {
+/// Makes a relative `file://` URI absolute against `base` (the config
+/// file's folder); other URIs are left as they are.
+pub fn resolve_checkpoint(c: &mut String, base: &Path) {
     if let Some(rest) = c.strip_prefix("file://")
         && !rest.starts_with('/')
     {

@@ -24,7 +24,7 @@ pub use config::{
     AccessConfig, AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
     KubeBackendConfig, LimitsConfig, NodeRequirement, OperatorConfig, PodSpec, PoolQueueSpec,
     PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, TlsConfig, Toleration, VolumeSpec,
-    WeightsConfig, check_dns_label, defaults, parse_size,
+    WeightsConfig, check_dns_label, defaults, parse_size, resolve_checkpoint,
 };
 pub use routing::{EngineSpec, RoutingPolicy, RoutingSpec};
 pub use target::{ONDEMAND_SUFFIX, TargetId};

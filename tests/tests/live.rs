@@ -772,3 +772,56 @@ async fn a_pool_changes_in_place_keeps_its_replicas_and_the_change_survives_a_re
     })
     .await;
 }
+
+/// A relative `file://` checkpoint means the same through the API as in
+/// the file (the config's folder), in a `PUT` and in a promotion, whatever
+/// folder the CLI runs in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relative_checkpoint_works_through_the_api_as_in_the_file() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        [apps.promotion]
+        watch = "file://ck"
+        watch_interval = "1h"
+        "#,
+    );
+    for v in ["v1", "v2"] {
+        let dir = gw.dir.path().join("ck").join(v);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("model.bin"), v.repeat(100)).expect("write");
+    }
+    let spec = json!({
+        "command": [common::test_worker()],
+        "checkpoint": "file://ck/v1",
+        "promotion": {"watch": "file://ck", "watch_interval": "1h"},
+    });
+    let (status, body) = put(&gw, "/v1/apps/m", &spec).await;
+    assert_eq!((status, body["change"].as_str()), (200, Some("rolled")), "{body}");
+    let revision = body["revision"].as_str().expect("revision").to_string();
+    let r = eventually("the new revision serves", || async {
+        let r = gw.http.get(gw.at("/apps/m/x")).send().await.ok()?;
+        (r.headers().get("x-warmgate-revision")?.to_str().ok()? == revision).then_some(r)
+    })
+    .await;
+    assert_eq!(r.status().as_u16(), 200);
+    let out = std::process::Command::new(common::bin("warmgate"))
+        .args(["promote", "m", "file://ck/v2", "--wait", "--gateway", &gw.url])
+        .current_dir("/")
+        .output()
+        .expect("warmgate promote");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let revs = gw.json("/v1/apps/m/revisions").await;
+    let checkpoint = revs["revisions"][0]["checkpoint"].as_str().unwrap_or_default();
+    assert!(
+        checkpoint.starts_with("file:///") && checkpoint.ends_with("/ck/v2"),
+        "resolved against the config's folder: {revs}"
+    );
+}

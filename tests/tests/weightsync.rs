@@ -378,7 +378,13 @@ async fn tasks_keep_flowing_during_a_rolling_sync() {
         served += 1;
     }
     let body = syncing.await.expect("join");
-    assert_eq!(body["version"], 1, "{body}");
+    // Done, or (when the hung replica's turn came first and took the whole
+    // deadline) rolled back with the pool on version 0: either way the
+    // other replica served throughout.
+    let rolled_back = body["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("rolled back") && m.contains("keeps version 0"));
+    assert!(body["version"] == 1 || rolled_back, "{body}");
     assert!(served > 0, "no task ran during the sync");
 }
 

@@ -355,7 +355,7 @@ pub(crate) async fn promote(
     let result: Result<Response, ApiError> = async {
         let app = served(&gw, &name)?;
         let (_, bytes) = read_body(req, &gw).await?;
-        let body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
+        let mut body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
             ApiError::new(
                 ErrorKind::BadRequest,
                 format!(
@@ -363,6 +363,10 @@ pub(crate) async fn promote(
                 ),
             )
         })?;
+        // Relative to the config's folder, as in the file.
+        if let Some(dir) = &gw.workdir {
+            warmgate_deploy::resolve_checkpoint(&mut body.checkpoint, dir);
+        }
         if body.canary.is_some_and(|c| c == 0 || c > 100) {
             return Err(ApiError::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
         }

@@ -479,10 +479,14 @@ pub(crate) async fn sync_weights(
 ) -> Response {
     let result: Result<Response, ApiError> = async {
         let (pool, _, bytes) = pool_request(&gw, &name, req, BodyLimit::Inference).await?;
-        let body: SyncBody<'_> = parse_json(
+        let mut body: SyncBody<'_> = parse_json(
             &bytes,
             "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
         )?;
+        // Relative to the config's folder, as in the file.
+        if let Some(dir) = &gw.workdir {
+            warmgate_deploy::resolve_checkpoint(&mut body.checkpoint, dir);
+        }
         let timeout =
             duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec().weight_sync_timeout);
         let ready = pool.load().2;
@@ -553,7 +557,7 @@ pub(crate) async fn sync_weights(
             return Err(ApiError::new(
                 ErrorKind::ReplicaFailed,
                 format!(
-                    "weights version {version} ({}) failed on every replica that tried it, so the sync was rolled back: pool '{}' keeps version {} and the failed replicas were replaced on it. {}",
+                    "no replica could load weights version {version} ({}), so the sync was rolled back: pool '{}' keeps version {} and the replicas that failed were replaced on it. {}",
                     body.checkpoint,
                     pool.name,
                     pool.status().weights_version,

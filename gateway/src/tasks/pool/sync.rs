@@ -13,6 +13,11 @@ use warmgate_pool::ReplicaHandle;
 use super::{Pool, PoolState};
 use crate::error::{ApiError, ErrorKind};
 
+/// Replicas that failed to load a version before any loaded it, after
+/// which the sync is rolled back: one can be the replica's own fault (a
+/// hang, an out-of-memory on a busy GPU), two are the checkpoint's.
+const FAILURES_BEFORE_ROLLBACK: usize = 2;
+
 /// How one replica's weight sync went.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReplicaSync {
@@ -105,10 +110,10 @@ impl Pool {
     ///
     /// The new version is proven by the first replica that loads it: only
     /// then does it become the pool's latest, and `commit` runs (new
-    /// replicas start with it, the old one is no longer served). If every
-    /// replica of the first round fails, the sync stops there and rolls
-    /// back: the pool keeps its version, and the failed replicas are
-    /// replaced on it. A replica that fails after the proof, or has not
+    /// replicas start with it, the old one is no longer served). If
+    /// [`FAILURES_BEFORE_ROLLBACK`] replicas (or every one tried) fail
+    /// before that, the sync stops and rolls back: the pool keeps its
+    /// version, and the failed replicas are replaced on it. A replica that fails after the proof, or has not
     /// finished by `deadline`, is replaced by one that starts with the
     /// new weights. With no replica ready there is nothing to prove it
     /// on: it is committed at once, and replicas start with it.
@@ -142,6 +147,12 @@ impl Pool {
         let mut tried: HashSet<String> = HashSet::new();
         let mut rolled_back = false;
         loop {
+            if !proven && !results.is_empty() && Instant::now() >= deadline {
+                // Out of time before any replica loaded it: the rest are
+                // left as they are, on the version the pool keeps.
+                rolled_back = true;
+                break;
+            }
             let batch: Vec<Arc<ReplicaHandle>> = {
                 let mut st = self.state.lock();
                 let picked: Vec<_> = st
@@ -180,9 +191,22 @@ impl Pool {
             results.extend(round);
             if !proven {
                 if !any_ok {
-                    rolled_back = true;
+                    // One replica failing may be the replica's fault (a
+                    // hang, a busy GPU); two say it is the checkpoint's.
+                    let failed = results.len();
+                    let untried = self
+                        .state
+                        .lock()
+                        .replicas
+                        .iter()
+                        .any(|r| members.contains(&r.id) && !tried.contains(&r.id));
+                    if failed >= FAILURES_BEFORE_ROLLBACK || !untried {
+                        rolled_back = true;
+                        self.notify();
+                        break;
+                    }
                     self.notify();
-                    break;
+                    continue;
                 }
                 proven = true;
                 self.make_latest(version, &url);
