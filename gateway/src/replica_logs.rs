@@ -172,11 +172,15 @@ pub fn read(
         if let Some((i, _)) = newlines.nth(lines.saturating_sub(1)) {
             begin += i + 1;
         }
-    } else if from + (bytes.len() as u64) < size
-        && let Some(nl) = bytes.iter().rposition(|&b| b == b'\n')
-    {
-        // More follows: stop after the last whole line.
-        end = nl + 1;
+    } else {
+        // Whole lines only, so a secret is never split across two reads
+        // (and left unredacted); a line longer than a whole read is
+        // returned as it is, so a read always moves on.
+        match bytes.iter().rposition(|&b| b == b'\n') {
+            Some(nl) => end = nl + 1,
+            None if bytes.len() < max_bytes => end = 0,
+            None => {}
+        }
     }
     let text = redact(&String::from_utf8_lossy(&bytes[begin..end]), secrets);
     Ok(Chunk {

@@ -174,3 +174,48 @@ assert int(e.response.headers["retry-after"]) >= 1, dict(e.response.headers)
     let text = common::python(script, &gw.url).await;
     assert_eq!(text.matches("ok ").count(), 4, "{text}");
 }
+
+/// An app in a crash loop, as the official client sees it: one request,
+/// not three (it obeys `x-should-retry: false`), raising the 502 with the
+/// state and the worker's last words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_openai_client_does_not_retry_a_crash_loop() {
+    if !common::has_openai() {
+        return;
+    }
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "looping"
+        command = ["{worker}"]
+        env = { TEST_WORKER_EXIT_AT_START = "3" }
+        "#,
+    );
+    common::eventually("the app is in a crash loop", || async {
+        let r = gw.http.get(gw.at("/apps/looping/x")).send().await.ok()?;
+        let body: serde_json::Value = r.json().await.ok()?;
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("CrashLoopBackOff"))
+            .then_some(())
+    })
+    .await;
+    let script = r#"
+import sys, httpx, openai
+from openai import OpenAI
+sent = []
+http = httpx.Client(event_hooks={"request": [lambda r: sent.append(r.url)]})
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=2, http_client=http)
+try:
+    client.chat.completions.create(model="looping", messages=[{"role": "user", "content": "hi"}])
+    raise AssertionError("no error")
+except openai.InternalServerError as e:
+    assert e.status_code == 502 and e.code == "replica_failed", e.body
+    assert e.response.headers.get("x-should-retry") == "false", dict(e.response.headers)
+    assert "CrashLoopBackOff" in e.message and "exiting before binding" in e.message, e.message
+assert len(sent) == 1, sent
+print("ok crash loop")
+"#;
+    let text = common::python_with(script, &gw.url, &[]).await;
+    assert!(text.contains("ok crash loop"), "{text}");
+}
