@@ -821,16 +821,22 @@ fn parse_size_arg(text: &str) -> Result<u64, String> {
 /// How often `logs -f` asks for more.
 const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 
-fn logs(gateway: &str, name: &str, replica: Option<&str>, follow: bool, tail: usize) -> i32 {
-    let rt = match tokio::runtime::Builder::new_current_thread()
+/// The single-threaded runtime a client command runs on; exit 70 when
+/// it cannot be had.
+fn client_runtime() -> Result<tokio::runtime::Runtime, i32> {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-    {
+        .map_err(|e| {
+            eprintln!("error: could not start a runtime: {e}");
+            70
+        })
+}
+
+fn logs(gateway: &str, name: &str, replica: Option<&str>, follow: bool, tail: usize) -> i32 {
+    let rt = match client_runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return 70;
-        }
+        Err(code) => return code,
     };
     let enc = |s: &str| percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string();
     rt.block_on(async {
@@ -885,15 +891,9 @@ fn logs(gateway: &str, name: &str, replica: Option<&str>, follow: bool, tail: us
 }
 
 fn status(gateway: &str, watch: bool, interval: Duration, output: Output) -> i32 {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match client_runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return 1;
-        }
+        Err(code) => return code,
     };
     rt.block_on(async {
         loop {

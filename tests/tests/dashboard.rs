@@ -21,6 +21,20 @@ fn chromium() -> Option<String> {
         .map(str::to_string)
 }
 
+/// Chromium, or `None` (the test is skipped) off CI; under CI it must be
+/// there.
+fn chromium_or_skip() -> Option<String> {
+    let found = chromium();
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "Chromium is required under CI (.ci/run installs it)"
+        );
+        eprintln!("SKIPPED: apt-get install chromium");
+    }
+    found
+}
+
 fn headless(browser: &str, args: &[&str]) -> std::process::Output {
     let profile = tempfile::tempdir().expect("profile dir");
     Command::new(browser)
@@ -59,12 +73,7 @@ async fn rendered(browser: &str, url: &str, wanted: &str) -> String {
 /// output, instead of showing `starting` with no reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_why_an_app_is_not_serving() {
-    let Some(browser) = chromium() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "Chromium is required under CI (.ci/run installs it)"
-        );
-        eprintln!("SKIPPED: apt-get install chromium");
+    let Some(browser) = chromium_or_skip() else {
         return;
     };
     let gw = Gateway::start(
@@ -75,12 +84,7 @@ async fn the_dashboard_shows_why_an_app_is_not_serving() {
         env = { TEST_WORKER_EXIT_AT_START = "3" }
         "#,
     );
-    eventually("the app is in a crash loop", || async {
-        let _ = gw.http.get(gw.at("/apps/broken/x")).send().await;
-        let s = gw.app_status("broken").await;
-        (s["pool"]["health"]["crash_loop"] == true).then_some(())
-    })
-    .await;
+    gw.wait_crash_loop("broken").await;
     let url = format!("{}#token={}", gw.at("/ui"), gw.admin_token());
     let dom = rendered(&browser, &url, "data-failure").await;
     assert!(dom.contains("CrashLoopBackOff"), "{dom}");
@@ -92,12 +96,7 @@ async fn the_dashboard_shows_why_an_app_is_not_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_renders_apps_pools_and_replicas_in_chromium() {
-    let Some(browser) = chromium() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "Chromium is required under CI (.ci/run installs it)"
-        );
-        eprintln!("SKIPPED: apt-get install chromium");
+    let Some(browser) = chromium_or_skip() else {
         return;
     };
     let adapters = tempfile::tempdir().expect("dir");

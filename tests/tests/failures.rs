@@ -417,14 +417,7 @@ async fn a_crash_looping_app_stops_restarting_and_answers_one_clear_error() {
         scale_to_zero_after = "2s"
         "#,
     );
-    let (headers, body) = eventually("the app is in a crash loop", || async {
-        let r = gw.http.get(gw.at("/apps/looping/x")).send().await.ok()?;
-        let headers = r.headers().clone();
-        let body: Value = r.json().await.ok()?;
-        let msg = body["error"]["message"].as_str().unwrap_or_default();
-        msg.contains("CrashLoopBackOff").then_some((headers, body))
-    })
-    .await;
+    let (headers, body) = gw.wait_crash_loop("looping").await;
     assert_eq!(kind(&body), "replica_failed", "{body}");
     assert_eq!(headers["x-should-retry"], "false", "{headers:?}");
     assert!(!headers.contains_key("retry-after"), "{headers:?}");
@@ -443,11 +436,7 @@ async fn a_crash_looping_app_stops_restarting_and_answers_one_clear_error() {
     let health = &s["pool"]["health"];
     assert_eq!(health["crash_loop"], true, "{s}");
     assert!(health["failures"].as_u64() >= Some(5), "{s}");
-    let status = std::process::Command::new(common::bin("warmgate"))
-        .args(["status", "--gateway", &gw.url])
-        .output()
-        .expect("warmgate status");
-    let text = String::from_utf8_lossy(&status.stdout);
+    let (_, text, _) = gw.warmgate(&["status"]);
     assert!(
         text.contains("CrashLoopBackOff") && text.contains("exiting before binding"),
         "{text}"

@@ -191,15 +191,7 @@ async fn the_official_openai_client_does_not_retry_a_crash_loop() {
         env = { TEST_WORKER_EXIT_AT_START = "3" }
         "#,
     );
-    common::eventually("the app is in a crash loop", || async {
-        let r = gw.http.get(gw.at("/apps/looping/x")).send().await.ok()?;
-        let body: serde_json::Value = r.json().await.ok()?;
-        body["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("CrashLoopBackOff"))
-            .then_some(())
-    })
-    .await;
+    gw.wait_crash_loop("looping").await;
     let script = r#"
 import sys, httpx, openai
 from openai import OpenAI

@@ -1370,20 +1370,6 @@ async fn a_gate_sees_no_secret_and_its_children_hold_nothing() {
     assert!(seen.contains("WARMGATE_EVAL_URL="), "{seen}");
 }
 
-/// Runs `warmgate ARGS --gateway URL`: exit code, stdout, stderr.
-fn cli_status(gw: &Gateway, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = std::process::Command::new(common::bin("warmgate"))
-        .args(args)
-        .args(["--gateway", &gw.url])
-        .output()
-        .expect("run warmgate");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// An app at zero replicas (the default) is promoted to a checkpoint its
 /// workers cannot load: the promotion starts one replica, sees it fail,
 /// and the old revision keeps serving; `--wait` exits 1 with the worker's
@@ -1399,7 +1385,7 @@ async fn a_bad_checkpoint_promoted_at_zero_fails_and_the_old_revision_serves() {
     );
     assert_eq!(app(&gw).await["revision"], "m-00001");
 
-    let (code, out, err) = cli_status(&gw, &["promote", "m", &crash, "--wait"]);
+    let (code, out, err) = gw.warmgate(&["promote", "m", &crash, "--wait"]);
     assert_eq!(code, Some(1), "{out}{err}");
     assert!(
         err.contains("CUDA out of memory") && !out.contains("serves 100%"),
@@ -1414,7 +1400,7 @@ async fn a_bad_checkpoint_promoted_at_zero_fails_and_the_old_revision_serves() {
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.headers()["x-warmgate-revision"], "m-00001");
 
-    let (code, out, err) = cli_status(&gw, &["promote", "m", &good, "--wait"]);
+    let (code, out, err) = gw.warmgate(&["promote", "m", &good, "--wait"]);
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(out.contains("m-00003 serves 100%"), "{out}{err}");
     let s = app(&gw).await;
@@ -1437,14 +1423,7 @@ async fn a_put_that_rolls_an_app_at_zero_onto_a_crashing_spec_keeps_the_old_revi
         "env": {"TEST_WORKER_EXIT_AT_START": "3"},
         "concurrency": 16,
     });
-    let r = gw
-        .http
-        .put(gw.at("/v1/apps/m"))
-        .json(&spec)
-        .send()
-        .await
-        .expect("put");
-    let body: Value = r.json().await.expect("json");
+    let (_, body) = gw.put("/v1/apps/m", &spec).await;
     assert_eq!(body["change"], "rolled", "{body}");
     eventually("the roll fails and m-00001 still serves", || async {
         let s = app(&gw).await;

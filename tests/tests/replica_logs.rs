@@ -38,19 +38,6 @@ fn config() -> String {
     )
 }
 
-fn warmgate(gw: &Gateway, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(common::bin("warmgate"))
-        .args(args)
-        .args(["--gateway", &gw.url])
-        .output()
-        .expect("run warmgate");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_start_says_why_in_the_error_and_the_log_is_read_through_the_api() {
     let gw = Gateway::start(&config());
@@ -69,12 +56,12 @@ async fn a_failed_start_says_why_in_the_error_and_the_log_is_read_through_the_ap
     let s = gw.app_status("oom").await;
     let last = s["pool"]["health"]["last_error"].as_str().unwrap_or_default();
     assert!(last.contains("CUDA out of memory") && !last.contains(SECRET), "{s}");
-    let (code, out, err) = warmgate(&gw, &["status"]);
+    let (code, out, err) = gw.warmgate(&["status"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("CUDA out of memory"), "{out}");
 
     // The whole log through `warmgate logs`, redacted too.
-    let (code, out, err) = warmgate(&gw, &["logs", "oom"]);
+    let (code, out, err) = gw.warmgate(&["logs", "oom"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(
         out.contains("loading with token [redacted]") && out.contains("CUDA out of memory"),
@@ -89,12 +76,12 @@ async fn a_failed_start_says_why_in_the_error_and_the_log_is_read_through_the_ap
     .await;
     let v = gw.json("/v1/pools/rollouts/logs").await;
     assert_eq!(v["replica"], "rollouts-1", "{v}");
-    let (code, _, err) = warmgate(&gw, &["logs", "rollouts", "rollouts-1"]);
+    let (code, _, err) = gw.warmgate(&["logs", "rollouts", "rollouts-1"]);
     assert_eq!(code, Some(0), "{err}");
     // Another app's replica is not one of this pool's; unknown names are 404.
-    let (code, _, err) = warmgate(&gw, &["logs", "rollouts", "oom-00001-1"]);
+    let (code, _, err) = gw.warmgate(&["logs", "rollouts", "oom-00001-1"]);
     assert_eq!(code, Some(66), "{err}");
-    let (code, _, err) = warmgate(&gw, &["logs", "nope"]);
+    let (code, _, err) = gw.warmgate(&["logs", "nope"]);
     assert_eq!(code, Some(66), "{err}");
 
     // Admin only.

@@ -159,6 +159,47 @@ impl Gateway {
         (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
     }
 
+    /// PUT a JSON body; (status, JSON answer or null).
+    pub async fn put(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .http
+            .put(self.at(path))
+            .json(body)
+            .send()
+            .await
+            .expect("send");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Runs `warmgate ARGS --gateway URL`: its exit code, stdout, stderr.
+    pub fn warmgate(&self, args: &[&str]) -> (Option<i32>, String, String) {
+        let out = std::process::Command::new(bin("warmgate"))
+            .args(args)
+            .args(["--gateway", &self.url])
+            .output()
+            .expect("run warmgate");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Sends requests to `app` until it is in a crash loop (its answer
+    /// says `CrashLoopBackOff`); returns that answer's headers and body.
+    pub async fn wait_crash_loop(&self, app: &str) -> (reqwest::header::HeaderMap, Value) {
+        eventually(&format!("{app} is in a crash loop"), || async {
+            let r = self.http.get(self.at(&format!("/apps/{app}/x"))).send().await.ok()?;
+            let headers = r.headers().clone();
+            let body: Value = r.json().await.ok()?;
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("CrashLoopBackOff"))
+                .then_some((headers, body))
+        })
+        .await
+    }
+
     /// GET a JSON document.
     pub async fn json(&self, path: &str) -> Value {
         self.http
