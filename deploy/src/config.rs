@@ -512,7 +512,9 @@ fn check_volumes(at: &str, pod: &PodSpec, k: &KubeBackendConfig) -> Result<(), (
 }
 
 /// The kind of backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
     /// Child processes on this machine.

@@ -367,7 +367,10 @@ mod tests {
     #[test]
     fn every_key_says_what_it_means() {
         let missing = undocumented_keys(&config_schema());
-        assert!(missing.is_empty(), "keys without a doc comment: {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "keys without a doc comment: {missing:?}"
+        );
     }
 
     #[test]

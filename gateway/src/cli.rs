@@ -838,7 +838,9 @@ fn logs(gateway: &str, name: &str, replica: Option<&str>, follow: bool, tail: us
         Ok(rt) => rt,
         Err(code) => return code,
     };
-    let enc = |s: &str| percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string();
+    let enc = |s: &str| {
+        percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
     rt.block_on(async {
         // An app's, else a pool's.
         let mut query = format!("lines={tail}");
@@ -847,7 +849,11 @@ fn logs(gateway: &str, name: &str, replica: Option<&str>, follow: bool, tail: us
         }
         let mut base = format!("/v1/apps/{}/logs", enc(name));
         let mut chunk = get_json(gateway, &format!("{base}?{query}")).await;
-        if let Err(CallError::Answered { status: 404, message, .. }) = &chunk
+        if let Err(CallError::Answered {
+            status: 404,
+            message,
+            ..
+        }) = &chunk
             && message.contains("not found")
         {
             base = format!("/v1/pools/{}/logs", enc(name));

@@ -146,14 +146,19 @@ pub fn read(
         .map_err(|_| {
             ApiError::new(
                 ErrorKind::NotFound,
-                format!("replica '{replica}' has no log (the oldest logs are deleted past their budget)"),
+                format!(
+                    "replica '{replica}' has no log (the oldest logs are deleted past their budget)"
+                ),
             )
         })?
         .len();
     let max_bytes = max_bytes.clamp(1, MAX_BYTES);
     let start = offset.unwrap_or_else(|| size.saturating_sub(max_bytes as u64));
     let (bytes, from) = read_from(&path, start, max_bytes).map_err(|e| {
-        ApiError::new(ErrorKind::Internal, format!("cannot read the log of '{replica}': {e}"))
+        ApiError::new(
+            ErrorKind::Internal,
+            format!("cannot read the log of '{replica}': {e}"),
+        )
     })?;
     let mut begin = 0usize;
     let mut end = bytes.len();

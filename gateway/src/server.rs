@@ -202,25 +202,22 @@ impl ReplicaSink for Sink {
         if let Some(app) = app {
             let what = format!("app '{}'", app.name);
             app.fail_waiters(
-                &crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(
-                    || {
-                        ApiError::new(
-                            ErrorKind::ReplicaFailed,
-                            format!("{what} failed to start: {error}"),
-                        )
-                    },
-                ),
+                &crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(|| {
+                    ApiError::new(
+                        ErrorKind::ReplicaFailed,
+                        format!("{what} failed to start: {error}"),
+                    )
+                }),
             );
         } else if let Some(pool) = self.registry.load().pool_of_target(target).cloned() {
             let what = format!("pool '{}'", pool.name);
-            let err = crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(
-                || {
+            let err =
+                crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(|| {
                     ApiError::new(
                         ErrorKind::ReplicaFailed,
                         format!("{what} failed to start a replica: {error}"),
                     )
-                },
-            );
+                });
             if matches!(target, TargetId::OnDemand(_)) {
                 pool.fail_fallback(&err);
             } else {

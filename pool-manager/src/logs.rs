@@ -338,9 +338,17 @@ fn flush_hex(out: &mut String, run: &mut String) {
 /// Whether an environment variable's name says it holds a credential.
 pub fn is_secret_name(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
-    ["TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH"]
-        .iter()
-        .any(|w| upper.contains(w))
+    [
+        "TOKEN",
+        "KEY",
+        "SECRET",
+        "PASSWORD",
+        "PASSWD",
+        "CREDENTIAL",
+        "AUTH",
+    ]
+    .iter()
+    .any(|w| upper.contains(w))
 }
 
 /// Deletes the logs of replicas not in `live`, oldest first, until those
@@ -439,7 +447,10 @@ mod tests {
         // Bounded by bytes too, and a line cut at the front is dropped.
         let short = super::tail(&path, 40, 50, &[]).unwrap();
         assert_eq!(short, "RuntimeError: CUDA out of memory");
-        assert_eq!(super::tail(&dir.path().join("none.log"), 2048, 5, &[]), None);
+        assert_eq!(
+            super::tail(&dir.path().join("none.log"), 2048, 5, &[]),
+            None
+        );
     }
 
     #[test]

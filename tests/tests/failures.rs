@@ -428,7 +428,12 @@ async fn a_crash_looping_app_stops_restarting_and_answers_one_clear_error() {
     );
     // The same answer while it lasts, not 503 one time and 502 the next.
     for _ in 0..5 {
-        let r = gw.http.get(gw.at("/apps/looping/x")).send().await.expect("send");
+        let r = gw
+            .http
+            .get(gw.at("/apps/looping/x"))
+            .send()
+            .await
+            .expect("send");
         assert_eq!(r.status().as_u16(), 502);
         assert_eq!(r.headers()["x-should-retry"], "false");
     }
@@ -456,7 +461,10 @@ async fn a_crash_looping_app_stops_restarting_and_answers_one_clear_error() {
     })
     .await;
     let s = gw.app_status("looping").await;
-    assert_eq!(s["pool"]["restarts"], restarts, "restarted with nothing asking: {s}");
+    assert_eq!(
+        s["pool"]["restarts"], restarts,
+        "restarted with nothing asking: {s}"
+    );
     assert_eq!(s["pool"]["desired"], 0, "{s}");
     assert!(
         s["pool"]["replicas"].as_array().is_some_and(Vec::is_empty),
@@ -492,7 +500,8 @@ async fn a_crash_looping_pool_answers_its_tasks_with_the_cause() {
         if status == 504 {
             assert!(msg.contains("exiting before binding"), "{body}");
         }
-        msg.contains("CrashLoopBackOff").then_some((status, headers, body))
+        msg.contains("CrashLoopBackOff")
+            .then_some((status, headers, body))
     })
     .await;
     assert_eq!((status, kind(&body)), (502, "replica_failed"), "{body}");

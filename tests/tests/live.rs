@@ -799,7 +799,11 @@ async fn a_relative_checkpoint_works_through_the_api_as_in_the_file() {
         "promotion": {"watch": "file://ck", "watch_interval": "1h"},
     });
     let (status, body) = put(&gw, "/v1/apps/m", &spec).await;
-    assert_eq!((status, body["change"].as_str()), (200, Some("rolled")), "{body}");
+    assert_eq!(
+        (status, body["change"].as_str()),
+        (200, Some("rolled")),
+        "{body}"
+    );
     let revision = body["revision"].as_str().expect("revision").to_string();
     let r = eventually("the new revision serves", || async {
         let r = gw.http.get(gw.at("/apps/m/x")).send().await.ok()?;
@@ -808,7 +812,14 @@ async fn a_relative_checkpoint_works_through_the_api_as_in_the_file() {
     .await;
     assert_eq!(r.status().as_u16(), 200);
     let out = std::process::Command::new(common::bin("warmgate"))
-        .args(["promote", "m", "file://ck/v2", "--wait", "--gateway", &gw.url])
+        .args([
+            "promote",
+            "m",
+            "file://ck/v2",
+            "--wait",
+            "--gateway",
+            &gw.url,
+        ])
         .current_dir("/")
         .output()
         .expect("warmgate promote");
@@ -819,7 +830,9 @@ async fn a_relative_checkpoint_works_through_the_api_as_in_the_file() {
         String::from_utf8_lossy(&out.stderr)
     );
     let revs = gw.json("/v1/apps/m/revisions").await;
-    let checkpoint = revs["revisions"][0]["checkpoint"].as_str().unwrap_or_default();
+    let checkpoint = revs["revisions"][0]["checkpoint"]
+        .as_str()
+        .unwrap_or_default();
     assert!(
         checkpoint.starts_with("file:///") && checkpoint.ends_with("/ck/v2"),
         "resolved against the config's folder: {revs}"

@@ -1391,7 +1391,10 @@ async fn a_bad_checkpoint_promoted_at_zero_fails_and_the_old_revision_serves() {
         err.contains("CUDA out of memory") && !out.contains("serves 100%"),
         "the cause is shown: {out}{err}"
     );
-    assert!(!err.contains("/logs/"), "no path on the gateway's disk: {err}");
+    assert!(
+        !err.contains("/logs/"),
+        "no path on the gateway's disk: {err}"
+    );
     let revs = gw.json("/v1/apps/m/revisions").await;
     assert_eq!(revs["revisions"][0]["id"], "m-00002", "{revs}");
     assert_eq!(revs["revisions"][0]["state"], "failed", "{revs}");

@@ -43,7 +43,12 @@ async fn a_failed_start_says_why_in_the_error_and_the_log_is_read_through_the_ap
     let gw = Gateway::start(&config());
 
     // The client's error carries the worker's last words, redacted.
-    let r = gw.http.get(gw.at("/apps/oom/x")).send().await.expect("send");
+    let r = gw
+        .http
+        .get(gw.at("/apps/oom/x"))
+        .send()
+        .await
+        .expect("send");
     assert_eq!(r.status().as_u16(), 502);
     let body: Value = r.json().await.expect("json");
     assert_eq!(kind(&body), "replica_failed", "{body}");
@@ -54,8 +59,13 @@ async fn a_failed_start_says_why_in_the_error_and_the_log_is_read_through_the_ap
 
     // So do the app's status and the CLI's table.
     let s = gw.app_status("oom").await;
-    let last = s["pool"]["health"]["last_error"].as_str().unwrap_or_default();
-    assert!(last.contains("CUDA out of memory") && !last.contains(SECRET), "{s}");
+    let last = s["pool"]["health"]["last_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        last.contains("CUDA out of memory") && !last.contains(SECRET),
+        "{s}"
+    );
     let (code, out, err) = gw.warmgate(&["status"]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("CUDA out of memory"), "{out}");
@@ -109,9 +119,17 @@ async fn logs_follow_a_running_replica() {
             .await;
     });
     eventually("the ticker has a log", || async {
-        let r = gw.http.get(gw.at("/v1/apps/ticker/logs")).send().await.ok()?;
+        let r = gw
+            .http
+            .get(gw.at("/v1/apps/ticker/logs"))
+            .send()
+            .await
+            .ok()?;
         let v: Value = r.json().await.ok()?;
-        v["text"].as_str().is_some_and(|t| t.contains("tick 1")).then_some(())
+        v["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("tick 1"))
+            .then_some(())
     })
     .await;
     let mut child = Command::new(common::bin("warmgate"))
@@ -126,7 +144,10 @@ async fn logs_follow_a_running_replica() {
         let mut seen = Vec::new();
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            if let Some(n) = line.strip_prefix("tick ").and_then(|n| n.parse::<u64>().ok()) {
+            if let Some(n) = line
+                .strip_prefix("tick ")
+                .and_then(|n| n.parse::<u64>().ok())
+            {
                 seen.push(n);
             }
             if seen.len() >= 25 {

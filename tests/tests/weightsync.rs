@@ -298,7 +298,9 @@ async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() 
     let out: Value = r.json().await.expect("json");
     let msg = out["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        msg.contains("rolled back") && msg.contains("keeps version 1") && msg.contains("CUDA out of memory"),
+        msg.contains("rolled back")
+            && msg.contains("keeps version 1")
+            && msg.contains("CUDA out of memory"),
         "{out}"
     );
     let s = gw.json("/v1/status").await;
@@ -315,7 +317,11 @@ async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() 
     })
     .await;
     for r in &ready {
-        assert_eq!(stats(&gw, r).await["weights"]["sha256"], sha1.as_str(), "{r}");
+        assert_eq!(
+            stats(&gw, r).await["weights"]["sha256"],
+            sha1.as_str(),
+            "{r}"
+        );
     }
     let (status, out) = task(&gw, json!({"input": 1, "min_weights_version": 1})).await;
     assert_eq!(status, 200, "{out}");
@@ -325,7 +331,11 @@ async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() 
     // Back to the first checkpoint: a new version, 2, not a conflict.
     let (status, out) = sync(&gw, json!({"checkpoint": v0, "version": 0})).await;
     assert_eq!(status, 200, "{out}");
-    assert_eq!((out["version"].as_u64(), out["asked_version"].as_u64()), (Some(2), Some(0)), "{out}");
+    assert_eq!(
+        (out["version"].as_u64(), out["asked_version"].as_u64()),
+        (Some(2), Some(0)),
+        "{out}"
+    );
     let ready = eventually("2 ready replicas on version 2", || async {
         let rs = replicas(&gw).await;
         let ok: Vec<Value> = rs
@@ -336,7 +346,11 @@ async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() 
     })
     .await;
     for r in &ready {
-        assert_eq!(stats(&gw, r).await["weights"]["sha256"], sha0.as_str(), "{r}");
+        assert_eq!(
+            stats(&gw, r).await["weights"]["sha256"],
+            sha0.as_str(),
+            "{r}"
+        );
     }
 }
 

@@ -24,7 +24,8 @@ pub(crate) async fn app_logs(
         .app(&name)
         .map(|a| (a.name.clone(), a.spec().env.clone()));
     let Some((app, env)) = found else {
-        return ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response();
+        return ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"))
+            .into_response();
     };
     answer(&gw, LogOwner::App(app), &env, req.uri().query())
 }

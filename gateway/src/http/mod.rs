@@ -407,8 +407,14 @@ pub fn api_document() -> serde_json::Value {
         .with(|s| s.definitions_path = "/components/schemas".into())
         .into_generator();
     let bodies = [
-        ("/v1/apps/{app}", generator.subschema_for::<warmgate_deploy::AppSpec>()),
-        ("/v1/pools/{pool}", generator.subschema_for::<warmgate_deploy::PoolSpec>()),
+        (
+            "/v1/apps/{app}",
+            generator.subschema_for::<warmgate_deploy::AppSpec>(),
+        ),
+        (
+            "/v1/pools/{pool}",
+            generator.subschema_for::<warmgate_deploy::PoolSpec>(),
+        ),
     ];
     for (path, schema) in bodies {
         doc["paths"][path]["put"]["requestBody"]["content"]["application/json"]["schema"] =

@@ -316,8 +316,7 @@ impl Pipeline {
         };
         // In a crash loop, while its backoff runs: one answer, at once.
         if h.retry_in.is_some()
-            && let Some(e) =
-                super::crash_loop::crash_loop_error(&format!("app '{}'", app.name), &h)
+            && let Some(e) = super::crash_loop::crash_loop_error(&format!("app '{}'", app.name), &h)
         {
             return Err(e);
         }

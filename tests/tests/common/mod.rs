@@ -189,7 +189,12 @@ impl Gateway {
     /// says `CrashLoopBackOff`); returns that answer's headers and body.
     pub async fn wait_crash_loop(&self, app: &str) -> (reqwest::header::HeaderMap, Value) {
         eventually(&format!("{app} is in a crash loop"), || async {
-            let r = self.http.get(self.at(&format!("/apps/{app}/x"))).send().await.ok()?;
+            let r = self
+                .http
+                .get(self.at(&format!("/apps/{app}/x")))
+                .send()
+                .await
+                .ok()?;
             let headers = r.headers().clone();
             let body: Value = r.json().await.ok()?;
             body["error"]["message"]
