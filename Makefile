@@ -27,6 +27,13 @@ bench:
 	bash benches/weights.sh
 	bash benches/pools.sh
 
+# Ten minutes of mixed load with a fault a minute (benches/soak.py); the
+# tests run a one-minute version.
+soak:
+	cargo build --workspace --bins
+	python3 benches/soak.py --duration 600 --out target/bench-results
+	cp target/bench-results/soak.svg docs/img/soak.svg
+
 fmt:
 	cargo fmt --all
 

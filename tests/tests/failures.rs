@@ -273,7 +273,9 @@ async fn a_worker_that_refuses_connections_is_a_502_then_replaced() {
 /// A replica that refuses connections (its listener closed, its process
 /// not yet seen to fail) was sent nothing: the request goes to the other
 /// replica with its whole body, however large (the gateway used to replay
-/// only bodies of at most 64 KiB).
+/// only bodies of at most 64 KiB). A request that meets a kept-alive
+/// connection the worker closes as it goes deaf may have been read: it
+/// fails with that reason rather than being sent twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() {
     let gw = Gateway::start(
@@ -343,6 +345,20 @@ async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() 
                     .expect("send");
                 let status = r.status();
                 let v: Value = r.json().await.expect("json");
+                if status == 502 {
+                    // A request that met a kept-alive connection the worker
+                    // was closing as it went deaf (a race the gateway cannot
+                    // see coming): it fails with the reason, and what the
+                    // client can do about it, never silently.
+                    let msg = v["error"]["message"].as_str().unwrap_or_default();
+                    assert!(
+                        kind(&v) == "replica_failed"
+                            && msg.contains("closed the connection before answering")
+                            && msg.contains("send it again if it is safe to repeat"),
+                        "{v}"
+                    );
+                    return None;
+                }
                 assert_eq!(status, 200, "every request is answered: {v}");
                 assert_eq!(v["body_bytes"], size, "the whole body arrived: {v}");
                 (gw.metric("warmgate_connect_retries_total").await >= 1.0).then_some(())
