@@ -88,6 +88,15 @@ pub trait StateStore: Send + Sync {
     fn forget(&self, _app: &str) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Runs `f` with its writes made as one: a start that restores
+    /// thousands of apps writes them in one transaction, not one each.
+    /// Nothing `f` writes is kept if it fails (or the gateway dies before
+    /// it returns); what it wrote is derived again from the config and
+    /// the last state on the next start. By default, each write stays
+    /// its own.
+    fn batch(&self, f: &mut dyn FnMut() -> Result<(), anyhow::Error>) -> Result<(), anyhow::Error> {
+        f()
+    }
 }
 
 /// The SQLite database, one call at a time.
@@ -118,6 +127,13 @@ impl StateStore for std::sync::Mutex<Store> {
     }
     fn clear_overlay(&self) -> Result<(), StoreError> {
         lock(self).clear_overlay()
+    }
+    fn batch(&self, f: &mut dyn FnMut() -> Result<(), anyhow::Error>) -> Result<(), anyhow::Error> {
+        lock(self).conn.execute_batch("BEGIN IMMEDIATE")?;
+        let result = f();
+        let end = if result.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        lock(self).conn.execute_batch(end)?;
+        result
     }
 }
 
@@ -206,7 +222,7 @@ impl Store {
     pub fn load(&self, app: &str) -> Result<History, StoreError> {
         let mut stmt = self
             .conn
-            .prepare("SELECT body FROM revisions WHERE app = ?1 ORDER BY seq")?;
+            .prepare_cached("SELECT body FROM revisions WHERE app = ?1 ORDER BY seq")?;
         let revisions = stmt
             .query_map(params![app], |row| row.get::<_, String>(0))?
             .map(|body| {
@@ -249,17 +265,18 @@ impl Store {
 
     /// Writes an app's whole history, and a note, in one transaction.
     pub fn save(&mut self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
-        let tx = self.conn.transaction()?;
+        // A savepoint: its own transaction, or a part of a batch's.
+        let tx = self.conn.savepoint()?;
         for r in &h.revisions {
             let body = serde_json::to_string(r).map_err(|source| StoreError::Corrupt {
                 what: "revision",
                 source,
             })?;
-            tx.execute(
+            tx.prepare_cached(
                 "INSERT INTO revisions (id, app, seq, body) VALUES (?1, ?2, ?3, ?4)
                  ON CONFLICT (id) DO UPDATE SET body = excluded.body",
-                params![r.id, app, r.seq, body],
-            )?;
+            )?
+            .execute(params![r.id, app, r.seq, body])?;
         }
         match &h.promotion {
             Some(p) => {
@@ -267,33 +284,33 @@ impl Store {
                     what: "promotion",
                     source,
                 })?;
-                tx.execute(
+                tx.prepare_cached(
                     "INSERT INTO promotions (app, body) VALUES (?1, ?2)
                      ON CONFLICT (app) DO UPDATE SET body = excluded.body",
-                    params![app, body],
-                )?;
+                )?
+                .execute(params![app, body])?;
             }
             None => {
-                tx.execute("DELETE FROM promotions WHERE app = ?1", params![app])?;
+                tx.prepare_cached("DELETE FROM promotions WHERE app = ?1")?
+                    .execute(params![app])?;
             }
         }
         match &h.config {
             Some(c) => {
-                tx.execute(
+                tx.prepare_cached(
                     "INSERT INTO configs (app, body) VALUES (?1, ?2)
                      ON CONFLICT (app) DO UPDATE SET body = excluded.body",
-                    params![app, c],
-                )?;
+                )?
+                .execute(params![app, c])?;
             }
             None => {
-                tx.execute("DELETE FROM configs WHERE app = ?1", params![app])?;
+                tx.prepare_cached("DELETE FROM configs WHERE app = ?1")?
+                    .execute(params![app])?;
             }
         }
         if !note.is_empty() {
-            tx.execute(
-                "INSERT INTO notes (app, at, what) VALUES (?1, ?2, ?3)",
-                params![app, unix_now(), note],
-            )?;
+            tx.prepare_cached("INSERT INTO notes (app, at, what) VALUES (?1, ?2, ?3)")?
+                .execute(params![app, unix_now(), note])?;
         }
         tx.commit()?;
         Ok(())

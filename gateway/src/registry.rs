@@ -45,6 +45,15 @@ impl Registry {
     }
 
     fn insert_app(&mut self, app: Arc<Served>) {
+        self.insert_routes(&app);
+        match self.apps.iter_mut().find(|a| a.name == app.name) {
+            Some(slot) => *slot = app,
+            None => self.apps.push(app),
+        }
+    }
+
+    /// Its name, aliases and adapters' names lead to it.
+    fn insert_routes(&mut self, app: &Arc<Served>) {
         for name in std::iter::once(&app.name).chain(app.spec().aliases.iter()) {
             self.routes.insert(name.clone(), app.clone());
         }
@@ -52,10 +61,6 @@ impl Registry {
             for name in std::iter::once(&a.name).chain(a.aliases.iter()) {
                 self.adapters.insert(name.clone(), app.clone());
             }
-        }
-        match self.apps.iter_mut().find(|a| a.name == app.name) {
-            Some(slot) => *slot = app,
-            None => self.apps.push(app),
         }
     }
 
@@ -69,18 +74,38 @@ impl Registry {
     }
 
     /// This snapshot with `app` added, or in place of the app of its name
-    /// (its aliases as they are now).
+    /// (its aliases as they are now), where that app stood in the order.
     pub fn with_app(&self, app: Arc<Served>) -> Registry {
-        let mut next = self.without_app(&app.name);
-        next.insert_app(app);
-        // Keep the order it had.
-        let order: Vec<&str> = self.apps.iter().map(|a| a.name.as_str()).collect();
-        next.apps.sort_by_key(|a| {
-            order
-                .iter()
-                .position(|n| *n == a.name)
-                .unwrap_or(usize::MAX)
-        });
+        self.with_apps(std::iter::once(app))
+    }
+
+    /// This snapshot with each of `apps` added or put in place, in one
+    /// copy: a start with thousands of apps builds its registry once,
+    /// not once per app.
+    pub fn with_apps(&self, apps: impl IntoIterator<Item = Arc<Served>>) -> Registry {
+        let mut next = self.clone();
+        let mut index: HashMap<String, usize> = next
+            .apps
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (a.name.clone(), i))
+            .collect();
+        for app in apps {
+            let known = index.get(&app.name).copied();
+            if known.is_some() {
+                // The old app's aliases and adapters may not be the new one's.
+                next.routes.retain(|_, a| a.name != app.name);
+                next.adapters.retain(|_, a| a.name != app.name);
+            }
+            next.insert_routes(&app);
+            match known {
+                Some(i) => next.apps[i] = app,
+                None => {
+                    index.insert(app.name.clone(), next.apps.len());
+                    next.apps.push(app);
+                }
+            }
+        }
         next
     }
 
@@ -166,3 +191,37 @@ impl Registry {
 
 /// The current snapshot, shared by the gateway and the replica sink.
 pub type Live = Arc<ArcSwap<Registry>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn app(name: &str, aliases: &[&str]) -> Arc<Served> {
+        let spec = warmgate_deploy::AppSpec {
+            name: name.into(),
+            aliases: aliases.iter().map(|a| a.to_string()).collect(),
+            ..warmgate_deploy::AppSpec::default()
+        };
+        Arc::new(Served::new(
+            spec,
+            warmgate_deploy::revision::History::default(),
+        ))
+    }
+
+    #[test]
+    fn apps_added_at_once_keep_their_order_and_a_replaced_one_its_place() {
+        let names = |r: &Registry| r.apps().iter().map(|a| a.name.clone()).collect::<Vec<_>>();
+        let r = Registry::default().with_apps((0..1000).map(|i| app(&format!("a{i}"), &[])));
+        assert_eq!(r.apps().len(), 1000);
+        assert_eq!(names(&r)[..3], ["a0", "a1", "a2"]);
+        // In place, with new aliases: the old ones no longer lead to it.
+        let r = r.with_app(app("a1", &["one"]));
+        let r2 = r.with_app(app("a1", &["uno"]));
+        assert_eq!(names(&r2)[..3], ["a0", "a1", "a2"]);
+        assert!(r2.app("uno").is_some() && r2.app("one").is_none());
+        assert!(r.app("one").is_some(), "the earlier snapshot is unchanged");
+        let r3 = r2.with_app(app("b", &[]));
+        assert_eq!(names(&r3).last().map(String::as_str), Some("b"));
+        assert_eq!(r3.apps().len(), 1001);
+    }
+}

@@ -442,19 +442,31 @@ impl Gateway {
         for spec in &gw.config.pools {
             gw.start_pool(spec.clone())?;
         }
-        for spec in &gw.config.apps {
-            match gw.start_app(spec.clone()) {
-                Ok(_) => {}
-                // Under the operator one app that cannot start (its state
-                // in the cluster unreadable, a step it cannot store) is
-                // left out, and the operator reports it on its resource
-                // and tries again; the others serve.
-                Err(e) if tolerant => tracing::error!(
-                    app = %spec.name, error = format!("{e:#}"),
-                    "the app cannot start; it is left out until its next try"
-                ),
-                Err(e) => return Err(e).with_context(|| format!("app '{}'", spec.name)),
+        let mut apps = Vec::with_capacity(gw.config.apps.len());
+        // Every app's restored state in one write.
+        gw.store.batch(&mut || {
+            for spec in &gw.config.apps {
+                match gw.prepare_app(spec.clone()) {
+                    Ok(app) => apps.push(app),
+                    // Under the operator one app that cannot start (its
+                    // state in the cluster unreadable, a step it cannot
+                    // store) is left out, and the operator reports it on
+                    // its resource and tries again; the others serve.
+                    Err(e) if tolerant => tracing::error!(
+                        app = %spec.name, error = format!("{e:#}"),
+                        "the app cannot start; it is left out until its next try"
+                    ),
+                    Err(e) => return Err(e.context(format!("app '{}'", spec.name))),
+                }
             }
+            Ok(())
+        })?;
+        // One registry for them all: built per app, it was a copy of
+        // everything before it each time.
+        gw.registry
+            .rcu(|r| Arc::new(r.with_apps(apps.iter().cloned())));
+        for app in &apps {
+            gw.watch_app(app);
         }
         Ok(gw)
     }
@@ -543,6 +555,18 @@ impl Gateway {
         self: &Arc<Self>,
         spec: warmgate_deploy::AppSpec,
     ) -> anyhow::Result<Arc<Served>> {
+        let app = self.prepare_app(spec)?;
+        self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
+        self.watch_app(&app);
+        Ok(app)
+    }
+
+    /// An app ready to serve, not yet in the registry: its history read
+    /// and its revisions restored.
+    fn prepare_app(
+        self: &Arc<Self>,
+        spec: warmgate_deploy::AppSpec,
+    ) -> anyhow::Result<Arc<Served>> {
         use anyhow::Context as _;
         let history = self
             .store
@@ -554,12 +578,16 @@ impl Gateway {
         if app.spec().pool.is_none() {
             self.restore(&app).context("restore its revisions")?;
         }
-        self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
+        Ok(app)
+    }
+
+    /// The watchers of an app in the registry: its checkpoints' and its
+    /// adapters'.
+    fn watch_app(self: &Arc<Self>, app: &Arc<Served>) {
         if app.spec().promotion.watch.is_some() {
             tokio::spawn(self.clone().watch(app.clone()));
         }
-        self.watch_adapters(&app);
-        Ok(app)
+        self.watch_adapters(app);
     }
 
     /// The config it runs.
