@@ -1444,6 +1444,7 @@ mod tests {
         assert_eq!(pool.version_for(2, "file:///v1"), 4);
         assert_eq!(pool.version_for(3, "file:///v3"), 3);
         assert_eq!(pool.version_for(3, "file:///v1"), 4);
+        assert_eq!(pool.version_for(1, "file:///v3"), 3);
         assert_eq!(pool.version_for(9, "file:///v9"), 9);
     }
 }

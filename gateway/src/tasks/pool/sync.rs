@@ -51,11 +51,15 @@ impl Pool {
     /// The version a sync of `checkpoint` asked as `asked` becomes: the
     /// number asked, unless it would go back (an older number) or reuse
     /// the latest's number for another checkpoint; then the next one. A
-    /// trainer that syncs an earlier checkpoint back moves forward to it.
+    /// trainer that syncs an earlier checkpoint back moves forward to it;
+    /// the latest's own checkpoint under an older number is the latest.
     pub fn version_for(&self, asked: u64, checkpoint: &str) -> u64 {
         let st = self.state.lock();
         let same = st.latest_checkpoint.as_deref() == Some(checkpoint);
-        if asked < st.latest_version || (asked == st.latest_version && !same && asked > 0) {
+        if same && asked <= st.latest_version {
+            // The latest again, under an older number: nothing new.
+            st.latest_version
+        } else if asked < st.latest_version || (asked == st.latest_version && asked > 0) {
             st.latest_version + 1
         } else {
             asked
