@@ -53,6 +53,22 @@ async fn wait_ready(gw: &Gateway, n: usize) -> Vec<Value> {
     .await
 }
 
+/// Waits for `n` ready replicas on weights `version`; returns them.
+async fn ready_on(gw: &Gateway, n: usize, version: u64) -> Vec<Value> {
+    eventually(
+        &format!("{n} ready replicas on version {version}"),
+        || async {
+            let ok: Vec<Value> = replicas(gw)
+                .await
+                .into_iter()
+                .filter(|r| r["state"] == "ready" && r["weights_version"] == version)
+                .collect();
+            (ok.len() == n).then_some(ok)
+        },
+    )
+    .await
+}
+
 /// A worker's `/stats`, straight from its own port.
 async fn stats(gw: &Gateway, replica: &Value) -> Value {
     let addr = replica["addr"].as_str().expect("addr");
@@ -252,15 +268,7 @@ async fn failing_and_hanging_replicas_are_replaced_within_the_deadline() {
     assert_eq!(by_id("rollouts-3")["ok"], true);
 
     // The replacements start with the new weights: the pool converges.
-    let ready = eventually("3 ready replicas on version 1", || async {
-        let rs = replicas(&gw).await;
-        let ok: Vec<Value> = rs
-            .into_iter()
-            .filter(|r| r["state"] == "ready" && r["weights_version"] == 1)
-            .collect();
-        (ok.len() == 3).then_some(ok)
-    })
-    .await;
+    let ready = ready_on(&gw, 3, 1).await;
     for r in &ready {
         assert!(
             r["id"] != "rollouts-1" && r["id"] != "rollouts-2",
@@ -312,15 +320,7 @@ async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() 
     assert_eq!(s["pools"][0]["weights_version"], 1, "{s}");
     assert!(s["pools"][0]["syncing_to"].is_null(), "{s}");
     // Every replica serves version 1 again, the failed one replaced.
-    let ready = eventually("2 ready replicas on version 1", || async {
-        let rs = replicas(&gw).await;
-        let ok: Vec<Value> = rs
-            .into_iter()
-            .filter(|r| r["state"] == "ready" && r["weights_version"] == 1)
-            .collect();
-        (ok.len() == 2).then_some(ok)
-    })
-    .await;
+    let ready = ready_on(&gw, 2, 1).await;
     for r in &ready {
         assert_eq!(
             stats(&gw, r).await["weights"]["sha256"],
@@ -341,15 +341,7 @@ async fn a_sync_no_replica_can_load_is_rolled_back_and_the_pool_keeps_serving() 
         (Some(2), Some(0)),
         "{out}"
     );
-    let ready = eventually("2 ready replicas on version 2", || async {
-        let rs = replicas(&gw).await;
-        let ok: Vec<Value> = rs
-            .into_iter()
-            .filter(|r| r["state"] == "ready" && r["weights_version"] == 2)
-            .collect();
-        (ok.len() == 2).then_some(ok)
-    })
-    .await;
+    let ready = ready_on(&gw, 2, 2).await;
     for r in &ready {
         assert_eq!(
             stats(&gw, r).await["weights"]["sha256"],
