@@ -64,8 +64,11 @@ pub struct EngineReading {
     pub load: EngineLoad,
     /// When.
     pub at: Instant,
-    /// Requests this gateway had in flight to it when the answer came:
-    /// what of the engine's count is this gateway's own.
+    /// What of the engine's count may be this gateway's own: the most
+    /// requests it had in flight to the engine while the read was under
+    /// way (when it was asked, or when the answer came). A request that
+    /// ended during the read may still be in the engine's count; taking
+    /// only the count at the answer would see it as another's.
     pub local: u32,
 }
 

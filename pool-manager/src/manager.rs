@@ -1220,12 +1220,13 @@ impl ReplicaTask {
                         // Stamped when asked: a slow answer is as old as the
                         // question, and never replaces a newer reading.
                         let at = Instant::now();
+                        let asked_with = handle.inflight();
                         match prober.read_engine(addr, &path, period).await {
                             Ok(load) if !load.is_empty() => {
                                 handle.set_engine(crate::engine::EngineReading {
                                     load,
                                     at,
-                                    local: handle.inflight(),
+                                    local: asked_with.max(handle.inflight()),
                                 });
                             }
                             Ok(_) => tracing::debug!(replica = %handle.id, "the engine's metrics name no load signal"),
