@@ -30,6 +30,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 mod aware;
+pub mod linger;
 pub mod pool;
 pub mod sim;
 
@@ -128,9 +129,9 @@ pub struct ScalingConfig {
     pub stable_window: Duration,
     /// Short averaging window used to detect and follow bursts.
     pub panic_window: Duration,
-    /// Idle time (no concurrency, no wake) after which the app scales to
-    /// zero when `min == 0`.
-    pub scale_to_zero_after: Duration,
+    /// When the last replica goes once the app is idle (no concurrency,
+    /// no wake), if `min == 0`.
+    pub scale_to_zero_after: ScaleToZero,
     /// panic when panic-window demand / current capacity >= this (2.0 = 200%)
     pub panic_threshold: f64,
     /// Per tick, the count grows to at most `rate × ready` (when any is
@@ -170,7 +171,7 @@ impl Default for ScalingConfig {
             target: DEFAULT_TARGET_CONCURRENCY,
             stable_window: DEFAULT_STABLE_WINDOW,
             panic_window: DEFAULT_PANIC_WINDOW,
-            scale_to_zero_after: DEFAULT_SCALE_TO_ZERO_AFTER,
+            scale_to_zero_after: ScaleToZero::Auto,
             panic_threshold: DEFAULT_PANIC_THRESHOLD,
             max_scale_up_rate: DEFAULT_MAX_SCALE_UP_RATE,
             max_scale_down_rate: DEFAULT_MAX_SCALE_DOWN_RATE,
@@ -182,6 +183,18 @@ impl Default for ScalingConfig {
             start_timeout: DEFAULT_START_TIMEOUT,
         }
     }
+}
+
+/// When an idle app's last replica goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScaleToZero {
+    /// After as long as a cold start would cost, learned from the idle
+    /// spells seen ([`linger`]); [`DEFAULT_SCALE_TO_ZERO_AFTER`] until a
+    /// cold start and a few spells are known.
+    #[default]
+    Auto,
+    /// After this long idle, whatever the cold start.
+    After(Duration),
 }
 
 // === Observation / Decision ===
@@ -255,6 +268,8 @@ pub struct Autoscaler {
     cold_start: Option<Duration>,
     /// What the cold-start-aware rules measure.
     aware: aware::Aware,
+    /// The idle spells behind `scale_to_zero_after = "auto"`.
+    idle: linger::IdleSpells,
     /// Replicas asked for that are not all ready yet, and since when: the
     /// count never drops below it until they are (a start is never taken
     /// back before it is ready).
@@ -288,6 +303,7 @@ impl Autoscaler {
             adopted: None,
             cold_start: None,
             aware: aware::Aware::default(),
+            idle: linger::IdleSpells::default(),
             committed: None,
         }
     }
@@ -308,6 +324,19 @@ impl Autoscaler {
     /// The moving average of measured cold starts, once there is one.
     pub fn cold_start(&self) -> Option<Duration> {
         self.cold_start
+    }
+
+    /// How long the app stays idle before its last replica goes: the
+    /// config's duration, or under `Auto` what the idle spells seen say
+    /// ([`linger`]), [`DEFAULT_SCALE_TO_ZERO_AFTER`] until they can.
+    pub fn scale_to_zero_after(&self) -> Duration {
+        match self.config.scale_to_zero_after {
+            ScaleToZero::After(d) => d,
+            ScaleToZero::Auto => self
+                .idle
+                .linger(self.cold_start, self.slots())
+                .unwrap_or(DEFAULT_SCALE_TO_ZERO_AFTER),
+        }
     }
 
     /// The configuration this policy follows.
@@ -343,9 +372,13 @@ impl Autoscaler {
         let now = obs.now;
         let concurrency = sanitize_concurrency(obs.concurrency);
         self.record(now, concurrency);
-        if concurrency > 0.0 || obs.arrivals > 0 || obs.queued > 0 {
+        let active = concurrency > 0.0 || obs.arrivals > 0 || obs.queued > 0;
+        if active {
             self.mark_active(now);
         }
+        self.idle
+            .observe(now, active, obs.arrivals, self.cold_start);
+        let linger = self.scale_to_zero_after();
         // All asked-for replicas are ready: nothing is committed any more.
         if self.committed.is_some_and(|(n, _)| obs.ready >= n) {
             self.committed = None;
@@ -367,7 +400,7 @@ impl Autoscaler {
             slots: self.slots(),
             stable_window: self.config.stable_window,
             panic_window: self.config.panic_window,
-            linger: (self.config.min == 0).then_some(self.config.scale_to_zero_after),
+            linger: (self.config.min == 0).then_some(linger),
             desired: self.desired,
         });
         let decided = aware.and_then(|inputs| self.aware.decide(&inputs, self.sample_cap));
@@ -440,7 +473,7 @@ impl Autoscaler {
             && obs.queued == 0
             && self
                 .last_active
-                .is_none_or(|last| now.saturating_sub(last) >= self.config.scale_to_zero_after);
+                .is_none_or(|last| now.saturating_sub(last) >= linger);
         if idle && self.config.min == 0 {
             // A whole idle period ends any panic that was still running.
             desired = 0;
@@ -778,7 +811,7 @@ mod tests {
             min: 0,
             max: 4,
             target: 1.0,
-            scale_to_zero_after: Duration::from_secs(60),
+            scale_to_zero_after: ScaleToZero::After(Duration::from_secs(60)),
             ..ScalingConfig::default()
         };
         let idle = |a: &mut Autoscaler, s: u64| {

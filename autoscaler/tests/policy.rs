@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use warmgate_autoscaler::{Autoscaler, Decision, Observation, ScalingConfig};
+use warmgate_autoscaler::{Autoscaler, Decision, Observation, ScaleToZero, ScalingConfig};
 
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
@@ -102,7 +102,7 @@ fn scales_to_zero_exactly_after_idle_period() {
 #[test]
 fn scale_to_zero_overrides_longer_stable_window() {
     let config = ScalingConfig {
-        scale_to_zero_after: secs(30),
+        scale_to_zero_after: ScaleToZero::After(secs(30)),
         ..ScalingConfig::default()
     };
     assert_eq!(config.stable_window, secs(60));
@@ -122,7 +122,7 @@ fn keeps_last_replica_while_window_reads_zero() {
     let config = ScalingConfig {
         stable_window: secs(10),
         panic_window: secs(2),
-        scale_to_zero_after: secs(120),
+        scale_to_zero_after: ScaleToZero::After(secs(120)),
         ..ScalingConfig::default()
     };
     let mut a = Autoscaler::new(config);
@@ -160,7 +160,7 @@ fn wake_from_zero_is_immediate_and_sticks() {
 #[test]
 fn a_slow_first_start_is_kept_until_the_start_timeout() {
     let mut a = Autoscaler::new(ScalingConfig {
-        scale_to_zero_after: secs(10),
+        scale_to_zero_after: ScaleToZero::After(secs(10)),
         start_timeout: secs(900),
         ..ScalingConfig::default()
     });
@@ -203,7 +203,7 @@ fn panic_config() -> ScalingConfig {
     ScalingConfig {
         max: 10,
         target: 1.0,
-        scale_to_zero_after: secs(600),
+        scale_to_zero_after: ScaleToZero::After(secs(600)),
         ..ScalingConfig::default()
     }
 }
@@ -258,7 +258,7 @@ fn panic_follows_a_growing_burst() {
 #[test]
 fn scale_to_zero_ends_panic() {
     let config = ScalingConfig {
-        scale_to_zero_after: secs(30),
+        scale_to_zero_after: ScaleToZero::After(secs(30)),
         ..panic_config()
     };
     let mut a = Autoscaler::new(config);

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use warmgate_autoscaler::{Autoscaler, Decision, Observation, ScalingConfig};
+use warmgate_autoscaler::{Autoscaler, Decision, Observation, ScaleToZero, ScalingConfig};
 
 /// One tick of a random stream: observed concurrency, ready replicas
 /// (reduced modulo `max + 1`) and whether a request woke the app mid-tick.
@@ -22,7 +22,7 @@ fn config() -> impl Strategy<Value = ScalingConfig> {
         0.5_f64..16.0,
         1_u64..=120,
         1_u64..=30,
-        0_u64..=180,
+        prop::option::of(0_u64..=180),
         1.0_f64..4.0,
         (
             prop_oneof![Just(1000.0), 1.5_f64..10.0],
@@ -48,7 +48,9 @@ fn config() -> impl Strategy<Value = ScalingConfig> {
                     target,
                     stable_window: Duration::from_secs(stable),
                     panic_window: Duration::from_secs(panic),
-                    scale_to_zero_after: Duration::from_secs(to_zero),
+                    scale_to_zero_after: to_zero.map_or(ScaleToZero::Auto, |s| {
+                        ScaleToZero::After(Duration::from_secs(s))
+                    }),
                     panic_threshold: threshold,
                     max_scale_up_rate: up,
                     max_scale_down_rate: down,
@@ -266,7 +268,7 @@ proptest! {
             target,
             stable_window: Duration::from_secs(windows.0),
             panic_window: Duration::from_secs(windows.1),
-            scale_to_zero_after: Duration::from_secs(windows.2),
+            scale_to_zero_after: ScaleToZero::After(Duration::from_secs(windows.2)),
             panic_threshold: threshold,
             max_scale_up_rate: rates.0,
             max_scale_down_rate: rates.1,
@@ -360,6 +362,7 @@ mod cold_start_aware {
             let mut prev = a.desired();
             // The latest start: the count asked for and when.
             let mut started: Option<(u32, Duration)> = None;
+            let mut last_active = Duration::ZERO;
             for (s, t) in (1_u64..).zip(&ticks) {
                 let now = Duration::from_secs(s);
                 // Some of the replicas asked for come up; replicas beyond
@@ -380,6 +383,25 @@ mod cold_start_aware {
                 if t.queued > 0 || inflight > 0 {
                     prop_assert!(d >= 1, "work waits at zero");
                 }
+                // `auto` (the default here) lets the last replica go only
+                // after an idle spell as long as the linger it learned,
+                // which is at most twenty cold starts, or the minute it
+                // starts with.
+                if t.queued > 0 || inflight > 0 || t.arrivals > 0 {
+                    last_active = now;
+                }
+                let linger = a.scale_to_zero_after();
+                prop_assert!(
+                    linger <= Duration::from_secs(20 * cold).max(Duration::from_secs(60)),
+                    "linger {:?} past twenty cold starts of {} s", linger, cold
+                );
+                if d == 0 && prev > 0 {
+                    prop_assert!(
+                        now.saturating_sub(last_active) >= linger,
+                        "t={}: to zero {:?} after the last activity, linger {:?}",
+                        s, now.saturating_sub(last_active), linger
+                    );
+                }
                 if let Some((n, at)) = started {
                     if ready >= n || now.saturating_sub(at) >= lapse {
                         started = None;
@@ -397,6 +419,7 @@ mod cold_start_aware {
                 prev = d;
                 if t.wake {
                     let w = a.wake(now);
+                    last_active = now;
                     prop_assert!(w >= 1 && w <= max, "a request at zero wakes the app: {}", w);
                     if w > prev && w > ready && started.is_none() {
                         started = Some((w, now));

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::{Error, Result, ScaleToZeroAfter};
 
 /// Default values, each with the reason for it.
 pub mod defaults {
@@ -68,7 +68,8 @@ pub mod defaults {
     /// hard limit so bursts find a free slot.
     pub const TARGET_UTILIZATION: f64 = 0.7;
     /// Knative's `scale-to-zero-grace-period` plus its stable window: a minute
-    /// without traffic before the last replica goes.
+    /// without traffic before the last replica goes, under `"auto"` until
+    /// the app's cold start and idle spells are known.
     pub const SCALE_TO_ZERO_AFTER: Duration = Duration::from_secs(60);
     /// Knative's stable window.
     pub const STABLE_WINDOW: Duration = Duration::from_secs(60);
@@ -982,10 +983,12 @@ pub struct AutoscaleSpec {
     /// Desired in-flight requests per replica. Defaults to 70% of
     /// `concurrency`.
     pub target: Option<f64>,
-    /// Time without traffic before the last replica is stopped.
-    #[serde(with = "bounded")]
-    #[schemars(with = "String")]
-    pub scale_to_zero_after: Duration,
+    /// Time without traffic before the last replica is stopped: a
+    /// duration, or `"auto"`, as long as a cold start would cost (its
+    /// replica-seconds and the waiting of the requests that meet it),
+    /// learned from the app's idle spells and measured cold start; a
+    /// minute until those are known.
+    pub scale_to_zero_after: ScaleToZeroAfter,
     /// Window over which demand is averaged for normal scaling.
     #[serde(with = "bounded")]
     #[schemars(with = "String")]
@@ -2006,7 +2009,7 @@ impl Default for AutoscaleSpec {
             min: defaults::MIN,
             max: defaults::MAX,
             target: None,
-            scale_to_zero_after: defaults::SCALE_TO_ZERO_AFTER,
+            scale_to_zero_after: ScaleToZeroAfter::Auto,
             stable_window: defaults::STABLE_WINDOW,
             panic_window: defaults::PANIC_WINDOW,
             panic_threshold: defaults::PANIC_THRESHOLD,
@@ -2518,7 +2521,10 @@ mod tests {
         assert_eq!(app.command[0], "/base/./bin/embedder");
         assert_eq!(app.command[1], "--flag");
         assert_eq!(app.concurrency, defaults::CONCURRENCY);
-        assert_eq!(app.autoscale.scale_to_zero_after, Duration::from_secs(90));
+        assert_eq!(
+            app.autoscale.scale_to_zero_after,
+            crate::ScaleToZeroAfter::After(Duration::from_secs(90))
+        );
         assert_eq!(app.autoscale.max, 2);
         assert_eq!(app.queue.max_pending, defaults::MAX_PENDING);
         assert!((app.target() - 5.6).abs() < 1e-9);

@@ -16,6 +16,7 @@ pub mod expand;
 pub mod reference;
 pub mod revision;
 pub mod routing;
+mod scale_to_zero;
 pub mod store;
 mod target;
 
@@ -27,6 +28,7 @@ pub use config::{
     WeightsConfig, check_dns_label, defaults, parse_size, resolve_checkpoint,
 };
 pub use routing::{EngineSpec, RoutingPolicy, RoutingSpec};
+pub use scale_to_zero::ScaleToZeroAfter;
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 
 use std::path::PathBuf;

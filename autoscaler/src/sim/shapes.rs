@@ -64,6 +64,29 @@ pub enum Shape {
         /// How long a spike's arrivals are spread over, seconds.
         within: f64,
     },
+    /// Busy periods between idle gaps, as a service used in working
+    /// sessions: a busy period lasts `busy` seconds on average
+    /// (exponential) and runs at `rate` per second, with bursts of
+    /// `burst` per second lasting `burst_len` seconds on average, about
+    /// `burst_every` seconds apart (an on/off process); between busy
+    /// periods nothing at all arrives for `idle_min` to `idle_max`
+    /// seconds (uniform). It starts busy.
+    Sessions {
+        /// Requests per second in a busy period, between bursts.
+        rate: f64,
+        /// Requests per second in a burst.
+        burst: f64,
+        /// Mean burst length, seconds.
+        burst_len: f64,
+        /// Mean time between bursts in a busy period, seconds.
+        burst_every: f64,
+        /// Mean busy period, seconds.
+        busy: f64,
+        /// Shortest idle gap, seconds.
+        idle_min: f64,
+        /// Longest idle gap, seconds.
+        idle_max: f64,
+    },
 }
 
 /// The highest rate a generated shape may ask for: an hour of it is a
@@ -105,13 +128,27 @@ impl Shape {
         within: 2.0,
     };
 
+    /// Busy periods of three minutes on average at 2.5 requests/s, with
+    /// bursts of 30/s lasting 3 s about every 45 s, between idle gaps of 1
+    /// to 4 minutes: a service between its users' working sessions.
+    pub const BUSY_IDLE: Shape = Shape::Sessions {
+        rate: 2.5,
+        burst: 30.0,
+        burst_len: 3.0,
+        burst_every: 45.0,
+        busy: 180.0,
+        idle_min: 60.0,
+        idle_max: 240.0,
+    };
+
     /// The named shapes, in the order reports list them.
-    pub const PRESETS: [(&'static str, Shape); 5] = [
+    pub const PRESETS: [(&'static str, Shape); 6] = [
         ("steady", Shape::STEADY),
         ("bursts-short", Shape::BURSTS_SHORT),
         ("bursts-long", Shape::BURSTS_LONG),
         ("daily", Shape::DAILY),
         ("spikes", Shape::SPIKES),
+        ("busy-idle", Shape::BUSY_IDLE),
     ];
 
     /// The named shapes alone.
@@ -135,7 +172,7 @@ impl Shape {
         match *self {
             Shape::Poisson { .. } | Shape::Daily { .. } => false,
             Shape::OnOff { low, high, .. } => high >= 3.0 * low && high > 0.0,
-            Shape::Spikes { .. } => true,
+            Shape::Spikes { .. } | Shape::Sessions { .. } => true,
         }
     }
 
@@ -151,6 +188,18 @@ impl Shape {
                 max,
                 within,
             } => (f64::from(min) + f64::from(max)) / 2.0 / (every + within),
+            Shape::Sessions {
+                rate,
+                burst,
+                burst_len,
+                burst_every,
+                busy,
+                idle_min,
+                idle_max,
+            } => {
+                let in_busy = rate + (burst - rate) * burst_len / (burst_len + burst_every);
+                in_busy * busy / (busy + (idle_min + idle_max) / 2.0)
+            }
         }
     }
 
@@ -206,6 +255,29 @@ impl Shape {
                 }
                 Ok(())
             }
+            Shape::Sessions {
+                rate: r,
+                burst,
+                burst_len,
+                burst_every,
+                busy,
+                idle_min,
+                idle_max,
+            } => {
+                rate("rate", r)?;
+                rate("burst", burst)?;
+                length("burst_len", burst_len, 0.1)?;
+                length("burst_every", burst_every, 0.1)?;
+                length("busy", busy, 1.0)?;
+                length("idle_min", idle_min, 0.0)?;
+                length("idle_max", idle_max, 0.0)?;
+                if idle_min > idle_max {
+                    return Err(format!(
+                        "idle_min ({idle_min}) must not exceed idle_max ({idle_max})"
+                    ));
+                }
+                Ok(())
+            }
         }
     }
 
@@ -217,7 +289,7 @@ impl Shape {
         fn log_uniform(rng: &mut impl Rng, lo: f64, hi: f64) -> f64 {
             (lo.ln() + rng.random::<f64>() * (hi / lo).ln()).exp()
         }
-        match rng.random_range(0..4u32) {
+        match rng.random_range(0..5u32) {
             0 => Shape::Poisson {
                 rate: round(log_uniform(rng, 0.05, 20.0)),
             },
@@ -240,6 +312,19 @@ impl Shape {
                 Shape::Daily {
                     low,
                     high: round(low + log_uniform(rng, 1.0, 15.0)),
+                }
+            }
+            3 => {
+                let rate = round(log_uniform(rng, 0.2, 5.0));
+                let idle_min = round(log_uniform(rng, 20.0, 300.0));
+                Shape::Sessions {
+                    rate,
+                    burst: round(rate + log_uniform(rng, 5.0, 50.0)),
+                    burst_len: round(log_uniform(rng, 1.0, 10.0)),
+                    burst_every: round(log_uniform(rng, 10.0, 300.0)),
+                    busy: round(log_uniform(rng, 60.0, 900.0)),
+                    idle_min,
+                    idle_max: round(idle_min * log_uniform(rng, 1.0, 4.0)),
                 }
             }
             _ => {
@@ -271,7 +356,9 @@ impl Shape {
         let end = DURATION.as_secs_f64();
         let arrivals = match *self {
             Shape::Poisson { rate } => poisson(&mut rng, 0.0, end, rate),
-            Shape::OnOff { low, high, on, off } => on_off(&mut rng, end, low, high, on, off),
+            Shape::OnOff { low, high, on, off } => {
+                on_off(&mut rng, 0.0, end, (low, high), (on, off))
+            }
             Shape::Daily { low, high } => {
                 let rate = |t: f64| {
                     low + (high - low) * (1.0 - (2.0 * std::f64::consts::PI * t / end).cos()) / 2.0
@@ -298,6 +385,31 @@ impl Shape {
                         out.push(t + rng.random::<f64>() * within);
                     }
                     t += within + gap.sample(&mut rng);
+                }
+                out
+            }
+            Shape::Sessions {
+                rate,
+                burst,
+                burst_len,
+                burst_every,
+                busy,
+                idle_min,
+                idle_max,
+            } => {
+                let length = Exp::new(1.0 / busy).expect("a positive mean");
+                let mut out = Vec::new();
+                let mut t = 0.0;
+                while t < end {
+                    let until = (t + length.sample(&mut rng)).min(end);
+                    out.extend(on_off(
+                        &mut rng,
+                        t,
+                        until,
+                        (rate, burst),
+                        (burst_len, burst_every),
+                    ));
+                    t = until + rng.random_range(idle_min..=idle_max);
                 }
                 out
             }
@@ -346,6 +458,18 @@ impl fmt::Display for Shape {
                 f,
                 "spikes:every={every}:min={min}:max={max}:within={within}"
             ),
+            Shape::Sessions {
+                rate,
+                burst,
+                burst_len,
+                burst_every,
+                busy,
+                idle_min,
+                idle_max,
+            } => write!(
+                f,
+                "sessions:rate={rate}:burst={burst}:burst_len={burst_len}:burst_every={burst_every}:busy={busy}:idle_min={idle_min}:idle_max={idle_max}"
+            ),
         }
     }
 }
@@ -353,10 +477,12 @@ impl fmt::Display for Shape {
 impl FromStr for Shape {
     type Err = String;
     /// A preset's name (`steady`, `bursts-short`, `bursts-long`, `daily`,
-    /// `spikes`), or a family with parameters, `:`-separated, each left
-    /// out taking the family's preset value: `poisson:rate=R`,
+    /// `spikes`, `busy-idle`), or a family with parameters, `:`-separated,
+    /// each left out taking the family's preset value: `poisson:rate=R`,
     /// `on-off:low=R:high=R:on=S:off=S`, `daily:low=R:high=R`,
-    /// `spikes:every=S:min=N:max=N:within=S`. Rates are per second;
+    /// `spikes:every=S:min=N:max=N:within=S`,
+    /// `sessions:rate=R:burst=R:burst_len=S:burst_every=S:busy=S:idle_min=S:idle_max=S`.
+    /// Rates are per second;
     /// lengths are seconds, or with a unit (`90s`, `5m`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let s = s.trim();
@@ -370,10 +496,11 @@ impl FromStr for Shape {
             "on-off" => Shape::BURSTS_SHORT,
             "daily" => Shape::DAILY,
             "spikes" => Shape::SPIKES,
+            "sessions" => Shape::BUSY_IDLE,
             _ => {
                 let names: Vec<_> = Self::PRESETS.iter().map(|(n, _)| *n).collect();
                 return Err(format!(
-                    "unknown shape {s:?}; known: {}, or poisson:…, on-off:…, daily:…, spikes:… with parameters",
+                    "unknown shape {s:?}; known: {}, or poisson:…, on-off:…, daily:…, spikes:…, sessions:… with parameters",
                     names.join(", ")
                 ));
             }
@@ -398,6 +525,13 @@ impl FromStr for Shape {
                 (Shape::Spikes { within, .. }, "within") => *within = seconds()?,
                 (Shape::Spikes { min, .. }, "min") => *min = count()?,
                 (Shape::Spikes { max, .. }, "max") => *max = count()?,
+                (Shape::Sessions { rate, .. }, "rate") => *rate = number()?,
+                (Shape::Sessions { burst, .. }, "burst") => *burst = number()?,
+                (Shape::Sessions { burst_len, .. }, "burst_len") => *burst_len = seconds()?,
+                (Shape::Sessions { burst_every, .. }, "burst_every") => *burst_every = seconds()?,
+                (Shape::Sessions { busy, .. }, "busy") => *busy = seconds()?,
+                (Shape::Sessions { idle_min, .. }, "idle_min") => *idle_min = seconds()?,
+                (Shape::Sessions { idle_max, .. }, "idle_max") => *idle_max = seconds()?,
                 (_, key) => return Err(format!("{s:?}: {family} has no parameter {key:?}")),
             }
         }
@@ -474,16 +608,22 @@ fn poisson(rng: &mut ChaCha8Rng, from: f64, to: f64, rate: f64) -> Vec<f64> {
     out
 }
 
-/// A two-state Markov-modulated Poisson process: `low` per second in the
-/// off state, `high` in the on state; the states last exponential times
-/// with means `on` and `off` seconds. It starts off.
-fn on_off(rng: &mut ChaCha8Rng, end: f64, low: f64, high: f64, on: f64, off: f64) -> Vec<f64> {
+/// A two-state Markov-modulated Poisson process in `[from, end)`: `low`
+/// per second in the off state, `high` in the on state; the states last
+/// exponential times with means `on` and `off` seconds. It starts off.
+fn on_off(
+    rng: &mut ChaCha8Rng,
+    from: f64,
+    end: f64,
+    (low, high): (f64, f64),
+    (on, off): (f64, f64),
+) -> Vec<f64> {
     let (on_len, off_len) = (
         Exp::new(1.0 / on).expect("positive mean"),
         Exp::new(1.0 / off).expect("positive mean"),
     );
     let mut out = Vec::new();
-    let mut t = 0.0;
+    let mut t = from;
     let mut bursting = false;
     while t < end {
         let (len, rate) = if bursting {
@@ -520,13 +660,15 @@ mod tests {
             assert!(a.iter().all(|r| r.arrival < DURATION));
             // Long-run means, worked out by hand: steady 3/s; on/off
             // low + (high - low) × on / (on + off); daily the cosine's
-            // mean; spikes 70 per 242 s.
+            // mean; spikes 70 per 242 s; busy-idle 2.5 + 27.5 × 3 / 48
+            // per second for 180 s of every 330.
             let expected = match name {
                 "steady" => 3.0,
                 "bursts-short" => 0.5 + 24.5 * 6.0 / 66.0,
                 "bursts-long" => 0.5 + 9.5 * 150.0 / 450.0,
                 "daily" => 3.05,
                 "spikes" => 70.0 / 242.0,
+                "busy-idle" => (2.5 + 27.5 * 3.0 / 48.0) * 180.0 / 330.0,
                 other => panic!("no expected rate for {other}"),
             };
             assert!((shape.mean_rate() / expected - 1.0).abs() < 1e-9, "{name}");
@@ -559,7 +701,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(families.len(), 4, "every family is drawn");
+        assert_eq!(families.len(), 5, "every family is drawn");
     }
 
     #[test]
@@ -602,6 +744,8 @@ mod tests {
             ("spikes:min=9:max=3", "min <= max"),
             ("spikes:max=1000000", "min <= max"),
             ("spikes:min=x", "not a number"),
+            ("sessions:idle_min=5m:idle_max=1m", "must not exceed"),
+            ("sessions:busy=0", "busy must"),
         ] {
             let e = bad.parse::<Shape>().unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
-use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
-use warmgate_deploy::{AppSpec, RoutingPolicy, TargetId};
+use warmgate_autoscaler::{Autoscaler, Observation, ScaleToZero, ScalingConfig};
+use warmgate_deploy::{AppSpec, RoutingPolicy, ScaleToZeroAfter, TargetId};
 use warmgate_pool::ReplicaHandle;
 
 use super::adapters::{AdapterTable, Candidate as AdapterCandidate, LoadState, Ticket};
@@ -202,7 +202,10 @@ pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
         target: spec.target(),
         stable_window: a.stable_window,
         panic_window: a.panic_window,
-        scale_to_zero_after: a.scale_to_zero_after,
+        scale_to_zero_after: match a.scale_to_zero_after {
+            ScaleToZeroAfter::Auto => ScaleToZero::Auto,
+            ScaleToZeroAfter::After(d) => ScaleToZero::After(d),
+        },
         panic_threshold: a.panic_threshold,
         max_scale_up_rate: a.max_scale_up_rate,
         max_scale_down_rate: a.max_scale_down_rate,
