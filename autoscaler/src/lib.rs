@@ -30,7 +30,10 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 mod aware;
+pub mod engine;
 pub mod linger;
+
+pub use engine::{EngineSignals, EngineTargets};
 pub mod pool;
 pub mod sim;
 
@@ -161,6 +164,9 @@ pub struct ScalingConfig {
     /// kept this long, so a stock server loading its weights for minutes is
     /// not stopped halfway when the request that woke it gives up.
     pub start_timeout: Duration,
+    /// Scale on the engines' own queues and KV caches too ([`engine`]);
+    /// without a target, their signals are not used.
+    pub engine: EngineTargets,
 }
 
 impl Default for ScalingConfig {
@@ -181,6 +187,7 @@ impl Default for ScalingConfig {
             concurrency: 0,
             cold_start_aware: true,
             start_timeout: DEFAULT_START_TIMEOUT,
+            engine: EngineTargets::default(),
         }
     }
 }
@@ -224,6 +231,9 @@ pub struct Observation {
     /// under the in-flight count); with `completions` it measures the
     /// service time.
     pub busy: f64,
+    /// What the ready replicas' engines said, when any reading is fresh
+    /// (`None`: none is, and the counts above decide alone).
+    pub engine: Option<EngineSignals>,
 }
 
 /// The policy's answer to one [`Observation`].
@@ -372,7 +382,10 @@ impl Autoscaler {
         let now = obs.now;
         let concurrency = sanitize_concurrency(obs.concurrency);
         self.record(now, concurrency);
-        let active = concurrency > 0.0 || obs.arrivals > 0 || obs.queued > 0;
+        let active = concurrency > 0.0
+            || obs.arrivals > 0
+            || obs.queued > 0
+            || obs.engine.is_some_and(|e| e.busy());
         if active {
             self.mark_active(now);
         }
@@ -411,6 +424,14 @@ impl Autoscaler {
             }
             None => self.windowed(&obs, stable_concurrency, panic_concurrency),
         };
+
+        // The engines' queues and caches: only ever more replicas.
+        if let Some(need) = obs
+            .engine
+            .and_then(|e| engine::replicas_needed(&e, &self.config.engine, obs.ready))
+        {
+            desired = desired.max(need);
+        }
 
         // Predictive: a replica started now is ready one cold start from
         // now, so plan for the demand then, when it is rising.

@@ -303,7 +303,10 @@ mod cold_start_aware {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use warmgate_autoscaler::{Autoscaler, Observation, ScalingConfig};
+    use warmgate_autoscaler::engine::replicas_needed;
+    use warmgate_autoscaler::{
+        Autoscaler, EngineSignals, EngineTargets, Observation, ScalingConfig,
+    };
 
     #[derive(Debug, Clone, Copy)]
     struct Tick {
@@ -314,6 +317,23 @@ mod cold_start_aware {
         /// Of the replicas asked for and not ready, how many come up.
         come_up: u32,
         wake: bool,
+        /// The engines' reading; `None`: stale or never read.
+        engine: Option<EngineSignals>,
+    }
+
+    fn engine() -> impl Strategy<Value = Option<EngineSignals>> {
+        prop::option::weighted(
+            0.5,
+            (0_u32..4, 0.0_f64..40.0, 0.0_f64..40.0, 0.0_f64..1.0).prop_map(
+                |(read, waiting, running, kv)| EngineSignals {
+                    read,
+                    waiting,
+                    running,
+                    kv_read: read,
+                    kv_cache_usage: kv * f64::from(read),
+                },
+            ),
+        )
     }
 
     fn tick() -> impl Strategy<Value = Tick> {
@@ -324,15 +344,17 @@ mod cold_start_aware {
             0_u32..20,
             0_u32..4,
             prop::bool::weighted(0.05),
+            engine(),
         )
             .prop_map(
-                |(arrivals, queued, inflight, completions, come_up, wake)| Tick {
+                |(arrivals, queued, inflight, completions, come_up, wake, engine)| Tick {
                     arrivals,
                     queued,
                     inflight,
                     completions,
                     come_up,
                     wake,
+                    engine,
                 },
             )
     }
@@ -347,12 +369,16 @@ mod cold_start_aware {
             slots in 1_u32..=16,
             cold in 1_u64..=90,
             ticks in prop::collection::vec(tick(), 1..300),
+            waiting in prop::option::of(0.5_f64..8.0),
+            kv in prop::option::of(0.3_f64..1.0),
         ) {
+            let targets = EngineTargets { waiting, kv_cache_usage: kv };
             let config = ScalingConfig {
                 min: min.min(max),
                 max,
                 target: f64::from(slots) * 0.7,
                 concurrency: slots,
+                engine: targets,
                 ..ScalingConfig::default()
             };
             let mut a = Autoscaler::new(config);
@@ -377,7 +403,13 @@ mod cold_start_aware {
                     arrivals: t.arrivals,
                     completions: t.completions,
                     busy: f64::from(inflight),
+                    engine: t.engine,
                 }).desired;
+                // Engines that read as needing more get at least that many
+                // (within max); a stale reading asks for nothing.
+                if let Some(need) = t.engine.and_then(|e| replicas_needed(&e, &targets, ready)) {
+                    prop_assert!(d >= need.min(max), "engines need {}, count {}", need, d);
+                }
                 prop_assert!(d <= max, "{} above max {}", d, max);
                 prop_assert!(d >= min.min(max));
                 if t.queued > 0 || inflight > 0 {
@@ -387,7 +419,11 @@ mod cold_start_aware {
                 // after an idle spell as long as the linger it learned,
                 // which is at most twenty cold starts, or the minute it
                 // starts with.
-                if t.queued > 0 || inflight > 0 || t.arrivals > 0 {
+                if t.queued > 0
+                    || inflight > 0
+                    || t.arrivals > 0
+                    || t.engine.is_some_and(|e| e.busy())
+                {
                     last_active = now;
                 }
                 let linger = a.scale_to_zero_after();

@@ -1023,6 +1023,15 @@ pub struct AutoscaleSpec {
     /// warm capacity through gaps shorter than a few cold starts
     /// (`docs/autoscaling.md`). Off: Knative's windows alone.
     pub cold_start_aware: bool,
+    /// Requests waiting in each engine's own queue to aim at
+    /// (`vllm:num_requests_waiting` and its kin): more replicas start when
+    /// the engines' mean queue is above it. Needs `[apps.engine]
+    /// metrics_path`; unset, the engines' queues do not scale the app.
+    pub target_waiting: Option<f64>,
+    /// KV-cache fill (above 0, at most 1) each engine is meant to run at
+    /// (`vllm:kv_cache_usage_perc`): more replicas start when the mean
+    /// fill is above it. Needs `[apps.engine] metrics_path`.
+    pub target_kv_cache_usage: Option<f64>,
 }
 
 /// An app's hold queue.
@@ -1385,6 +1394,35 @@ impl Config {
                 return Err((
                     at("autoscale.target_utilization"),
                     "must be above 0 and at most 1.0 (0.7 means 70% of concurrency)".into(),
+                ));
+            }
+            if let Some(w) = a.target_waiting
+                && !(w.is_finite() && w > 0.0 && w <= 1e6)
+            {
+                return Err((
+                    at("autoscale.target_waiting"),
+                    "must be a number of requests above 0".into(),
+                ));
+            }
+            if let Some(k) = a.target_kv_cache_usage
+                && !(k.is_finite() && k > 0.0 && k <= 1.0)
+            {
+                return Err((
+                    at("autoscale.target_kv_cache_usage"),
+                    "must be above 0 and at most 1.0 (0.8 means 80% of the KV cache)".into(),
+                ));
+            }
+            if (a.target_waiting.is_some() || a.target_kv_cache_usage.is_some())
+                && app.engine.metrics_path.is_none()
+            {
+                let key = if a.target_waiting.is_some() {
+                    "autoscale.target_waiting"
+                } else {
+                    "autoscale.target_kv_cache_usage"
+                };
+                return Err((
+                    at(key),
+                    "scaling on the engine's signals needs [apps.engine] metrics_path (\"/metrics\" for vLLM, TGI and SGLang)".into(),
                 ));
             }
             for (key, rate) in [
@@ -2020,6 +2058,8 @@ impl Default for AutoscaleSpec {
             predictive: false,
             cold_start_aware: true,
             suspend_after: None,
+            target_waiting: None,
+            target_kv_cache_usage: None,
         }
     }
 }

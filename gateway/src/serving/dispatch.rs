@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
-use warmgate_autoscaler::{Autoscaler, Observation, ScaleToZero, ScalingConfig};
+use warmgate_autoscaler::{Autoscaler, EngineTargets, Observation, ScaleToZero, ScalingConfig};
 use warmgate_deploy::{AppSpec, RoutingPolicy, ScaleToZeroAfter, TargetId};
 use warmgate_pool::ReplicaHandle;
 
@@ -215,6 +215,10 @@ pub fn scaling_config(spec: &AppSpec) -> ScalingConfig {
         concurrency: spec.concurrency,
         cold_start_aware: a.cold_start_aware,
         start_timeout: spec.startup_timeout,
+        engine: EngineTargets {
+            waiting: a.target_waiting,
+            kv_cache_usage: a.target_kv_cache_usage,
+        },
     }
 }
 
@@ -594,10 +598,13 @@ impl App {
     /// started. Returns whether the autoscaler is scaling for a burst.
     pub fn tick(&self, now: Duration, apply: impl FnOnce(u32)) -> bool {
         let mut scaler = self.scaler.lock();
-        let (reading, ready, queued) = {
+        let max_age = self.spec.load().engine.max_age;
+        let (reading, ready, queued, engine) = {
             let mut s = self.slots.lock();
-            let r = s.meter.take(Instant::now());
-            (r, s.replicas.len() as u32, s.live_waiters as u32)
+            let now = Instant::now();
+            let r = s.meter.take(now);
+            let engine = super::engine_load::engine_signals(&s.replicas, now, max_age);
+            (r, s.replicas.len() as u32, s.live_waiters as u32, engine)
         };
         let remote = self.remote_reading();
         let decision = scaler.observe(Observation {
@@ -608,6 +615,7 @@ impl App {
             arrivals: reading.arrivals.saturating_add(remote.arrivals),
             completions: reading.completions.saturating_add(remote.completions),
             busy: reading.busy + remote.busy,
+            engine,
         });
         apply(decision.desired.max(self.floor.load(Ordering::Relaxed)));
         decision.panicking

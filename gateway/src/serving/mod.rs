@@ -9,6 +9,7 @@ pub mod adapters;
 pub mod buffered;
 pub(crate) mod crash_loop;
 pub mod dispatch;
+pub mod engine_load;
 pub mod pipeline;
 pub mod proxy;
 pub mod route;
