@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use warmgate_autoscaler::pool::PoolScaling;
+use warmgate_autoscaler::sim::engine::EngineModel;
 use warmgate_autoscaler::sim::shapes::Shape;
 use warmgate_autoscaler::sim::sweep::{self, Cell, SweepConfig, Workload};
 use warmgate_autoscaler::sim::{ServiceModel, SimConfig, is_bursty, parse_azure_trace};
@@ -140,7 +141,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let table = sweep::markdown(&cells);
-    let verdicts = sweep::verdicts(&cells);
+    let mut verdicts = sweep::verdicts(&cells);
+    if args.sweep.is_some() {
+        let engine = EngineModel::default();
+        let engines: Vec<_> = workloads
+            .iter()
+            .flat_map(|w| colds.iter().map(move |c| (w, *c)))
+            .map(|(w, cold)| sweep::run_engines(w, &cfg, cold, &engine))
+            .collect();
+        verdicts.push_str(&format!(
+            "\nOn engine replicas (continuous batching, {} KV tokens, a step of {:.0} ms + {:.1} ms a sequence):\n\n{}",
+            engine.kv_tokens,
+            engine.step * 1000.0,
+            engine.per_sequence * 1000.0,
+            sweep::engine_markdown(&engines, spec.concurrency)
+        ));
+    }
     println!();
     println!("{table}");
     println!("{verdicts}");

@@ -29,8 +29,7 @@ impl Policy for Warmgate {
                 arrivals: t.arrivals,
                 completions: t.completions,
                 busy: t.busy,
-                // The simulated replicas have no engine of their own.
-                engine: None,
+                engine: t.engine,
             })
             .desired
     }

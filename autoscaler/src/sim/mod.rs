@@ -16,6 +16,7 @@ use std::time::Duration;
 
 mod baselines;
 pub mod clairvoyant;
+pub mod engine;
 pub mod shapes;
 pub mod sweep;
 mod trace;
@@ -49,6 +50,9 @@ pub struct Tick<'a> {
     pub busy: f64,
     /// How long each ready replica has had nothing in flight.
     pub idle: &'a [Duration],
+    /// What the replicas' engines say, on engine replicas
+    /// ([`engine::simulate_engines`]); `None` on plain ones.
+    pub engine: Option<crate::EngineSignals>,
 }
 
 /// A scaling policy under simulation.
@@ -227,6 +231,7 @@ pub fn simulate(
                 completions: (sim.completed - last_completed) as u32,
                 busy,
                 idle: &idle,
+                engine: None,
             };
             last_arrivals = next;
             last_completed = sim.completed;

@@ -5,12 +5,13 @@
 use std::time::Duration;
 
 use super::clairvoyant::{Frontier, frontier};
+use super::engine::{EngineModel, simulate_engines};
 use super::{
     AlwaysPeak, Knative, Policy, PoolTasks, RayServe, ServiceModel, SimConfig, SimReport,
     TraceRequest, peak_replicas, simulate, warmgate,
 };
-use crate::ScalingConfig;
 use crate::pool::PoolScaling;
+use crate::{EngineTargets, ScalingConfig};
 
 /// One trace to sweep.
 #[derive(Debug, Clone)]
@@ -235,4 +236,124 @@ pub fn verdicts(cells: &[Cell]) -> String {
 
 fn fmt_secs(d: Duration) -> String {
     format!("{} s", d.as_secs_f64())
+}
+
+/// The gateway's limit per replica on engine replicas in
+/// [`run_engines`], for counts and signals alike: about 70% of the
+/// requests [`EngineModel::default`]'s KV cache holds of the generated
+/// shapes' mean request (65,536 / about 1,800 tokens, 35 requests). Tried
+/// and not kept: 64 and 32, with which a burst queues inside the engines
+/// where the replicas started for it cannot take it (`docs/autoscaling.md`).
+pub const ENGINE_CONCURRENCY: u32 = 24;
+
+/// The engine targets [`run_engines`] scales on.
+pub const ENGINE_TARGETS: EngineTargets = EngineTargets {
+    waiting: Some(2.0),
+    kv_cache_usage: Some(0.8),
+};
+
+/// One workload at one cold start on engine replicas
+/// ([`super::engine`]): warmgate scaling on counts against the app's
+/// `concurrency`, on counts against [`ENGINE_CONCURRENCY`], and on the
+/// engines' signals with that limit.
+#[derive(Debug, Clone)]
+pub struct EngineCell {
+    /// The workload's name.
+    pub workload: String,
+    /// The cold start.
+    pub cold_start: Duration,
+    /// On counts: the app's policy as configured.
+    pub counted: SimReport,
+    /// On counts, [`ENGINE_CONCURRENCY`] a replica.
+    pub counted_wide: SimReport,
+    /// On signals: [`ENGINE_CONCURRENCY`] a replica and
+    /// [`ENGINE_TARGETS`].
+    pub signals: SimReport,
+}
+
+/// Runs one [`EngineCell`].
+pub fn run_engines(
+    w: &Workload,
+    cfg: &SweepConfig,
+    cold_start: Duration,
+    engine: &EngineModel,
+) -> EngineCell {
+    let sim = SimConfig {
+        cold_start,
+        ..cfg.sim
+    };
+    let run = |scaling: ScalingConfig, concurrency: u32| {
+        let mut r = simulate_engines(
+            &w.requests,
+            engine,
+            &mut warmgate(scaling),
+            &SimConfig { concurrency, ..sim },
+        );
+        r.timeline = Vec::new();
+        r
+    };
+    let utilization = cfg.scaling.target / f64::from(cfg.sim.concurrency.max(1));
+    let wide = ScalingConfig {
+        concurrency: ENGINE_CONCURRENCY,
+        target: f64::from(ENGINE_CONCURRENCY) * utilization,
+        ..cfg.scaling.clone()
+    };
+    EngineCell {
+        workload: w.name.clone(),
+        cold_start,
+        counted: run(cfg.scaling.clone(), cfg.sim.concurrency),
+        counted_wide: run(wide.clone(), ENGINE_CONCURRENCY),
+        signals: run(
+            ScalingConfig {
+                engine: ENGINE_TARGETS,
+                ..wide
+            },
+            ENGINE_CONCURRENCY,
+        ),
+    }
+}
+
+/// The engine cells as one Markdown table.
+pub fn engine_markdown(cells: &[EngineCell], concurrency: u32) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| workload | cold start | counts, concurrency {concurrency} | counts, {ENGINE_CONCURRENCY} | signals, {ENGINE_CONCURRENCY} | signals against counts ({concurrency}) | signals against counts ({ENGINE_CONCURRENCY}) |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+    let cell = |r: &SimReport| format!("{:.0}, {:.1} s", r.replica_seconds, r.p99());
+    let against = |s: &SimReport, c: &SimReport| {
+        // p99s within 0.05 s (the table's precision) are the same.
+        let (cheaper, dearer) = (
+            s.replica_seconds <= c.replica_seconds,
+            s.replica_seconds > c.replica_seconds,
+        );
+        let (faster, same) = (s.p99() < c.p99() - 0.05, (s.p99() - c.p99()).abs() <= 0.05);
+        let verdict = match (cheaper, dearer, faster, same) {
+            (true, _, true, _) | (true, _, _, true) => "not worse",
+            (_, true, true, _) => "dearer, faster",
+            (_, true, _, true) => "dearer, same p99",
+            (true, _, _, _) => "cheaper, slower",
+            _ => "**worse**",
+        };
+        format!(
+            "{:.2}×, {verdict}",
+            s.replica_seconds / c.replica_seconds.max(1e-9)
+        )
+    };
+    for c in cells {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            c.workload,
+            fmt_secs(c.cold_start),
+            cell(&c.counted),
+            cell(&c.counted_wide),
+            cell(&c.signals),
+            against(&c.signals, &c.counted),
+            against(&c.signals, &c.counted_wide),
+        );
+    }
+    out
 }
