@@ -27,7 +27,7 @@ pub use config::{
     PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, TlsConfig, Toleration, VolumeSpec,
     WeightsConfig, check_dns_label, defaults, parse_size, resolve_checkpoint,
 };
-pub use routing::{EngineSpec, RoutingPolicy, RoutingSpec};
+pub use routing::{EngineMetricNames, EngineSpec, RoutingPolicy, RoutingSpec};
 pub use scale_to_zero::ScaleToZeroAfter;
 pub use target::{ONDEMAND_SUFFIX, TargetId};
 

@@ -127,6 +127,24 @@ pub struct EngineSpec {
     #[serde(with = "crate::config::bounded")]
     #[schemars(with = "String")]
     pub max_age: Duration,
+    /// Another engine's names for the signals; vLLM's, SGLang's and
+    /// TGI's are read whatever this says.
+    pub names: EngineMetricNames,
+}
+
+/// `[apps.engine.names]`: the metric names of an engine warmgate does not
+/// know (llama.cpp's server, TensorRT-LLM, your own), each summed over
+/// its label sets like the known ones.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineMetricNames {
+    /// Requests the engine runs now (its batch).
+    pub running: Option<String>,
+    /// Requests waiting in its own queue.
+    pub waiting: Option<String>,
+    /// Its KV cache's fill, a fraction from 0 to 1 (the fullest of
+    /// several is taken).
+    pub kv_cache_usage: Option<String>,
 }
 
 impl Default for EngineSpec {
@@ -135,8 +153,18 @@ impl Default for EngineSpec {
             metrics_path: None,
             period: defaults::ENGINE_PERIOD,
             max_age: defaults::ENGINE_MAX_AGE,
+            names: EngineMetricNames::default(),
         }
     }
+}
+
+/// A Prometheus metric name: `[a-zA-Z_:][a-zA-Z0-9_:]*`, at most 200 bytes.
+fn is_metric_name(n: &str) -> bool {
+    let mut b = n.bytes();
+    n.len() <= 200
+        && b.next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == b'_' || c == b':')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
 }
 
 impl EngineSpec {
@@ -160,6 +188,22 @@ impl EngineSpec {
                 "must be at least engine.period".into(),
             ));
         }
+        for (key, name) in [
+            ("running", &self.names.running),
+            ("waiting", &self.names.waiting),
+            ("kv_cache_usage", &self.names.kv_cache_usage),
+        ] {
+            if let Some(n) = name
+                && !is_metric_name(n)
+            {
+                return Err((
+                    at(&format!("engine.names.{key}")),
+                    format!(
+                        "{n:?} is not a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*, at most 200 bytes)"
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -178,6 +222,25 @@ mod tests {
         assert_eq!(r.policy, RoutingPolicy::Prefix);
         r.validate(at).expect("valid");
         EngineSpec::default().validate(at).expect("valid");
+    }
+
+    #[test]
+    fn other_engines_names_must_be_metric_names() {
+        let named = |n: &str| EngineSpec {
+            names: EngineMetricNames {
+                waiting: Some(n.into()),
+                ..EngineMetricNames::default()
+            },
+            ..EngineSpec::default()
+        };
+        named("llamacpp:requests_deferred")
+            .validate(at)
+            .expect("valid");
+        for bad in ["", "9lives", "queue size", "a{b}", &"x".repeat(201)] {
+            let (key, says) = named(bad).validate(at).unwrap_err();
+            assert_eq!(key, "apps[0].engine.names.waiting");
+            assert!(says.contains("Prometheus metric name"), "{says}");
+        }
     }
 
     #[test]

@@ -11,6 +11,8 @@
 
 use std::time::{Duration, Instant};
 
+use warmgate_deploy::EngineMetricNames;
+
 /// Names of the requests an engine runs now, by engine.
 const RUNNING: [&str; 3] = [
     "vllm:num_requests_running",
@@ -91,6 +93,15 @@ impl EngineReading {
 /// The signals in a Prometheus text exposition; what it does not name stays
 /// `None`. Lines it cannot read are skipped.
 pub fn parse(text: &str) -> EngineLoad {
+    parse_named(text, &EngineMetricNames::default())
+}
+
+/// [`parse`], also reading the names an app gave for an engine warmgate
+/// does not know (`[apps.engine.names]`).
+pub fn parse_named(text: &str, names: &EngineMetricNames) -> EngineLoad {
+    let is = |known: &[&str], other: &Option<String>, name: &str| {
+        known.contains(&name) || other.as_deref() == Some(name)
+    };
     let mut running: Option<f64> = None;
     let mut waiting: Option<f64> = None;
     let mut kv: Option<f64> = None;
@@ -110,11 +121,11 @@ pub fn parse(text: &str) -> EngineLoad {
             Waiting,
             Kv,
         }
-        let signal = if RUNNING.contains(&name) {
+        let signal = if is(&RUNNING, &names.running, name) {
             Signal::Running
-        } else if WAITING.contains(&name) {
+        } else if is(&WAITING, &names.waiting, name) {
             Signal::Waiting
-        } else if KV_CACHE.contains(&name) {
+        } else if is(&KV_CACHE, &names.kv_cache_usage, name) {
             Signal::Kv
         } else {
             continue;
@@ -185,6 +196,25 @@ vllm:prompt_tokens_total{model_name="m"} 12345.0
         assert_eq!(l.waiting, Some(7));
         assert_eq!(l.kv_cache_usage, Some(0.625));
         assert_eq!(l.holding(), Some(11));
+    }
+
+    #[test]
+    fn an_engine_s_own_names_are_read_when_given() {
+        // llama.cpp's server names.
+        let text = "llamacpp:requests_processing 3\nllamacpp:requests_deferred 5\n\
+                    llamacpp:kv_cache_usage_ratio 0.4\n";
+        assert!(parse(text).is_empty());
+        let names = EngineMetricNames {
+            running: Some("llamacpp:requests_processing".into()),
+            waiting: Some("llamacpp:requests_deferred".into()),
+            kv_cache_usage: Some("llamacpp:kv_cache_usage_ratio".into()),
+        };
+        let l = parse_named(text, &names);
+        assert_eq!((l.running, l.waiting), (Some(3), Some(5)));
+        assert_eq!(l.kv_cache_usage, Some(0.4));
+        // The known names are still read beside them.
+        let l = parse_named("vllm:num_requests_waiting 2\n", &names);
+        assert_eq!(l.waiting, Some(2));
     }
 
     #[test]

@@ -1215,13 +1215,14 @@ impl ReplicaTask {
                     let prober = self.inner.prober.clone();
                     let handle = handle.clone();
                     let path = engine.metrics_path.clone().unwrap_or_default();
+                    let names = engine.names.clone();
                     let period = engine.period;
                     tokio::spawn(async move {
                         // Stamped when asked: a slow answer is as old as the
                         // question, and never replaces a newer reading.
                         let at = Instant::now();
                         let asked_with = handle.inflight();
-                        match prober.read_engine(addr, &path, period).await {
+                        match prober.read_engine(addr, &path, &names, period).await {
                             Ok(load) if !load.is_empty() => {
                                 handle.set_engine(crate::engine::EngineReading {
                                     load,

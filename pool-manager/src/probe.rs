@@ -105,6 +105,7 @@ impl Prober {
         &self,
         addr: SocketAddr,
         path: &str,
+        names: &warmgate_deploy::EngineMetricNames,
         timeout: Duration,
     ) -> Result<crate::engine::EngineLoad, String> {
         let fut = async {
@@ -115,7 +116,10 @@ impl Prober {
             let body = body.ok_or_else(|| {
                 format!("GET {path}: the answer broke off or passed {MAX_METRICS_BODY} bytes")
             })?;
-            Ok(crate::engine::parse(&String::from_utf8_lossy(&body)))
+            Ok(crate::engine::parse_named(
+                &String::from_utf8_lossy(&body),
+                names,
+            ))
         };
         tokio::time::timeout(timeout, fut)
             .await
