@@ -691,6 +691,8 @@ impl Gateway {
                 min: p.min,
                 max: p.max,
                 handoff_ms: None,
+                // A pool's idle replicas go by its `idle_ttl`.
+                scale_to_zero_after_s: None,
                 pool: target.cloned(),
                 revisions: Vec::new(),
                 promotion: None,
@@ -748,14 +750,15 @@ impl Gateway {
                 replicas,
             });
         }
-        let (revision, ready, target, handoff) = match &serving {
+        let (revision, ready, target, handoff, linger) = match &serving {
             Some(a) => (
                 a.revision.clone(),
                 a.ready_replicas(),
                 targets.iter().find(|t| t.id == a.target),
                 a.last_handoff(),
+                Some(a.scale_to_zero_after()),
             ),
-            None => (String::new(), 0, None, None),
+            None => (String::new(), 0, None, None, None),
         };
         let promotion = served.history.lock().promotion.clone();
         let adapters = spec
@@ -805,6 +808,9 @@ impl Gateway {
             min: spec.autoscale.min,
             max: spec.autoscale.max,
             handoff_ms: handoff.map(|d| d.as_secs_f64() * 1e3),
+            scale_to_zero_after_s: linger
+                .filter(|_| spec.autoscale.min == 0)
+                .map(|d| d.as_secs_f64()),
             pool: target.cloned(),
             revisions,
             promotion,

@@ -53,6 +53,11 @@ pub struct AppStatus {
     pub max: u32,
     /// The gateway's share of the last cold start, in milliseconds.
     pub handoff_ms: Option<f64>,
+    /// How long it may stay idle before its last replica goes, in
+    /// seconds: the config's duration, or what `"auto"` has learned (a
+    /// minute until it knows); absent when `min` keeps replicas.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scale_to_zero_after_s: Option<f64>,
     /// Replicas and their lifecycle (the serving revision's).
     pub pool: Option<TargetStatus>,
     /// Every live revision, with its share of the traffic.

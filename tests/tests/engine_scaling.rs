@@ -90,6 +90,8 @@ async fn an_engine_s_queue_scales_the_app_where_counting_requests_does_not() {
     // target of 44.8 a replica and stays at one, its engine queueing.
     let counted = gw.app_status("counted").await;
     assert_eq!(counted["desired"], 1, "{counted}");
+    // `min = 1` keeps a replica: no scale-to-zero time to show.
+    assert!(counted.get("scale_to_zero_after_s").is_none(), "{counted}");
     let engines = gw.metrics_text().await;
     assert!(
         engines.contains("warmgate_engine_requests_waiting{app=\"counted\"}"),

@@ -27,6 +27,7 @@ async fn fifty_requests_wake_an_app_from_zero_and_it_scales_back_to_zero() {
     );
     let before = gw.app_status("echo").await;
     assert_eq!(before["ready"], 0, "starts at zero: {before}");
+    assert_eq!(before["scale_to_zero_after_s"], 2.0, "{before}");
 
     let mut tasks = Vec::new();
     for i in 0..50 {

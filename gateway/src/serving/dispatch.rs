@@ -761,6 +761,12 @@ impl App {
         }
     }
 
+    /// How long the app may stay idle before its last replica goes (see
+    /// [`Autoscaler::scale_to_zero_after`]).
+    pub fn scale_to_zero_after(&self) -> Duration {
+        self.scaler.lock().scale_to_zero_after()
+    }
+
     /// The gateway's share of the last cold start: from the replica
     /// answering `/healthz` to the first request being forwarded to it.
     pub fn last_handoff(&self) -> Option<Duration> {
