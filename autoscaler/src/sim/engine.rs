@@ -20,7 +20,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Policy, SimConfig, SimReport, Tick, TraceRequest};
+use super::{Counts, Policy, SimConfig, SimReport, Tick, TraceRequest};
 use crate::EngineSignals;
 
 /// One engine's costs and capacity.
@@ -218,27 +218,20 @@ pub fn simulate_engines(
         }
         s.dispatch(trace);
     }
-    let failed = s.rejected + s.timed_out + s.queue.len() as u64;
-    let mut d = std::mem::take(&mut s.delays);
-    d.extend((0..failed).map(|_| cfg.queue_timeout.as_secs_f64()));
-    d.sort_by(f64::total_cmp);
-    let q = |p: f64| -> f64 {
-        if d.is_empty() {
-            0.0
-        } else {
-            d[((d.len() as f64 * p).ceil() as usize).clamp(1, d.len()) - 1]
-        }
-    };
-    SimReport {
-        policy: policy.name(),
-        replica_seconds: s.area_replicas,
-        served: s.served,
-        rejected: s.rejected,
-        timed_out: s.timed_out + s.queue.len() as u64,
-        cold_starts: s.cold_starts,
-        queue_delay: [q(0.50), q(0.95), q(0.99)],
+    let unserved = s.timed_out + s.queue.len() as u64;
+    SimReport::of(
+        policy.name(),
+        Counts {
+            replica_seconds: s.area_replicas,
+            served: s.served,
+            rejected: s.rejected,
+            timed_out: unserved,
+            cold_starts: s.cold_starts,
+        },
+        std::mem::take(&mut s.delays),
+        cfg.queue_timeout,
         timeline,
-    }
+    )
 }
 
 struct Engines {

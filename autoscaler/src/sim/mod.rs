@@ -245,27 +245,63 @@ pub fn simulate(
             }
         }
     }
-    // Whatever never got a slot waited at least the queue timeout.
-    let failed = sim.rejected + sim.timed_out + sim.queue.len() as u64;
-    let mut d = std::mem::take(&mut sim.delays);
-    d.extend((0..failed).map(|_| cfg.queue_timeout.as_secs_f64()));
-    d.sort_by(f64::total_cmp);
-    let q = |p: f64| -> f64 {
-        if d.is_empty() {
-            0.0
-        } else {
-            d[((d.len() as f64 * p).ceil() as usize).clamp(1, d.len()) - 1]
-        }
-    };
-    SimReport {
-        policy: policy.name(),
-        replica_seconds: sim.area_replicas,
-        served: sim.served,
-        rejected: sim.rejected,
-        timed_out: sim.timed_out + sim.queue.len() as u64,
-        cold_starts: sim.cold_starts,
-        queue_delay: [q(0.50), q(0.95), q(0.99)],
+    let unserved = sim.timed_out + sim.queue.len() as u64;
+    SimReport::of(
+        policy.name(),
+        Counts {
+            replica_seconds: sim.area_replicas,
+            served: sim.served,
+            rejected: sim.rejected,
+            timed_out: unserved,
+            cold_starts: sim.cold_starts,
+        },
+        std::mem::take(&mut sim.delays),
+        cfg.queue_timeout,
         timeline,
+    )
+}
+
+/// What a run counted, for [`SimReport::of`].
+struct Counts {
+    replica_seconds: f64,
+    served: u64,
+    rejected: u64,
+    /// Timed out, or still queued at the end.
+    timed_out: u64,
+    cold_starts: u64,
+}
+
+impl SimReport {
+    /// The report of a run whose served requests waited `delays`
+    /// (seconds). Whatever never got a slot waited at least the queue
+    /// timeout, and counts so.
+    fn of(
+        policy: String,
+        c: Counts,
+        mut delays: Vec<f64>,
+        timeout: Duration,
+        timeline: Vec<(f64, f64, u32)>,
+    ) -> SimReport {
+        let failed = c.rejected + c.timed_out;
+        delays.extend((0..failed).map(|_| timeout.as_secs_f64()));
+        delays.sort_by(f64::total_cmp);
+        let q = |p: f64| -> f64 {
+            if delays.is_empty() {
+                0.0
+            } else {
+                delays[((delays.len() as f64 * p).ceil() as usize).clamp(1, delays.len()) - 1]
+            }
+        };
+        SimReport {
+            policy,
+            replica_seconds: c.replica_seconds,
+            served: c.served,
+            rejected: c.rejected,
+            timed_out: c.timed_out,
+            cold_starts: c.cold_starts,
+            queue_delay: [q(0.50), q(0.95), q(0.99)],
+            timeline,
+        }
     }
 }
 
