@@ -195,7 +195,7 @@ impl Default for ScalingConfig {
 /// When an idle app's last replica goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ScaleToZero {
-    /// After as long as a cold start would cost, learned from the idle
+    /// After a linger weighed against what a cold start costs, learned from the idle
     /// spells seen ([`linger`]); [`DEFAULT_SCALE_TO_ZERO_AFTER`] until a
     /// cold start and a few spells are known.
     #[default]
@@ -382,10 +382,12 @@ impl Autoscaler {
         let now = obs.now;
         let concurrency = sanitize_concurrency(obs.concurrency);
         self.record(now, concurrency);
-        let active = concurrency > 0.0
-            || obs.arrivals > 0
-            || obs.queued > 0
-            || obs.engine.is_some_and(|e| e.busy());
+        // Engines that hold requests (another gateway's, or sent to them
+        // directly) keep the app awake when it scales on their signals.
+        let engine_busy = (self.config.engine.waiting.is_some()
+            || self.config.engine.kv_cache_usage.is_some())
+            && obs.engine.is_some_and(|e| e.busy());
+        let active = concurrency > 0.0 || obs.arrivals > 0 || obs.queued > 0 || engine_busy;
         if active {
             self.mark_active(now);
         }

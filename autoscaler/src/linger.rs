@@ -8,7 +8,13 @@
 //! [`crate::aware`]). Keeping it through a spell of `g` seconds costs `g`.
 //! Over the last [`SPELLS`] idle spells, the linger `h` that minimises
 //! `Σ min(g, h) + [g > h] × restart` wins; the candidates are zero and
-//! each spell's length, up to [`MAX_LINGER_COLD_STARTS`] cold starts. How
+//! each spell's length, up to [`MAX_LINGER_COLD_STARTS`] cold starts.
+//! Unless stopping at once wins, the linger is never shorter than the
+//! break-even, `restart` seconds (at most the cap): the spells seen say
+//! nothing of longer ones, and keeping a replica up to the break-even
+//! costs at most twice what the best choice would have (ski rental's
+//! deterministic bound), where a linger cut at the longest spell seen
+//! restarts on every spell a little longer. How
 //! many requests a wake meets is measured too: the arrivals in the first
 //! cold start after each spell ended, whether the replica was kept or not.
 //!
@@ -109,7 +115,12 @@ impl IdleSpells {
             .map(|h| (cost(h), h))
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)))
             .map_or(0.0, |(_, h)| h);
-        Some(Duration::from_secs_f64(best))
+        let linger = if best > 0.0 {
+            best.max(restart.min(longest))
+        } else {
+            0.0
+        };
+        Some(Duration::from_secs_f64(linger))
     }
 }
 
@@ -153,9 +164,15 @@ mod tests {
     #[test]
     fn spells_shorter_than_a_restart_are_ridden_out_and_longer_ones_are_not() {
         let cold = Duration::from_secs(60);
-        // Spells of 40 s, well under a 60 s cold start: keep through them.
+        // Spells of 40 s, well under a 60 s cold start: keep through
+        // them, and through longer ones up to the break-even (a restart:
+        // 60 s, and each wake's one request waiting 30 s, a slot of 8).
         let short = seen(&[0, 40, 80, 120, 160], cold);
-        assert_eq!(short.linger(Some(cold), 8.0), Some(Duration::from_secs(40)));
+        let h = short.linger(Some(cold), 8.0).expect("known");
+        assert!(
+            h > Duration::from_secs(60) && h < Duration::from_secs(70),
+            "{h:?}"
+        );
         // Spells of 1,000 s: ten cold starts each; going to zero at once
         // costs a restart, keeping costs the whole spell.
         let long = seen(&[0, 1000, 2000, 3000], cold);
@@ -182,7 +199,7 @@ mod tests {
                 Some(cold),
             );
         }
-        assert_eq!(busy.linger(Some(cold), 8.0), Some(Duration::from_secs(27)));
+        assert_eq!(busy.linger(Some(cold), 8.0), Some(Duration::from_secs(70)));
     }
 
     #[test]

@@ -405,11 +405,6 @@ mod cold_start_aware {
                     busy: f64::from(inflight),
                     engine: t.engine,
                 }).desired;
-                // Engines that read as needing more get at least that many
-                // (within max); a stale reading asks for nothing.
-                if let Some(need) = t.engine.and_then(|e| replicas_needed(&e, &targets, ready)) {
-                    prop_assert!(d >= need.min(max), "engines need {}, count {}", need, d);
-                }
                 prop_assert!(d <= max, "{} above max {}", d, max);
                 prop_assert!(d >= min.min(max));
                 if t.queued > 0 || inflight > 0 {
@@ -419,14 +414,25 @@ mod cold_start_aware {
                 // after an idle spell as long as the linger it learned,
                 // which is at most twenty cold starts, or the minute it
                 // starts with.
+                let scales_on_engines = waiting.is_some() || kv.is_some();
                 if t.queued > 0
                     || inflight > 0
                     || t.arrivals > 0
-                    || t.engine.is_some_and(|e| e.busy())
+                    || (scales_on_engines && t.engine.is_some_and(|e| e.busy()))
                 {
                     last_active = now;
                 }
                 let linger = a.scale_to_zero_after();
+                // Engines that read as needing more get at least that many
+                // (within max), unless the app is idle past its linger (an
+                // idle engine's cache asks for nothing); a stale reading
+                // asks for nothing.
+                let idle = now.saturating_sub(last_active) >= linger;
+                if let Some(need) = t.engine.and_then(|e| replicas_needed(&e, &targets, ready))
+                    && !idle
+                {
+                    prop_assert!(d >= need.min(max), "engines need {}, count {}", need, d);
+                }
                 prop_assert!(
                     linger <= Duration::from_secs(20 * cold).max(Duration::from_secs(60)),
                     "linger {:?} past twenty cold starts of {} s", linger, cold

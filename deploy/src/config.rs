@@ -984,10 +984,11 @@ pub struct AutoscaleSpec {
     /// `concurrency`.
     pub target: Option<f64>,
     /// Time without traffic before the last replica is stopped: a
-    /// duration, or `"auto"`, as long as a cold start would cost (its
-    /// replica-seconds and the waiting of the requests that meet it),
-    /// learned from the app's idle spells and measured cold start; a
-    /// minute until those are known.
+    /// duration, or `"auto"`, learned from the app's idle spells against
+    /// what a cold start costs (its replica-seconds and the waiting of the
+    /// requests that meet it): the cheapest over the spells seen, and no
+    /// shorter than that cost unless stopping at once is cheapest; a
+    /// minute until the cold start and three spells are known.
     pub scale_to_zero_after: ScaleToZeroAfter,
     /// Window over which demand is averaged for normal scaling.
     #[serde(with = "bounded")]
@@ -1401,7 +1402,7 @@ impl Config {
             {
                 return Err((
                     at("autoscale.target_waiting"),
-                    "must be a number of requests above 0".into(),
+                    "must be a number of requests above 0, at most 1000000".into(),
                 ));
             }
             if let Some(k) = a.target_kv_cache_usage

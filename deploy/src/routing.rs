@@ -158,6 +158,33 @@ impl Default for EngineSpec {
     }
 }
 
+/// The names vLLM, SGLang and TGI give the signals, read whatever the
+/// app says (`[apps.engine.names]` adds to them, and may not give one of
+/// them for another signal).
+pub mod known_names {
+    /// The requests an engine runs now.
+    pub const RUNNING: [&str; 3] = [
+        "vllm:num_requests_running",
+        "sglang:num_running_reqs",
+        "tgi_batch_current_size",
+    ];
+    /// The requests waiting in an engine's own queue.
+    pub const WAITING: [&str; 3] = [
+        "vllm:num_requests_waiting",
+        "sglang:num_queue_reqs",
+        "tgi_queue_size",
+    ];
+    /// The KV cache's fill, 0 to 1 (vLLM before 0.10 said
+    /// `gpu_cache_usage_perc`).
+    pub const KV_CACHE: [&str; 3] = [
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+    ];
+    /// All of them.
+    pub const ALL: [[&str; 3]; 3] = [RUNNING, WAITING, KV_CACHE];
+}
+
 /// A Prometheus metric name: `[a-zA-Z_:][a-zA-Z0-9_:]*`, at most 200 bytes.
 fn is_metric_name(n: &str) -> bool {
     let mut b = n.bytes();
@@ -193,6 +220,14 @@ impl EngineSpec {
             ("waiting", &self.names.waiting),
             ("kv_cache_usage", &self.names.kv_cache_usage),
         ] {
+            if let Some(n) = name
+                && known_names::ALL.iter().any(|k| k.contains(&n.as_str()))
+            {
+                return Err((
+                    at(&format!("engine.names.{key}")),
+                    format!("{n:?} is a name warmgate reads already, as the signal it stands for"),
+                ));
+            }
             if let Some(n) = name
                 && !is_metric_name(n)
             {
@@ -236,6 +271,9 @@ mod tests {
         named("llamacpp:requests_deferred")
             .validate(at)
             .expect("valid");
+        let (key, says) = named("vllm:num_requests_running").validate(at).unwrap_err();
+        assert_eq!(key, "apps[0].engine.names.waiting");
+        assert!(says.contains("reads already"), "{says}");
         for bad in ["", "9lives", "queue size", "a{b}", &"x".repeat(201)] {
             let (key, says) = named(bad).validate(at).unwrap_err();
             assert_eq!(key, "apps[0].engine.names.waiting");

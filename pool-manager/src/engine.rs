@@ -12,26 +12,7 @@
 use std::time::{Duration, Instant};
 
 use warmgate_deploy::EngineMetricNames;
-
-/// Names of the requests an engine runs now, by engine.
-const RUNNING: [&str; 3] = [
-    "vllm:num_requests_running",
-    "sglang:num_running_reqs",
-    "tgi_batch_current_size",
-];
-/// Names of the requests waiting in an engine's own queue.
-const WAITING: [&str; 3] = [
-    "vllm:num_requests_waiting",
-    "sglang:num_queue_reqs",
-    "tgi_queue_size",
-];
-/// Names of the KV cache's fill, 0 to 1 (vLLM before 0.10 said
-/// `gpu_cache_usage_perc`).
-const KV_CACHE: [&str; 3] = [
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "sglang:token_usage",
-];
+use warmgate_deploy::routing::known_names::{KV_CACHE, RUNNING, WAITING};
 
 /// An engine's load at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]

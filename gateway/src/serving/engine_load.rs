@@ -1,5 +1,6 @@
 //! What the ready replicas' engines say, summed for the autoscaler: the
-//! readings of `[apps.engine]` that are fresh, and only those.
+//! readings of `[apps.engine]` that are fresh, and only those. The cache
+//! of an engine that holds no request counts as empty.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,7 +29,12 @@ pub fn engine_signals(
         }
         if let Some(kv) = load.kv_cache_usage {
             s.kv_read += 1;
-            s.kv_cache_usage += kv;
+            // An engine that holds no request may keep finished prompts
+            // in its cache (llama.cpp's server does); that fill is free
+            // to evict and asks for no replica.
+            if load.holding() != Some(0) {
+                s.kv_cache_usage += kv;
+            }
         }
     }
     (s.read > 0 || s.kv_read > 0).then_some(s)
