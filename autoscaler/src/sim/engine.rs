@@ -20,7 +20,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Counts, Policy, SimConfig, SimReport, Tick, TraceRequest};
+use super::{Counts, Policy, SimConfig, SimReport, SinceTick, Tick, Totals, TraceRequest};
 use crate::EngineSignals;
 
 /// One engine's costs and capacity.
@@ -127,8 +127,7 @@ pub fn simulate_engines(
     let mut timeline = Vec::new();
     let mut next = 0usize;
     let mut next_tick = cfg.tick;
-    let (mut last_demand, mut last_busy, mut last_arrivals, mut last_completed) =
-        (0.0, 0.0, 0usize, 0u64);
+    let mut since = SinceTick::default();
     let mut idle = Vec::new();
     let end = trace.last().map_or(Duration::ZERO, |r| r.arrival);
     loop {
@@ -175,11 +174,15 @@ pub fn simulate_engines(
             next += 1;
         }
         if t >= next_tick {
-            let span = cfg.tick.as_secs_f64();
-            let demand = (s.area_demand - last_demand) / span;
-            last_demand = s.area_demand;
-            let busy = s.area_busy - last_busy;
-            last_busy = s.area_busy;
+            let (demand, busy, arrivals, completions) = since.take(
+                Totals {
+                    demand: s.area_demand,
+                    busy: s.area_busy,
+                    arrivals: next,
+                    completed: s.completed,
+                },
+                cfg.tick,
+            );
             s.expire(trace);
             idle.clear();
             idle.extend(s.replicas.iter().filter(|r| r.ready()).map(|r| {
@@ -200,14 +203,12 @@ pub fn simulate_engines(
                     .iter()
                     .filter(|r| r.alive && matches!(r.state, State::Starting(_)))
                     .count() as u32,
-                arrivals: (next - last_arrivals) as u32,
-                completions: (s.completed - last_completed) as u32,
+                arrivals,
+                completions,
                 busy,
                 idle: &idle,
                 engine: s.signals(),
             };
-            last_arrivals = next;
-            last_completed = s.completed;
             let n = policy.tick(&view);
             s.scale_to(n);
             timeline.push((t.as_secs_f64(), demand, s.live()));

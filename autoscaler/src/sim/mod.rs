@@ -156,8 +156,7 @@ pub fn simulate(
     let mut timeline = Vec::new();
     let mut next = 0usize;
     let mut next_tick = cfg.tick;
-    let (mut last_demand, mut last_busy, mut last_arrivals, mut last_completed) =
-        (0.0, 0.0, 0usize, 0u64);
+    let mut since = SinceTick::default();
     let mut idle = Vec::new();
     let end = trace.last().map_or(Duration::ZERO, |r| r.arrival);
     loop {
@@ -201,11 +200,15 @@ pub fn simulate(
                 sim.dispatch(trace, model);
             }
         } else {
-            let span = cfg.tick.as_secs_f64();
-            let demand = (sim.area_demand - last_demand) / span;
-            last_demand = sim.area_demand;
-            let busy = sim.area_busy - last_busy;
-            last_busy = sim.area_busy;
+            let (demand, busy, arrivals, completions) = since.take(
+                Totals {
+                    demand: sim.area_demand,
+                    busy: sim.area_busy,
+                    arrivals: next,
+                    completed: sim.completed,
+                },
+                cfg.tick,
+            );
             sim.expire(trace);
             idle.clear();
             idle.extend(
@@ -227,14 +230,12 @@ pub fn simulate(
                 inflight: sim.inflight,
                 ready: sim.count(RState::Ready),
                 starting: sim.count(RState::Starting),
-                arrivals: (next - last_arrivals) as u32,
-                completions: (sim.completed - last_completed) as u32,
+                arrivals,
+                completions,
                 busy,
                 idle: &idle,
                 engine: None,
             };
-            last_arrivals = next;
-            last_completed = sim.completed;
             let n = policy.tick(&view);
             sim.scale_to(n);
             sim.dispatch(trace, model);
@@ -259,6 +260,34 @@ pub fn simulate(
         cfg.queue_timeout,
         timeline,
     )
+}
+
+/// What a run has counted so far: the areas under the demand and the
+/// in-flight count, the arrivals and the completions.
+#[derive(Debug, Clone, Copy, Default)]
+struct Totals {
+    demand: f64,
+    busy: f64,
+    arrivals: usize,
+    completed: u64,
+}
+
+/// The totals at the last tick, for what changed since.
+#[derive(Debug, Default)]
+struct SinceTick(Totals);
+
+impl SinceTick {
+    /// Since the last tick, `span` ago: the time-averaged demand, the
+    /// busy slot-seconds, the arrivals and the completions.
+    fn take(&mut self, now: Totals, span: Duration) -> (f64, f64, u32, u32) {
+        let last = std::mem::replace(&mut self.0, now);
+        (
+            (now.demand - last.demand) / span.as_secs_f64(),
+            now.busy - last.busy,
+            (now.arrivals - last.arrivals) as u32,
+            (now.completed - last.completed) as u32,
+        )
+    }
 }
 
 /// What a run counted, for [`SimReport::of`].
