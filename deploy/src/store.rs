@@ -9,6 +9,7 @@
 //! promotion it was in. WAL with `synchronous = NORMAL` survives a crash of
 //! the process; only a power loss can take the last commits.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension, params};
@@ -62,6 +63,13 @@ pub struct Note {
 pub trait StateStore: Send + Sync {
     /// An app's revisions and last promotion (empty for a new app).
     fn load(&self, app: &str) -> Result<History, StoreError>;
+    /// Every stored app's history at once, for a start that restores
+    /// thousands of apps: a few reads rather than a few per app. `None`
+    /// where the store reads one app at a time (an app not in the map is
+    /// new: its history is empty).
+    fn load_all(&self) -> Result<Option<HashMap<String, History>>, StoreError> {
+        Ok(None)
+    }
     /// Writes an app's whole history, and a note, at once.
     fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError>;
     /// An app's notes, oldest first, at most the last `limit`.
@@ -103,6 +111,9 @@ pub trait StateStore: Send + Sync {
 impl StateStore for std::sync::Mutex<Store> {
     fn load(&self, app: &str) -> Result<History, StoreError> {
         lock(self).load(app)
+    }
+    fn load_all(&self) -> Result<Option<HashMap<String, History>>, StoreError> {
+        lock(self).load_all().map(Some)
     }
     fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
         lock(self).save(app, h, note)
@@ -181,6 +192,13 @@ CREATE TABLE IF NOT EXISTS notes (
 );
 ";
 
+fn parse_promotion(body: &str) -> Result<Promotion, StoreError> {
+    serde_json::from_str::<Promotion>(body).map_err(|source| StoreError::Corrupt {
+        what: "promotion",
+        source,
+    })
+}
+
 impl Store {
     /// Opens (or creates) the database at `path`.
     ///
@@ -205,6 +223,9 @@ impl Store {
         let conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // A save inside a batch is a savepoint: its statement journal in
+        // memory, not one write to a temporary file per page it touches.
+        conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
         for suffix in ["-wal", "-shm"] {
@@ -235,32 +256,53 @@ impl Store {
             .collect::<Result<Vec<_>, _>>()?;
         let promotion = self
             .conn
-            .query_row(
-                "SELECT body FROM promotions WHERE app = ?1",
-                params![app],
-                |row| row.get::<_, String>(0),
-            )
+            .prepare_cached("SELECT body FROM promotions WHERE app = ?1")?
+            .query_row(params![app], |row| row.get::<_, String>(0))
             .optional()?
-            .map(|body| {
-                serde_json::from_str::<Promotion>(&body).map_err(|source| StoreError::Corrupt {
-                    what: "promotion",
-                    source,
-                })
-            })
+            .map(|body| parse_promotion(&body))
             .transpose()?;
         let config = self
             .conn
-            .query_row(
-                "SELECT body FROM configs WHERE app = ?1",
-                params![app],
-                |row| row.get::<_, String>(0),
-            )
+            .prepare_cached("SELECT body FROM configs WHERE app = ?1")?
+            .query_row(params![app], |row| row.get::<_, String>(0))
             .optional()?;
         Ok(History {
             revisions,
             promotion,
             config,
         })
+    }
+
+    /// Every stored app's history, in three reads whatever the number of
+    /// apps.
+    pub fn load_all(&self) -> Result<HashMap<String, History>, StoreError> {
+        let mut all: HashMap<String, History> = HashMap::new();
+        let mut stmt = self
+            .conn
+            .prepare("SELECT app, body FROM revisions ORDER BY app, seq")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let (app, body): (String, String) = (row.get(0)?, row.get(1)?);
+            let revision =
+                serde_json::from_str::<Revision>(&body).map_err(|source| StoreError::Corrupt {
+                    what: "revision",
+                    source,
+                })?;
+            all.entry(app).or_default().revisions.push(revision);
+        }
+        let mut stmt = self.conn.prepare("SELECT app, body FROM promotions")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let (app, body): (String, String) = (row.get(0)?, row.get(1)?);
+            all.entry(app).or_default().promotion = Some(parse_promotion(&body)?);
+        }
+        let mut stmt = self.conn.prepare("SELECT app, body FROM configs")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let (app, body): (String, String) = (row.get(0)?, row.get(1)?);
+            all.entry(app).or_default().config = Some(body);
+        }
+        Ok(all)
     }
 
     /// Writes an app's whole history, and a note, in one transaction.
@@ -555,6 +597,54 @@ mod tests {
         assert_eq!(notes, ["created m-00002", "promote m-00002", "canary 20%"]);
         assert_eq!(s.notes("m", 1).expect("notes").len(), 1);
         assert_eq!(s.load("other").expect("load"), History::default());
+    }
+
+    #[test]
+    fn every_history_read_at_once_is_what_each_read_alone_gives() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.db");
+        let mut s = Store::open(&path).expect("open");
+        let mut promoted = History {
+            revisions: vec![rev(1, 100), rev(2, 0)],
+            promotion: None,
+            config: Some("{\"a\":1}".into()),
+        };
+        let (p, fx) = Promotion::switch(
+            "m",
+            Some("m-00001"),
+            "m-00002",
+            Plan {
+                canary: None,
+                bake: Duration::ZERO,
+                at_zero: true,
+                in_place: false,
+                canary_asked: None,
+            },
+        );
+        promoted.apply(&p, &fx);
+        let mut only = rev(1, 100);
+        only.id = "n-00001".into();
+        let plain = History {
+            revisions: vec![only],
+            promotion: None,
+            config: None,
+        };
+        s.save("m", &promoted, "created").expect("save");
+        s.save("n", &plain, "created").expect("save");
+        let all = s.load_all().expect("load all");
+        assert_eq!(all.len(), 2);
+        assert_eq!(all["m"], s.load("m").expect("load"));
+        assert_eq!(all["m"], promoted);
+        assert_eq!(all["n"], plain);
+        assert!(!all.contains_key("other"));
+        // A corrupt row fails the whole read, as it fails the app's own.
+        s.conn
+            .execute(
+                "INSERT INTO revisions (id, app, seq, body) VALUES ('o-00001', 'o', 1, 'nope')",
+                [],
+            )
+            .expect("insert");
+        assert!(s.load_all().is_err());
     }
 
     #[test]

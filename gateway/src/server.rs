@@ -443,10 +443,18 @@ impl Gateway {
             gw.start_pool(spec.clone())?;
         }
         let mut apps = Vec::with_capacity(gw.config.apps.len());
-        // Every app's restored state in one write.
+        // Every app's stored state in one read where the store can, and
+        // what the start changes of it in one write.
+        let mut stored = gw
+            .store
+            .load_all()
+            .context("read the apps' revision histories")?;
         gw.store.batch(&mut || {
             for spec in &gw.config.apps {
-                match gw.prepare_app(spec.clone()) {
+                let history = stored
+                    .as_mut()
+                    .map(|all| all.remove(&spec.name).unwrap_or_default());
+                match gw.prepare_app(spec.clone(), history) {
                     Ok(app) => apps.push(app),
                     // Under the operator one app that cannot start (its
                     // state in the cluster unreadable, a step it cannot
@@ -555,7 +563,7 @@ impl Gateway {
         self: &Arc<Self>,
         spec: warmgate_deploy::AppSpec,
     ) -> anyhow::Result<Arc<Served>> {
-        let app = self.prepare_app(spec)?;
+        let app = self.prepare_app(spec, None)?;
         self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
         self.watch_app(&app);
         Ok(app)
@@ -566,12 +574,16 @@ impl Gateway {
     fn prepare_app(
         self: &Arc<Self>,
         spec: warmgate_deploy::AppSpec,
+        history: Option<warmgate_deploy::revision::History>,
     ) -> anyhow::Result<Arc<Served>> {
         use anyhow::Context as _;
-        let history = self
-            .store
-            .load(&spec.name)
-            .context("read its revision history")?;
+        let history = match history {
+            Some(h) => h,
+            None => self
+                .store
+                .load(&spec.name)
+                .context("read its revision history")?,
+        };
         let app = Arc::new(Served::new(spec, history));
         // An app served by a pool runs on the pool's replicas: it has no
         // revision to restore.
