@@ -2,7 +2,8 @@
 //! revision's replicas one at a time by having each load its weights
 //! through the worker's `POST /weights`, instead of starting replicas of
 //! its own. The processes (and their GPUs) stay; only the weights and the
-//! routing change. `promote.rs` decides when; this module moves replicas.
+//! routing change. `promote` decides when; this module plans the swap and
+//! moves replicas.
 //!
 //! While the promotion runs, the new revision is a *guest* on the serving
 //! revision's pool-manager target (`Gateway::guests`): its dispatcher
@@ -36,7 +37,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use warmgate_deploy::AppSpec;
-use warmgate_deploy::revision::Revision;
+use warmgate_deploy::revision::{Event, Plan, Promotion, Revision};
 use warmgate_pool::ReplicaHandle;
 
 use crate::error::{ApiError, ErrorKind};
@@ -480,6 +481,85 @@ impl Gateway {
             app.remove_live(&guest.revision);
         });
     }
+
+    /// Warming in place: the canary's replicas (every replica, without a
+    /// canary) swap to the new weights. `Ready` once they have.
+    pub(crate) async fn warm_in_place(&self, app: &Served, p: &Promotion) -> Event {
+        let host = p.from.as_deref().and_then(|f| app.revision(f));
+        let (Some(host), Some(guest)) = (host, app.revision(&p.to)) else {
+            return Event::StartFailed("the serving revision is gone".into());
+        };
+        let n = host.ready_replicas() + guest.ready_replicas();
+        let want = match p.plan.canary {
+            // The share was made from whole replicas (`canary_replicas`).
+            Some(share) => ((n * usize::from(share) + 50) / 100).clamp(1, n.max(1)),
+            // One, for the gate; the rest once it has passed.
+            None => 1,
+        };
+        // Pinned requests only until the gate has passed (an app of one
+        // replica sends its traffic on to it: it has no other).
+        let m = Move {
+            app,
+            from: &host,
+            to: &guest,
+            version: seq_of(app, &p.to),
+            direction: Direction::Forward,
+            follow: false,
+        };
+        match self
+            .swap(&m, want.saturating_sub(guest.ready_replicas()), true)
+            .await
+        {
+            Ok(_) if guest.ready_replicas() > 0 => Event::Ready,
+            Ok(_) => Event::StartFailed("no replica could be swapped in place".into()),
+            Err(SwapError::Unsupported(why)) => Event::InPlaceUnsupported(why),
+            Err(SwapError::Failed(why) | SwapError::Busy(why)) => {
+                Event::StartFailed(format!("swapping in place failed: {why}"))
+            }
+        }
+    }
+
+    /// The in-place canary passed: the target starts the new revision from
+    /// now on, and every other replica swaps.
+    pub(crate) async fn commit_in_place(&self, app: &Served, p: &Promotion) {
+        let host = p.from.as_deref().and_then(|f| app.revision(f));
+        let rev = app.history.lock().get(&p.to).cloned();
+        let (Some(host), Some(guest), Some(rev)) = (host, app.revision(&p.to), rev) else {
+            return;
+        };
+        let m = Move {
+            app,
+            from: &host,
+            to: &guest,
+            version: u64::from(rev.seq),
+            direction: Direction::Forward,
+            follow: true,
+        };
+        self.swap_rest(&m, &rev).await;
+    }
+
+    /// A worker cannot swap in place: the guest leaves, and the new
+    /// revision gets a target of its own (the promotion's next step
+    /// starts it). `StartFailed` when even that cannot be had.
+    pub(crate) fn fall_back(&self, app: &Served, p: &Promotion, why: String) -> Event {
+        if let Some(guest) = app.revision(&p.to) {
+            self.guests.write().remove(&guest.target);
+            app.remove_live(&p.to);
+        }
+        // Traffic as it was before the swap was tried.
+        if let Some(from) = &p.from {
+            app.set_split(&[(from.clone(), 100)]);
+        }
+        let rev = app.history.lock().get(&p.to).cloned();
+        match rev.map(|rev| self.materialize(app, &rev)) {
+            Some(Ok(_)) => Event::InPlaceUnsupported(why),
+            Some(Err(e)) => Event::StartFailed(format!(
+                "{why}; and new replicas cannot start: {}",
+                e.message
+            )),
+            None => Event::StartFailed(why),
+        }
+    }
 }
 
 /// Routes the traffic between the two revisions in proportion to the
@@ -515,6 +595,57 @@ pub(crate) fn canary_replicas(replicas: usize, canary: Option<u8>) -> (usize, Op
             (k, Some(share))
         }
     }
+}
+
+/// Makes `plan` an in-place one when the serving revision has ready
+/// replicas to swap (the canary becomes whole replicas, and its share
+/// theirs); returns how the promotion goes, for its note.
+pub(crate) fn in_place_plan(
+    plan: &mut Plan,
+    app: &Served,
+    from: Option<&str>,
+    spec: &str,
+    how: String,
+) -> String {
+    if plan.at_zero {
+        return format!("{how}; at zero, nothing to swap in place");
+    }
+    let Some(host) = from.and_then(|f| app.revision(f)) else {
+        return format!("{how}; no serving revision to swap in place");
+    };
+    // Only the weights change in place: the replicas must run the
+    // revision's settings already (command, environment, resources).
+    let wanted: Option<AppSpec> = serde_json::from_str(spec).ok();
+    let same = wanted.is_some_and(|mut w| {
+        let mut running = (*host.spec()).clone();
+        w.checkpoint = None;
+        running.checkpoint = None;
+        w.autoscale = running.autoscale.clone();
+        w.queue = running.queue.clone();
+        w.promotion = running.promotion.clone();
+        w == running
+    });
+    if !same {
+        return format!("{how}; its settings differ from the serving replicas', so new replicas");
+    }
+    let n = host.ready_replicas();
+    if n == 0 {
+        return format!("{how}; no ready replica to swap in place, so new replicas");
+    }
+    let (k, share) = canary_replicas(n, plan.canary);
+    plan.in_place = true;
+    plan.canary_asked = plan.canary;
+    plan.canary = share;
+    match share {
+        Some(pct) => format!("in place: canary of {k} of {n} replicas, {pct}% of the traffic"),
+        None => format!("in place: {n} replicas, one at a time, the first for the gate"),
+    }
+}
+
+/// A revision's number, which its weights are versioned by when swapped
+/// in place.
+fn seq_of(app: &Served, id: &str) -> u64 {
+    app.history.lock().get(id).map_or(0, |r| u64::from(r.seq))
 }
 
 #[cfg(test)]
