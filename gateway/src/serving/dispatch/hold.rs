@@ -1,0 +1,275 @@
+//! A revision's hold queue: the requests waiting for a slot, what each is
+//! given (a slot, or the revision its replicas went to), freed slots handed
+//! to the oldest first, and a held request's side (`PendingSlot`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use warmgate_deploy::AppSpec;
+use warmgate_pool::ReplicaHandle;
+
+use super::{App, SlotGuard, Slots};
+use crate::error::{ApiError, ErrorKind};
+use crate::serving::adapters::Ticket;
+use crate::serving::route::RouteKey;
+
+pub(super) type Grant = Result<Granted, ApiError>;
+
+/// What a held request is given.
+pub(super) enum Granted {
+    /// A slot on this replica, and what to do for its adapter first.
+    Slot(Arc<ReplicaHandle>, Option<Ticket>),
+    /// Its revision gave its last replica to another (an in-place
+    /// promotion or its rollback): ask that one.
+    Moved(Arc<App>),
+}
+
+pub(super) struct Waiter {
+    pub(super) tx: oneshot::Sender<Grant>,
+    /// What it is routed on when a slot frees.
+    pub(super) key: Option<Arc<RouteKey>>,
+    /// The adapter it asks for.
+    pub(super) adapter: Option<Arc<str>>,
+}
+
+/// What a held request got.
+pub enum Slotted {
+    /// A slot, after waiting this long.
+    Slot(SlotGuard, Duration),
+    /// Its revision gave its last replica to this one: ask it.
+    Moved(Arc<App>),
+}
+
+/// `Retry-After` on a request that waited out its queue timeout while the
+/// app's replicas were still starting.
+const STARTING_RETRY_AFTER_SECS: u64 = 5;
+
+/// A place in an app's hold queue.
+pub struct PendingSlot {
+    pub(super) app: Arc<App>,
+    /// The adapter the request asked for.
+    pub(super) adapter: Option<Arc<str>>,
+    pub(super) rx: Option<oneshot::Receiver<Grant>>,
+    pub(super) since: Instant,
+}
+
+impl App {
+    /// It has no replica left and `to` took the last one: the requests it
+    /// holds, and those that reach it from now on while it has none, are
+    /// sent to `to`. A replica added to it again ends this.
+    pub fn redirect_to(self: &Arc<Self>, to: &Arc<App>) {
+        if Arc::ptr_eq(self, to) {
+            return;
+        }
+        // Never two revisions sending to each other: the other holds its
+        // requests for a replica of its own instead.
+        to.clear_redirect_to(self);
+        let mut s = self.slots.lock();
+        if !s.replicas.is_empty() {
+            return;
+        }
+        *self.moved_to.lock() = Some(to.clone());
+        s.answer_all(|| Ok(Granted::Moved(to.clone())));
+    }
+
+    /// Ends a redirect to `to` (it was retired, or has no replica
+    /// either): requests are held here for a replica of its own.
+    pub fn clear_redirect_to(&self, to: &App) {
+        let mut m = self.moved_to.lock();
+        if m.as_ref().is_some_and(|t| std::ptr::eq(Arc::as_ptr(t), to)) {
+            *m = None;
+        }
+    }
+
+    /// Fails every held request, when the app cannot start and has nothing
+    /// ready to serve them.
+    pub fn fail_waiters(&self, err: &ApiError) {
+        let mut s = self.slots.lock();
+        if !s.replicas.is_empty() {
+            return;
+        }
+        s.answer_all(|| Err(err.clone()));
+    }
+}
+
+impl Slots {
+    /// Answers every held request with `grant` (the queue empties).
+    fn answer_all(&mut self, grant: impl Fn() -> Grant) {
+        while let Some(w) = self.waiters.pop_front() {
+            if w.tx.is_closed() {
+                continue;
+            }
+            self.live_waiters -= 1;
+            let _ = w.tx.send(grant());
+        }
+        self.update_meter(Instant::now());
+    }
+
+    /// Hands free slots to held requests, oldest first, each routed on
+    /// its key.
+    pub(super) fn dispatch(&mut self, spec: &AppSpec) {
+        while self.live_waiters > 0 {
+            // Cancelled waiters first: their owners already took them off
+            // `live_waiters`.
+            while self.waiters.front().is_some_and(|w| w.tx.is_closed()) {
+                self.waiters.pop_front();
+            }
+            let Some((key, adapter)) = self
+                .waiters
+                .front()
+                .map(|w| (w.key.clone(), w.adapter.clone()))
+            else {
+                break;
+            };
+            let found = match &adapter {
+                Some(a) => self.route_adapter(a, spec, &[]),
+                None => self.route(key.as_deref(), spec).map(|r| (r, None)),
+            };
+            let Some((replica, ticket)) = found else {
+                break;
+            };
+            let Some(w) = self.waiters.pop_front() else {
+                break;
+            };
+            replica.acquire();
+            self.inflight += 1;
+            self.live_waiters -= 1;
+            if w.tx
+                .send(Ok(Granted::Slot(replica.clone(), ticket)))
+                .is_err()
+            {
+                // The receiver is closed only under this lock, so this does
+                // not happen; undo the slot all the same.
+                replica.release();
+                self.inflight -= 1;
+                if let Some(a) = &adapter {
+                    self.adapters.release(&replica.id, a);
+                }
+            }
+        }
+        self.update_meter(Instant::now());
+    }
+}
+
+// === impl PendingSlot ===
+
+impl PendingSlot {
+    fn slotted(&self, g: Granted) -> Slotted {
+        match g {
+            Granted::Slot(replica, ticket) => {
+                let (guard, waited) = self.granted(replica, ticket);
+                Slotted::Slot(guard, waited)
+            }
+            Granted::Moved(to) => Slotted::Moved(to),
+        }
+    }
+
+    fn granted(
+        &self,
+        replica: Arc<ReplicaHandle>,
+        ticket: Option<Ticket>,
+    ) -> (SlotGuard, Duration) {
+        let waited = self.since.elapsed();
+        self.app.queued.record(waited.as_secs_f64());
+        let guard = SlotGuard {
+            app: self.app.clone(),
+            replica,
+            adapter: self.adapter.clone(),
+            ticket,
+            start: self.since,
+        };
+        (guard, waited)
+    }
+
+    /// What it was given, if anything yet; `None` while still waiting.
+    pub fn try_take(&mut self) -> Option<Result<Slotted, ApiError>> {
+        let rx = self.rx.as_mut()?;
+        match rx.try_recv() {
+            Ok(grant) => {
+                self.rx = None;
+                Some(grant.map(|g| self.slotted(g)))
+            }
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                self.rx = None;
+                Some(Err(ApiError::new(
+                    ErrorKind::NoCapacity,
+                    format!("app '{}' is shutting down", self.app.name),
+                )))
+            }
+        }
+    }
+
+    /// Waits for a slot until `timeout`.
+    pub async fn wait(mut self, timeout: Duration) -> Result<Slotted, ApiError> {
+        let rx = self
+            .rx
+            .as_mut()
+            .expect("the receiver is only taken on drop");
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(grant)) => {
+                self.rx = None;
+                Ok(self.slotted(grant?))
+            }
+            Ok(Err(_)) => Err(ApiError::new(
+                ErrorKind::NoCapacity,
+                format!("app '{}' is shutting down", self.app.name),
+            )
+            .retry_after(1)),
+            // Nothing ready to wait for yet: the replicas are starting (a
+            // stock server loading its weights takes minutes), and the
+            // client should come back rather than give up.
+            Err(_) if self.app.ready_replicas() == 0 => Err(ApiError::new(
+                ErrorKind::Starting,
+                format!(
+                    "app '{}' has no ready replica yet: its replicas are still starting (up to \
+                     its startup_timeout) and this request waited the queue timeout ({}); retry, \
+                     or raise [apps.queue] timeout to wait longer",
+                    self.app.name,
+                    humantime::format_duration(timeout)
+                ),
+            )
+            .retry_after(STARTING_RETRY_AFTER_SECS)),
+            Err(_) => Err(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no replica of app '{}' became free within the queue timeout ({:?})",
+                    self.app.name, timeout
+                ),
+            )),
+        }
+    }
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        let mut s = self.app.slots.lock();
+        rx.close();
+        match rx.try_recv() {
+            // A slot was granted just as we gave up: give it back.
+            Ok(Ok(Granted::Slot(replica, ticket))) => {
+                // A load it was to start never starts: forget the place.
+                if let (Some(Ticket::Load { evict, .. }), Some(a)) = (&ticket, &self.adapter) {
+                    s.adapters.loaded(&replica.id, a, false);
+                    if let Some(e) = evict {
+                        s.adapters.keep(&replica.id, e);
+                    }
+                }
+                drop(s);
+                self.app.release(&replica, self.adapter.as_ref());
+            }
+            // Sent on: already off the queue.
+            Ok(Ok(Granted::Moved(_))) => {}
+            // Failed by the gateway: already off the queue.
+            Ok(Err(_)) => {}
+            Err(_) => {
+                s.live_waiters -= 1;
+                s.update_meter(Instant::now());
+            }
+        }
+    }
+}
