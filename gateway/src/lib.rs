@@ -14,6 +14,7 @@ pub mod inplace;
 pub mod listener;
 pub mod metric_catalog;
 pub mod operator;
+pub mod outcomes;
 pub mod peering;
 pub mod peers;
 pub mod preflight;

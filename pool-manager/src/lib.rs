@@ -27,7 +27,8 @@ pub mod weights;
 pub use backend::{Adopted, Backend, Launch, LocalBackend, Orphan, Process, interchangeable};
 pub use gpu::GpuInventory;
 pub use manager::{
-    CRASH_LOOP_AFTER, PoolManager, ReplicaSink, TargetHealth, TargetSpec, TargetStatus,
+    CRASH_LOOP_AFTER, PoolManager, ReplicaCounts, ReplicaSink, TargetHealth, TargetSpec,
+    TargetStatus,
 };
 pub use replica::{ReplicaHandle, ReplicaState, ReplicaStatus};
 

@@ -57,7 +57,14 @@ impl Gateway {
                 {
                     h.apply(&p, &fx);
                 }
-                let rev = new_revision(&h, &app.spec(), app.spec().checkpoint.clone(), None);
+                // The spec as it is: the JSON just compared is the revision's.
+                let rev = revision_of(
+                    &h,
+                    &app.name,
+                    app.spec().checkpoint.clone(),
+                    None,
+                    config.clone(),
+                );
                 let id = rev.id.clone();
                 h.revisions.push(rev);
                 h.config = Some(config);
@@ -246,16 +253,28 @@ pub(super) fn new_revision(
     checkpoint: Option<String>,
     checkpoint_version: Option<String>,
 ) -> Revision {
-    let seq = h.next_seq();
     let mut spec = spec.clone();
     spec.checkpoint = checkpoint.clone();
+    let json = serde_json::to_string(&spec).unwrap_or_default();
+    revision_of(h, &spec.name, checkpoint, checkpoint_version, json)
+}
+
+/// The next revision of `app`, of the spec whose JSON is `spec`.
+fn revision_of(
+    h: &History,
+    app: &str,
+    checkpoint: Option<String>,
+    checkpoint_version: Option<String>,
+    spec: String,
+) -> Revision {
+    let seq = h.next_seq();
     Revision {
-        id: revision_id(&spec.name, seq),
-        app: spec.name.clone(),
+        id: revision_id(app, seq),
+        app: app.to_string(),
         seq,
         checkpoint,
         checkpoint_version,
-        spec: serde_json::to_string(&spec).unwrap_or_default(),
+        spec,
         created_unix: unix_now(),
         state: RevisionState::Pending,
         traffic: 0,

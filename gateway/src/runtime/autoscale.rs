@@ -2,13 +2,14 @@
 //! every pool's policy are asked for a replica count, and the pool manager
 //! is told; the gauges users chart are set on the way.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
-use warmgate_pool::TargetStatus;
+use warmgate_deploy::TargetId;
+use warmgate_pool::ReplicaCounts;
 
 use crate::server::Gateway;
 
@@ -23,8 +24,10 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(AUTOSCALE_TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut gauges = Gauges::default();
         loop {
             tick.tick().await;
+            gauges.round += 1;
             if gw.draining.load(Ordering::Acquire) {
                 return;
             }
@@ -41,7 +44,8 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                             .note(&app.revision, app.take_reading(), app.health());
                     }
                 }
-                record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
+                gauges.replicas(&gw.pool.replica_counts(), AUTOSCALE_TICK);
+                gauges.forget_unseen();
                 continue;
             }
             for served in registry.apps() {
@@ -61,18 +65,14 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                     inflight += i;
                     queued += q;
                 }
-                let name = served.name.clone();
-                engine_gauges(served, &name);
-                metrics::gauge!("warmgate_replicas_desired", "app" => name.clone())
-                    .set(f64::from(desired));
-                metrics::gauge!("warmgate_inflight", "app" => name.clone())
-                    .set(f64::from(inflight));
-                metrics::gauge!("warmgate_queued", "app" => name.clone()).set(queued as f64);
-                metrics::gauge!("warmgate_autoscaler_panicking", "app" => name).set(if panicking {
-                    1.0
-                } else {
-                    0.0
-                });
+                let g = gauges.app(served);
+                if let Some(engine) = &g.engine {
+                    engine.set(served);
+                }
+                g.desired.set(f64::from(desired));
+                g.inflight.set(f64::from(inflight));
+                g.queued.set(queued as f64);
+                g.panicking.set(if panicking { 1.0 } else { 0.0 });
             }
             let instant = Instant::now();
             for p in registry.pools() {
@@ -84,76 +84,206 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
                     gw.pool.scale(&od, p.ondemand_desired(gw.starting(&od)));
                 }
                 let (pending, inflight, _) = p.load();
-                metrics::gauge!("warmgate_tasks_pending", "pool" => p.name.clone())
-                    .set(pending as f64);
-                metrics::gauge!("warmgate_tasks_inflight", "pool" => p.name.clone())
-                    .set(f64::from(inflight));
-                metrics::gauge!("warmgate_replicas_desired", "pool" => p.name.clone())
-                    .set(f64::from(desired));
+                let g = gauges.pool(&p.name);
+                g.pending.set(pending as f64);
+                g.inflight.set(f64::from(inflight));
+                g.desired.set(f64::from(desired));
             }
-            record_replica_metrics(&gw.pool.status(), AUTOSCALE_TICK);
+            gauges.replicas(&gw.pool.replica_counts(), AUTOSCALE_TICK);
+            gauges.forget_unseen();
         }
     })
 }
 
-/// Replicas by state, and replica-seconds (the GPU bill: every replica that
-/// exists, starting ones included), per app and per pool. An app's
-/// revisions (during a canary, say) and a pool's on-demand fallback add up
-/// into their owner's series instead of overwriting each other.
-fn record_replica_metrics(targets: &[TargetStatus], tick: Duration) {
-    for ((label, owner), by_state) in replicas_by_owner(targets) {
-        for (i, state) in REPLICA_STATES.iter().enumerate() {
-            metrics::gauge!("warmgate_replicas", label => owner.to_string(), "state" => *state)
-                .set(f64::from(by_state[i]));
+/// The handles of the gauges the tick sets, looked up by name and labels
+/// once per app, pool and owner rather than on every tick: with thousands
+/// of apps the lookups were most of an idle gateway's CPU. An entry not
+/// seen in a round (its app deleted) is dropped.
+#[derive(Default)]
+struct Gauges {
+    round: u64,
+    apps: HashMap<String, (u64, AppGauges)>,
+    pools: HashMap<String, (u64, PoolGauges)>,
+    /// By label (`app`, `pool`), then owner.
+    owners: HashMap<&'static str, HashMap<String, (u64, OwnerGauges)>>,
+}
+
+/// The entry of `key`, made by `make` the first time, marked seen in
+/// `round`. Looked up by `&str`: no allocation once it exists.
+fn seen<'a, G>(
+    map: &'a mut HashMap<String, (u64, G)>,
+    key: &str,
+    round: u64,
+    make: impl FnOnce() -> G,
+) -> &'a mut G {
+    if !map.contains_key(key) {
+        map.insert(key.to_string(), (round, make()));
+    }
+    let entry = map.get_mut(key).expect("inserted above");
+    entry.0 = round;
+    &mut entry.1
+}
+
+struct AppGauges {
+    desired: metrics::Gauge,
+    inflight: metrics::Gauge,
+    queued: metrics::Gauge,
+    panicking: metrics::Gauge,
+    /// For an app whose engines are read (`[apps.engine] metrics_path`).
+    engine: Option<EngineGauges>,
+}
+
+struct PoolGauges {
+    pending: metrics::Gauge,
+    inflight: metrics::Gauge,
+    desired: metrics::Gauge,
+}
+
+struct OwnerGauges {
+    /// `warmgate_replicas` by [`REPLICA_STATES`].
+    states: [metrics::Gauge; 4],
+    seconds: metrics::Counter,
+    unschedulable: metrics::Gauge,
+}
+
+impl Gauges {
+    fn app(&mut self, served: &crate::serving::Served) -> &AppGauges {
+        let read = served.spec().engine.metrics_path.is_some();
+        let g = seen(&mut self.apps, &served.name, self.round, || {
+            AppGauges::new(&served.name, read)
+        });
+        // `[apps.engine]` changed by a reload.
+        if g.engine.is_some() != read {
+            g.engine = read.then(|| EngineGauges::new(&served.name));
         }
-        let live = by_state[1] + by_state[2] + by_state[3];
-        metrics::counter!("warmgate_replica_seconds_total", label => owner.to_string())
-            .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
+        g
+    }
+
+    fn pool(&mut self, name: &str) -> &PoolGauges {
+        seen(&mut self.pools, name, self.round, || {
+            let pool = || name.to_string();
+            PoolGauges {
+                pending: metrics::gauge!("warmgate_tasks_pending", "pool" => pool()),
+                inflight: metrics::gauge!("warmgate_tasks_inflight", "pool" => pool()),
+                desired: metrics::gauge!("warmgate_replicas_desired", "pool" => pool()),
+            }
+        })
+    }
+
+    /// Replicas by state, and replica-seconds (the GPU bill: every replica
+    /// that exists, starting ones included), per app and per pool. An
+    /// app's revisions (during a canary, say) and a pool's on-demand
+    /// fallback add up into their owner's series instead of overwriting
+    /// each other.
+    fn replicas(&mut self, targets: &[(TargetId, ReplicaCounts)], tick: Duration) {
+        for ((label, owner), by_state) in replicas_by_owner(targets) {
+            let owners = self.owners.entry(label).or_default();
+            let g = seen(owners, owner, self.round, || {
+                let owner = || owner.to_string();
+                OwnerGauges {
+                    states: REPLICA_STATES.map(|state| {
+                        metrics::gauge!("warmgate_replicas", label => owner(), "state" => state)
+                    }),
+                    seconds: metrics::counter!("warmgate_replica_seconds_total", label => owner()),
+                    unschedulable: metrics::gauge!("warmgate_replicas_unschedulable", label => owner()),
+                }
+            });
+            let c = by_state;
+            let states = [c.pending, c.starting, c.ready, c.draining];
+            for (gauge, n) in g.states.iter().zip(states) {
+                gauge.set(f64::from(n));
+            }
+            g.unschedulable.set(f64::from(c.unschedulable));
+            let live = c.starting + c.ready + c.draining;
+            g.seconds
+                .increment((f64::from(live) * tick.as_secs_f64()).round() as u64);
+        }
+    }
+
+    /// Drops the handles of what this round did not see.
+    fn forget_unseen(&mut self) {
+        let round = self.round;
+        self.apps.retain(|_, (seen, _)| *seen == round);
+        self.pools.retain(|_, (seen, _)| *seen == round);
+        for owners in self.owners.values_mut() {
+            owners.retain(|_, (seen, _)| *seen == round);
+        }
     }
 }
 
-/// The states `warmgate_replicas` counts, in the order of the counts below.
+impl AppGauges {
+    fn new(app: &str, engine: bool) -> Self {
+        let app_ = || app.to_string();
+        AppGauges {
+            desired: metrics::gauge!("warmgate_replicas_desired", "app" => app_()),
+            inflight: metrics::gauge!("warmgate_inflight", "app" => app_()),
+            queued: metrics::gauge!("warmgate_queued", "app" => app_()),
+            panicking: metrics::gauge!("warmgate_autoscaler_panicking", "app" => app_()),
+            engine: engine.then(|| EngineGauges::new(app)),
+        }
+    }
+}
+
+/// The states `warmgate_replicas` counts, in the order of
+/// [`OwnerGauges::states`].
 const REPLICA_STATES: [&str; 4] = ["pending", "starting", "ready", "draining"];
 
-/// Replica counts by state for each owner, keyed by its label (`app` or
-/// `pool`) and its name.
-fn replicas_by_owner(targets: &[TargetStatus]) -> BTreeMap<(&'static str, &str), [u32; 4]> {
-    let mut out: BTreeMap<(&'static str, &str), [u32; 4]> = BTreeMap::new();
-    for t in targets {
-        let counts = out.entry((t.id.owner_label(), t.app.as_str())).or_default();
-        for r in &t.replicas {
-            if let Some(i) = REPLICA_STATES.iter().position(|s| *s == r.state.name()) {
-                counts[i] += 1;
-            }
-        }
+/// Replica counts for each owner (an app's revisions, a pool and its
+/// on-demand fallback added up), keyed by its label (`app` or `pool`) and
+/// its name.
+fn replicas_by_owner(
+    targets: &[(TargetId, ReplicaCounts)],
+) -> HashMap<(&'static str, &str), ReplicaCounts> {
+    let mut out: HashMap<(&'static str, &str), ReplicaCounts> = HashMap::new();
+    for (id, c) in targets {
+        let sum = out.entry((id.owner_label(), id.owner())).or_default();
+        sum.pending += c.pending;
+        sum.starting += c.starting;
+        sum.ready += c.ready;
+        sum.draining += c.draining;
+        sum.unschedulable += c.unschedulable;
     }
     out
 }
 
 /// `warmgate_engine_*{app}`: what the app's engines said of their load,
 /// over the readings still fresh (`[apps.engine]`): requests running and
-/// waiting summed, and the fullest KV cache. Nothing is set for an app
-/// whose engines are not read.
-fn engine_gauges(served: &crate::serving::Served, name: &str) {
-    let now = std::time::Instant::now();
-    let max_age = served.spec().engine.max_age;
-    if served.spec().engine.metrics_path.is_none() {
-        return;
-    }
-    let (mut running, mut waiting, mut cache, mut read) = (0u64, 0u64, 0f64, 0u32);
-    for app in served.live() {
-        for r in app.replicas() {
-            if let Some(load) = r.engine().and_then(|e| e.fresh(now, max_age)) {
-                read += 1;
-                running += u64::from(load.running.unwrap_or(0));
-                waiting += u64::from(load.waiting.unwrap_or(0));
-                cache = cache.max(load.kv_cache_usage.unwrap_or(0.0));
-            }
+/// waiting summed, and the fullest KV cache.
+struct EngineGauges {
+    read: metrics::Gauge,
+    running: metrics::Gauge,
+    waiting: metrics::Gauge,
+    cache: metrics::Gauge,
+}
+
+impl EngineGauges {
+    fn new(app: &str) -> Self {
+        let app = || app.to_string();
+        EngineGauges {
+            read: metrics::gauge!("warmgate_engine_replicas_read", "app" => app()),
+            running: metrics::gauge!("warmgate_engine_requests_running", "app" => app()),
+            waiting: metrics::gauge!("warmgate_engine_requests_waiting", "app" => app()),
+            cache: metrics::gauge!("warmgate_engine_kv_cache_usage_max", "app" => app()),
         }
     }
-    let app = name.to_string();
-    metrics::gauge!("warmgate_engine_replicas_read", "app" => app.clone()).set(f64::from(read));
-    metrics::gauge!("warmgate_engine_requests_running", "app" => app.clone()).set(running as f64);
-    metrics::gauge!("warmgate_engine_requests_waiting", "app" => app.clone()).set(waiting as f64);
-    metrics::gauge!("warmgate_engine_kv_cache_usage_max", "app" => app).set(cache);
+
+    fn set(&self, served: &crate::serving::Served) {
+        let now = std::time::Instant::now();
+        let max_age = served.spec().engine.max_age;
+        let (mut running, mut waiting, mut cache, mut read) = (0u64, 0u64, 0f64, 0u32);
+        for app in served.live() {
+            for r in app.replicas() {
+                if let Some(load) = r.engine().and_then(|e| e.fresh(now, max_age)) {
+                    read += 1;
+                    running += u64::from(load.running.unwrap_or(0));
+                    waiting += u64::from(load.waiting.unwrap_or(0));
+                    cache = cache.max(load.kv_cache_usage.unwrap_or(0.0));
+                }
+            }
+        }
+        self.read.set(f64::from(read));
+        self.running.set(running as f64);
+        self.waiting.set(waiting as f64);
+        self.cache.set(cache);
+    }
 }

@@ -60,7 +60,7 @@ pub struct App {
     remote: Mutex<std::collections::BTreeMap<String, (Instant, crate::peers::PeerReading)>>,
     handoff: Mutex<Option<Duration>>,
     /// `warmgate_requests_total` by outcome: `ok`, then [`ErrorKind::ALL`].
-    outcomes: Vec<metrics::Counter>,
+    outcomes: crate::outcomes::Outcomes,
     /// `warmgate_request_duration_seconds`: slot asked for to response done.
     duration: metrics::Histogram,
     /// Arrival to the first byte of the answer's body.
@@ -176,16 +176,7 @@ impl App {
             scaler: Mutex::new(Autoscaler::new(scaling)),
             remote: Mutex::new(std::collections::BTreeMap::new()),
             handoff: Mutex::new(None),
-            outcomes: std::iter::once("ok")
-                .chain(ErrorKind::ALL.iter().map(|k| k.as_str()))
-                .map(|outcome| {
-                    metrics::counter!(
-                        "warmgate_requests_total",
-                        "app" => spec.name.clone(),
-                        "outcome" => outcome
-                    )
-                })
-                .collect(),
+            outcomes: crate::outcomes::Outcomes::new("warmgate_requests_total", "app", &spec.name),
             duration: metrics::histogram!("warmgate_request_duration_seconds", "app" => spec.name.clone()),
             ttfb: metrics::histogram!("warmgate_time_to_first_byte_seconds", "app" => spec.name.clone()),
             queued: metrics::histogram!("warmgate_request_queued_seconds", "app" => spec.name.clone()),

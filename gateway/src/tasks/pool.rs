@@ -134,7 +134,7 @@ pub struct Pool {
 /// them up by name and labels cost more than updating them.
 struct TaskMetrics {
     /// `warmgate_tasks_total` by outcome: `ok`, then [`ErrorKind::ALL`].
-    outcomes: Vec<metrics::Counter>,
+    outcomes: crate::outcomes::Outcomes,
     /// `warmgate_task_queued_seconds`.
     queued: metrics::Histogram,
     /// `warmgate_task_duration_seconds`.
@@ -144,22 +144,14 @@ struct TaskMetrics {
 impl TaskMetrics {
     fn new(pool: &str) -> Self {
         TaskMetrics {
-            outcomes: std::iter::once("ok")
-                .chain(ErrorKind::ALL.iter().map(|k| k.as_str()))
-                .map(|outcome| {
-                    metrics::counter!("warmgate_tasks_total", "pool" => pool.to_string(), "outcome" => outcome)
-                })
-                .collect(),
+            outcomes: crate::outcomes::Outcomes::new("warmgate_tasks_total", "pool", pool),
             queued: metrics::histogram!("warmgate_task_queued_seconds", "pool" => pool.to_string()),
             duration: metrics::histogram!("warmgate_task_duration_seconds", "pool" => pool.to_string()),
         }
     }
 
     fn finished(&self, outcome: Option<ErrorKind>) {
-        let i = outcome.map_or(0, |k| k as usize + 1);
-        if let Some(c) = self.outcomes.get(i) {
-            c.increment(1);
-        }
+        self.outcomes.count(outcome);
     }
 }
 

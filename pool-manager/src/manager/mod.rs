@@ -10,7 +10,7 @@ mod lifecycle;
 mod state;
 mod types;
 
-pub use types::{ColdStart, TargetHealth, TargetSpec, TargetStatus};
+pub use types::{ColdStart, ReplicaCounts, TargetHealth, TargetSpec, TargetStatus};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -305,10 +305,37 @@ impl PoolManager {
             }
             t.health.starting = t.health.starting.saturating_sub(pending);
             t.health.pending += pending;
-            metrics::gauge!("warmgate_replicas_unschedulable", t.id.owner_label() => t.app.clone())
-                .set(pending as f64);
         }
         out
+    }
+
+    /// Each target's replicas by state, as [`PoolManager::status`] counts
+    /// them (a replica the backend cannot place yet is pending), without
+    /// building the rest of the status.
+    pub fn replica_counts(&self) -> Vec<(TargetId, ReplicaCounts)> {
+        let targets = self.inner.targets.read();
+        targets
+            .iter()
+            .map(|(id, t)| {
+                let mut counts = ReplicaCounts::default();
+                for slot in t.shared.lock().replicas.values() {
+                    match &slot.state {
+                        ReplicaState::Pending { .. } => counts.pending += 1,
+                        ReplicaState::Starting
+                            if self.inner.backend.pending_reason(&slot.id).is_some() =>
+                        {
+                            counts.pending += 1;
+                            counts.unschedulable += 1;
+                        }
+                        ReplicaState::Starting => counts.starting += 1,
+                        ReplicaState::Ready => counts.ready += 1,
+                        ReplicaState::Draining => counts.draining += 1,
+                        ReplicaState::Stopped => {}
+                    }
+                }
+                (id.clone(), counts)
+            })
+            .collect()
     }
 
     /// Stops every replica (drain, SIGTERM, grace, SIGKILL) and waits until

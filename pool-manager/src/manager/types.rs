@@ -120,3 +120,19 @@ pub struct TargetStatus {
     /// The last cold start.
     pub last_cold_start: Option<ColdStart>,
 }
+
+/// How many of a target's replicas are in each state: what the gateway
+/// charts every second, without the rest of a [`TargetStatus`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaCounts {
+    /// Waiting for resources: GPUs here, or a place in the cluster.
+    pub pending: u32,
+    /// Started, not yet answering its health check.
+    pub starting: u32,
+    /// Taking traffic.
+    pub ready: u32,
+    /// Finishing what it has before it stops.
+    pub draining: u32,
+    /// Of `pending`, those the backend cannot place (an unschedulable pod).
+    pub unschedulable: u32,
+}

@@ -232,10 +232,7 @@ impl App {
 
     /// Counts a finished request: `None` for success, or its error kind.
     pub fn count(&self, outcome: Option<ErrorKind>) {
-        let i = outcome.map_or(0, |k| k as usize + 1);
-        if let Some(c) = self.outcomes.get(i) {
-            c.increment(1);
-        }
+        self.outcomes.count(outcome);
     }
 
     /// How long the app may stay idle before its last replica goes (see
