@@ -10,7 +10,7 @@
 //! the process; only a power loss can take the last commits.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -139,11 +139,31 @@ impl StateStore for std::sync::Mutex<Store> {
     fn clear_overlay(&self) -> Result<(), StoreError> {
         lock(self).clear_overlay()
     }
+    /// A start's batch writes every app's history at once: tens of
+    /// megabytes with thousands of apps. SQLite would copy them from the
+    /// WAL into the database file, and sync it, inside the `COMMIT` (an
+    /// automatic checkpoint), which was most of a 10,000-app start. The
+    /// batch's commit skips it, and the copy runs on a thread and a
+    /// connection of its own; until it is done readers find the rows in
+    /// the WAL, and a copy cut short is done again by the next one.
     fn batch(&self, f: &mut dyn FnMut() -> Result<(), anyhow::Error>) -> Result<(), anyhow::Error> {
-        lock(self).conn.execute_batch("BEGIN IMMEDIATE")?;
+        {
+            let s = lock(self);
+            s.conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+            s.conn.execute_batch("BEGIN IMMEDIATE")?;
+        }
         let result = f();
         let end = if result.is_ok() { "COMMIT" } else { "ROLLBACK" };
-        lock(self).conn.execute_batch(end)?;
+        {
+            let s = lock(self);
+            let ended = s.conn.execute_batch(end);
+            s.conn
+                .pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES)?;
+            ended?;
+            if let Some(path) = s.conn.path().filter(|p| !p.is_empty()) {
+                checkpoint_behind(PathBuf::from(path));
+            }
+        }
         result
     }
 }
@@ -191,6 +211,25 @@ CREATE TABLE IF NOT EXISTS notes (
     what TEXT NOT NULL
 );
 ";
+
+/// SQLite's default: a checkpoint once the WAL holds this many pages.
+const WAL_AUTOCHECKPOINT_PAGES: i64 = 1000;
+
+/// Copies the WAL into the database file on a thread of its own, without
+/// blocking readers or writers (`PASSIVE`). It may fail (the database
+/// busy, the folder gone in a test): the next automatic checkpoint does
+/// the same work, so nothing is lost by leaving it.
+fn checkpoint_behind(path: PathBuf) {
+    let copy = move || {
+        if let Ok(conn) = Connection::open(&path) {
+            let _ = conn.busy_timeout(std::time::Duration::from_secs(5));
+            let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+        }
+    };
+    let _ = std::thread::Builder::new()
+        .name("state-checkpoint".into())
+        .spawn(copy);
+}
 
 fn parse_promotion(body: &str) -> Result<Promotion, StoreError> {
     serde_json::from_str::<Promotion>(body).map_err(|source| StoreError::Corrupt {

@@ -21,6 +21,8 @@ pub mod preflight;
 pub mod promote;
 pub mod registry;
 pub mod replica_logs;
+pub mod replica_sink;
+pub mod report;
 pub mod runtime;
 pub mod server;
 pub mod serving;

@@ -23,7 +23,7 @@ pub(crate) async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<Str
     match gw.registry.load().app(&name) {
         Some(app) => {
             let targets = gw.pool.status();
-            axum::Json(gw.status_of(app, &targets)).into_response()
+            axum::Json(gw.status_of(app, &crate::report::by_id(&targets))).into_response()
         }
         None => {
             ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
