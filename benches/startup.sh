@@ -39,7 +39,8 @@ config() { # N FILE STATE
 
 now() { date +%s.%N; }
 
-# Starts the gateway; prints the seconds until /healthz answers.
+# Starts the gateway (its pid in $pid); writes the seconds until /healthz
+# answers to $work/took.
 start() { # FILE
     local t0 t1
     t0=$(now)
@@ -48,7 +49,7 @@ start() { # FILE
     for _ in $(seq 1 12000); do
         if curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz"; then
             t1=$(now)
-            echo "$t1 - $t0" | bc
+            echo "$t1 - $t0" | bc >"$work/took"
             return
         fi
         kill -0 "$pid" 2>/dev/null || { cat "$work/log" >&2; exit 1; }
@@ -66,6 +67,11 @@ stop() {
 
 median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
+if curl -s -o /dev/null "http://127.0.0.1:$PORT/healthz"; then
+    echo "something already listens on port $PORT (PORT=… to use another)" >&2
+    exit 1
+fi
+
 printf '| apps | check (s) | first start (s) | second start (s) | first / check | second / check | RSS (MiB) | idle CPU (%%) |\n'
 printf '|---:|---:|---:|---:|---:|---:|---:|---:|\n'
 for n in "${SIZES[@]}"; do
@@ -77,9 +83,11 @@ for n in "${SIZES[@]}"; do
         t0=$(now)
         "$BIN" serve --check --config "$file" >/dev/null 2>&1
         checks+=("$(echo "$(now) - $t0" | bc)")
-        firsts+=("$(start "$file")")
+        start "$file"
+        firsts+=("$(cat "$work/took")")
         stop
-        seconds+=("$(start "$file")")
+        start "$file"
+        seconds+=("$(cat "$work/took")")
         sleep 2
         rss=$(awk '/VmRSS/ {print int($2 / 1024)}' "/proc/$pid/status")
         c0=$(awk '{print $14 + $15}' "/proc/$pid/stat")

@@ -67,7 +67,7 @@ impl Gateway {
                 );
                 let id = rev.id.clone();
                 h.revisions.push(rev);
-                h.config = Some(config);
+                h.config = Some(config.clone());
                 let (p, fx) = Promotion::switch(
                     &app.name,
                     from.as_deref(),
@@ -103,7 +103,7 @@ impl Gateway {
                 .cloned()
                 .collect();
             for r in &live {
-                self.materialize(app, r)
+                self.materialize_from(app, r, Some(&config))
                     .map_err(|e| anyhow::anyhow!("{}", e.message))?;
             }
             app.set_split(&h.split());
@@ -123,6 +123,18 @@ impl Gateway {
     /// weights, made routable by pinning. Reused when it exists already
     /// (a rollback to a revision that served before).
     pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
+        self.materialize_from(app, rev, None)
+    }
+
+    /// [`Gateway::materialize`], given the JSON of the app's spec: a
+    /// revision made from that very spec (every app's at a start) takes
+    /// it as it is rather than parsing its copy.
+    fn materialize_from(
+        &self,
+        app: &Served,
+        rev: &Revision,
+        spec_json: Option<&str>,
+    ) -> Result<Arc<App>, ApiError> {
         let target = rev.target();
         let existing = self.revisions.read().get(&target).cloned();
         if let Some(a) = existing.as_ref().filter(|a| a.revision != rev.id) {
@@ -153,8 +165,11 @@ impl Gateway {
             app.add_live(a.clone());
             return Ok(a);
         }
-        let mut spec: AppSpec =
-            serde_json::from_str(&rev.spec).unwrap_or_else(|_| (*app.spec()).clone());
+        let mut spec: AppSpec = if spec_json == Some(rev.spec.as_str()) {
+            (*app.spec()).clone()
+        } else {
+            serde_json::from_str(&rev.spec).unwrap_or_else(|_| (*app.spec()).clone())
+        };
         spec.checkpoint = rev.checkpoint.clone();
         let mut env = spec.env.clone();
         if let Some(uri) = &spec.checkpoint {
