@@ -34,6 +34,9 @@ pub enum StoreError {
     /// The cluster's API server did not take or give the state.
     #[error("state in the cluster: {0}")]
     Cluster(String),
+    /// A batch's writer stopped (its own error is the batch's).
+    #[error("state database: the batch's writes stopped")]
+    BatchFailed,
     /// A stored row is not what this version writes.
     #[error("state database: a stored {what} is unreadable: {source}")]
     Corrupt {
@@ -107,19 +110,61 @@ pub trait StateStore: Send + Sync {
     }
 }
 
-/// The SQLite database, one call at a time.
-impl StateStore for std::sync::Mutex<Store> {
+/// The SQLite database as the gateway holds it: one call at a time, and a
+/// batch's saves written by a thread of their own.
+pub struct SqliteState {
+    store: std::sync::Mutex<Store>,
+    /// While a batch runs: where its saves go.
+    batch: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<Save>>>,
+}
+
+/// A save a batch's writer carries out.
+struct Save {
+    app: String,
+    history: History,
+    note: String,
+}
+
+/// Saves a batch may have queued for its writer.
+const BATCH_QUEUE: usize = 256;
+
+impl SqliteState {
+    /// Opens (or creates) the database at `path` (see [`Store::open`]).
+    pub fn open(path: &Path) -> Result<SqliteState, StoreError> {
+        Ok(SqliteState {
+            store: std::sync::Mutex::new(Store::open(path)?),
+            batch: std::sync::Mutex::new(None),
+        })
+    }
+
+    fn store(&self) -> std::sync::MutexGuard<'_, Store> {
+        lock(&self.store)
+    }
+}
+
+impl StateStore for SqliteState {
     fn load(&self, app: &str) -> Result<History, StoreError> {
-        lock(self).load(app)
+        self.store().load(app)
     }
     fn load_all(&self) -> Result<Option<HashMap<String, History>>, StoreError> {
-        lock(self).load_all().map(Some)
+        self.store().load_all().map(Some)
     }
     fn save(&self, app: &str, h: &History, note: &str) -> Result<(), StoreError> {
-        lock(self).save(app, h, note)
+        let queue = lock(&self.batch).clone();
+        match queue {
+            Some(tx) => tx
+                .send(Save {
+                    app: app.to_string(),
+                    history: h.clone(),
+                    note: note.to_string(),
+                })
+                // The writer stopped at an error, which the batch returns.
+                .map_err(|_| StoreError::BatchFailed),
+            None => self.store().save(app, h, note),
+        }
     }
     fn notes(&self, app: &str, limit: usize) -> Result<Vec<Note>, StoreError> {
-        lock(self).notes(app, limit)
+        self.store().notes(app, limit)
     }
     fn record_spec(
         &self,
@@ -128,49 +173,71 @@ impl StateStore for std::sync::Mutex<Store> {
         body: Option<&str>,
         note: &str,
     ) -> Result<(), StoreError> {
-        lock(self).record_spec(kind, name, body, note)
+        self.store().record_spec(kind, name, body, note)
     }
     fn forget_spec(&self, kind: SpecKind, name: &str) -> Result<(), StoreError> {
-        lock(self).forget_spec(kind, name)
+        self.store().forget_spec(kind, name)
     }
     fn overlay(&self) -> Result<Overlay, StoreError> {
-        lock(self).overlay()
+        self.store().overlay()
     }
     fn clear_overlay(&self) -> Result<(), StoreError> {
-        lock(self).clear_overlay()
+        self.store().clear_overlay()
     }
     /// A start's batch writes every app's history at once: tens of
-    /// megabytes with thousands of apps. SQLite would copy them from the
-    /// WAL into the database file, and sync it, inside the `COMMIT` (an
-    /// automatic checkpoint), which was most of a 10,000-app start. The
-    /// batch's commit skips it, and the copy runs on a thread and a
-    /// connection of its own; until it is done readers find the rows in
-    /// the WAL, and a copy cut short is done again by the next one.
+    /// megabytes with thousands of apps.
+    /// - Its saves are written (their JSON and their rows) by a thread of
+    ///   their own while `f` goes on: they were half of a 10,000-app
+    ///   start. `save` returns once the history is queued; the first
+    ///   error stops the writer and is the batch's, and nothing is kept.
+    /// - SQLite would copy the WAL into the database file, and sync it,
+    ///   inside the `COMMIT` (an automatic checkpoint). The batch's
+    ///   commit skips it, and the copy runs on a thread and a connection
+    ///   of its own; until it is done readers find the rows in the WAL,
+    ///   and a copy cut short is done again by the next one.
     fn batch(&self, f: &mut dyn FnMut() -> Result<(), anyhow::Error>) -> Result<(), anyhow::Error> {
         {
-            let s = lock(self);
+            let s = self.store();
             s.conn.pragma_update(None, "wal_autocheckpoint", 0)?;
             s.conn.execute_batch("BEGIN IMMEDIATE")?;
         }
-        let result = f();
-        let end = if result.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Save>(BATCH_QUEUE);
+        let (result, written) = std::thread::scope(|scope| {
+            let writer = scope.spawn(move || -> Result<(), StoreError> {
+                for s in rx {
+                    lock(&self.store).save(&s.app, &s.history, &s.note)?;
+                }
+                Ok(())
+            });
+            *lock(&self.batch) = Some(tx);
+            let result = f();
+            // The last sender gone, the writer ends once it has written
+            // what is queued.
+            *lock(&self.batch) = None;
+            let written = writer.join().unwrap_or(Err(StoreError::BatchFailed));
+            (result, written)
+        });
+        let ok = result.is_ok() && written.is_ok();
         {
-            let s = lock(self);
-            let ended = s.conn.execute_batch(end);
+            let s = self.store();
+            let ended = s.conn.execute_batch(if ok { "COMMIT" } else { "ROLLBACK" });
             s.conn
                 .pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES)?;
             ended?;
-            if let Some(path) = s.conn.path().filter(|p| !p.is_empty()) {
+            if ok && let Some(path) = s.conn.path().filter(|p| !p.is_empty()) {
                 checkpoint_behind(PathBuf::from(path));
             }
         }
+        // The writer's error is the cause; `f`'s then only says a save
+        // could not be queued.
+        written?;
         result
     }
 }
 
 /// The store, even after a panic elsewhere held it (each call is one
 /// transaction, so nothing is left half done).
-fn lock(m: &std::sync::Mutex<Store>) -> std::sync::MutexGuard<'_, Store> {
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -684,6 +751,54 @@ mod tests {
             )
             .expect("insert");
         assert!(s.load_all().is_err());
+    }
+
+    #[test]
+    fn a_batch_keeps_all_its_saves_or_none() {
+        let dir = tempfile::tempdir().expect("dir");
+        let state = SqliteState::open(&dir.path().join("state.db")).expect("open");
+        let h = History {
+            revisions: vec![rev(1, 100)],
+            promotion: None,
+            config: Some("{}".into()),
+        };
+        state
+            .batch(&mut || {
+                state.save("m", &h, "created m-00001")?;
+                Ok(())
+            })
+            .expect("batch");
+        assert_eq!(state.load("m").expect("load"), h);
+        // A batch that fails keeps nothing it queued.
+        let mut later = h.clone();
+        later.revisions.push(rev(2, 0));
+        let err = state
+            .batch(&mut || {
+                state.save("m", &later, "created m-00002")?;
+                anyhow::bail!("the start stopped")
+            })
+            .expect_err("fails");
+        assert!(err.to_string().contains("the start stopped"), "{err}");
+        assert_eq!(state.load("m").expect("load"), h);
+        // A save that cannot be written fails the batch with its own error.
+        state
+            .store()
+            .conn
+            .execute_batch("DROP TABLE notes")
+            .expect("drop");
+        let err = state
+            .batch(&mut || {
+                for _ in 0..1000 {
+                    state.save("m", &later, "created m-00002")?;
+                }
+                Ok(())
+            })
+            .expect_err("fails");
+        assert!(err.to_string().contains("notes"), "{err}");
+        assert_eq!(state.load("m").expect("load"), h);
+        // Outside a batch, a save is written at once.
+        state.save("m", &later, "").expect("save");
+        assert_eq!(state.load("m").expect("load"), later);
     }
 
     #[test]

@@ -150,10 +150,10 @@ impl Gateway {
         let tolerant = state.is_some();
         let store: Box<dyn warmgate_deploy::store::StateStore> = match state {
             Some(s) => s,
-            None => Box::new(std::sync::Mutex::new(
-                warmgate_deploy::store::Store::open(&db)
+            None => Box::new(
+                warmgate_deploy::store::SqliteState::open(&db)
                     .with_context(|| format!("open {}", db.display()))?,
-            )),
+            ),
         };
         let w = &config.weights;
         let cache =
