@@ -298,10 +298,13 @@ impl Gateway {
         let mut apps = Vec::with_capacity(gw.config.apps.len());
         // Every app's stored state in one read where the store can, and
         // what the start changes of it in one write.
-        let mut stored = gw
-            .store
-            .load_all()
-            .context("read the apps' revision histories")?;
+        // A row it cannot read (of an app no longer configured, say)
+        // leaves each app to be read alone, as before, so only the apps
+        // that are served can fail the start.
+        let mut stored = gw.store.load_all().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the stored histories cannot be read at once; each app's is read alone");
+            None
+        });
         gw.store.batch(&mut || {
             for spec in &gw.config.apps {
                 let history = stored
