@@ -262,6 +262,11 @@ def raise_for(resp: httpx.Response, body: Any) -> None:
         raise error_from_response(resp.status_code, body, resp.headers)
 
 
+#: Methods sent again after the connection broke mid-request: they change
+#: nothing.
+IDEMPOTENT = frozenset({"GET", "HEAD"})
+
+
 def retry_wait(err: BaseException, attempt: int) -> Optional[float]:
     """Seconds to wait before trying again after ``err`` (on try number
     ``attempt``, from 0), or ``None`` when it must not be tried again.

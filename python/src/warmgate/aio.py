@@ -134,7 +134,10 @@ class AsyncClient:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 err = _core.unreachable(self._s.url, e)
             except httpx.TransportError as e:
-                raise _core.unreachable(self._s.url, e) from None
+                # As the blocking client: only a GET is sent again.
+                if method not in _core.IDEMPOTENT:
+                    raise _core.unreachable(self._s.url, e) from None
+                err = _core.unreachable(self._s.url, e)
             else:
                 if resp.status_code < 400:
                     return resp

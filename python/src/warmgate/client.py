@@ -148,8 +148,12 @@ class Client:
                 err = _core.unreachable(self._s.url, e)
             except httpx.TransportError as e:
                 # The request may have reached the gateway: a task is not
-                # sent twice.
-                raise _core.unreachable(self._s.url, e) from None
+                # sent twice. A GET changes nothing, and a keep-alive
+                # connection closed just as it was reused ends this way:
+                # it is sent again.
+                if method not in _core.IDEMPOTENT:
+                    raise _core.unreachable(self._s.url, e) from None
+                err = _core.unreachable(self._s.url, e)
             else:
                 if resp.status_code < 400:
                     return resp
