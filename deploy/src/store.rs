@@ -272,6 +272,25 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The mode of `state.db` and its `-wal`/`-shm` files: owner only.
 const DB_MODE: u32 = 0o600;
 
+/// Creates the database file at `path` readable by its owner only
+/// (`0600`), or narrows the mode of one an older version made wider:
+/// whoever opens `state.db` first, the store or the task journal, finds
+/// it private, and SQLite gives its `-wal` and `-shm` files its mode.
+pub fn create_private(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    let private = |e: std::io::Error| StoreError::Permissions {
+        path: path.display().to_string(),
+        source: e,
+    };
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(DB_MODE)
+        .open(path)
+        .map_err(private)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(DB_MODE)).map_err(private)
+}
+
 /// The database.
 pub struct Store {
     conn: Connection,
@@ -341,19 +360,8 @@ impl Store {
     /// specs, whose `env` may carry secrets. A database made by an older
     /// version with a wider mode is narrowed.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
-        let private = |e: std::io::Error| StoreError::Permissions {
-            path: path.display().to_string(),
-            source: e,
-        };
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(DB_MODE)
-            .open(path)
-            .map_err(private)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DB_MODE))
-            .map_err(private)?;
+        use std::os::unix::fs::PermissionsExt as _;
+        create_private(path)?;
         let conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
@@ -366,7 +374,12 @@ impl Store {
             let mut side = path.as_os_str().to_owned();
             side.push(suffix);
             match std::fs::set_permissions(&side, std::fs::Permissions::from_mode(DB_MODE)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(private(e)),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::Permissions {
+                        path: path.display().to_string(),
+                        source: e,
+                    });
+                }
                 _ => {}
             }
         }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use warmgate_deploy::adapter_promotion::{AdapterPlan, AdapterPromotion, AdapterStep};
 use warmgate_deploy::revision::Event;
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::promote::Evaluated;
 use crate::server::Gateway;
 use crate::serving::adapter_split::AdapterCanary;
@@ -50,13 +50,13 @@ impl Gateway {
         self: &Arc<Self>,
         app: &Arc<Served>,
         req: AdapterPromoteRequest,
-    ) -> Result<Arc<AdapterCanary>, ApiError> {
+    ) -> Result<Arc<AdapterCanary>, Error> {
         // Revisions are handed out one change at a time: a `PUT` of the
         // adapter and this never take the same number.
-        let _one = self.changes.lock().await;
+        let _one = self.changes.one_at_a_time().await;
         let spec = app.spec();
         let Some(adapter) = spec.adapters.get(&req.adapter) else {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NotFound,
                 format!("app '{}' has no adapter {:?}", app.name, req.adapter),
             ));
@@ -68,18 +68,18 @@ impl Gateway {
             adapter.name.clone(),
             req.checkpoint.clone(),
         )];
-        if let Some(dir) = &self.workdir {
+        if let Some(dir) = &self.host.workdir {
             probe.resolve_paths(dir);
         }
         let checkpoint = probe.adapters.models[0].checkpoint.clone();
         probe
             .adapters
             .validate(|k| k.to_string())
-            .map_err(|(_, why)| ApiError::new(ErrorKind::BadRequest, why).param("checkpoint"))?;
-        if self.config.backend.kind == warmgate_deploy::BackendKind::Kubernetes
+            .map_err(|(_, why)| Error::new(ErrorKind::BadRequest, why).param("checkpoint"))?;
+        if self.host.config.backend.kind == warmgate_deploy::BackendKind::Kubernetes
             && !checkpoint.starts_with("file://")
         {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::BadRequest,
                 "on the kubernetes backend the engine reads an adapter from a path in its own pod: \
                  give a file:// path on a volume the pods mount",
@@ -88,7 +88,7 @@ impl Gateway {
         }
         self.weights.open(&checkpoint)?;
         if checkpoint == adapter.checkpoint {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "adapter {:?} serves {checkpoint} already (revision {})",
@@ -113,7 +113,7 @@ impl Gateway {
                 ))
             })
             .map_err(|running| {
-                ApiError::new(
+                Error::new(
                     ErrorKind::Conflict,
                     format!(
                         "adapter {:?} is being promoted to revision {} already",
@@ -212,6 +212,7 @@ impl Gateway {
             .map(|r| r.id.clone())
             .unwrap_or_default();
         let outcome = match self
+            .promotions
             .gate(
                 &app,
                 Evaluated::Adapter {
@@ -278,13 +279,13 @@ impl Gateway {
         name: &str,
         checkpoint: &str,
         to: u32,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         let until = Instant::now() + COMMIT_PATIENCE;
         loop {
             // Rolled back meanwhile (the adapter was changed or deleted, the
             // app deleted): nothing is committed over that change.
             if !c.running() || app.is_removed() {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Conflict,
                     "the adapter or its app changed during its promotion",
                 ));
@@ -292,13 +293,13 @@ impl Gateway {
             let from = c.promotion.lock().from_revision;
             let mut spec = (*app.spec()).clone();
             let Some(a) = spec.adapters.models.iter_mut().find(|a| a.name == name) else {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::NotFound,
                     "the adapter was deleted during its promotion",
                 ));
             };
             if a.revision != from {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Conflict,
                     format!(
                         "the adapter moved to revision {} during its promotion",

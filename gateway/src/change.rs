@@ -20,7 +20,7 @@ use std::time::Duration;
 use warmgate_deploy::store::SpecKind;
 use warmgate_deploy::{AppSpec, Config, PoolSpec, TargetId};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::server::Gateway;
 use crate::serving::served::Served;
 
@@ -50,25 +50,13 @@ impl Gateway {
     /// operator the resources are the truth, and a put could carry what
     /// the operator refuses in a resource (a gate command).
     pub fn refuse_api_changes(&self) {
-        self.api_changes
-            .store(false, std::sync::atomic::Ordering::Release);
-    }
-
-    /// 409 when changes through the API are refused.
-    pub(crate) fn check_api_changes_allowed(&self) -> Result<(), ApiError> {
-        if self.api_changes.load(std::sync::atomic::Ordering::Acquire) {
-            return Ok(());
-        }
-        Err(ApiError::new(
-            ErrorKind::Conflict,
-            "this gateway is run by `warmgate operator`: change its apps and pools through their ServingApp and WarmPool resources",
-        ))
+        self.changes.refuse_api();
     }
 
     /// The specs served now, under the file's other settings.
     pub(crate) fn desired_config(&self) -> Config {
         let r = self.registry.load();
-        let mut c = (*self.config).clone();
+        let mut c = (*self.host.config).clone();
         c.apps = r.apps().iter().map(|a| (*a.spec()).clone()).collect();
         c.pools = r.pools().map(|p| (*p.spec()).clone()).collect();
         c
@@ -77,26 +65,12 @@ impl Gateway {
     /// Checks `candidate` as the config file is checked, and that the
     /// checkpoints it names (for `changed`) may be opened. The key in an
     /// error is the one inside the spec.
-    fn check(&self, candidate: &Config, prefix: &str) -> Result<(), ApiError> {
+    fn check(&self, candidate: &Config, prefix: &str) -> Result<(), Error> {
         candidate.validate().map_err(|(key, message)| {
             let key = key
                 .strip_prefix(prefix)
                 .map_or(key.clone(), |k| k.trim_start_matches('.').to_string());
-            ApiError::new(ErrorKind::BadRequest, format!("{key}: {message}"))
-        })
-    }
-
-    fn refuse_if_busy(&self, what: &str) -> Result<BusyGuard<'_>, ApiError> {
-        let mut busy = self.busy.lock();
-        if !busy.insert(what.to_string()) {
-            return Err(ApiError::new(
-                ErrorKind::Conflict,
-                format!("another change to {what} is being applied; try again when it is done"),
-            ));
-        }
-        Ok(BusyGuard {
-            gw: self,
-            what: what.to_string(),
+            Error::new(ErrorKind::BadRequest, format!("{key}: {message}"))
         })
     }
 
@@ -106,9 +80,9 @@ impl Gateway {
         name: &str,
         body: Option<&str>,
         note: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         self.store.record_spec(kind, name, body, note).map_err(|e| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::Internal,
                 format!("the gateway could not save the change, so it did not make it: {e}"),
             )
@@ -116,7 +90,7 @@ impl Gateway {
     }
 
     /// Puts an app: creates it, or changes the one of that name.
-    pub async fn put_app(self: &Arc<Self>, spec: AppSpec) -> Result<Changed, ApiError> {
+    pub async fn put_app(self: &Arc<Self>, spec: AppSpec) -> Result<Changed, Error> {
         self.put_app_from(spec, false).await
     }
 
@@ -126,7 +100,7 @@ impl Gateway {
     pub(crate) async fn put_app_adapters(
         self: &Arc<Self>,
         spec: AppSpec,
-    ) -> Result<Changed, ApiError> {
+    ) -> Result<Changed, Error> {
         self.put_app_from(spec, true).await
     }
 
@@ -134,14 +108,14 @@ impl Gateway {
         self: &Arc<Self>,
         mut spec: AppSpec,
         adapters_only: bool,
-    ) -> Result<Changed, ApiError> {
+    ) -> Result<Changed, Error> {
         let name = spec.name.clone();
-        let _busy = self.refuse_if_busy(&format!("app '{name}'"))?;
+        let _busy = self.changes.claim(&format!("app '{name}'"))?;
         // One registry change at a time: each is checked against the
         // state the one before it left.
-        let _one = self.changes.lock().await;
-        if self.retiring_pools.lock().contains(&name) {
-            return Err(ApiError::new(
+        let _one = self.changes.one_at_a_time().await;
+        if self.changes.retiring_pools.lock().contains(&name) {
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "a pool '{name}' was deleted and is still finishing its tasks; put the app once it is gone"
@@ -198,7 +172,7 @@ impl Gateway {
             if let Err(e) = self.start_app(spec) {
                 // Not kept: a restart would trip on it.
                 let _ = self.store.forget_spec(SpecKind::App, &name);
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Internal,
                     format!("app '{name}': {e:#}"),
                 ));
@@ -207,7 +181,7 @@ impl Gateway {
         };
         let old = app.spec();
         if old.pool != spec.pool {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "app '{name}' would move {} {}: delete it and put it again",
@@ -258,17 +232,17 @@ impl Gateway {
         tuned.adapters = spec.adapters.clone();
         let in_place = tuned == spec && serves(&app, &old);
         if !(adapters_only && in_place) {
-            self.refuse_if_promoting(&app)?;
+            self.promotions.refuse_if_promoting(&app)?;
         }
         if adapters_only && !in_place {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!("app '{name}' changed in more than its adapters meanwhile"),
             ));
         }
         // The saved spec goes back to the running one when the change is
         // not made, so a restart does not make it either.
-        let undo = |e: ApiError| {
+        let undo = |e: Error| {
             let _ = self.record(SpecKind::App, &name, old_json.as_deref(), "");
             e
         };
@@ -284,6 +258,7 @@ impl Gateway {
         } else {
             self.record(SpecKind::App, &name, Some(&json), "")?;
             let revision = self
+                .promotions
                 .roll(&app, spec, "the spec changed through the API")
                 .map_err(undo)?;
             Changed::Rolled { revision }
@@ -295,7 +270,7 @@ impl Gateway {
             // The running watcher sees a newer generation and stops.
             app.next_watcher();
             if app.spec().promotion.watch.is_some() {
-                tokio::spawn(self.clone().watch(app.clone()));
+                tokio::spawn(self.promotions.clone().watch(app.clone()));
             }
         }
         Ok(changed)
@@ -314,7 +289,7 @@ impl Gateway {
 
     /// Applies a spec that differs only in settings the running replicas
     /// can take: every live revision takes its autoscaling and queue.
-    fn retune_app(&self, app: &Arc<Served>, spec: AppSpec) -> Result<(), ApiError> {
+    fn retune_app(&self, app: &Arc<Served>, spec: AppSpec) -> Result<(), Error> {
         let config = encode_spec(&spec)?;
         {
             // Saved as the spec its revisions come from, so a restart does
@@ -324,7 +299,7 @@ impl Gateway {
             next.config = Some(config);
             self.store
                 .save(&app.name, &next, "")
-                .map_err(|e| ApiError::new(ErrorKind::Internal, format!("could not save: {e}")))?;
+                .map_err(|e| Error::new(ErrorKind::Internal, format!("could not save: {e}")))?;
             *h = next;
         }
         for rev in app.live() {
@@ -336,9 +311,9 @@ impl Gateway {
 
     /// Deletes an app: it leaves routing at once; its revisions finish what
     /// they hold, then stop.
-    pub async fn delete_app(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
-        let _busy = self.refuse_if_busy(&format!("app '{name}'"))?;
-        let _one = self.changes.lock().await;
+    pub async fn delete_app(self: &Arc<Self>, name: &str) -> Result<(), Error> {
+        let _busy = self.changes.claim(&format!("app '{name}'"))?;
+        let _one = self.changes.one_at_a_time().await;
         let Some(app) = self
             .registry
             .load()
@@ -347,19 +322,19 @@ impl Gateway {
             .find(|a| a.name == name)
             .cloned()
         else {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NotFound,
                 format!("app '{name}' not found"),
             ));
         };
-        self.refuse_if_promoting(&app)?;
+        self.promotions.refuse_if_promoting(&app)?;
         self.record(
             SpecKind::App,
             name,
             None,
             &format!("app {name} deleted through the API"),
         )?;
-        if let Err(e) = self.forget_spec(&app, "") {
+        if let Err(e) = self.promotions.forget_spec(&app, "") {
             // A promotion began meanwhile: the app stays, and so does its
             // saved spec.
             if let Ok(json) = serde_json::to_string(&*app.spec()) {
@@ -368,7 +343,7 @@ impl Gateway {
             return Err(e);
         }
         self.registry.rcu(|r| Arc::new(r.without_app(name)));
-        self.retiring_apps.lock().insert(name.to_string());
+        self.changes.retiring_apps.lock().insert(name.to_string());
         let gw = self.clone();
         tokio::spawn(async move { gw.retire_app(app).await });
         Ok(())
@@ -404,6 +379,7 @@ impl Gateway {
             .map(|a| a.live().iter().map(|r| r.target.clone()).collect())
             .unwrap_or_default();
         let all: Vec<TargetId> = self
+            .promotions
             .revisions
             .read()
             .iter()
@@ -416,19 +392,19 @@ impl Gateway {
         }
         for id in &all {
             self.pool.remove_target(id).await;
-            self.revisions.write().remove(id);
+            self.promotions.revisions.write().remove(id);
         }
         // Its history too, where the store is shared and bounded; not if
         // an app of that name was put again meanwhile. One registry change
         // at a time: a put of that name waits for this, or this sees it.
         {
-            let _one = self.changes.lock().await;
+            let _one = self.changes.one_at_a_time().await;
             if self.registry.load().app(&app.name).is_none()
                 && let Err(e) = self.store.forget(&app.name)
             {
                 tracing::warn!(app = %app.name, error = %e, "could not drop the deleted app's state; it stays in the store");
             }
-            self.retiring_apps.lock().remove(&app.name);
+            self.changes.retiring_apps.lock().remove(&app.name);
         }
         tracing::info!(app = %app.name, "deleted app's replicas stopped");
     }
@@ -436,20 +412,20 @@ impl Gateway {
     /// Puts a pool: creates it. A pool of that name with the same spec is
     /// left as it is; changing a running pool is refused (delete it, then
     /// put it again).
-    pub async fn put_pool(self: &Arc<Self>, spec: PoolSpec) -> Result<Changed, ApiError> {
+    pub async fn put_pool(self: &Arc<Self>, spec: PoolSpec) -> Result<Changed, Error> {
         let name = spec.name.clone();
-        let _busy = self.refuse_if_busy(&format!("pool '{name}'"))?;
-        let _one = self.changes.lock().await;
-        if self.retiring_pools.lock().contains(&name) {
-            return Err(ApiError::new(
+        let _busy = self.changes.claim(&format!("pool '{name}'"))?;
+        let _one = self.changes.one_at_a_time().await;
+        if self.changes.retiring_pools.lock().contains(&name) {
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "pool '{name}' was deleted and is still finishing its tasks; put it again once it is gone"
                 ),
             ));
         }
-        if self.retiring_apps.lock().contains(&name) {
-            return Err(ApiError::new(
+        if self.changes.retiring_apps.lock().contains(&name) {
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "an app '{name}' was deleted and is still finishing its requests; put the pool once it is gone"
@@ -462,7 +438,7 @@ impl Gateway {
         // A name a revision or target still holds (an app's retired
         // revision kept for a rollback) would take that target's replicas.
         if self.pool.has_target_named(&name) {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::BadRequest,
                 format!(
                     "name: '{name}' is the name of a running target (an app's revision); choose another"
@@ -479,7 +455,7 @@ impl Gateway {
         self.record(SpecKind::Pool, &name, Some(&json), "")?;
         if let Err(e) = self.start_pool(spec) {
             let _ = self.store.forget_spec(SpecKind::Pool, &name);
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Internal,
                 format!("pool '{name}': {e:#}"),
             ));
@@ -489,14 +465,14 @@ impl Gateway {
 
     /// A running pool put again: nothing for the same spec; in place for
     /// settings that need no new replica; refused (409) otherwise.
-    fn change_pool(&self, pool: &crate::tasks::Pool, spec: PoolSpec) -> Result<Changed, ApiError> {
+    fn change_pool(&self, pool: &crate::tasks::Pool, spec: PoolSpec) -> Result<Changed, Error> {
         let name = spec.name.clone();
         let old = pool.spec();
         if *old == spec {
             return Ok(Changed::Unchanged);
         }
         if old.retuned(&spec) != spec {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "pool '{name}': changing its command, image, env, checkpoint, concurrency, gpus, queue fairness or pod settings needs new replicas, which a running pool does not roll to yet: delete it, then put it again (replica bounds, idle_ttl, suspend_after, buffer, retries, timeouts, max_staleness, inference_share and queue bounds change in place)"
@@ -536,11 +512,11 @@ impl Gateway {
 
     /// Deletes a pool: it takes no new task at once; the tasks it holds
     /// finish, then its replicas stop.
-    pub async fn delete_pool(self: &Arc<Self>, name: &str) -> Result<(), ApiError> {
-        let _busy = self.refuse_if_busy(&format!("pool '{name}'"))?;
-        let _one = self.changes.lock().await;
+    pub async fn delete_pool(self: &Arc<Self>, name: &str) -> Result<(), Error> {
+        let _busy = self.changes.claim(&format!("pool '{name}'"))?;
+        let _one = self.changes.one_at_a_time().await;
         let Some(pool) = self.registry.load().pool(name).cloned() else {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NotFound,
                 format!("pool '{name}' not found"),
             ));
@@ -552,7 +528,7 @@ impl Gateway {
             .iter()
             .find(|a| a.spec().pool.as_deref() == Some(name))
         {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "pool '{name}' serves app '{}'; delete the app first",
@@ -562,7 +538,7 @@ impl Gateway {
         }
         self.record(SpecKind::Pool, name, None, "")?;
         pool.close();
-        self.retiring_pools.lock().insert(name.to_string());
+        self.changes.retiring_pools.lock().insert(name.to_string());
         self.registry.rcu(|r| Arc::new(r.without_pool(name)));
         let gw = self.clone();
         tokio::spawn(async move {
@@ -578,7 +554,7 @@ impl Gateway {
                 gw.pool.scale(&target, pool.desired(gw.starting(&target)));
             }
             if !pool.is_empty() {
-                let err = ApiError::new(
+                let err = Error::new(
                     ErrorKind::ReplicaFailed,
                     format!(
                         "pool '{}' was deleted and its tasks did not finish within {}",
@@ -600,7 +576,7 @@ impl Gateway {
             gw.registry
                 .rcu(|r| Arc::new(r.forget_pool_targets(&pool.name)));
             gw.weights.unregister_all(&pool.name);
-            gw.retiring_pools.lock().remove(&pool.name);
+            gw.changes.retiring_pools.lock().remove(&pool.name);
             tracing::info!(pool = %pool.name, "deleted pool's replicas stopped");
         });
         Ok(())
@@ -616,7 +592,7 @@ pub struct Applied {
     pub name: String,
     /// What was done (`created`, `unchanged`, `in place`, `rolled (to
     /// e-00002)`, `deleted`), or why not.
-    pub outcome: Result<String, ApiError>,
+    pub outcome: Result<String, Error>,
 }
 
 impl std::fmt::Display for Applied {
@@ -708,9 +684,9 @@ impl Gateway {
 
     /// Drops the changes made through the API from the state store: the
     /// config file is the whole truth again at the next start.
-    pub fn forget_api_changes(&self) -> Result<(), ApiError> {
+    pub fn forget_api_changes(&self) -> Result<(), Error> {
         self.store.clear_overlay().map_err(|e| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::Internal,
                 format!("could not drop the changes made through the API: {e}"),
             )
@@ -725,10 +701,10 @@ impl Gateway {
             c.apps.clear();
             c.pools.clear();
             // `serve --listen` may have overridden it.
-            c.listen = self.config.listen;
+            c.listen = self.host.config.listen;
             c
         };
-        strip(file) != strip(&self.config)
+        strip(file) != strip(&self.host.config)
     }
 }
 
@@ -755,20 +731,8 @@ fn serves(app: &Served, spec: &AppSpec) -> bool {
     running == *spec
 }
 
-/// Marks an app or pool as being changed while it lives.
-struct BusyGuard<'a> {
-    gw: &'a Gateway,
-    what: String,
-}
-
-impl Drop for BusyGuard<'_> {
-    fn drop(&mut self) {
-        self.gw.busy.lock().remove(&self.what);
-    }
-}
-
 /// A spec as saved in `state.db`.
-fn encode_spec(spec: &impl serde::Serialize) -> Result<String, ApiError> {
+fn encode_spec(spec: &impl serde::Serialize) -> Result<String, Error> {
     serde_json::to_string(spec)
-        .map_err(|e| ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}")))
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("cannot encode the spec: {e}")))
 }

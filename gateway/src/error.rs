@@ -1,12 +1,13 @@
-//! The errors clients see: a fixed set of kinds, each with its HTTP status.
+//! The gateway's errors as its code raises them: a kind from a fixed set,
+//! a sentence for a person, and what a client may do about it (try again
+//! later, or not at all; the request field at fault). Nothing here is
+//! HTTP: `http/error.rs` makes an error an answer (its status, the JSON
+//! body, the retry headers) at the edge.
 
-use axum::Json;
-use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, StatusCode, header};
 use serde::Serialize;
 
-/// The fixed set of error kinds. The kind gives the HTTP status, the JSON
-/// `kind` field and the metric label.
+/// The fixed set of error kinds. The kind gives the JSON `kind` field and
+/// the metric label, and at the edge the HTTP status (noted on each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
@@ -62,43 +63,6 @@ impl ErrorKind {
         ErrorKind::Internal,
     ];
 
-    /// The HTTP status.
-    pub fn status(self) -> StatusCode {
-        match self {
-            ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
-            ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
-            ErrorKind::NotFound => StatusCode::NOT_FOUND,
-            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ErrorKind::MisdirectedRequest => StatusCode::MISDIRECTED_REQUEST,
-            ErrorKind::Conflict => StatusCode::CONFLICT,
-            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorKind::QueueFull | ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
-            ErrorKind::ReplicaFailed => StatusCode::BAD_GATEWAY,
-            ErrorKind::NoCapacity | ErrorKind::Starting => StatusCode::SERVICE_UNAVAILABLE,
-            ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
-            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-
-    /// The OpenAI error `type` clients sort errors by.
-    pub fn openai_type(self) -> &'static str {
-        match self {
-            ErrorKind::BadRequest
-            | ErrorKind::NotFound
-            | ErrorKind::MethodNotAllowed
-            | ErrorKind::MisdirectedRequest
-            | ErrorKind::Conflict
-            | ErrorKind::TooLarge => "invalid_request_error",
-            ErrorKind::Unauthorized => "authentication_error",
-            ErrorKind::QueueFull | ErrorKind::QuotaExceeded => "rate_limit_error",
-            ErrorKind::ReplicaFailed
-            | ErrorKind::NoCapacity
-            | ErrorKind::Starting
-            | ErrorKind::Timeout
-            | ErrorKind::Internal => "server_error",
-        }
-    }
-
     /// Whether trying the same request again can help. Where it cannot,
     /// the answer says `x-should-retry: false`, which the OpenAI clients
     /// obey (they retry 408, 409, 429 and 5xx twice otherwise): a request
@@ -137,11 +101,11 @@ impl ErrorKind {
     }
 }
 
-/// An error answered to a client as `{"error": {"kind", "message", "type",
-/// "code", "param"}}`: `kind` and `message` are warmgate's, `type`, `code`
-/// (= `kind`) and `param` are what OpenAI clients read.
+/// An error of the gateway's: what kind, a message for a person, and what
+/// a client may do about it. Answered at the edge as `{"error": {"kind",
+/// "message", "type", "code", "param"}}` (`http/error.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
+pub struct Error {
     /// What went wrong, from the fixed set.
     pub kind: ErrorKind,
     /// A sentence for a person, free of internals.
@@ -155,10 +119,10 @@ pub struct ApiError {
     pub no_retry: bool,
 }
 
-impl ApiError {
+impl Error {
     /// An error of `kind` with `message`.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError {
+        Error {
             kind,
             message: message.into(),
             retry_after: None,
@@ -186,62 +150,13 @@ impl ApiError {
     }
 }
 
-impl std::fmt::Display for ApiError {
+impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.kind.as_str(), self.message)
     }
 }
 
-impl std::error::Error for ApiError {}
-
-#[derive(Serialize)]
-struct Body<'a> {
-    error: Inner<'a>,
-}
-
-#[derive(Serialize)]
-struct Inner<'a> {
-    kind: &'static str,
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind_type: &'static str,
-    code: &'static str,
-    param: Option<&'static str>,
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = Body {
-            error: Inner {
-                kind: self.kind.as_str(),
-                message: &self.message,
-                kind_type: self.kind.openai_type(),
-                code: self.kind.as_str(),
-                param: self.param,
-            },
-        };
-        let mut resp = (self.kind.status(), Json(body)).into_response();
-        if !self.kind.retryable() || self.no_retry {
-            resp.headers_mut().insert(
-                http::HeaderName::from_static("x-should-retry"),
-                HeaderValue::from_static("false"),
-            );
-        }
-        if let Some(secs) = self.retry_after {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        // The rest of a body too large is left unread, so the connection
-        // ends with this answer; said in advance, a client does not send
-        // its next request on it as it closes.
-        if self.kind == ErrorKind::TooLarge {
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        resp.extensions_mut().insert(self.kind);
-        resp
-    }
-}
+impl std::error::Error for Error {}
 
 /// Marks a body that broke the size limit, so the proxy can answer 413.
 #[derive(Debug)]
@@ -273,26 +188,26 @@ impl std::error::Error for BodyIdle {}
 
 /// The error for a request body that could not be read: too large when
 /// it ran past its limit, else a bad request.
-pub(crate) fn body_error(e: &axum::Error) -> ApiError {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+pub(crate) fn body_error(e: &(dyn std::error::Error + 'static)) -> Error {
+    let mut cur = Some(e);
     while let Some(err) = cur {
         if let Some(BodyTooLarge(limit)) = err.downcast_ref::<BodyTooLarge>() {
             return too_large(*limit);
         }
         if let Some(idle) = err.downcast_ref::<BodyIdle>() {
-            return ApiError::new(ErrorKind::Timeout, idle.to_string());
+            return Error::new(ErrorKind::Timeout, idle.to_string());
         }
         cur = err.source();
     }
-    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+    Error::new(ErrorKind::BadRequest, "could not read the request body")
 }
 
-pub(crate) fn too_large(limit: u64) -> ApiError {
+pub(crate) fn too_large(limit: u64) -> Error {
     too_large_for(limit, "limits.max_body_bytes")
 }
 
-pub(crate) fn too_large_for(limit: u64, key: &str) -> ApiError {
-    ApiError::new(
+pub(crate) fn too_large_for(limit: u64, key: &str) -> Error {
+    Error::new(
         ErrorKind::TooLarge,
         format!("the request body is larger than the limit of {limit} bytes ({key})"),
     )
@@ -301,16 +216,6 @@ pub(crate) fn too_large_for(limit: u64, key: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_body_too_large_ends_its_connection_and_nothing_else_does() {
-        for kind in ErrorKind::ALL {
-            let resp = ApiError::new(kind, "x").into_response();
-            let close = resp.headers().get(header::CONNECTION).map(|v| v.as_bytes());
-            let expected = (kind == ErrorKind::TooLarge).then_some(&b"close"[..]);
-            assert_eq!(close, expected, "{kind:?}");
-        }
-    }
 
     /// Metric handles are indexed by `kind as usize`: `ALL` must list the
     /// kinds in their declaration order.

@@ -4,13 +4,15 @@
 
 #![warn(missing_docs)]
 
+pub mod access;
 pub mod adapter_promote;
 pub mod change;
+pub mod change_lock;
 pub mod cli;
 pub mod error;
 pub mod gate;
+pub mod host;
 pub mod http;
-pub mod inplace;
 pub mod listener;
 pub mod metric_catalog;
 pub mod operator;
@@ -37,6 +39,6 @@ pub mod trace;
 pub mod upstream;
 pub mod weights;
 
-pub use error::{ApiError, ErrorKind};
+pub use error::{Error, ErrorKind};
 pub use http::router;
 pub use server::Gateway;

@@ -65,7 +65,7 @@ impl Gateway {
             let as_of = if e.is_empty() {
                 None
             } else if e.values().any(|c| c.knew.is_none()) {
-                Some(self.started)
+                Some(self.host.started)
             } else {
                 e.values().filter_map(|c| c.knew).min()
             };
@@ -209,7 +209,7 @@ impl Gateway {
             routes.extend(a.routes.clone());
         }
         peer.update(routes);
-        let _changing = self.changes.lock().await;
+        let _changing = self.changes.one_at_a_time().await;
         let registry = self.registry.load_full();
         // Apps gone from the table: out. Their replicas are let go as the
         // leader stops listing them; nothing here is stopped.
@@ -241,7 +241,7 @@ impl Gateway {
             };
             for rev in &entry.revisions {
                 if served.revision(&rev.id).is_none()
-                    && let Err(e) = self.materialize(&served, rev)
+                    && let Err(e) = self.promotions.materialize(&served, rev)
                 {
                     tracing::warn!(app = %served.name, revision = %rev.id, error = %e.message, "cannot serve a revision the leader serves");
                 }

@@ -149,6 +149,16 @@ impl Registry {
         self.routes.get(name)
     }
 
+    /// [`Registry::app`], or `not_found` naming it.
+    pub fn find_app(&self, name: &str) -> Result<Arc<Served>, crate::error::Error> {
+        self.app(name).cloned().ok_or_else(|| {
+            crate::error::Error::new(
+                crate::error::ErrorKind::NotFound,
+                format!("app '{name}' not found"),
+            )
+        })
+    }
+
     /// The app serving the adapter a request's `model` names on its
     /// replicas: by the adapter's name or alias, or `name@n` for one of
     /// its revisions.

@@ -9,7 +9,7 @@ use std::time::SystemTime;
 use serde::Serialize;
 use warmgate_pool::logs::{read_from, redact};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// Bytes a read returns by default, and at most.
 pub const DEFAULT_BYTES: usize = 64 * 1024;
@@ -68,7 +68,7 @@ pub struct LogQuery {
 
 impl LogQuery {
     /// Reads the query; a value that is not what its key takes is a 400.
-    pub fn parse(query: Option<&str>) -> Result<LogQuery, ApiError> {
+    pub fn parse(query: Option<&str>) -> Result<LogQuery, Error> {
         let mut q = LogQuery::default();
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -77,7 +77,7 @@ impl LogQuery {
                 .into_owned();
             let number = |what: &str| {
                 value.parse::<u64>().map_err(|_| {
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::BadRequest,
                         format!("{what} must be a whole number, not {value:?}"),
                     )
@@ -140,11 +140,11 @@ pub fn read(
     max_bytes: usize,
     lines: usize,
     secrets: &[String],
-) -> Result<Chunk, ApiError> {
+) -> Result<Chunk, Error> {
     let path = dir.join(format!("{replica}.log"));
     let size = std::fs::metadata(&path)
         .map_err(|_| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::NotFound,
                 format!(
                     "replica '{replica}' has no log (the oldest logs are deleted past their budget)"
@@ -155,7 +155,7 @@ pub fn read(
     let max_bytes = max_bytes.clamp(1, MAX_BYTES);
     let start = offset.unwrap_or_else(|| size.saturating_sub(max_bytes as u64));
     let (bytes, from) = read_from(&path, start, max_bytes).map_err(|e| {
-        ApiError::new(
+        Error::new(
             ErrorKind::Internal,
             format!("cannot read the log of '{replica}': {e}"),
         )

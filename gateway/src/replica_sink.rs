@@ -9,7 +9,7 @@ use std::sync::Arc;
 use warmgate_deploy::TargetId;
 use warmgate_pool::{ReplicaHandle, ReplicaSink, TargetHealth, TargetSpec};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::serving::dispatch::App;
 
 /// Each revision's dispatcher, by its pool-manager target.
@@ -119,7 +119,7 @@ impl ReplicaSink for Sink {
             let what = format!("app '{}'", app.name);
             app.fail_waiters(
                 &crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(|| {
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::ReplicaFailed,
                         format!("{what} failed to start: {error}"),
                     )
@@ -129,7 +129,7 @@ impl ReplicaSink for Sink {
             let what = format!("pool '{}'", pool.name);
             let err =
                 crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(|| {
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::ReplicaFailed,
                         format!("{what} failed to start a replica: {error}"),
                     )

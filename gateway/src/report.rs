@@ -232,6 +232,7 @@ impl Gateway {
             pools,
             api_changes,
             tenants: self
+                .access
                 .tenants
                 .as_ref()
                 .map(|t| t.status())

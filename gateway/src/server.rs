@@ -1,14 +1,16 @@
-//! The gateway: the state it holds, and its construction (the apps and
-//! pools of the config started, their stored histories restored).
+//! The gateway: the services it is made of, and the start of an app or a
+//! pool among them (its history restored, its replicas asked for, its
+//! place in the registry). It is put together in `runtime/assemble.rs`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use warmgate_deploy::{Config, TargetId};
-use warmgate_pool::{Backend, PoolManager, TargetSpec};
+use warmgate_pool::{PoolManager, TargetSpec};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::Error;
+use crate::host::Host;
+use crate::promote::Promotions;
 use crate::serving::served::Served;
 use crate::upstream::Upstream;
 
@@ -20,321 +22,42 @@ pub(crate) const MAX_CLIENT_DURATION: Duration = Duration::from_secs(30 * 24 * 3
 /// Client-supplied request ids longer than this are replaced.
 pub(crate) const MAX_REQUEST_ID_LEN: usize = 128;
 
-/// The gateway's shared state.
+/// The gateway: the services it is made of, each holding what it needs.
+/// Built in `runtime/assemble.rs`; its methods here start apps and pools,
+/// the ones in `change.rs` change them, `report.rs` reads them.
 pub struct Gateway {
-    pub(crate) config: Arc<Config>,
+    /// The process: config, clock, where workers reach it, drain flag.
+    pub(crate) host: Arc<Host>,
     /// The apps and pools served now, swapped whole on a change.
     pub(crate) registry: crate::registry::Live,
-    /// Every app revision ever started, by id (for replica events).
-    pub(crate) revisions: Revisions,
-    /// Revisions promoted in place, by the target whose replicas they
-    /// borrow while the promotion runs (`inplace.rs`).
-    pub(crate) guests: Revisions,
+    /// The replicas of every target.
     pub(crate) pool: PoolManager,
+    /// Connections to the replicas.
     pub(crate) upstream: Upstream,
     /// A request's way from the traffic split to a replica.
     pub(crate) serving: crate::serving::pipeline::Pipeline,
-    pub(crate) started: Instant,
-    pub(crate) draining: AtomicBool,
-    pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// Checkpoints served to workers.
     pub(crate) weights: Arc<crate::weights::Weights>,
+    /// The pools' tasks and their journal.
     pub(crate) tasks: Arc<crate::tasks::store::TaskStore>,
-    /// Where workers reach the gateway.
-    pub(crate) reach: String,
-    /// The workers' working directory.
-    pub(crate) workdir: Option<std::path::PathBuf>,
-    /// Revision history, on disk.
-    pub(crate) store: Box<dyn warmgate_deploy::store::StateStore>,
-    /// `WARMGATE_ADMIN_TOKEN`: the control plane's bearer token.
-    pub(crate) admin_token: Option<String>,
-    /// Data-plane API keys and quotas (`None`: the data plane is open).
-    pub(crate) tenants: Option<crate::tenants::Tenants>,
+    /// Revision histories and the changes made through the API.
+    pub(crate) store: Arc<dyn warmgate_deploy::store::StateStore>,
+    /// Promotions, rolls and rollbacks of the apps' revisions.
+    pub(crate) promotions: Arc<Promotions>,
+    /// What keeps changes to the registry apart.
+    pub(crate) changes: crate::change_lock::ChangeLock,
+    /// Who may call: the admin token and the tenants' keys.
+    pub(crate) access: crate::access::Access,
     /// Request bodies being read, and inference bodies waiting for a
     /// replica, within `limits.max_buffered_body_bytes`.
     pub(crate) buffered: crate::serving::buffered::Buffered,
-    /// Held by whoever changes the registry: one change at a time.
-    pub(crate) changes: tokio::sync::Mutex<()>,
-    /// Apps and pools a change is being applied to (a second change to
-    /// one of them meanwhile gets 409).
-    pub(crate) busy: parking_lot::Mutex<std::collections::HashSet<String>>,
-    /// Deleted pools still finishing their tasks.
-    pub(crate) retiring_pools: parking_lot::Mutex<std::collections::HashSet<String>>,
-    /// Deleted apps still finishing their requests.
-    pub(crate) retiring_apps: parking_lot::Mutex<std::collections::HashSet<String>>,
-    /// Cleared under the operator: apps and pools come from resources, and
-    /// the API may not change them.
-    pub(crate) api_changes: AtomicBool,
     /// The other gateway replicas serving with this one.
     pub(crate) peers: crate::peers::Peers,
 }
 
-/// The admin token: from the environment when set and not empty, else the
-/// one `warmgate serve` made for itself ([`use_generated_admin_token`]).
-pub fn admin_token() -> Option<String> {
-    std::env::var("WARMGATE_ADMIN_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
-        .or_else(|| GENERATED_ADMIN_TOKEN.get().cloned())
-}
-
-/// The token `warmgate serve` keeps in its state folder when it was given
-/// none (see `runtime::admin_token`); set once, before the gateway is made.
-static GENERATED_ADMIN_TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-/// The token `serve` made for itself, when it did.
-pub(crate) fn generated_admin_token() -> Option<String> {
-    GENERATED_ADMIN_TOKEN.get().cloned()
-}
-
-/// Makes `token` the admin token of the gateway this process runs, when
-/// the environment gives none.
-pub(crate) fn use_generated_admin_token(token: String) {
-    let _ = GENERATED_ADMIN_TOKEN.set(token);
-}
-
-pub(crate) use crate::replica_sink::Revisions;
-use crate::replica_sink::Sink;
-
 // === impl Gateway ===
 
 impl Gateway {
-    /// Builds the gateway and its pool manager. Replicas start on demand.
-    /// `addr` is where the gateway listens, for the workers' weights URL.
-    /// Must be called within a tokio runtime.
-    pub fn new(
-        config: Config,
-        backend: Arc<dyn Backend>,
-        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-        addr: std::net::SocketAddr,
-    ) -> anyhow::Result<Arc<Self>> {
-        Self::with_state(config, backend, metrics, addr, None)
-    }
-
-    /// [`Gateway::new`] with the state kept in `state` (the operator's,
-    /// in the API server) instead of the SQLite database under
-    /// `state_dir`.
-    pub fn with_state(
-        config: Config,
-        backend: Arc<dyn Backend>,
-        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-        addr: std::net::SocketAddr,
-        state: Option<Box<dyn warmgate_deploy::store::StateStore>>,
-    ) -> anyhow::Result<Arc<Self>> {
-        use anyhow::Context as _;
-        let workdir = config.state_dir.parent().map(|p| p.to_path_buf());
-        let base = workdir
-            .clone()
-            .unwrap_or_else(|| std::path::PathBuf::from("."));
-        // Owner only: it holds the state database, replica logs and the
-        // weight cache.
-        {
-            use std::os::unix::fs::DirBuilderExt as _;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&config.state_dir)
-                .with_context(|| format!("create {}", config.state_dir.display()))?;
-        }
-        let tenants =
-            crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
-                .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?
-                .map(|t| {
-                    t.with_byte_shares(
-                        config.limits.max_pending_task_bytes,
-                        config.limits.max_task_body_bytes,
-                    )
-                });
-        // The task journal stays here in every mode: tasks are the pools'
-        // and last as long as their gateway.
-        let db = config.state_dir.join("state.db");
-        let tolerant = state.is_some();
-        let store: Box<dyn warmgate_deploy::store::StateStore> = match state {
-            Some(s) => s,
-            None => Box::new(
-                warmgate_deploy::store::SqliteState::open(&db)
-                    .with_context(|| format!("open {}", db.display()))?,
-            ),
-        };
-        let w = &config.weights;
-        let cache =
-            warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
-                .context("open the weight cache")?;
-        let allowed = warmgate_pool::weights::AllowList::new(
-            &crate::weights::allowed_prefixes(&config),
-            &base,
-        )
-        .context("weights.allowed_prefixes")?;
-        let stream = warmgate_pool::weights::StreamConfig {
-            concurrency: w.concurrency,
-            part_size: w.part_size_bytes,
-            memory_limit: w.memory_limit_bytes,
-        };
-        let weights = Arc::new(crate::weights::Weights::new(
-            cache,
-            stream.clone(),
-            allowed,
-            base,
-        ));
-        let adapter_files = Arc::new(crate::serving::adapter_files::AdapterFiles::new(
-            weights.clone(),
-            stream,
-            config.state_dir.join("adapters"),
-        ));
-        // Pods reach the gateway at its advertised address (its Service);
-        // workers on this machine on loopback when it listens on every
-        // interface.
-        let reach = match &config.backend.kubernetes.advertise {
-            Some(a) if config.backend.kind == warmgate_deploy::BackendKind::Kubernetes => a.clone(),
-            _ if addr.ip().is_unspecified() => {
-                std::net::SocketAddr::from(([127, 0, 0, 1], addr.port())).to_string()
-            }
-            _ => addr.to_string(),
-        };
-        // The changes made through the API, over the file. The weights
-        // allow-list above is the file's alone: a checkpoint put through
-        // the API must lie under it.
-        let overlay = store
-            .overlay()
-            .context("read the changes made through the API")?;
-        let mut config = config;
-        // One change at a time, each kept only if the config it makes is
-        // valid: a change that no longer fits the file (an edited alias,
-        // narrowed prefixes) is skipped with a warning, not a failed start.
-        let mut changes: Vec<(String, warmgate_deploy::store::Overlay)> = Vec::new();
-        for (name, spec) in &overlay.apps {
-            let mut one = warmgate_deploy::store::Overlay::default();
-            one.apps.insert(name.clone(), spec.clone());
-            changes.push((format!("app {name}"), one));
-        }
-        for (name, spec) in &overlay.pools {
-            let mut one = warmgate_deploy::store::Overlay::default();
-            one.pools.insert(name.clone(), spec.clone());
-            changes.push((format!("pool {name}"), one));
-        }
-        for (what, one) in changes {
-            let mut candidate = config.clone();
-            one.apply_to(&mut candidate);
-            match candidate.validate() {
-                Ok(()) => {
-                    tracing::warn!(change = %what, "a change made through the API is kept over the config file (`warmgate apply FILE`, SIGHUP or `serve --config-wins` makes the file win)");
-                    config = candidate;
-                }
-                Err((key, message)) => tracing::warn!(
-                    change = %what, %key, %message,
-                    "a change made through the API no longer fits the config file; skipped (SIGHUP re-reads the file and drops such changes)"
-                ),
-            }
-        }
-        let tasks = Arc::new(crate::tasks::store::TaskStore::new(
-            crate::tasks::store::StoreLimits {
-                max_pending_bytes: config.limits.max_pending_task_bytes,
-                max_results_bytes: config.limits.max_task_results_bytes,
-            },
-        ));
-        let (journal, recovered) =
-            crate::tasks::journal::Journal::open(&db, config.limits.max_journal_bytes)
-                .with_context(|| format!("open the task journal in {}", db.display()))?;
-        if recovered.failed > 0 {
-            tracing::warn!(
-                tasks = recovered.failed,
-                "async tasks accepted before the last stop had not finished; they are marked failed (gateway_restarted)"
-            );
-        }
-        metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
-        tasks.set_journal(Arc::new(journal));
-        let revisions: Revisions = Arc::default();
-        let guests: Revisions = Arc::default();
-        let registry: crate::registry::Live = Arc::default();
-        let pool = PoolManager::new(
-            backend,
-            config.backend.gpus.clone(),
-            Arc::new(Sink {
-                revisions: revisions.clone(),
-                guests: guests.clone(),
-                registry: registry.clone(),
-                weights: weights.clone(),
-            }),
-        );
-        let (upstream, started) = (
-            Upstream::new().with_answer_idle(config.limits.idle_timeout),
-            Instant::now(),
-        );
-        let buffered =
-            crate::serving::buffered::Buffered::new(config.limits.max_buffered_body_bytes);
-        let gw = Arc::new(Gateway {
-            serving: crate::serving::pipeline::Pipeline::new(
-                upstream.clone(),
-                pool.clone(),
-                started,
-                adapter_files,
-            ),
-            config: Arc::new(config),
-            registry,
-            revisions,
-            guests,
-            pool,
-            upstream,
-            started,
-            draining: AtomicBool::new(false),
-            metrics,
-            weights,
-            tasks,
-            reach,
-            workdir,
-            store,
-            admin_token: admin_token(),
-            buffered,
-            tenants,
-            changes: tokio::sync::Mutex::new(()),
-            busy: parking_lot::Mutex::default(),
-            retiring_pools: parking_lot::Mutex::default(),
-            retiring_apps: parking_lot::Mutex::default(),
-            api_changes: AtomicBool::new(true),
-            peers: crate::peers::Peers::default(),
-        });
-        for spec in &gw.config.pools {
-            gw.start_pool(spec.clone())?;
-        }
-        let mut apps = Vec::with_capacity(gw.config.apps.len());
-        // Every app's stored state in one read where the store can, and
-        // what the start changes of it in one write.
-        // A row it cannot read (of an app no longer configured, say)
-        // leaves each app to be read alone, as before, so only the apps
-        // that are served can fail the start.
-        let mut stored = gw.store.load_all().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "the stored histories cannot be read at once; each app's is read alone");
-            None
-        });
-        gw.store.batch(&mut || {
-            for spec in &gw.config.apps {
-                let history = stored
-                    .as_mut()
-                    .map(|all| all.remove(&spec.name).unwrap_or_default());
-                match gw.prepare_app(spec.clone(), history) {
-                    Ok(app) => apps.push(app),
-                    // Under the operator one app that cannot start (its
-                    // state in the cluster unreadable, a step it cannot
-                    // store) is left out, and the operator reports it on
-                    // its resource and tries again; the others serve.
-                    Err(e) if tolerant => tracing::error!(
-                        app = %spec.name, error = format!("{e:#}"),
-                        "the app cannot start; it is left out until its next try"
-                    ),
-                    Err(e) => return Err(e.context(format!("app '{}'", spec.name))),
-                }
-            }
-            Ok(())
-        })?;
-        // One registry for them all: built per app, it was a copy of
-        // everything before it each time.
-        gw.registry
-            .rcu(|r| Arc::new(r.with_apps(apps.iter().cloned())));
-        for app in &apps {
-            gw.watch_app(app);
-        }
-        Ok(gw)
-    }
-
     /// Starts serving a pool: its targets (and on-demand fallback) in the
     /// pool manager at their minimum, its dispatcher, and its place in the
     /// registry.
@@ -354,7 +77,7 @@ impl Gateway {
             self.weights.register(&p.name, &revision, src);
             env.insert(
                 "WARMGATE_WEIGHTS_URL".into(),
-                format!("http://{}/v1/weights/{}/{revision}", self.reach, p.name),
+                self.host.weights_url(&p.name, &revision),
             );
             env.insert("WARMGATE_WEIGHTS_VERSION".into(), "0".into());
         }
@@ -370,11 +93,11 @@ impl Gateway {
             command: p.spec().command.clone(),
             env,
             checkpoint: p.spec().checkpoint.clone(),
-            workdir: self.workdir.clone(),
+            workdir: self.host.workdir.clone(),
             concurrency: p.spec().concurrency,
             gpus: p.spec().gpus,
             startup_timeout: p.spec().startup_timeout,
-            stop_grace: self.config.backend.stop_grace,
+            stop_grace: self.host.config.backend.stop_grace,
             image: p.spec().image.clone(),
             pod: p.spec().kubernetes.clone(),
         };
@@ -427,7 +150,7 @@ impl Gateway {
 
     /// An app ready to serve, not yet in the registry: its history read
     /// and its revisions restored.
-    fn prepare_app(
+    pub(crate) fn prepare_app(
         self: &Arc<Self>,
         spec: warmgate_deploy::AppSpec,
         history: Option<warmgate_deploy::revision::History>,
@@ -444,33 +167,35 @@ impl Gateway {
         // An app served by a pool runs on the pool's replicas: it has no
         // revision to restore.
         if app.spec().pool.is_none() {
-            self.restore(&app).context("restore its revisions")?;
+            self.promotions
+                .restore(&app)
+                .context("restore its revisions")?;
         }
         Ok(app)
     }
 
     /// The watchers of an app in the registry: its checkpoints' and its
     /// adapters'.
-    fn watch_app(self: &Arc<Self>, app: &Arc<Served>) {
+    pub(crate) fn watch_app(self: &Arc<Self>, app: &Arc<Served>) {
         if app.spec().promotion.watch.is_some() {
-            tokio::spawn(self.clone().watch(app.clone()));
+            tokio::spawn(self.promotions.clone().watch(app.clone()));
         }
         self.watch_adapters(app);
     }
 
     /// The config it runs.
     pub fn config(&self) -> &Config {
-        &self.config
+        &self.host.config
     }
 
     /// Time since start: the autoscaler's clock.
     pub(crate) fn now(&self) -> Duration {
-        self.started.elapsed()
+        self.host.now()
     }
 
     /// Stops taking traffic: `/readyz` fails and the autoscaler stops.
     pub fn start_draining(&self) {
-        self.draining.store(true, Ordering::Release);
+        self.host.start_draining();
     }
 
     /// Stops every replica and waits until they are gone.
@@ -489,7 +214,7 @@ impl Gateway {
             String,
             tokio::sync::oneshot::Receiver<crate::tasks::pool::Outcome>,
         ),
-        ApiError,
+        Error,
     > {
         // In a crash loop, while its backoff runs: one answer, at once,
         // rather than a wait that ends in a bare timeout.
@@ -538,11 +263,7 @@ impl Gateway {
 
 impl Gateway {
     /// An app by name or alias, or 404.
-    pub fn app(&self, name: &str) -> Result<Arc<Served>, ApiError> {
-        self.registry
-            .load()
-            .app(name)
-            .cloned()
-            .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))
+    pub fn app(&self, name: &str) -> Result<Arc<Served>, Error> {
+        self.registry.load().find_app(name)
     }
 }

@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq as _;
 use warmgate_deploy::TenantSpec;
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 type Limiter = RateLimiter<NotKeyed, InMemoryState, DefaultClock>;
 
@@ -201,7 +201,7 @@ impl Tenants {
 
 impl Tenant {
     /// Admits one request: within the rate, and within `max_inflight`.
-    pub fn admit(self: &Arc<Self>) -> Result<InflightGuard, ApiError> {
+    pub fn admit(self: &Arc<Self>) -> Result<InflightGuard, Error> {
         self.admit_as_one_of(1)
     }
 
@@ -210,7 +210,7 @@ impl Tenant {
     /// rate (a request costs `gateways` of the limiter's cells, or one when
     /// the burst is smaller) and of `max_inflight` (rounded up, at least
     /// one), so the quotas hold in total within a request or so a gateway.
-    pub fn admit_as_one_of(self: &Arc<Self>, gateways: u32) -> Result<InflightGuard, ApiError> {
+    pub fn admit_as_one_of(self: &Arc<Self>, gateways: u32) -> Result<InflightGuard, Error> {
         let gateways = gateways.max(1);
         let cells = NonZeroU32::new(gateways).unwrap_or(NonZeroU32::MIN);
         let checked = self.limiter.as_ref().map(|l| match l.check_n(cells) {
@@ -255,7 +255,7 @@ impl Tenant {
 
     /// Takes one pending-task slot for a task of `bytes` of input, within
     /// `max_pending` and the tenant's share of the pending bytes.
-    pub fn pending_permit(self: &Arc<Self>, bytes: u64) -> Result<PendingPermit, ApiError> {
+    pub fn pending_permit(self: &Arc<Self>, bytes: u64) -> Result<PendingPermit, Error> {
         let now = self.pending.fetch_add(1, Ordering::AcqRel) + 1;
         let held = self.pending_bytes.fetch_add(bytes, Ordering::AcqRel) + bytes;
         let permit = PendingPermit {
@@ -290,12 +290,12 @@ impl Tenant {
         Ok(permit)
     }
 
-    fn refuse(&self, message: String, wait: Duration) -> ApiError {
+    fn refuse(&self, message: String, wait: Duration) -> Error {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("warmgate_tenant_rejected_total", "tenant" => self.name.clone())
             .increment(1);
         let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
-        ApiError::new(ErrorKind::QuotaExceeded, message).retry_after(secs)
+        Error::new(ErrorKind::QuotaExceeded, message).retry_after(secs)
     }
 
     fn status(&self) -> TenantStatus {

@@ -31,7 +31,7 @@ use warmgate_pool::weights::{
     plan,
 };
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// Bytes read from disk per body chunk: large enough that the per-read
 /// hop to tokio's blocking pool is amortised.
@@ -135,10 +135,9 @@ impl Weights {
     /// Opens a checkpoint URI, after checking it against the allowed
     /// prefixes: one outside them is refused (400) before anything is
     /// opened or fetched.
-    pub fn open(&self, uri: &str) -> Result<Source, ApiError> {
-        let bad = |e: warmgate_pool::Error| {
-            ApiError::new(ErrorKind::BadRequest, format!("checkpoint: {e}"))
-        };
+    pub fn open(&self, uri: &str) -> Result<Source, Error> {
+        let bad =
+            |e: warmgate_pool::Error| Error::new(ErrorKind::BadRequest, format!("checkpoint: {e}"));
         let limit = self.allowed.check(uri, &self.base).map_err(bad)?;
         Source::open_within(uri, &self.base, limit).map_err(bad)
     }
@@ -191,10 +190,10 @@ impl Weights {
     /// bytes from the operating system, in hex. The worker gets it as
     /// `WARMGATE_WEIGHTS_TOKEN`; it dies with the replica
     /// ([`Weights::revoke_replica`]) or with its grant ([`Weights::revoke`]).
-    pub fn issue(&self, replica: &str, grant: Grant) -> Result<String, ApiError> {
+    pub fn issue(&self, replica: &str, grant: Grant) -> Result<String, Error> {
         let mut bytes = [0u8; 32];
         getrandom::fill(&mut bytes).map_err(|e| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::Internal,
                 format!("cannot make a weights token: {e}"),
             )
@@ -264,13 +263,13 @@ impl Weights {
 
     /// The files of a revision's checkpoint (listed once; a revision's
     /// checkpoint does not change).
-    pub async fn files(&self, target: &str, revision: &str) -> Result<Arc<Listing>, ApiError> {
+    pub async fn files(&self, target: &str, revision: &str) -> Result<Arc<Listing>, Error> {
         let key = (target.to_string(), revision.to_string());
         if let Some(l) = self.listings.lock().get(&key) {
             return Ok(l.clone());
         }
         let src = self.sources.lock().get(&key).cloned().ok_or_else(|| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::NotFound,
                 format!("'{target}' has no checkpoint for revision '{revision}'"),
             )
@@ -303,7 +302,7 @@ impl Weights {
         target: &str,
         revision: &str,
         name: &str,
-    ) -> Result<(Body, u64), ApiError> {
+    ) -> Result<(Body, u64), Error> {
         let files = self.files(target, revision).await?;
         let expected = files.sums.get(name).cloned();
         let item = files
@@ -311,7 +310,7 @@ impl Weights {
             .iter()
             .find(|i| i.relative.to_str() == Some(name))
             .ok_or_else(|| {
-                ApiError::new(
+                Error::new(
                     ErrorKind::NotFound,
                     format!(
                         "the checkpoint of '{target}' revision '{revision}' has no file '{name}'"
@@ -334,7 +333,7 @@ impl Weights {
             // A local file replaced since it was listed is refused before
             // an answer starts (one open and stat beneath the held root).
             item.source.head().await.map_err(|e| {
-                ApiError::new(
+                Error::new(
                     ErrorKind::Conflict,
                     format!(
                         "the checkpoint of '{target}' revision '{revision}' cannot serve '{name}': {e}"
@@ -363,7 +362,7 @@ impl Weights {
         key: String,
         item: PullItem,
         sha256: Option<String>,
-    ) -> Result<Reader, ApiError> {
+    ) -> Result<Reader, Error> {
         let size = item.meta.size;
         // A file larger than the whole cache gets no cache file, and so no
         // file for readers that fall behind the download's memory window:
@@ -637,7 +636,7 @@ async fn open_following(
     }
 }
 
-fn weights_error(e: &warmgate_pool::Error) -> ApiError {
+fn weights_error(e: &warmgate_pool::Error) -> Error {
     let kind = match e {
         warmgate_pool::Error::Weights { reason, .. }
             if reason == "not found" || reason == "no objects under this prefix" =>
@@ -646,7 +645,7 @@ fn weights_error(e: &warmgate_pool::Error) -> ApiError {
         }
         _ => ErrorKind::ReplicaFailed,
     };
-    ApiError::new(kind, e.to_string())
+    Error::new(kind, e.to_string())
 }
 
 #[cfg(test)]

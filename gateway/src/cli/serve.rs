@@ -30,7 +30,7 @@ pub(super) fn runtime(threads: Option<usize>) -> std::io::Result<tokio::runtime:
 /// the user says `--insecure`: the control plane would be open to anyone
 /// who can reach the port.
 pub(super) fn refuse_open_listen(listen: SocketAddr, insecure: bool) -> Result<(), String> {
-    if listen.ip().is_loopback() || crate::server::admin_token().is_some() || insecure {
+    if listen.ip().is_loopback() || crate::access::admin_token().is_some() || insecure {
         return Ok(());
     }
     Err(format!(

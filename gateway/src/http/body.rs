@@ -9,7 +9,7 @@ use super::prelude::*;
 pub(crate) async fn read_body(
     req: Request,
     gw: &Gateway,
-) -> Result<(http::request::Parts, Bytes), ApiError> {
+) -> Result<(http::request::Parts, Bytes), Error> {
     read_body_within(req, gw, BodyLimit::Inference).await
 }
 
@@ -30,7 +30,7 @@ pub(crate) async fn read_body_within(
     req: Request,
     gw: &Gateway,
     which: BodyLimit,
-) -> Result<(http::request::Parts, Bytes), ApiError> {
+) -> Result<(http::request::Parts, Bytes), Error> {
     let (parts, bytes, _reading) = read_body_held(req, gw, which).await?;
     Ok((parts, bytes))
 }
@@ -48,8 +48,8 @@ pub(crate) async fn read_body_held(
     req: Request,
     gw: &Gateway,
     which: BodyLimit,
-) -> Result<(http::request::Parts, Bytes, Reading), ApiError> {
-    let limits = &gw.config.limits;
+) -> Result<(http::request::Parts, Bytes, Reading), Error> {
+    let limits = &gw.host.config.limits;
     let (limit, key) = match which {
         BodyLimit::Inference => (limits.max_body_bytes, "limits.max_body_bytes"),
         BodyLimit::Task => (limits.max_task_body_bytes, "limits.max_task_body_bytes"),
@@ -73,7 +73,7 @@ pub(crate) async fn read_body_held(
             let next = tokio::time::timeout(idle, body.frame())
                 .await
                 .map_err(|_| {
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::Timeout,
                         format!(
                             "the request body stopped arriving for {} (limits.idle_timeout)",
@@ -86,7 +86,7 @@ pub(crate) async fn read_body_held(
                 if e.is::<http_body_util::LengthLimitError>() {
                     too_large_for(limit, key)
                 } else {
-                    ApiError::new(ErrorKind::BadRequest, "could not read the request body")
+                    Error::new(ErrorKind::BadRequest, "could not read the request body")
                 }
             })?;
             if let Ok(data) = frame.into_data() {
@@ -99,12 +99,12 @@ pub(crate) async fn read_body_held(
                 buf.extend_from_slice(&data);
             }
         }
-        Ok::<_, ApiError>((Bytes::from(buf), reading))
+        Ok::<_, Error>((Bytes::from(buf), reading))
     };
     let (bytes, reading) = tokio::time::timeout(limits.request_timeout, read)
         .await
         .map_err(|_| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::Timeout,
                 "the request body did not arrive within limits.request_timeout",
             )
@@ -134,9 +134,9 @@ pub(crate) fn next_capacity(capacity: usize, need: usize, ceiling: usize) -> usi
 pub(crate) fn parse_json<'a, B: serde::Deserialize<'a>>(
     bytes: &'a [u8],
     shape: &str,
-) -> Result<B, ApiError> {
+) -> Result<B, Error> {
     serde_json::from_slice(bytes).map_err(|e| {
-        ApiError::new(
+        Error::new(
             ErrorKind::BadRequest,
             format!("the body must be {shape} ({e})"),
         )
@@ -217,7 +217,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Scalar<'a> {
     }
 }
 
-pub(crate) fn check_content_length(req: &Request, limit: u64) -> Result<(), ApiError> {
+pub(crate) fn check_content_length(req: &Request, limit: u64) -> Result<(), Error> {
     match content_length(req) {
         Some(n) if n > limit => Err(too_large(limit)),
         _ => Ok(()),
@@ -233,7 +233,7 @@ pub(crate) fn content_length(req: &Request) -> Option<u64> {
 }
 
 /// A duration given as seconds (a number) or a string like `"30s"`.
-pub(crate) fn duration_value(v: &Scalar<'_>, key: &str) -> Result<Option<Duration>, ApiError> {
+pub(crate) fn duration_value(v: &Scalar<'_>, key: &str) -> Result<Option<Duration>, Error> {
     let parsed = match v {
         Scalar::Absent => return Ok(None),
         Scalar::Number(n) => n
@@ -249,7 +249,7 @@ pub(crate) fn duration_value(v: &Scalar<'_>, key: &str) -> Result<Option<Duratio
         .filter(|d| *d <= MAX_CLIENT_DURATION)
         .map(Some)
         .ok_or_else(|| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::BadRequest,
                 format!(
                     "{key} must be seconds (a number above 0) or a duration like \"30s\", \
@@ -262,10 +262,10 @@ pub(crate) fn duration_value(v: &Scalar<'_>, key: &str) -> Result<Option<Duratio
 /// Replicas a sync may take out of dispatch at once: a count, or a
 /// percentage of the ready replicas (rounded up). Kubernetes' rolling
 /// update default, 25%, when absent.
-pub(crate) fn max_unavailable(v: &Scalar<'_>, ready: usize) -> Result<usize, ApiError> {
+pub(crate) fn max_unavailable(v: &Scalar<'_>, ready: usize) -> Result<usize, Error> {
     let pct = |p: f64| ((ready as f64 * p / 100.0).ceil() as usize).max(1);
     let bad = || {
-        ApiError::new(
+        Error::new(
             ErrorKind::BadRequest,
             "max_unavailable must be a count (1 or more) or a percentage like \"50%\"",
         )

@@ -25,18 +25,16 @@ pub(crate) async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<Str
             let targets = gw.pool.status();
             axum::Json(gw.status_of(app, &crate::report::by_id(&targets))).into_response()
         }
-        None => {
-            ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response()
-        }
+        None => Error::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response(),
     }
 }
 
 /// A name in a control-plane path: a DNS label, or 400 before anything
 /// else is looked at.
-pub(crate) fn check_path_name(name: &str, what: &str) -> Result<(), ApiError> {
+pub(crate) fn check_path_name(name: &str, what: &str) -> Result<(), Error> {
     warmgate_deploy::check_dns_label(name).map_err(|why| {
         let shown: String = why.chars().take(MAX_ECHOED_CHARS + 100).collect();
-        ApiError::new(ErrorKind::BadRequest, format!("{what} name: {shown}"))
+        Error::new(ErrorKind::BadRequest, format!("{what} name: {shown}"))
     })
 }
 
@@ -46,14 +44,14 @@ pub(crate) fn check_path_name(name: &str, what: &str) -> Result<(), ApiError> {
 pub(crate) fn spec_from_json<S: serde::de::DeserializeOwned>(
     bytes: &[u8],
     what: &str,
-) -> Result<S, ApiError> {
+) -> Result<S, Error> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let spec = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let key = match e.path().to_string() {
             p if p == "." || p.is_empty() => "(top level)".to_string(),
             p => p,
         };
-        ApiError::new(
+        Error::new(
             ErrorKind::BadRequest,
             format!(
                 "the body must be {what} spec as JSON: {key}: {}",
@@ -62,7 +60,7 @@ pub(crate) fn spec_from_json<S: serde::de::DeserializeOwned>(
         )
     })?;
     de.end().map_err(|e| {
-        ApiError::new(
+        Error::new(
             ErrorKind::BadRequest,
             format!("the body must be {what} spec as JSON: {e}"),
         )
@@ -70,17 +68,13 @@ pub(crate) fn spec_from_json<S: serde::de::DeserializeOwned>(
     Ok(spec)
 }
 
-pub(crate) fn name_from_path(
-    spec_name: &mut String,
-    path: &str,
-    what: &str,
-) -> Result<(), ApiError> {
+pub(crate) fn name_from_path(spec_name: &mut String, path: &str, what: &str) -> Result<(), Error> {
     if spec_name.is_empty() {
         *spec_name = path.to_string();
         return Ok(());
     }
     if spec_name != path {
-        return Err(ApiError::new(
+        return Err(Error::new(
             ErrorKind::BadRequest,
             format!("name: the body names {what} '{spec_name}' but the path names '{path}'"),
         ));
@@ -115,13 +109,13 @@ pub(crate) async fn put_app(
     Path(name): Path<String>,
     req: Request,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         check_path_name(&name, "app")?;
-        gw.check_api_changes_allowed()?;
+        gw.changes.check_api_allowed()?;
         let (_, bytes) = read_body(req, &gw).await?;
         let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
         name_from_path(&mut spec.name, &name, "app")?;
-        if let Some(dir) = &gw.workdir {
+        if let Some(dir) = &gw.host.workdir {
             spec.resolve_paths(dir);
         }
         let changed = gw.put_app(spec).await?;
@@ -140,9 +134,9 @@ pub(crate) async fn delete_app(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         check_path_name(&name, "app")?;
-        gw.check_api_changes_allowed()?;
+        gw.changes.check_api_allowed()?;
         gw.delete_app(&name).await?;
         Ok(axum::Json(json!({"app": name, "change": "deleted"})).into_response())
     }
@@ -174,13 +168,13 @@ pub(crate) async fn put_adapter(
     Path((app, name)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         check_path_name(&app, "app")?;
-        gw.check_api_changes_allowed()?;
+        gw.changes.check_api_allowed()?;
         let (_, bytes) = read_body(req, &gw).await?;
         let body: AdapterBody = spec_from_json(&bytes, "an adapter")?;
         if body.name.as_ref().is_some_and(|n| *n != name) {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::BadRequest,
                 format!("the body names adapter {:?}, the path {name:?}", body.name),
             ));
@@ -192,7 +186,7 @@ pub(crate) async fn put_adapter(
         adapter.aliases = body.aliases;
         adapter.watch = body.watch;
         spec.adapters.models.push(adapter);
-        if let Some(dir) = &gw.workdir {
+        if let Some(dir) = &gw.host.workdir {
             spec.resolve_paths(dir);
         }
         let changed = gw.put_app(spec).await?;
@@ -220,12 +214,12 @@ pub(crate) async fn delete_adapter(
     State(gw): State<Arc<Gateway>>,
     Path((app, name)): Path<(String, String)>,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         check_path_name(&app, "app")?;
-        gw.check_api_changes_allowed()?;
+        gw.changes.check_api_allowed()?;
         let mut spec = current_spec(&gw, &app)?;
         if spec.adapters.get(&name).is_none() {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NotFound,
                 format!("app '{app}' has no adapter {name:?}"),
             ));
@@ -239,14 +233,14 @@ pub(crate) async fn delete_adapter(
 }
 
 /// The spec app `name` was put with (its name, not an alias), or 404.
-fn current_spec(gw: &Gateway, name: &str) -> Result<warmgate_deploy::AppSpec, ApiError> {
+fn current_spec(gw: &Gateway, name: &str) -> Result<warmgate_deploy::AppSpec, Error> {
     gw.registry
         .load()
         .apps()
         .iter()
         .find(|a| a.name == name)
         .map(|a| (*a.spec()).clone())
-        .ok_or_else(|| ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found")))
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("app '{name}' not found")))
 }
 
 /// `GET /v1/pools/{pool}`: one pool's status, as in `/v1/status`.
@@ -261,9 +255,7 @@ pub(crate) async fn get_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<St
         .find(|p| p.name == name);
     match found {
         Some(p) => axum::Json(p).into_response(),
-        None => {
-            ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response()
-        }
+        None => Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response(),
     }
 }
 
@@ -279,13 +271,13 @@ pub(crate) async fn put_pool(
     Path(name): Path<String>,
     req: Request,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         check_path_name(&name, "pool")?;
-        gw.check_api_changes_allowed()?;
+        gw.changes.check_api_allowed()?;
         let (_, bytes) = read_body(req, &gw).await?;
         let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
         name_from_path(&mut spec.name, &name, "pool")?;
-        if let Some(dir) = &gw.workdir {
+        if let Some(dir) = &gw.host.workdir {
             spec.resolve_paths(dir);
         }
         let changed = gw.put_pool(spec).await?;
@@ -304,9 +296,9 @@ pub(crate) async fn delete_pool(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         check_path_name(&name, "pool")?;
-        gw.check_api_changes_allowed()?;
+        gw.changes.check_api_allowed()?;
         gw.delete_pool(&name).await?;
         Ok(axum::Json(json!({"pool": name, "change": "deleted"})).into_response())
     }
@@ -336,7 +328,7 @@ pub(crate) struct PromoteBody<'a> {
     adapter: Option<String>,
 }
 
-pub(crate) fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, ApiError> {
+pub(crate) fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, Error> {
     gw.app(name)
 }
 
@@ -352,11 +344,11 @@ pub(crate) async fn promote(
     Path(name): Path<String>,
     req: Request,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         let app = served(&gw, &name)?;
         let (_, bytes) = read_body(req, &gw).await?;
         let mut body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::BadRequest,
                 format!(
                     "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?, \"in_place\"?, \"adapter\"?}} ({e})"
@@ -364,16 +356,16 @@ pub(crate) async fn promote(
             )
         })?;
         // Relative to the config's folder, as in the file.
-        if let Some(dir) = &gw.workdir {
+        if let Some(dir) = &gw.host.workdir {
             warmgate_deploy::resolve_checkpoint(&mut body.checkpoint, dir);
         }
         if body.canary.is_some_and(|c| c == 0 || c > 100) {
-            return Err(ApiError::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
+            return Err(Error::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
         }
         let bake = duration_value(&body.bake, "bake")?;
         if let Some(adapter) = body.adapter {
             if body.in_place.is_some() {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::BadRequest,
                     "in_place is for the app's revisions: an adapter is always loaded into the running replicas",
                 ));
@@ -402,6 +394,7 @@ pub(crate) async fn promote(
             return Ok(axum::Json(answer(&c)).into_response());
         }
         let id = gw
+            .promotions
             .promote(
                 &app,
                 crate::promote::PromoteRequest {
@@ -438,7 +431,7 @@ pub(crate) async fn promote(
     responses((status = 200, description = "`{app, revision}`: the revision that will serve", body = Object), (status = 409, description = "No earlier revision", body = ErrorBody)))]
 pub(crate) async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
     let result = served(&gw, &name).and_then(|app| {
-        let id = gw.rollback(&app)?;
+        let id = gw.promotions.rollback(&app)?;
         Ok(axum::Json(json!({"app": app.name, "revision": id})).into_response())
     });
     result.unwrap_or_else(IntoResponse::into_response)
@@ -455,7 +448,7 @@ pub(crate) async fn revisions(
     let result = served(&gw, &name).and_then(|app| {
         let h = app.history.lock().clone();
         let notes = gw.store.notes(&app.name, 50).map_err(|e| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::NoCapacity,
                 format!("cannot read the history: {e}"),
             )

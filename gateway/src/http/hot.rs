@@ -60,7 +60,7 @@ impl Edge {
             && !hosts.admits(&req)
         {
             metrics::counter!("warmgate_host_refused_total").increment(1);
-            let refused = ApiError::new(
+            let refused = Error::new(
                 ErrorKind::MisdirectedRequest,
                 "this gateway does not serve the host this request names ([access] allowed_hosts)",
             )

@@ -29,7 +29,7 @@ pub(crate) async fn read_model(
     gw: &Gateway,
     req: Request,
     path: &str,
-) -> Result<(Arc<Served>, Request), ApiError> {
+) -> Result<(Arc<Served>, Request), Error> {
     let (mut parts, bytes, reading) =
         crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
     let model = model_field(&bytes)?;
@@ -103,14 +103,14 @@ fn route_key(
 const X_SESSION_ID: &str = "x-session-id";
 
 /// 404 for a model no app answers to, listing those that do.
-fn model_not_found(gw: &Gateway, model: &str) -> ApiError {
+fn model_not_found(gw: &Gateway, model: &str) -> Error {
     let registry = gw.registry.load();
     let mut names: Vec<&str> = registry.route_names().collect();
     names.sort_unstable();
     // A name can be as long as the body: echo only its start.
     let shown: String = model.chars().take(MAX_ECHOED_CHARS).collect();
     let more = if shown.len() < model.len() { "…" } else { "" };
-    ApiError::new(
+    Error::new(
         ErrorKind::NotFound,
         format!(
             "model '{shown}{more}' not found; available models: {}",
@@ -127,14 +127,14 @@ fn model_not_found(gw: &Gateway, model: &str) -> ApiError {
 /// The JSON `model` field, without parsing the rest of the body into
 /// values: other keys are skipped as they are read, and `model` itself is
 /// borrowed from the body (a non-string is skipped, not built).
-pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, ApiError> {
+pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, Error> {
     #[derive(serde::Deserialize)]
     struct Model<'a> {
         #[serde(borrow, default)]
         model: Scalar<'a>,
     }
     let not_object = |why: String| {
-        ApiError::new(
+        Error::new(
             ErrorKind::BadRequest,
             format!("the request body must be a JSON object with a \"model\" field ({why})"),
         )
@@ -147,15 +147,15 @@ pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, ApiError> {
     let parsed: Model = serde_json::from_slice(body).map_err(|e| not_object(e.to_string()))?;
     match parsed.model {
         Scalar::Str(s) if !s.is_empty() => Ok(s),
-        Scalar::Str(_) => Err(ApiError::new(
+        Scalar::Str(_) => Err(Error::new(
             ErrorKind::BadRequest,
             "the \"model\" field is empty; name an app (see GET /v1/models)",
         )),
-        Scalar::Number(_) | Scalar::Other => Err(ApiError::new(
+        Scalar::Number(_) | Scalar::Other => Err(Error::new(
             ErrorKind::BadRequest,
             "the \"model\" field must be a string naming an app (see GET /v1/models)",
         )),
-        Scalar::Absent => Err(ApiError::new(
+        Scalar::Absent => Err(Error::new(
             ErrorKind::BadRequest,
             "the request body has no \"model\" field; name an app (see GET /v1/models)",
         )),
@@ -174,7 +174,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         None => (rest, "/"),
     };
     let Some(app) = gw.registry.load().app(name).cloned() else {
-        let err = ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"));
+        let err = Error::new(ErrorKind::NotFound, format!("app '{name}' not found"));
         return finish(None, Err(err));
     };
     if let Some(control) = worker_control_path(sub) {
@@ -183,7 +183,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         } else {
             "use POST /v1/pools/{pool}/weights or /v1/pools/{pool}/tasks"
         };
-        let err = ApiError::new(
+        let err = Error::new(
             ErrorKind::NotFound,
             format!("{control} is a control path only the gateway calls; {instead}"),
         );
@@ -193,11 +193,11 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         Some(q) => format!("{sub}?{q}"),
         None => sub.to_string(),
     };
-    let limit = gw.config.limits.max_body_bytes;
+    let limit = gw.host.config.limits.max_body_bytes;
     if let Err(e) = check_content_length(&req, limit) {
         return finish(None, Err(e));
     }
-    let idle = gw.config.limits.idle_timeout;
+    let idle = gw.host.config.limits.idle_timeout;
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit, idle)));
     within_deadline(&gw, serve(&gw, &app, req, &target)).await
 }
@@ -266,7 +266,7 @@ async fn serve(gw: &Arc<Gateway>, served: &Served, req: Request, path: &str) -> 
             )
             .await
         }
-        None => Err(ApiError::new(
+        None => Err(Error::new(
             ErrorKind::NoCapacity,
             format!(
                 "app '{}' is served by pool '{pool_name}', which is gone",
@@ -283,7 +283,7 @@ async fn serve(gw: &Arc<Gateway>, served: &Served, req: Request, path: &str) -> 
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-pub(crate) fn finish(app: Option<&App>, result: Result<Response, ApiError>) -> Response {
+pub(crate) fn finish(app: Option<&App>, result: Result<Response, Error>) -> Response {
     match result {
         Ok(resp) => {
             if let Some(app) = app {

@@ -24,8 +24,7 @@ pub(crate) async fn app_logs(
         .app(&name)
         .map(|a| (a.name.clone(), a.spec().env.clone()));
     let Some((app, env)) = found else {
-        return ApiError::new(ErrorKind::NotFound, format!("app '{name}' not found"))
-            .into_response();
+        return Error::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response();
     };
     answer(&gw, LogOwner::App(app), &env, req.uri().query())
 }
@@ -49,8 +48,7 @@ pub(crate) async fn pool_logs(
         .pool(&name)
         .map(|p| (p.name.clone(), p.spec().env.clone()));
     let Some((pool, env)) = found else {
-        return ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
-            .into_response();
+        return Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response();
     };
     answer(&gw, LogOwner::Pool(pool), &env, req.uri().query())
 }
@@ -61,11 +59,11 @@ fn answer(
     env: &BTreeMap<String, String>,
     query: Option<&str>,
 ) -> Response {
-    let result = (|| -> Result<Response, ApiError> {
+    let result = (|| -> Result<Response, Error> {
         let q = LogQuery::parse(query)?;
         let config = gw.config();
         if config.backend.kind != warmgate_deploy::BackendKind::Local {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NotFound,
                 format!(
                     "the kubernetes backend keeps the logs of {}'s replicas in the cluster: `kubectl logs -n NAMESPACE pod/REPLICA` (the replicas are listed by `warmgate status`)",
@@ -78,14 +76,14 @@ fn answer(
         let replica = match q.replica {
             Some(r) if owner.owns(&r) => r,
             Some(r) => {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::NotFound,
                     format!("'{r}' is not a replica of {}", owner.describe()),
                 )
                 .param("replica"));
             }
             None => replicas.first().cloned().ok_or_else(|| {
-                ApiError::new(
+                Error::new(
                     ErrorKind::NotFound,
                     format!("{} has no replica logs yet", owner.describe()),
                 )

@@ -5,6 +5,7 @@
 
 pub(crate) mod body;
 pub(crate) mod control;
+pub(crate) mod error;
 pub(crate) mod forgery;
 pub(crate) mod host;
 pub(crate) mod hot;
@@ -39,7 +40,7 @@ pub(crate) mod prelude {
     pub(crate) use http_body_util::{BodyExt, Limited};
     pub(crate) use serde_json::json;
 
-    pub(crate) use crate::error::{ApiError, ErrorKind, too_large, too_large_for};
+    pub(crate) use crate::error::{Error, ErrorKind, too_large, too_large_for};
     pub(crate) use crate::server::*;
     pub(crate) use crate::serving::buffered::Reading;
     pub(crate) use crate::serving::dispatch::App;
@@ -127,7 +128,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
         .route("/v1/tasks/{id}", get(get_task));
     // Without tenants the layer would only cost time on every request.
-    if gw.tenants.is_some() {
+    if gw.access.tenants.is_some() {
         data = data.route_layer(middleware::from_fn_with_state(gw.clone(), require_tenant));
     }
     Router::new()
@@ -156,7 +157,7 @@ async fn peer_report(
     body: axum::body::Body,
 ) -> Response {
     let Some(token) = gw.peers.token() else {
-        return ApiError::new(
+        return Error::new(
             ErrorKind::NotFound,
             "this gateway serves alone (WARMGATE_PEER_TOKEN is not set)",
         )
@@ -168,14 +169,14 @@ async fn peer_report(
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     if !crate::tenants::same_secret(presented, token) {
-        return ApiError::new(
+        return Error::new(
             ErrorKind::Unauthorized,
             "this endpoint needs Authorization: Bearer <the operator's WARMGATE_PEER_TOKEN>",
         )
         .into_response();
     }
     if gw.peers.follower().is_some() {
-        return ApiError::new(
+        return Error::new(
             ErrorKind::Conflict,
             "this gateway replica does not lead; report to the leader",
         )
@@ -184,7 +185,7 @@ async fn peer_report(
     let bytes = match axum::body::to_bytes(body, crate::peers::MAX_REPORT_BYTES).await {
         Ok(b) => b,
         Err(_) => {
-            return ApiError::new(
+            return Error::new(
                 ErrorKind::TooLarge,
                 format!(
                     "a peer report is at most {} bytes",
@@ -197,7 +198,7 @@ async fn peer_report(
     match serde_json::from_slice::<crate::peers::Report>(&bytes) {
         Ok(report) => match gw.answer_peer(&report) {
             Some(table) => axum::Json(table).into_response(),
-            None => ApiError::new(
+            None => Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "{} gateway replicas serve already, the most counted",
@@ -207,7 +208,7 @@ async fn peer_report(
             .into_response(),
         },
         Err(e) => {
-            ApiError::new(ErrorKind::BadRequest, format!("not a peer report: {e}")).into_response()
+            Error::new(ErrorKind::BadRequest, format!("not a peer report: {e}")).into_response()
         }
     }
 }
@@ -220,10 +221,10 @@ pub(crate) async fn require_admin(
     req: Request,
     next: Next,
 ) -> Response {
-    let Some(token) = &gw.admin_token else {
+    let Some(token) = &gw.access.admin_token else {
         // Open to loopback, but not to the web pages of its browser.
         if let Some(why) = forgery::forged(req.method(), req.headers(), req.uri()) {
-            return ApiError::new(
+            return Error::new(
                 ErrorKind::Unauthorized,
                 format!(
                     "refused: {why}. Without WARMGATE_ADMIN_TOKEN the control plane answers only \
@@ -244,7 +245,7 @@ pub(crate) async fn require_admin(
     if crate::tenants::same_secret(presented, token) {
         next.run(req).await
     } else {
-        ApiError::new(
+        Error::new(
             ErrorKind::Unauthorized,
             "this endpoint needs Authorization: Bearer <the gateway's WARMGATE_ADMIN_TOKEN>",
         )
@@ -277,12 +278,12 @@ pub(crate) async fn require_tenant(
 pub(crate) fn admit_tenant(
     gw: &Gateway,
     req: &mut Request,
-) -> Result<Option<crate::tenants::InflightGuard>, ApiError> {
-    let Some(tenants) = &gw.tenants else {
+) -> Result<Option<crate::tenants::InflightGuard>, Error> {
+    let Some(tenants) = &gw.access.tenants else {
         return Ok(None);
     };
     let Some(tenant) = tenants.identify(req.headers()) else {
-        return Err(ApiError::new(
+        return Err(Error::new(
             ErrorKind::Unauthorized,
             "this endpoint needs Authorization: Bearer <an API key of a [[tenants]] entry>",
         ));
@@ -313,12 +314,12 @@ pub(crate) async fn within_deadline(
     gw: &Gateway,
     work: impl Future<Output = Response>,
 ) -> Response {
-    let limit = gw.config.limits.request_timeout;
+    let limit = gw.host.config.limits.request_timeout;
     match tokio::time::timeout(limit, work).await {
         Ok(resp) => resp,
         Err(_) => {
             metrics::counter!("warmgate_request_deadline_exceeded_total").increment(1);
-            ApiError::new(
+            Error::new(
                 ErrorKind::Timeout,
                 format!(
                     "no response within {} (limits.request_timeout)",
@@ -431,7 +432,7 @@ pub(crate) async fn openapi() -> Response {
 }
 
 pub(crate) async fn not_found(req: Request) -> Response {
-    ApiError::new(
+    Error::new(
         ErrorKind::NotFound,
         format!("no route for {} {}", req.method(), req.uri().path()),
     )
@@ -439,7 +440,7 @@ pub(crate) async fn not_found(req: Request) -> Response {
 }
 
 pub(crate) async fn method_not_allowed(req: Request) -> Response {
-    ApiError::new(
+    Error::new(
         ErrorKind::MethodNotAllowed,
         format!("{} is not allowed on {}", req.method(), req.uri().path()),
     )

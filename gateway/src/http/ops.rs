@@ -27,8 +27,8 @@ pub(crate) async fn healthz() -> Response {
 #[utoipa::path(get, path = "/readyz", tag = "control",
     responses((status = 200, description = "Taking traffic"), (status = 503, description = "Shutting down", body = ErrorBody)))]
 pub(crate) async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
-    if gw.draining.load(Ordering::Acquire) {
-        ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down")
+    if gw.host.draining() {
+        Error::new(ErrorKind::NoCapacity, "the gateway is shutting down")
             .retry_after(1)
             .into_response()
     } else {
@@ -41,7 +41,7 @@ pub(crate) async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
 pub(crate) async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
     // Read when scraped: the request path pays nothing for it.
     metrics::gauge!("warmgate_buffered_body_bytes").set(gw.buffered.held() as f64);
-    match &gw.metrics {
+    match &gw.host.metrics {
         Some(h) => (
             [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
             h.render(),

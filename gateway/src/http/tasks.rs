@@ -16,11 +16,13 @@ pub(crate) async fn pool_request(
     name: &str,
     req: Request,
     which: BodyLimit,
-) -> Result<(Arc<crate::tasks::pool::Pool>, http::HeaderMap, Bytes), ApiError> {
-    let pool =
-        gw.registry.load().pool(name).cloned().ok_or_else(|| {
-            ApiError::new(ErrorKind::NotFound, format!("pool '{name}' not found"))
-        })?;
+) -> Result<(Arc<crate::tasks::pool::Pool>, http::HeaderMap, Bytes), Error> {
+    let pool = gw
+        .registry
+        .load()
+        .pool(name)
+        .cloned()
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")))?;
     let (parts, bytes) = read_body_within(req, gw, which).await?;
     Ok((pool, parts.headers, bytes))
 }
@@ -52,7 +54,7 @@ impl TaskQuery {
     /// Reads `async` as clients write a flag (`true`, `1`, Python's
     /// `True`, …); other keys are left alone. A value that is no flag is a
     /// `400` in the error format, not the framework's plain text.
-    pub(crate) fn parse(query: Option<&str>) -> Result<TaskQuery, ApiError> {
+    pub(crate) fn parse(query: Option<&str>) -> Result<TaskQuery, Error> {
         let mut q = TaskQuery::default();
         for pair in query.unwrap_or("").split('&') {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -64,7 +66,7 @@ impl TaskQuery {
                 "true" | "1" | "yes" | "on" | "" => true,
                 "false" | "0" | "no" | "off" => false,
                 other => {
-                    return Err(ApiError::new(
+                    return Err(Error::new(
                         ErrorKind::BadRequest,
                         format!(
                             "async={} is not a flag: give async=true or async=false",
@@ -90,7 +92,7 @@ pub(crate) async fn submit_task(
     axum::extract::RawQuery(query): axum::extract::RawQuery,
     req: Request,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         let q = TaskQuery::parse(query.as_deref())?;
         let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
         let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
@@ -134,7 +136,7 @@ pub(crate) async fn submit_task(
                 };
                 j.accept(&record).await.map_err(|e| {
                     tracing::error!(pool = %pool.name, error = %e, "could not journal an async task; refused it");
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::Internal,
                         "the gateway could not record the task, so it was not accepted",
                     )
@@ -168,7 +170,7 @@ pub(crate) async fn submit_task(
             return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
         }
         let record = rx.await.map_err(|_| {
-            ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
+            Error::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
         })??;
         Ok(axum::Json(Finished::of(&record)).into_response())
     }
@@ -214,13 +216,13 @@ pub(crate) fn task_options(
     headers: &http::HeaderMap,
     priority: Option<i32>,
     timeout: &Scalar<'_>,
-) -> Result<(i32, String, Option<Duration>), ApiError> {
+) -> Result<(i32, String, Option<Duration>), Error> {
     let parsed = duration_value(timeout, "timeout")?;
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
     let priority = match (priority, header("x-warmgate-priority")) {
         (Some(p), _) => p,
         (None, Some(h)) => h.parse().map_err(|_| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::BadRequest,
                 "X-Warmgate-Priority must be an integer",
             )
@@ -330,7 +332,7 @@ pub(crate) async fn submit_batch(
         let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
         let priority = tenant_key.as_ref().map_or(priority, |t| t.priority(priority));
         let inputs = RawElements::new(bytes.clone(), body.inputs.get()).ok_or_else(|| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::BadRequest,
                 format!("the body must be {shape} (inputs is not an array)"),
             )
@@ -371,7 +373,7 @@ pub(crate) async fn submit_batch(
                             attempts: r.attempts,
                         })
                         .unwrap_or_else(|e| {
-                            error_line(index, &ApiError::new(ErrorKind::Internal, e.to_string()))
+                            error_line(index, &Error::new(ErrorKind::Internal, e.to_string()))
                         }),
                         Err(e) => error_line(index, &e),
                     };
@@ -381,7 +383,7 @@ pub(crate) async fn submit_batch(
                 .boxed()
             });
         let lines = Ordered::new(tasks, window, BATCH_HELD_BYTES).map(Ok::<_, Infallible>);
-        Ok::<_, ApiError>(
+        Ok::<_, Error>(
             (
                 [(header::CONTENT_TYPE, "application/x-ndjson")],
                 Body::from_stream(lines),
@@ -416,7 +418,7 @@ struct BatchLine<'a> {
 }
 
 /// One failed task of a batch, as its NDJSON line (without the newline).
-fn error_line(index: usize, e: &ApiError) -> Vec<u8> {
+fn error_line(index: usize, e: &Error) -> Vec<u8> {
     json!({"index": index, "error": {"kind": e.kind.as_str(), "message": e.message}})
         .to_string()
         .into_bytes()
@@ -427,7 +429,7 @@ pub(crate) async fn batch_one(
     pool: &crate::tasks::pool::Pool,
     input: Bytes,
     o: BatchTask,
-) -> Result<crate::tasks::pool::TaskRecord, ApiError> {
+) -> Result<crate::tasks::pool::TaskRecord, Error> {
     let hold = o
         .tenant_key
         .map(|t| t.pending_permit(input.len() as u64))
@@ -448,7 +450,7 @@ pub(crate) async fn batch_one(
         },
     )?;
     rx.await
-        .map_err(|_| ApiError::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
+        .map_err(|_| Error::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
 }
 
 #[derive(serde::Deserialize, utoipa::ToSchema)]
@@ -477,14 +479,14 @@ pub(crate) async fn sync_weights(
     Path(name): Path<String>,
     req: Request,
 ) -> Response {
-    let result: Result<Response, ApiError> = async {
+    let result: Result<Response, Error> = async {
         let (pool, _, bytes) = pool_request(&gw, &name, req, BodyLimit::Inference).await?;
         let mut body: SyncBody<'_> = parse_json(
             &bytes,
             "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
         )?;
         // Relative to the config's folder, as in the file.
-        if let Some(dir) = &gw.workdir {
+        if let Some(dir) = &gw.host.workdir {
             warmgate_deploy::resolve_checkpoint(&mut body.checkpoint, dir);
         }
         let timeout =
@@ -501,13 +503,13 @@ pub(crate) async fn sync_weights(
         gw.weights.register(&pool.name, &revision, source);
         // The checkpoint must exist and list before any replica is touched.
         let listed = match gw.weights.files(&pool.name, &revision).await {
-            Ok(files) if files.items.is_empty() => Err(ApiError::new(
+            Ok(files) if files.items.is_empty() => Err(Error::new(
                 ErrorKind::BadRequest,
                 format!("checkpoint {} has no files", body.checkpoint),
             )),
             other => other.map(|_| ()),
         };
-        let url = format!("http://{}/v1/weights/{}/{revision}", gw.reach, pool.name);
+        let url = gw.host.weights_url(&pool.name, &revision);
         let begun = listed.and_then(|()| pool.begin_sync(version, url.clone()));
         if let Err(e) = begun {
             if fresh {
@@ -542,7 +544,7 @@ pub(crate) async fn sync_weights(
             tokio::spawn(async move { pool.sync_weights(max_unavailable, deadline, commit).await })
         };
         let outcome = job.await.map_err(|e| {
-            ApiError::new(ErrorKind::ReplicaFailed, format!("the weight sync failed: {e}"))
+            Error::new(ErrorKind::ReplicaFailed, format!("the weight sync failed: {e}"))
         })?;
         let results = outcome.replicas;
         if outcome.rolled_back {
@@ -554,7 +556,7 @@ pub(crate) async fn sync_weights(
                 .map(|r| format!("{}: {}", r.replica, r.error.as_deref().unwrap_or("failed")))
                 .collect();
             tracing::warn!(pool = %pool.name, version, "weight sync rolled back: no replica could load it");
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::ReplicaFailed,
                 format!(
                     "no replica could load weights version {version} ({}), so the sync was rolled back: pool '{}' keeps version {} and the replicas that failed were replaced on it. {}",
@@ -611,7 +613,7 @@ pub(crate) async fn get_task(
         // Ended before this gateway started, or evicted from memory.
         return axum::Json(v).into_response();
     }
-    ApiError::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
+    Error::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
 }
 
 #[cfg(test)]

@@ -11,20 +11,21 @@ pub(crate) fn weights_auth(
     headers: &http::HeaderMap,
     target: &str,
     revision: &str,
-) -> Result<(), ApiError> {
+) -> Result<(), Error> {
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     let admin = gw
+        .access
         .admin_token
         .as_ref()
         .is_some_and(|t| crate::tenants::same_secret(presented, t));
     if admin || gw.weights.authorized(target, revision, presented) {
         return Ok(());
     }
-    Err(ApiError::new(
+    Err(Error::new(
         ErrorKind::Unauthorized,
         "weights need Authorization: Bearer <the worker's WARMGATE_WEIGHTS_TOKEN, \
          or the gateway's WARMGATE_ADMIN_TOKEN>",
@@ -58,7 +59,7 @@ pub(crate) async fn weights_manifest(
                 entry
             })
             .collect();
-        Ok::<_, ApiError>(axum::Json(json!({
+        Ok::<_, Error>(axum::Json(json!({
             "target": target,
             "revision": revision,
             "checkpoint": gw.weights.uri(&target, &revision),

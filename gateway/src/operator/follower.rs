@@ -19,7 +19,7 @@ use http_body_util::{BodyExt as _, Limited};
 use tower::ServiceExt as _;
 
 use crate::Gateway;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::peers::{PEERS_PATH, Table};
 
 /// How often a follower reports to the leader.
@@ -54,7 +54,7 @@ pub fn router(gw: Arc<Gateway>, leader: LeaderAddr) -> axum::Router {
                 return if gw.peers.leader_heard_within(LEADER_SILENCE) {
                     (http::StatusCode::OK, "ready: serving with the leader").into_response()
                 } else {
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::NoCapacity,
                         "this replica has not heard from the leader lately",
                     )
@@ -96,7 +96,7 @@ fn no_part_here(served: &crate::serving::served::Served) -> bool {
 /// Local when this gateway serves the app the request names (by
 /// `/apps/{app}/…`, or the body's `model`, read within the body limit)
 /// and has a part of its replicas.
-async fn served_here(gw: &Gateway, req: Request) -> Result<Here, ApiError> {
+async fn served_here(gw: &Gateway, req: Request) -> Result<Here, Error> {
     let local = |name: &str| {
         gw.registry
             .load()
@@ -128,7 +128,7 @@ async fn served_here(gw: &Gateway, req: Request) -> Result<Here, ApiError> {
 /// Passes a request to the leader as it came, and its answer back.
 async fn to_leader(gw: &Gateway, leader: Option<SocketAddr>, req: Request) -> Response {
     let Some(addr) = leader else {
-        return ApiError::new(
+        return Error::new(
             ErrorKind::NoCapacity,
             "this replica does not lead and knows no leader yet; try again",
         )
@@ -143,7 +143,7 @@ async fn to_leader(gw: &Gateway, leader: Option<SocketAddr>, req: Request) -> Re
     parts.uri = match format!("http://{addr}{pq}").parse() {
         Ok(u) => u,
         Err(e) => {
-            return ApiError::new(ErrorKind::BadRequest, format!("bad path: {e}")).into_response();
+            return Error::new(ErrorKind::BadRequest, format!("bad path: {e}")).into_response();
         }
     };
     // As the data plane forwards: HTTP/1.1, and no hop-by-hop headers.
@@ -152,7 +152,7 @@ async fn to_leader(gw: &Gateway, leader: Option<SocketAddr>, req: Request) -> Re
     crate::serving::proxy::strip_hop_by_hop(&mut parts.headers);
     match gw.upstream.send(Request::from_parts(parts, body)).await {
         Ok(resp) => resp.map(Body::new),
-        Err(e) => ApiError::new(
+        Err(e) => Error::new(
             ErrorKind::NoCapacity,
             format!("the leader did not answer: {e}"),
         )

@@ -261,7 +261,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let peer_token = std::env::var("WARMGATE_PEER_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
-        .or_else(crate::server::admin_token);
+        .or_else(crate::access::admin_token);
     tracing::info!(%identity, namespace = %ns, "waiting for the leader lease");
     let standby = match peer_token.clone() {
         Some(token) if !*leading.borrow() => Standby::Following(start_following(

@@ -273,7 +273,7 @@ fn settle(
 async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<String, String> {
     let running = gw.desired_config();
     if let Some((old, new)) = checkpoint_only_change(&spec, &running) {
-        match gw.promote_checkpoint(&spec.name, &new).await {
+        match gw.promotions.promote_checkpoint(&spec.name, &new).await {
             Ok(rev) => {
                 // The app's spec names it now, so the put below finds the
                 // app unchanged, and so does the next reconcile.

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use warmgate_deploy::revision::{Effect, Event, History, Phase, Promotion, Revision};
 
-use crate::error::{ApiError, ErrorKind};
-use crate::server::Gateway;
+use super::Promotions;
+use crate::error::{Error, ErrorKind};
 use crate::serving::dispatch::App;
 use crate::serving::served::Served;
 
@@ -16,7 +16,7 @@ use super::Evaluated;
 /// How often a running promotion looks at its new revision.
 const STEP: Duration = Duration::from_millis(100);
 
-impl Gateway {
+impl Promotions {
     /// Takes the step from `from` to `next`: saved first, then applied in
     /// memory, then acted on. `Conflict` when the promotion is no longer
     /// at `from` (another step got there first: nothing is done);
@@ -29,11 +29,11 @@ impl Gateway {
         next: &Promotion,
         fx: Vec<Effect>,
         note: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         {
             let mut h = app.history.lock();
             if h.promotion.as_ref() != Some(from) {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Conflict,
                     format!(
                         "the promotion of {} moved on before this step: {note}",
@@ -57,7 +57,7 @@ impl Gateway {
         p: &Promotion,
         fx: &[Effect],
         note: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         self.commit_spec(app, h, new, None, p, fx, note)
     }
 
@@ -73,7 +73,7 @@ impl Gateway {
         p: &Promotion,
         fx: &[Effect],
         note: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         let mut next = h.clone();
         next.revisions.extend(new);
         if config.is_some() {
@@ -82,7 +82,7 @@ impl Gateway {
         next.apply(p, fx);
         if let Err(e) = self.store.save(&app.name, &next, note) {
             tracing::error!(app = %app.name, error = %e, "a promotion step could not be saved: {note}");
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Internal,
                 format!(
                     "the gateway could not save this step, so it did not take it ({note}): {e}"

@@ -4,7 +4,7 @@
 
 use warmgate_deploy::revision::Event;
 
-use crate::server::Gateway;
+use super::Promotions;
 use crate::serving::served::Served;
 
 /// What an evaluation gate is run against.
@@ -22,7 +22,7 @@ pub(crate) enum Evaluated<'a> {
     },
 }
 
-impl Gateway {
+impl Promotions {
     /// The evaluation gate, when the app has one: `Ready` when it passes,
     /// `Unhealthy` with its output when it fails or runs out of time.
     pub(crate) async fn gate(&self, app: &Served, what: Evaluated<'_>) -> Event {
@@ -35,7 +35,7 @@ impl Gateway {
             Evaluated::Revision(rev) => (rev, None),
             Evaluated::Adapter { model, revision } => (revision, Some(model)),
         };
-        let endpoint = format!("http://{}/apps/{}", self.reach, app.name);
+        let endpoint = format!("http://{}/apps/{}", self.host.reach, app.name);
         let run = async {
             if let Some((program, args)) = spec.gate_command.split_first() {
                 // As a worker, not as the gateway: see `crate::gate`. It
@@ -50,7 +50,7 @@ impl Gateway {
                     ("WARMGATE_EVAL_URL", endpoint.clone()),
                     (
                         "WARMGATE_EVAL_OPENAI_BASE",
-                        format!("http://{}/v1", self.reach),
+                        format!("http://{}/v1", self.host.reach),
                     ),
                     ("WARMGATE_EVAL_REVISION", rev.to_string()),
                     ("WARMGATE_EVAL_APP", app.name.clone()),
@@ -58,7 +58,7 @@ impl Gateway {
                 if let Some(model) = model {
                     vars.push(("WARMGATE_EVAL_MODEL", model.to_string()));
                 }
-                crate::gate::run(program, args, &vars, self.workdir.as_deref()).await?;
+                crate::gate::run(program, args, &vars, self.host.workdir.as_deref()).await?;
             }
             if let Some(url) = &spec.gate_url {
                 let body = match model {
@@ -66,7 +66,7 @@ impl Gateway {
                         "app": app.name,
                         "revision": rev,
                         "endpoint": endpoint,
-                        "openai_base": format!("http://{}/v1", self.reach),
+                        "openai_base": format!("http://{}/v1", self.host.reach),
                         "headers": {"X-Warmgate-Revision": rev},
                     }),
                     Some(model) => serde_json::json!({
@@ -74,7 +74,7 @@ impl Gateway {
                         "revision": rev,
                         "model": model,
                         "endpoint": endpoint,
-                        "openai_base": format!("http://{}/v1", self.reach),
+                        "openai_base": format!("http://{}/v1", self.host.reach),
                         "headers": {"X-Warmgate-Revision": rev},
                     }),
                 };

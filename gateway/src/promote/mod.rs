@@ -12,20 +12,22 @@ use std::time::Duration;
 use warmgate_deploy::revision::{Effect, Event, History, Plan, Promotion, Revision};
 use warmgate_deploy::{AppSpec, TargetId};
 
-use crate::error::{ApiError, ErrorKind};
-use crate::inplace::in_place_plan;
-use crate::server::Gateway;
+use crate::error::{Error, ErrorKind};
+use crate::host::Host;
+use crate::replica_sink::Revisions;
 use crate::serving::dispatch::App;
 use crate::serving::served::Served;
 
 mod drive;
 mod gate_step;
+pub mod inplace;
 mod restore;
 mod watch;
 
 pub(crate) use gate_step::Evaluated;
 pub(crate) use watch::newest_complete;
 
+use inplace::in_place_plan;
 use restore::{fingerprint, new_revision};
 
 /// What `POST /v1/apps/{app}/promote` asks for.
@@ -42,14 +44,40 @@ pub struct PromoteRequest {
     pub in_place: Option<bool>,
 }
 
-impl Gateway {
+/// Promotions, rolls and rollbacks of the apps' revisions, and the
+/// revisions restored at start: each step saved in the store, then
+/// carried out on the pool manager, the dispatchers and the weights.
+pub struct Promotions {
+    /// The process (its clock, where workers reach it).
+    pub(crate) host: Arc<Host>,
+    /// The apps served, to find one by name.
+    pub(crate) registry: crate::registry::Live,
+    /// Where each step is saved before it is acted on.
+    pub(crate) store: Arc<dyn warmgate_deploy::store::StateStore>,
+    /// Every app revision ever started, by target (shared with the
+    /// replica sink).
+    pub(crate) revisions: Revisions,
+    /// Revisions promoted in place, by the target whose replicas they
+    /// borrow while the promotion runs (`inplace.rs`; shared with the
+    /// replica sink).
+    pub(crate) guests: Revisions,
+    /// The replicas of every target.
+    pub(crate) pool: warmgate_pool::PoolManager,
+    /// The connections to the replicas (the in-place swaps and the gate
+    /// call them).
+    pub(crate) upstream: crate::upstream::Upstream,
+    /// Checkpoints served to workers.
+    pub(crate) weights: Arc<crate::weights::Weights>,
+}
+
+impl Promotions {
     /// Promotes a new checkpoint: checks it, makes a revision, and starts
     /// the promotion. Returns the revision id.
     pub(crate) async fn promote(
         self: &Arc<Self>,
         app: &Arc<Served>,
         req: PromoteRequest,
-    ) -> Result<String, ApiError> {
+    ) -> Result<String, Error> {
         Self::refuse_if_pool_served(app)?;
         self.refuse_if_promoting(app)?;
         self.refuse_if_swapping_back(app)?;
@@ -62,7 +90,7 @@ impl Gateway {
         self.weights.unregister(&app.name, &probe);
         let listing = listing?;
         if listing.items.is_empty() {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::BadRequest,
                 format!("checkpoint {} has no files", req.checkpoint),
             ));
@@ -126,14 +154,14 @@ impl Gateway {
         rev: &Revision,
         p: &Promotion,
         fx: Vec<Effect>,
-    ) -> Result<String, ApiError> {
+    ) -> Result<String, Error> {
         let started = match p.plan.in_place {
             true => p
                 .from
                 .as_deref()
                 .and_then(|f| app.revision(f))
                 .ok_or_else(|| {
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::Conflict,
                         format!(
                             "app '{}' has no serving revision to swap in place",
@@ -169,7 +197,7 @@ impl Gateway {
     ///
     /// The rollback is saved and carried out before the answer: an error
     /// means nothing changed.
-    pub(crate) fn rollback(self: &Arc<Self>, app: &Arc<Served>) -> Result<String, ApiError> {
+    pub(crate) fn rollback(self: &Arc<Self>, app: &Arc<Served>) -> Result<String, Error> {
         Self::refuse_if_pool_served(app)?;
         let running = app
             .history
@@ -179,7 +207,7 @@ impl Gateway {
             .filter(|p| !p.phase.is_terminal());
         if let Some(p) = running {
             let back = p.from.clone().ok_or_else(|| {
-                ApiError::new(
+                Error::new(
                     ErrorKind::Conflict,
                     format!("app '{}' has no earlier revision", app.name),
                 )
@@ -187,7 +215,7 @@ impl Gateway {
             let reason = "requested by an operator".to_string();
             let (next, fx) = p
                 .on(Event::Rollback(reason.clone()))
-                .map_err(|e| ApiError::new(ErrorKind::Conflict, e.to_string()))?;
+                .map_err(|e| Error::new(ErrorKind::Conflict, e.to_string()))?;
             self.step(
                 app,
                 &p,
@@ -210,7 +238,7 @@ impl Gateway {
             }
             self.refuse_if_swapping_back(app)?;
             let prev = h.previous_good().cloned().ok_or_else(|| {
-                ApiError::new(
+                Error::new(
                     ErrorKind::Conflict,
                     format!("app '{}' has no earlier revision to roll back to", app.name),
                 )
@@ -237,7 +265,7 @@ impl Gateway {
                 // Its replicas run another revision's settings, or are
                 // starting again (none ready to swap), and no other
                 // replicas may be had for it.
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Conflict,
                     format!(
                         "app '{}' cannot roll back to {} in place now ({how}); try again once its replicas are ready, or promote {}'s checkpoint",
@@ -274,8 +302,8 @@ impl Gateway {
         self: &Arc<Self>,
         name: &str,
         checkpoint: &str,
-    ) -> Result<String, ApiError> {
-        let app = self.app(name)?;
+    ) -> Result<String, Error> {
+        let app = self.registry.load().find_app(name)?;
         self.promote(
             &app,
             PromoteRequest {
@@ -298,10 +326,9 @@ impl Gateway {
         app: &Arc<Served>,
         spec: AppSpec,
         why: &str,
-    ) -> Result<String, ApiError> {
-        let config = serde_json::to_string(&spec).map_err(|e| {
-            ApiError::new(ErrorKind::Internal, format!("cannot encode the spec: {e}"))
-        })?;
+    ) -> Result<String, Error> {
+        let config = serde_json::to_string(&spec)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("cannot encode the spec: {e}")))?;
         self.refuse_if_swapping_back(app)?;
         {
             let mut h = app.history.lock();
@@ -338,7 +365,7 @@ impl Gateway {
     /// Forgets which spec the app's revisions were made from and takes
     /// every revision out of traffic, saved: the app was deleted, and if
     /// it is put again it starts from a new revision.
-    pub(crate) fn forget_spec(&self, app: &Served, note: &str) -> Result<(), ApiError> {
+    pub(crate) fn forget_spec(&self, app: &Served, note: &str) -> Result<(), Error> {
         let mut h = app.history.lock();
         if h.promoting() {
             return Err(promoting_error(&app.name, &h));
@@ -349,7 +376,7 @@ impl Gateway {
             r.traffic = 0;
         }
         if let Err(e) = self.store.save(&app.name, &next, note) {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Internal,
                 format!("the gateway could not save the deletion, so it did not delete: {e}"),
             ));
@@ -363,9 +390,9 @@ impl Gateway {
 
     /// An app served by a pool has no revisions of its own: its weights
     /// move with the pool's syncs.
-    fn refuse_if_pool_served(app: &Served) -> Result<(), ApiError> {
+    fn refuse_if_pool_served(app: &Served) -> Result<(), Error> {
         match &app.spec().pool {
-            Some(pool) => Err(ApiError::new(
+            Some(pool) => Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "app '{}' runs on pool '{pool}' and takes its weights from the pool's syncs \
@@ -377,7 +404,7 @@ impl Gateway {
         }
     }
 
-    pub(crate) fn refuse_if_promoting(&self, app: &Served) -> Result<(), ApiError> {
+    pub(crate) fn refuse_if_promoting(&self, app: &Served) -> Result<(), Error> {
         let h = app.history.lock();
         if h.promoting() {
             return Err(promoting_error(&app.name, &h));
@@ -416,13 +443,13 @@ impl Gateway {
     }
 }
 
-fn removed_error(app: &str) -> ApiError {
-    ApiError::new(ErrorKind::NotFound, format!("app '{app}' was deleted"))
+fn removed_error(app: &str) -> Error {
+    Error::new(ErrorKind::NotFound, format!("app '{app}' was deleted"))
 }
 
-fn promoting_error(app: &str, h: &History) -> ApiError {
+fn promoting_error(app: &str, h: &History) -> Error {
     let to = h.promotion.as_ref().map_or("?", |p| p.to.as_str());
-    ApiError::new(
+    Error::new(
         ErrorKind::Conflict,
         format!("app '{app}' is already promoting {to}; wait for it or roll back"),
     )

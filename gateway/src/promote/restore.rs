@@ -12,12 +12,12 @@ use warmgate_deploy::store::unix_now;
 use warmgate_deploy::{AppSpec, TargetId};
 use warmgate_pool::TargetSpec;
 
-use crate::error::{ApiError, ErrorKind};
-use crate::server::Gateway;
+use super::Promotions;
+use crate::error::{Error, ErrorKind};
 use crate::serving::dispatch::App;
 use crate::serving::served::Served;
 
-impl Gateway {
+impl Promotions {
     /// Starts serving an app's history after a (re)start. On the first run
     /// it makes revision 1 from the config, and a new revision whenever the
     /// config changed since; both switch at once, since nothing runs yet.
@@ -122,11 +122,11 @@ impl Gateway {
     /// The dispatcher of a revision, with its pool-manager target and its
     /// weights, made routable by pinning. Reused when it exists already
     /// (a rollback to a revision that served before).
-    pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, ApiError> {
+    pub(crate) fn materialize(&self, app: &Served, rev: &Revision) -> Result<Arc<App>, Error> {
         self.materialize_from(app, rev, None)
     }
 
-    /// [`Gateway::materialize`], given the JSON of the app's spec: a
+    /// [`Promotions::materialize`], given the JSON of the app's spec: a
     /// revision made from that very spec (every app's at a start) takes
     /// it as it is rather than parsing its copy.
     fn materialize_from(
@@ -134,7 +134,7 @@ impl Gateway {
         app: &Served,
         rev: &Revision,
         spec_json: Option<&str>,
-    ) -> Result<Arc<App>, ApiError> {
+    ) -> Result<Arc<App>, Error> {
         let target = rev.target();
         let existing = self.revisions.read().get(&target).cloned();
         if let Some(a) = existing.as_ref().filter(|a| a.revision != rev.id) {
@@ -143,7 +143,7 @@ impl Gateway {
             // otherwise only an in-place promotion may use them.
             let idle = a.ready_replicas() == 0 && self.pool.desired(&target).unwrap_or(0) == 0;
             if !idle {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Conflict,
                     format!(
                         "{}'s replicas serve {} now (promoted in place); promote or roll back in place",
@@ -183,11 +183,11 @@ impl Gateway {
             command: spec.command.clone(),
             env,
             checkpoint: spec.checkpoint.clone(),
-            workdir: self.workdir.clone(),
+            workdir: self.host.workdir.clone(),
             concurrency: spec.concurrency,
             gpus: spec.gpus,
             startup_timeout: spec.startup_timeout,
-            stop_grace: self.config.backend.stop_grace,
+            stop_grace: self.host.config.backend.stop_grace,
             image: spec.image.clone(),
             pod: spec.kubernetes.clone(),
         });
@@ -199,7 +199,7 @@ impl Gateway {
         // as long as the autoscaler would have kept replicas it started.
         let adoptable = self.pool.adoptable(&target);
         if adoptable > 0 {
-            a.adopt(adoptable, self.now());
+            a.adopt(adoptable, self.host.now());
         }
         self.pool.scale(&target, min.max(adoptable));
         Ok(a)
@@ -207,12 +207,7 @@ impl Gateway {
 
     /// Takes back a target that an in-place promotion gave to a later
     /// revision, now that it runs nothing: `rev` starts on it from now on.
-    fn rebind(
-        &self,
-        app: &Served,
-        rev: &Revision,
-        target: &TargetId,
-    ) -> Result<Arc<App>, ApiError> {
+    fn rebind(&self, app: &Served, rev: &Revision, target: &TargetId) -> Result<Arc<App>, Error> {
         let mut spec: AppSpec =
             serde_json::from_str(&rev.spec).unwrap_or_else(|_| (*app.spec()).clone());
         spec.checkpoint = rev.checkpoint.clone();
@@ -246,17 +241,17 @@ impl Gateway {
         app: &str,
         revision: &str,
         uri: &str,
-    ) -> Result<[(String, String); 1], ApiError> {
+    ) -> Result<[(String, String); 1], Error> {
         let src = self
             .weights
             .open(uri)
-            .map_err(|e| ApiError::new(e.kind, format!("revision {revision}: {}", e.message)))?;
+            .map_err(|e| Error::new(e.kind, format!("revision {revision}: {}", e.message)))?;
         self.weights.register(app, revision, src);
         // Each replica gets its own weights token as it launches (the
         // replica sink mints it).
         Ok([(
             "WARMGATE_WEIGHTS_URL".into(),
-            format!("http://{}/v1/weights/{app}/{revision}", self.reach),
+            self.host.weights_url(app, revision),
         )])
     }
 }

@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use crate::server::Gateway;
+use super::Promotions;
 use crate::serving::served::Served;
 
 use super::PromoteRequest;
 
-impl Gateway {
+impl Promotions {
     /// Watches an app's `promotion.watch` prefix until the gateway stops:
     /// the newest checkpoint folder whose marker file exists, and that no
     /// revision has used yet, is promoted. A folder without its marker (a

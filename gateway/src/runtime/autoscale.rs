@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
@@ -28,7 +27,7 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
         loop {
             tick.tick().await;
             gauges.round += 1;
-            if gw.draining.load(Ordering::Acquire) {
+            if gw.host.draining() {
                 return;
             }
             let now = gw.now();

@@ -4,7 +4,9 @@
 //! and the operator's leader both run a gateway through here.
 
 pub mod admin_token;
+mod assemble;
 pub mod autoscale;
+pub(crate) mod state_db;
 pub mod state_lock;
 pub(crate) mod takeover;
 
@@ -35,13 +37,13 @@ pub(crate) async fn serve_async(
         .with_context(|| format!("listen on {}", config.listen))?;
     // No control plane without a credential: without WARMGATE_ADMIN_TOKEN
     // the gateway keeps one of its own, for the CLI of its user.
-    let _published = if crate::server::admin_token().is_none() {
+    let _published = if crate::access::admin_token().is_none() {
         let token = admin_token::ensure(&config.state_dir)?;
         let addr = listener
             .local_addr()
             .context("read the listening address")?;
         let published = admin_token::publish(addr, &token);
-        crate::server::use_generated_admin_token(token);
+        crate::access::use_generated_admin_token(token);
         published
     } else {
         None
@@ -279,7 +281,7 @@ where
     println!("warmgate listening on {scheme}://{addr}");
     // A token the gateway made is shown to the user who started it, as
     // Jupyter shows its URL: the dashboard needs it.
-    if let Some(token) = crate::server::generated_admin_token() {
+    if let Some(token) = crate::access::generated_admin_token() {
         println!(
             "dashboard: {scheme}://{addr}/ui#token={token} (admin token in {})",
             gw.config().state_dir.join(admin_token::FILE_NAME).display()

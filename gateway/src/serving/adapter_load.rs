@@ -25,7 +25,7 @@ use warmgate_pool::ReplicaHandle;
 use super::adapter_files::AdapterFiles;
 use super::adapters::{LoadState, Ticket};
 use super::dispatch::{App, SlotGuard};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// An engine's answer to a load is a line of text; more is not read.
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
@@ -39,7 +39,7 @@ pub async fn prepare(
     spec: &AppSpec,
     checkpoint: Option<&str>,
     files: &Arc<AdapterFiles>,
-) -> Result<Option<Duration>, ApiError> {
+) -> Result<Option<Duration>, Error> {
     let Some(ticket) = slot.take_ticket() else {
         return Ok(None);
     };
@@ -101,7 +101,7 @@ pub async fn prepare(
     };
     let waited = tokio::time::timeout(timeout, state.wait_for(|s| *s != LoadState::Loading)).await;
     let failed = |why: String| {
-        ApiError::new(
+        Error::new(
             ErrorKind::ReplicaFailed,
             format!(
                 "adapter '{}' could not be loaded on replica {}: {why}",

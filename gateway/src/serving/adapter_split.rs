@@ -17,7 +17,7 @@ use serde_json::value::RawValue;
 use warmgate_deploy::adapter_promotion::AdapterPromotion;
 use warmgate_deploy::{AdapterSpec, AdaptersSpec};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// The adapter revision a request is served by (a request extension,
 /// from the body to the pipeline).
@@ -162,19 +162,19 @@ pub fn route(
 
 /// `body` (a JSON object) with its `model` set to `model`; every other
 /// value kept byte for byte (the keys come out sorted).
-pub fn with_model(body: &[u8], model: &str) -> Result<Bytes, ApiError> {
+pub fn with_model(body: &[u8], model: &str) -> Result<Bytes, Error> {
     let mut fields: BTreeMap<String, &RawValue> = serde_json::from_slice(body).map_err(|e| {
-        ApiError::new(
+        Error::new(
             ErrorKind::BadRequest,
             format!("the request body must be a JSON object ({e})"),
         )
     })?;
     let name = serde_json::value::to_raw_value(model)
-        .map_err(|e| ApiError::new(ErrorKind::Internal, e.to_string()))?;
+        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
     fields.insert("model".to_string(), &name);
     serde_json::to_vec(&fields)
         .map(Bytes::from)
-        .map_err(|e| ApiError::new(ErrorKind::Internal, e.to_string()))
+        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// The budget (`limits.max_buffered_body_bytes`).
 #[derive(Debug, Clone)]
@@ -39,7 +39,7 @@ impl Buffered {
 
     /// `bytes` as a body that holds its share of the budget until it is
     /// sent on, or `429 queue_full` when the budget is spent.
-    pub fn hold(&self, bytes: Bytes) -> Result<HeldBody, ApiError> {
+    pub fn hold(&self, bytes: Bytes) -> Result<HeldBody, Error> {
         let mut reading = self.reading();
         reading.cover(bytes.len() as u64)?;
         Ok(reading.into_held(bytes))
@@ -76,7 +76,7 @@ pub struct Reading {
 impl Reading {
     /// Makes the share cover `total` bytes, or `429 queue_full` when the
     /// budget is spent.
-    pub fn cover(&mut self, total: u64) -> Result<(), ApiError> {
+    pub fn cover(&mut self, total: u64) -> Result<(), Error> {
         let Some(more) = total.checked_sub(self.covered).filter(|n| *n > 0) else {
             return Ok(());
         };
@@ -92,7 +92,7 @@ impl Reading {
             }
             Err(_) => {
                 metrics::counter!("warmgate_buffered_body_refusals_total").increment(1);
-                Err(ApiError::new(
+                Err(Error::new(
                     ErrorKind::QueueFull,
                     format!(
                         "the gateway already holds {} bytes of request bodies being read or \

@@ -4,11 +4,11 @@
 
 use warmgate_pool::TargetHealth;
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// The answer for `what` (`app 'm'`, `pool 'p'`) when its target is in a
 /// crash loop with nothing ready or starting; `None` otherwise.
-pub(crate) fn crash_loop_error(what: &str, h: &TargetHealth) -> Option<ApiError> {
+pub(crate) fn crash_loop_error(what: &str, h: &TargetHealth) -> Option<Error> {
     if !h.crash_loop || h.ready > 0 || h.starting > 0 {
         return None;
     }
@@ -20,7 +20,7 @@ pub(crate) fn crash_loop_error(what: &str, h: &TargetHealth) -> Option<ApiError>
         None => "it is tried again when something asks for it".into(),
     };
     Some(
-        ApiError::new(
+        Error::new(
             ErrorKind::ReplicaFailed,
             format!(
                 "{what} is in a crash loop (CrashLoopBackOff): {} starts failed in a row; {next}. \

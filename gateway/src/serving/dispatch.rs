@@ -20,7 +20,7 @@ use warmgate_pool::ReplicaHandle;
 use super::adapters::{AdapterTable, LoadState};
 use super::route::{PrefixIndex, ReplicaKey, RouteKey};
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 mod hold;
 mod meter;
@@ -212,7 +212,7 @@ impl App {
 
     /// Takes a free slot, or a place in the hold queue, or says why neither
     /// can be had.
-    pub fn acquire(self: &Arc<Self>) -> Result<Acquire, ApiError> {
+    pub fn acquire(self: &Arc<Self>) -> Result<Acquire, Error> {
         self.acquire_avoiding(&[], None, None)
     }
 
@@ -225,7 +225,7 @@ impl App {
         avoid: &[Arc<ReplicaHandle>],
         key: Option<&Arc<RouteKey>>,
         adapter: Option<&Arc<str>>,
-    ) -> Result<Acquire, ApiError> {
+    ) -> Result<Acquire, Error> {
         let mut s = self.slots.lock();
         if s.replicas.is_empty()
             && let Some(to) = self.moved_to.lock().clone()
@@ -259,7 +259,7 @@ impl App {
         let max = self.spec.load().queue.max_pending;
         if s.live_waiters >= max as usize {
             let err = if cold {
-                ApiError::new(
+                Error::new(
                     ErrorKind::Starting,
                     format!(
                         "app '{}' is starting and already holds {max} requests; try again shortly",
@@ -268,7 +268,7 @@ impl App {
                 )
                 .retry_after(QUEUE_FULL_RETRY_SECS)
             } else {
-                ApiError::new(
+                Error::new(
                     ErrorKind::QueueFull,
                     format!(
                         "app '{}' is at capacity and its queue is full ({max} requests held)",

@@ -15,7 +15,7 @@ use super::dispatch::{Acquire, App};
 use super::proxy::{Forward, Slot as _};
 use super::route::RouteKey;
 use super::served::Served;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::upstream::Upstream;
 
 /// The replica that answered.
@@ -86,7 +86,7 @@ impl Pipeline {
         served: &Served,
         mut req: Request,
         path_and_query: &str,
-    ) -> (Option<Arc<App>>, Result<Response, ApiError>) {
+    ) -> (Option<Arc<App>>, Result<Response, Error>) {
         use tracing::Instrument as _;
         let traceparent = crate::trace::ensure_traceparent(req.headers_mut());
         let span = tracing::info_span!(
@@ -166,7 +166,7 @@ impl Pipeline {
         mut req: Request,
         path_and_query: &str,
         pinned: bool,
-    ) -> Result<Response, ApiError> {
+    ) -> Result<Response, Error> {
         // What the proxy uses of the request; its extensions stay behind,
         // but for the key it is routed on.
         let requested = req
@@ -254,7 +254,7 @@ impl Pipeline {
             };
             if pinned {
                 return Err(Failed(
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::NoCapacity,
                         format!(
                             "revision '{}' has no replica now (they moved to '{}'); a pinned request is not sent to another revision",
@@ -267,7 +267,7 @@ impl Pipeline {
             hops += 1;
             if hops > MAX_MOVES {
                 return Err(Failed(
-                    ApiError::new(
+                    Error::new(
                         ErrorKind::NoCapacity,
                         format!("app '{}' is moving between revisions; try again", app.name),
                     )
@@ -310,7 +310,7 @@ impl Pipeline {
 
     /// With no replica ready and the last starts failing, a new request is
     /// refused at once instead of waiting out the crash-loop backoff.
-    pub(crate) fn refuse_if_failing(&self, app: &App) -> Result<(), ApiError> {
+    pub(crate) fn refuse_if_failing(&self, app: &App) -> Result<(), Error> {
         let Some(h) = self.pool.health(&app.target) else {
             return Ok(());
         };
@@ -326,7 +326,7 @@ impl Pipeline {
             && let Some(retry) = h.retry_in
         {
             let secs = retry.as_secs_f64().ceil() as u64;
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NoCapacity,
                 format!(
                     "app '{}' is failing to start ({}); next attempt in {secs}s",
@@ -357,7 +357,7 @@ pub(crate) const READ_AHEAD_BYTES: u64 = 64 * 1024;
 
 /// `req` with its body read in full if it is small (see
 /// [`READ_AHEAD_BYTES`]), else as it is.
-pub(crate) async fn read_small_body(req: Request) -> Result<Request, ApiError> {
+pub(crate) async fn read_small_body(req: Request) -> Result<Request, Error> {
     match http_body::Body::size_hint(req.body()).exact() {
         Some(n) if n > 0 && n <= READ_AHEAD_BYTES => {}
         _ => return Ok(req),

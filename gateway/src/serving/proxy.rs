@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use warmgate_pool::ReplicaHandle;
 
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::upstream::{Returned, SendError, Upstream};
 
 /// A slot on a replica, freed when dropped: an app revision's
@@ -45,7 +45,7 @@ pub async fn forward<S: Slot>(
     let uri = http::uri::PathAndQuery::try_from(path_and_query)
         .map(Uri::from)
         .map_err(|_| {
-            Forward::Failed(ApiError::new(
+            Forward::Failed(Error::new(
                 ErrorKind::BadRequest,
                 "the request path is not valid",
             ))
@@ -81,14 +81,14 @@ pub async fn forward<S: Slot>(
 pub enum Forward {
     /// The replica could not be connected to: nothing was sent, and here
     /// is the request to send to another replica, and the one that refused.
-    Refused(ApiError, Box<Request<Body>>, Arc<ReplicaHandle>),
+    Refused(Error, Box<Request<Body>>, Arc<ReplicaHandle>),
     /// The request failed after it was (or may have been) sent.
-    Failed(ApiError),
+    Failed(Error),
 }
 
 impl Forward {
     /// The error the client sees if no retry is made.
-    pub fn into_error(self) -> ApiError {
+    pub fn into_error(self) -> Error {
         match self {
             Forward::Refused(e, ..) | Forward::Failed(e) => e,
         }
@@ -97,31 +97,31 @@ impl Forward {
 
 pub use crate::error::{BodyIdle, BodyTooLarge};
 
-fn upstream_error(e: &SendError, replica: &str, app: &str) -> ApiError {
+fn upstream_error(e: &SendError, replica: &str, app: &str) -> Error {
     let chain = || {
         std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
             e.source()
         })
     };
     if let Some(too_large) = chain().find_map(|e| e.downcast_ref::<BodyTooLarge>()) {
-        return ApiError::new(ErrorKind::TooLarge, too_large.to_string());
+        return Error::new(ErrorKind::TooLarge, too_large.to_string());
     }
     if let Some(idle) = chain().find_map(|e| e.downcast_ref::<BodyIdle>()) {
-        return ApiError::new(ErrorKind::Timeout, idle.to_string());
+        return Error::new(ErrorKind::Timeout, idle.to_string());
     }
     // The client's body broke off while it streamed to the replica.
     if chain().any(|e| e.is::<axum::Error>()) {
-        return ApiError::new(ErrorKind::BadRequest, "could not read the request body");
+        return Error::new(ErrorKind::BadRequest, "could not read the request body");
     }
     if e.is_connect() {
         tracing::warn!(%replica, %app, error = %e, "replica refused the connection");
-        return ApiError::new(
+        return Error::new(
             ErrorKind::ReplicaFailed,
             format!("replica {replica} of app '{app}' refused the connection"),
         );
     }
     tracing::warn!(%replica, %app, error = %error_chain(e), "replica failed before answering");
-    ApiError::new(
+    Error::new(
         ErrorKind::ReplicaFailed,
         format!(
             "replica {replica} of app '{app}' closed the connection before answering: it stopped or failed with this request sent, which it may or may not have begun; send it again if it is safe to repeat"

@@ -12,7 +12,7 @@ use warmgate_deploy::revision::History;
 
 use super::adapter_split::{self, AdapterCanary, RequestedAdapter};
 use super::dispatch::App;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// One app: its revisions and their traffic.
 pub struct Served {
@@ -200,13 +200,13 @@ impl Served {
     /// The revision for one request: the one named by
     /// `X-Warmgate-Revision` when given (for evaluation traffic), else one
     /// drawn by the traffic split.
-    pub fn pick(&self, pinned: Option<&str>) -> Result<Arc<App>, ApiError> {
+    pub fn pick(&self, pinned: Option<&str>) -> Result<Arc<App>, Error> {
         let r = self.routing.read();
         if let Some(id) = pinned {
             return r.live.get(id).cloned().ok_or_else(|| {
                 let mut ids: Vec<&str> = r.live.keys().map(String::as_str).collect();
                 ids.sort_unstable();
-                ApiError::new(
+                Error::new(
                     ErrorKind::NotFound,
                     format!(
                         "app '{}' has no live revision '{id}' (live: {})",
@@ -217,7 +217,7 @@ impl Served {
             });
         }
         match r.split.as_slice() {
-            [] => Err(ApiError::new(
+            [] => Err(Error::new(
                 ErrorKind::NoCapacity,
                 format!("app '{}' has no revision taking traffic", self.name),
             )

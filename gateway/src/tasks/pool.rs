@@ -24,7 +24,7 @@ use warmgate_pool::ReplicaHandle;
 use super::queue::{Limits, TaskQueue};
 use super::split::Split;
 use super::store::{InputCharge, TaskStore};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 mod dispatch;
 mod replicas;
@@ -49,7 +49,7 @@ pub const DEFAULT_TENANT: &str = "default";
 pub use super::record::{Output, TaskRecord, TaskState};
 
 /// A finished task, as the synchronous API answers it.
-pub type Outcome = Result<TaskRecord, ApiError>;
+pub type Outcome = Result<TaskRecord, Error>;
 
 /// One accepted task.
 struct Task {
@@ -185,7 +185,7 @@ struct PoolState {
     /// Times the pool failed to start a replica, and the last error:
     /// waiting requests fail with it rather than wait out their timeout.
     start_failures: u64,
-    last_start_error: Option<ApiError>,
+    last_start_error: Option<Error>,
     /// Those in flight, in all and by replica id.
     requests_inflight: u32,
     requests_on: HashMap<String, u32>,
@@ -354,11 +354,11 @@ impl PoolState {
 
 /// A task's timeout passed; `cause` is the pool's last failure to start
 /// a replica when none is ready, so the answer says why it never ran.
-fn timeout_error(pool: &str, cause: Option<&ApiError>) -> ApiError {
+fn timeout_error(pool: &str, cause: Option<&Error>) -> Error {
     let because = cause.map_or(String::new(), |e| {
         format!(" (no replica is ready: {})", e.message)
     });
-    ApiError::new(
+    Error::new(
         ErrorKind::Timeout,
         format!("the task did not finish within its timeout in pool '{pool}'{because}"),
     )

@@ -13,7 +13,7 @@ use http::HeaderValue;
 use warmgate_deploy::QueueSpec;
 
 use super::pool::Pool;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::serving::pipeline::{X_QUEUED_MS, X_REPLICA};
 use crate::serving::proxy::{Forward, Slot as _};
 use crate::upstream::Upstream;
@@ -27,7 +27,7 @@ pub const X_WEIGHTS_VERSION: http::HeaderName =
     http::HeaderName::from_static("x-warmgate-weights-version");
 
 /// The version a request asks for at least: 0 without the header.
-pub fn min_version(req: &Request) -> Result<u64, ApiError> {
+pub fn min_version(req: &Request) -> Result<u64, Error> {
     let Some(v) = req.headers().get(X_MIN_WEIGHTS_VERSION) else {
         return Ok(0);
     };
@@ -35,7 +35,7 @@ pub fn min_version(req: &Request) -> Result<u64, ApiError> {
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .ok_or_else(|| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::BadRequest,
                 format!("{X_MIN_WEIGHTS_VERSION} must be a whole number (a weights version)"),
             )
@@ -60,7 +60,7 @@ pub async fn serve(
     req: Request,
     path_and_query: &str,
     on_wait: impl FnOnce(),
-) -> Result<Response, ApiError> {
+) -> Result<Response, Error> {
     let min = min_version(&req)?;
     let mut req = crate::serving::pipeline::read_small_body(req).await?;
     let mut on_wait = Some(on_wait);

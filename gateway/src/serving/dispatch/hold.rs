@@ -10,11 +10,11 @@ use warmgate_deploy::AppSpec;
 use warmgate_pool::ReplicaHandle;
 
 use super::{App, SlotGuard, Slots};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::serving::adapters::Ticket;
 use crate::serving::route::RouteKey;
 
-pub(super) type Grant = Result<Granted, ApiError>;
+pub(super) type Grant = Result<Granted, Error>;
 
 /// What a held request is given.
 pub(super) enum Granted {
@@ -84,7 +84,7 @@ impl App {
 
     /// Fails every held request, when the app cannot start and has nothing
     /// ready to serve them.
-    pub fn fail_waiters(&self, err: &ApiError) {
+    pub fn fail_waiters(&self, err: &Error) {
         let mut s = self.slots.lock();
         if !s.replicas.is_empty() {
             return;
@@ -183,7 +183,7 @@ impl PendingSlot {
     }
 
     /// What it was given, if anything yet; `None` while still waiting.
-    pub fn try_take(&mut self) -> Option<Result<Slotted, ApiError>> {
+    pub fn try_take(&mut self) -> Option<Result<Slotted, Error>> {
         let rx = self.rx.as_mut()?;
         match rx.try_recv() {
             Ok(grant) => {
@@ -193,7 +193,7 @@ impl PendingSlot {
             Err(oneshot::error::TryRecvError::Empty) => None,
             Err(oneshot::error::TryRecvError::Closed) => {
                 self.rx = None;
-                Some(Err(ApiError::new(
+                Some(Err(Error::new(
                     ErrorKind::NoCapacity,
                     format!("app '{}' is shutting down", self.app.name),
                 )))
@@ -202,7 +202,7 @@ impl PendingSlot {
     }
 
     /// Waits for a slot until `timeout`.
-    pub async fn wait(mut self, timeout: Duration) -> Result<Slotted, ApiError> {
+    pub async fn wait(mut self, timeout: Duration) -> Result<Slotted, Error> {
         let rx = self
             .rx
             .as_mut()
@@ -212,7 +212,7 @@ impl PendingSlot {
                 self.rx = None;
                 Ok(self.slotted(grant?))
             }
-            Ok(Err(_)) => Err(ApiError::new(
+            Ok(Err(_)) => Err(Error::new(
                 ErrorKind::NoCapacity,
                 format!("app '{}' is shutting down", self.app.name),
             )
@@ -220,7 +220,7 @@ impl PendingSlot {
             // Nothing ready to wait for yet: the replicas are starting (a
             // stock server loading its weights takes minutes), and the
             // client should come back rather than give up.
-            Err(_) if self.app.ready_replicas() == 0 => Err(ApiError::new(
+            Err(_) if self.app.ready_replicas() == 0 => Err(Error::new(
                 ErrorKind::Starting,
                 format!(
                     "app '{}' has no ready replica yet: its replicas are still starting (up to \
@@ -231,7 +231,7 @@ impl PendingSlot {
                 ),
             )
             .retry_after(STARTING_RETRY_AFTER_SECS)),
-            Err(_) => Err(ApiError::new(
+            Err(_) => Err(Error::new(
                 ErrorKind::Timeout,
                 format!(
                     "no replica of app '{}' became free within the queue timeout ({:?})",

@@ -176,7 +176,7 @@ async fn new_replica_serves_held_requests_and_failure_reaches_them() {
 
     let app2 = self::app(4, 10);
     let p = held(app2.acquire().expect("held"));
-    app2.fail_waiters(&ApiError::new(ErrorKind::ReplicaFailed, "boom"));
+    app2.fail_waiters(&Error::new(ErrorKind::ReplicaFailed, "boom"));
     let err = p.wait(Duration::from_secs(1)).await.err().expect("failed");
     assert_eq!(err.kind, ErrorKind::ReplicaFailed);
     assert_eq!(app2.load(), (0, 0));

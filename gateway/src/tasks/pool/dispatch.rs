@@ -12,7 +12,7 @@ use warmgate_deploy::TargetId;
 use warmgate_pool::ReplicaHandle;
 
 use super::{MAX_SYSTEM_RETRIES, Output, Pool, Task, TaskState, timeout_error};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// Pause before retrying a task whose replica was lost, times the number of
 /// losses: the pool manager sees a process exit within milliseconds.
@@ -175,7 +175,7 @@ impl Pool {
                     );
                     self.finish(
                         task,
-                        Err(ApiError::new(ErrorKind::ReplicaFailed, msg)),
+                        Err(Error::new(ErrorKind::ReplicaFailed, msg)),
                         Some(&replica),
                     );
                 } else {
@@ -214,7 +214,7 @@ impl Pool {
                     );
                     self.finish(
                         task,
-                        Err(ApiError::new(ErrorKind::ReplicaFailed, msg)),
+                        Err(Error::new(ErrorKind::ReplicaFailed, msg)),
                         Some(&replica),
                     );
                     return;

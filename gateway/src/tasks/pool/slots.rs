@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use warmgate_pool::ReplicaHandle;
 
 use super::{Pool, PoolState};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 impl Pool {
     /// The newest weights version in the pool: the latest synced, or a
@@ -23,10 +23,10 @@ impl Pool {
 
     /// Refuses a request for weights newer than any the pool has: nothing
     /// would ever serve it, so it is not held.
-    pub fn check_min_version(&self, min_version: u64) -> Result<(), ApiError> {
+    pub fn check_min_version(&self, min_version: u64) -> Result<(), Error> {
         let newest = Self::newest_version(&self.state.lock());
         if min_version > newest {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "pool '{}' has weights up to version {newest}; version {min_version} has not been synced",
@@ -53,13 +53,13 @@ impl Pool {
         timeout: Duration,
         max_pending: u32,
         on_wait: impl FnOnce(),
-    ) -> Result<(RequestSlot, Duration), ApiError> {
+    ) -> Result<(RequestSlot, Duration), Error> {
         self.check_min_version(min_version)?;
         let since = Instant::now();
         let failures_seen = {
             let mut st = self.state.lock();
             if self.is_closed() {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::NotFound,
                     format!("pool '{}' was deleted", self.name),
                 ));
@@ -68,7 +68,7 @@ impl Pool {
                 return Ok((slot, Duration::ZERO));
             }
             if st.requests_waiting >= max_pending as usize {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::QueueFull,
                     format!(
                         "pool '{}' is at capacity and already holds {max_pending} requests",
@@ -104,7 +104,7 @@ impl Pool {
                 }
             }
             if self.is_closed() {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::NotFound,
                     format!("pool '{}' was deleted", self.name),
                 ));
@@ -113,7 +113,7 @@ impl Pool {
                 .await
                 .is_err()
             {
-                return Err(ApiError::new(
+                return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
                         "no replica of pool '{}' with weights version {min_version} or newer had a free slot within {:.1}s",

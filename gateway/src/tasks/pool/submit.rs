@@ -14,7 +14,7 @@ use super::{
     DEFAULT_TENANT, MAX_CLIENT_RETRIES, Outcome, Output, Pool, Submit, Task, TaskRecord, TaskState,
     timeout_error,
 };
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 use crate::tasks::queue::Refused;
 
 impl Pool {
@@ -26,10 +26,10 @@ impl Pool {
 
     /// Refuses `retries` a client asked for above the larger of the pool's
     /// own and [`MAX_CLIENT_RETRIES`].
-    pub fn check_retries(&self, retries: Option<u32>) -> Result<(), ApiError> {
+    pub fn check_retries(&self, retries: Option<u32>) -> Result<(), Error> {
         let most = self.spec().retries.max(MAX_CLIENT_RETRIES);
         match retries {
-            Some(asked) if asked > most => Err(ApiError::new(
+            Some(asked) if asked > most => Err(Error::new(
                 ErrorKind::BadRequest,
                 format!(
                     "retries is {asked}; pool '{}' allows at most {most} (the larger of its own `retries` and {MAX_CLIENT_RETRIES})",
@@ -41,9 +41,9 @@ impl Pool {
     }
 
     /// Queues a task. The receiver gets its outcome.
-    pub fn submit(&self, s: Submit) -> Result<(String, oneshot::Receiver<Outcome>), ApiError> {
+    pub fn submit(&self, s: Submit) -> Result<(String, oneshot::Receiver<Outcome>), Error> {
         if self.is_closed() {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::NotFound,
                 format!("pool '{}' was deleted", self.name),
             ));
@@ -51,7 +51,7 @@ impl Pool {
         self.check_retries(s.retries)?;
         let id = s.id.unwrap_or_else(|| self.new_id());
         let charge = self.store.charge(s.input.len() as u64).ok_or_else(|| {
-            ApiError::new(
+            Error::new(
                 ErrorKind::QueueFull,
                 format!(
                     "the tasks waiting already hold {} bytes of input (limits.max_pending_task_bytes)",
@@ -120,12 +120,12 @@ impl Pool {
         tenant: &str,
         priority: i32,
         min_weights_version: Option<u64>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         let mut st = self.state.lock();
         if let Some(v) = min_weights_version
             && v > st.latest_version
         {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "no replica of pool '{}' can have weights version {v}: the latest synced is {} \
@@ -139,7 +139,7 @@ impl Pool {
         let max_pending = self.spec().queue.max_pending;
         if !st.fallback.is_empty() && st.queue.pending() + st.fallback.len() >= max_pending as usize
         {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::QueueFull,
                 format!("pool '{}' already holds {max_pending} tasks", self.name),
             )
@@ -148,12 +148,12 @@ impl Pool {
         st.queue
             .push(tenant, priority, task)
             .map_err(|r| match r {
-                Refused::QueueFull { max_pending } => ApiError::new(
+                Refused::QueueFull { max_pending } => Error::new(
                     ErrorKind::QueueFull,
                     format!("pool '{}' already holds {max_pending} tasks", self.name),
                 )
                 .retry_after(1),
-                Refused::TenantQuota { tenant, quota } => ApiError::new(
+                Refused::TenantQuota { tenant, quota } => Error::new(
                     ErrorKind::QueueFull,
                     format!(
                         "tenant '{tenant}' already has {quota} tasks pending or running in pool '{}' (its quota)",
@@ -202,7 +202,7 @@ impl Pool {
     }
 
     /// Fails every waiting task at once: the pool cannot start a replica.
-    pub fn fail_pending(&self, error: &ApiError) {
+    pub fn fail_pending(&self, error: &Error) {
         let failed = {
             let mut st = self.state.lock();
             st.start_failures += 1;
@@ -217,7 +217,7 @@ impl Pool {
     }
 
     /// Fails the tasks waiting for an on-demand replica: none can start.
-    pub fn fail_fallback(&self, error: &ApiError) {
+    pub fn fail_fallback(&self, error: &Error) {
         let failed: Vec<Task> = {
             let mut st = self.state.lock();
             let tasks: Vec<Task> = st.fallback.drain(..).collect();
@@ -234,7 +234,7 @@ impl Pool {
     pub(super) fn finish(
         &self,
         mut task: Task,
-        result: Result<Output, ApiError>,
+        result: Result<Output, Error>,
         replica: Option<&ReplicaHandle>,
     ) {
         let weights_version = replica.map(|r| r.weights_version.load(Ordering::Relaxed));
@@ -259,9 +259,8 @@ impl Pool {
         });
         if let Some(tx) = task.waiter.take() {
             let _ = tx.send(match result {
-                Ok(_) => record.ok_or_else(|| {
-                    ApiError::new(ErrorKind::NotFound, "the task record was evicted")
-                }),
+                Ok(_) => record
+                    .ok_or_else(|| Error::new(ErrorKind::NotFound, "the task record was evicted")),
                 Err(e) => Err(e),
             });
         }

@@ -11,7 +11,7 @@ use serde::Serialize;
 use warmgate_pool::ReplicaHandle;
 
 use super::{Pool, PoolState};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 /// Replicas that failed to load a version before any loaded it, after
 /// which the sync is rolled back: one can be the replica's own fault (a
@@ -72,7 +72,7 @@ impl Pool {
     /// Refused while another sync runs, or for a version older than the
     /// latest ([`Pool::version_for`] picks one that is not); the latest
     /// itself may be synced again, to finish a sync that failed part way.
-    pub fn begin_sync(&self, version: u64, url: String) -> Result<(), ApiError> {
+    pub fn begin_sync(&self, version: u64, url: String) -> Result<(), Error> {
         let mut st = self.state.lock();
         self.refuse_sync(&st, version)?;
         st.syncing_to = Some(version);
@@ -81,13 +81,13 @@ impl Pool {
     }
 
     /// Whether a sync to `version` would be refused now, and why.
-    pub fn check_sync(&self, version: u64) -> Result<(), ApiError> {
+    pub fn check_sync(&self, version: u64) -> Result<(), Error> {
         self.refuse_sync(&self.state.lock(), version)
     }
 
-    fn refuse_sync(&self, st: &PoolState, version: u64) -> Result<(), ApiError> {
+    fn refuse_sync(&self, st: &PoolState, version: u64) -> Result<(), Error> {
         if let Some(v) = st.syncing_to {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "pool '{}' is already syncing weights version {v}; wait for it to finish",
@@ -96,7 +96,7 @@ impl Pool {
             ));
         }
         if version < st.latest_version {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "pool '{}' already has weights version {}; a sync must name that version or a newer one, not {version}",

@@ -6,7 +6,7 @@
 //! moves replicas.
 //!
 //! While the promotion runs, the new revision is a *guest* on the serving
-//! revision's pool-manager target (`Gateway::guests`): its dispatcher
+//! revision's pool-manager target (`Promotions::guests`): its dispatcher
 //! routes to the replicas it took, and the host's autoscaler keeps sizing
 //! the target, held at no fewer replicas than it had. A replica moves in
 //! four steps: out of the old revision's routing, its requests in flight
@@ -40,8 +40,8 @@ use warmgate_deploy::AppSpec;
 use warmgate_deploy::revision::{Event, Plan, Promotion, Revision};
 use warmgate_pool::ReplicaHandle;
 
-use crate::error::{ApiError, ErrorKind};
-use crate::server::Gateway;
+use super::Promotions;
+use crate::error::{Error, ErrorKind};
 use crate::serving::dispatch::App;
 use crate::serving::served::Served;
 use crate::upstream::LoadError;
@@ -111,7 +111,7 @@ impl Move<'_> {
     }
 }
 
-impl Gateway {
+impl Promotions {
     /// The dispatcher of `rev` as a guest on `host`'s target: routable by
     /// pinning, with its checkpoint served, and no replica yet.
     pub(crate) fn materialize_guest(
@@ -119,9 +119,9 @@ impl Gateway {
         app: &Served,
         rev: &Revision,
         host: &Arc<App>,
-    ) -> Result<Arc<App>, ApiError> {
+    ) -> Result<Arc<App>, Error> {
         if let Some(g) = self.guests.read().get(&host.target) {
-            return Err(ApiError::new(
+            return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "{} still holds {}'s replicas; try again once they are swapped back",
@@ -147,10 +147,10 @@ impl Gateway {
     /// in-place promotion took are being handed over (swapped back after a
     /// rollback, or settling after it is done). Called under the app's
     /// history lock, so nothing can start between the check and the save.
-    pub(crate) fn refuse_if_swapping_back(&self, app: &Served) -> Result<(), ApiError> {
+    pub(crate) fn refuse_if_swapping_back(&self, app: &Served) -> Result<(), Error> {
         let guests = self.guests.read();
         match guests.values().find(|g| g.name == app.name) {
-            Some(g) => Err(ApiError::new(
+            Some(g) => Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
                     "app '{}': the replicas {} took in place are still being handed over; try again in a moment",
@@ -261,10 +261,7 @@ impl Gateway {
             )));
         }
         self.weights.regrant(&r.id, grant(&m.to.revision));
-        let url = format!(
-            "http://{}/v1/weights/{}/{}",
-            self.reach, m.app.name, m.to.revision
-        );
+        let url = self.host.weights_url(&m.app.name, &m.to.revision);
         let loaded =
             tokio::time::timeout(limit, self.upstream.load_weights(r.addr, &url, m.version))
                 .await
@@ -361,7 +358,7 @@ impl Gateway {
         revision: &str,
         checkpoint: Option<String>,
     ) {
-        let url = format!("http://{}/v1/weights/{}/{revision}", self.reach, app.name);
+        let url = self.host.weights_url(&app.name, revision);
         self.pool.update_target(target, |t| {
             t.revision = revision.to_string();
             t.checkpoint = checkpoint;
