@@ -342,12 +342,8 @@ impl Weights {
             })?;
         }
         let entry = self.cache.entry_path(&key);
-        let reader = self.download(key, item, expected.clone()).await?;
-        let origin = Origin {
-            reader,
-            entry,
-            hit: false,
-        };
+        let (reader, hit) = self.download(key, item, expected.clone()).await?;
+        let origin = Origin { reader, entry, hit };
         Ok((follow(origin, size, expected), size))
     }
 
@@ -356,20 +352,21 @@ impl Weights {
     /// its own beside them (see [`warmgate_pool::weights::fanout`]). When
     /// the cache file cannot be created, the readers are served from
     /// memory alone. Returns the caller's reader of it, joined before the
-    /// download starts.
+    /// download starts, and whether it reads a committed cache file
+    /// instead (a download that ended meanwhile).
     async fn download(
         self: &Arc<Self>,
         key: String,
         item: PullItem,
         sha256: Option<String>,
-    ) -> Result<Reader, Error> {
+    ) -> Result<(Reader, bool), Error> {
         let size = item.meta.size;
         // A file larger than the whole cache gets no cache file, and so no
         // file for readers that fall behind the download's memory window:
         // each reader has a download of its own, paced by it alone.
         let shared = self.cache.fits(size);
-        if shared && let Some(fanout) = self.downloads.lock().get(&key) {
-            return Ok(fanout.reader(0, true));
+        if shared && let Some(joined) = self.join(&self.downloads.lock(), &key, size) {
+            return Ok(joined);
         }
         let writer = if !shared {
             tracing::info!(uri = %item.source.uri(), bytes = size, "a checkpoint file larger than the whole weight cache; streamed to this reader without caching it");
@@ -391,9 +388,10 @@ impl Weights {
         );
         if shared {
             let mut downloads = self.downloads.lock();
-            if let Some(existing) = downloads.get(&key) {
-                // Another reader started the same download meanwhile.
-                return Ok(existing.reader(0, true));
+            // Another reader started the same download meanwhile, or one
+            // ended and committed its file: its writer is dropped unused.
+            if let Some(joined) = self.join(&downloads, &key, size) {
+                return Ok(joined);
             }
             downloads.insert(key.clone(), fanout.clone());
         }
@@ -436,7 +434,27 @@ impl Weights {
                 this.retire(&key, &fill);
             });
         }
-        Ok(caller)
+        Ok((caller, false))
+    }
+
+    /// A reader of `key` without a download of its own: the download in
+    /// flight, or else the cache file one committed. Called with the
+    /// downloads held: a download leaves them only once its file is
+    /// committed (or it failed), so a reader whose cache lookup missed
+    /// just before that commit finds the file here instead of fetching
+    /// the object from the store a second time.
+    fn join(
+        &self,
+        downloads: &HashMap<String, Arc<Fanout>>,
+        key: &str,
+        size: u64,
+    ) -> Option<(Reader, bool)> {
+        if let Some(fanout) = downloads.get(key) {
+            return Some((fanout.reader(0, true), false));
+        }
+        let path = self.cache.lookup(key, size)?;
+        metrics::counter!("warmgate_weights_cache_bytes_total").increment(size);
+        Some((Fanout::committed(size, path).reader(0, true), true))
     }
 
     /// Forgets the download of `key` if it is `fanout` and new readers

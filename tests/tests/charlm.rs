@@ -40,10 +40,13 @@ async fn checkpoints_from_training_are_promoted_while_traffic_flows() {
     let stop = Arc::new(AtomicBool::new(false));
     let ok = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
+    // What the first failed request got, for the assertion's message.
+    let first_failure = Arc::new(std::sync::Mutex::new(None::<String>));
     let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let clients: Vec<_> = (0..4)
         .map(|i| {
             let (stop, ok, failed, seen) = (stop.clone(), ok.clone(), failed.clone(), seen.clone());
+            let first_failure = first_failure.clone();
             let (http, url) = (gw.http.clone(), gw.at("/v1/completions"));
             tokio::spawn(async move {
                 let stream = i % 2 == 0;
@@ -51,6 +54,7 @@ async fn checkpoints_from_training_are_promoted_while_traffic_flows() {
                     let body = json!({"model": "charlm", "prompt": "the ", "max_tokens": 12,
                                       "temperature": 0, "stream": stream});
                     let r = http.post(&url).json(&body).send().await;
+                    let mut why = String::new();
                     let good = match r {
                         Ok(r) if r.status().is_success() => {
                             let rev = r
@@ -66,18 +70,33 @@ async fn checkpoints_from_training_are_promoted_while_traffic_flows() {
                                 serde_json::from_str::<Value>(&text)
                                     .is_ok_and(|v| v["choices"][0]["text"].is_string())
                             };
+                            if !whole {
+                                why = format!("{rev} answered an incomplete body: {text}");
+                            }
                             let mut s = seen.lock().unwrap_or_else(|e| e.into_inner());
                             if s.last() != Some(&rev) {
                                 s.push(rev);
                             }
                             whole
                         }
-                        _ => false,
+                        Ok(r) => {
+                            let status = r.status();
+                            why = format!("{status}: {}", r.text().await.unwrap_or_default());
+                            false
+                        }
+                        Err(e) => {
+                            why = format!("{e:?}");
+                            false
+                        }
                     };
                     if good {
                         ok.fetch_add(1, Ordering::Relaxed);
                     } else {
                         failed.fetch_add(1, Ordering::Relaxed);
+                        first_failure
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .get_or_insert(why);
                     }
                 }
             })
@@ -153,7 +172,12 @@ async fn checkpoints_from_training_are_promoted_while_traffic_flows() {
         let _ = c.await;
     }
     let seen = seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    assert_eq!(failed.load(Ordering::Relaxed), 0, "no request failed");
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "no request failed; the first got {:?}",
+        first_failure.lock().unwrap_or_else(|e| e.into_inner())
+    );
     assert!(seen.len() >= 2, "the served revision changed: {seen:?}");
     assert_eq!(seen.first().map(String::as_str), Some("charlm-00001"));
     assert_eq!(seen.last(), Some(&serving), "{seen:?}");

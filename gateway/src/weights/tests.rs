@@ -355,3 +355,30 @@ fn a_weights_token_reads_only_its_own_grant_until_revoked() {
     assert!(!w.authorized("m", "r1", &t2));
     assert_eq!(w.tokens(), 1, "only the pool replica's token is left");
 }
+
+/// A reader whose cache lookup missed just before another reader's
+/// download committed its file (and left the downloads) reads that file:
+/// it does not fetch the object from the store a second time.
+#[tokio::test]
+async fn a_reader_that_missed_the_cache_as_a_download_ended_reads_its_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let w = weights(dir.path());
+    let data = vec![5u8; 3 * CHUNK / 2];
+    let src = checkpoint(&[("model.bin", &data)], "memory://one/ck").await;
+    w.register("m", "r1", src);
+    assert_eq!(read(&w, "m", "r1", "model.bin").await.unwrap(), data);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !w.downloads.lock().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "never retired");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // What `file` does past a cache lookup that missed.
+    let item = w.files("m", "r1").await.expect("listed").items[0].clone();
+    let key = Cache::key(item.source.uri(), &item.meta);
+    let (_reader, hit) = w.download(key, item, None).await.expect("download");
+    assert!(hit, "a second download of a committed file");
+    assert!(
+        w.downloads.lock().is_empty(),
+        "no download started for a file the cache holds"
+    );
+}
