@@ -5,9 +5,7 @@
 #![warn(missing_docs)]
 
 pub mod access;
-pub mod adapter_promote;
 pub mod change;
-pub mod change_lock;
 pub mod cli;
 pub mod error;
 pub mod gate;

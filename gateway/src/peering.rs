@@ -209,7 +209,7 @@ impl Gateway {
             routes.extend(a.routes.clone());
         }
         peer.update(routes);
-        let _changing = self.changes.one_at_a_time().await;
+        let _changing = self.changes.lock.one_at_a_time().await;
         let registry = self.registry.load_full();
         // Apps gone from the table: out. Their replicas are let go as the
         // leader stops listing them; nothing here is stopped.

@@ -99,6 +99,7 @@ async fn changing_one_app_leaves_every_other_app_s_pods_untouched() {
     // not touched.
     let mark = cluster.lock().calls.len();
     let changed = gw
+        .changes()
         .apply_file(config(port, &state, &[("a", "1"), ("b", "2")]))
         .await;
     assert!(changed.iter().all(|c| c.outcome.is_ok()), "{changed:?}");
@@ -119,12 +120,14 @@ async fn changing_one_app_leaves_every_other_app_s_pods_untouched() {
 
     // A new app c: its pod only.
     let added = gw
+        .changes()
         .apply_file(config(port, &state, &[("a", "1"), ("b", "2"), ("c", "1")]))
         .await;
     assert!(added.iter().all(|c| c.outcome.is_ok()), "{added:?}");
     eventually("c is ready", || ready(&gw, "c").then_some(())).await;
     // c deleted again: its pod goes, nothing else.
     let gone = gw
+        .changes()
         .apply_file(config(port, &state, &[("a", "1"), ("b", "2")]))
         .await;
     assert!(gone.iter().all(|c| c.outcome.is_ok()), "{gone:?}");
@@ -165,6 +168,7 @@ async fn traffic_flows_while_the_api_server_is_unreachable_and_changes_catch_up(
     let mark = cluster.lock().calls.len();
     // Meanwhile an app is added: its pod cannot be made yet.
     let added = gw
+        .changes()
         .apply_file(config(port, &state, &[("a", "1"), ("c", "1")]))
         .await;
     assert!(added.iter().all(|c| c.outcome.is_ok()), "{added:?}");

@@ -414,7 +414,7 @@ async fn apps_added_and_deleted_come_and_go_from_the_secret() {
     let mut b = with_b.apps[0].clone();
     b.name = "b".into();
     with_b.apps.push(b);
-    let changed = gw.apply_file(with_b).await;
+    let changed = gw.changes().apply_file(with_b).await;
     assert!(changed.iter().all(|c| c.outcome.is_ok()), "{changed:?}");
     eventually("b is ready", || ready(&gw, "b").then_some(())).await;
     assert!(
@@ -426,7 +426,7 @@ async fn apps_added_and_deleted_come_and_go_from_the_secret() {
     // Both are deleted.
     let mut without = cfg;
     without.apps.clear();
-    let changed = gw.apply_file(without).await;
+    let changed = gw.changes().apply_file(without).await;
     assert!(changed.iter().all(|c| c.outcome.is_ok()), "{changed:?}");
     eventually("a's and b's keys leave the Secret", || {
         let c = cluster.lock();
@@ -467,7 +467,7 @@ async fn an_unreadable_key_fixed_by_hand_is_read_again_at_the_app_s_next_try() {
         "an app whose state cannot be read does not start"
     );
     // Still unreadable: the next try is refused with the key named.
-    let tried = gw.apply_file(cfg.clone()).await;
+    let tried = gw.changes().apply_file(cfg.clone()).await;
     let a = tried.iter().find(|c| c.name == "a").expect("a was tried");
     let why = a.outcome.as_ref().expect_err("refused").message.clone();
     assert!(why.contains("a.json"), "{why}");
@@ -480,7 +480,7 @@ async fn an_unreadable_key_fixed_by_hand_is_read_again_at_the_app_s_next_try() {
         s["data"] = json!({});
         s["metadata"]["resourceVersion"] = json!(rv);
     }
-    let tried = gw.apply_file(cfg).await;
+    let tried = gw.changes().apply_file(cfg).await;
     let a = tried.iter().find(|c| c.name == "a").expect("a was tried");
     assert!(a.outcome.is_ok(), "{a}");
     eventually("a is ready", || ready(&gw, "a").then_some(())).await;

@@ -222,8 +222,10 @@ fn serde_json_lite<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<T> {
     serde_json::from_slice(body).ok()
 }
 
-/// `a: b: c` from an error and its sources.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// `a: b: c` from an error and its sources, each cause left out when the
+/// text already says it (hyper's and rustls's errors often repeat their
+/// source).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {

@@ -138,7 +138,7 @@ async fn call(
         .map_err(|e| {
             CallError::Unreachable(format!(
                 "cannot reach the gateway at {gateway} (is `warmgate serve` running? set WARMGATE_GATEWAY): {}",
-                with_causes(&e)
+                warmgate_pool::probe::error_chain(&e)
             ))
         })?;
     let status = resp.status();
@@ -164,22 +164,6 @@ async fn call(
         });
     }
     v.ok_or_else(|| CallError::Protocol(format!("{url}: the answer is not JSON")))
-}
-
-/// An error and what caused it, `: `-separated (hyper's client error says
-/// only "client error (Connect)"; the cause says which certificate).
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let more = c.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = c.source();
-    }
-    text
 }
 
 /// A client for `gateway`: plain HTTP, or HTTPS trusting the system's

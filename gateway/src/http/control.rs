@@ -111,14 +111,14 @@ pub(crate) async fn put_app(
 ) -> Response {
     let result: Result<Response, Error> = async {
         check_path_name(&name, "app")?;
-        gw.changes.check_api_allowed()?;
+        gw.changes.lock.check_api_allowed()?;
         let (_, bytes) = read_body(req, &gw).await?;
         let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
         name_from_path(&mut spec.name, &name, "app")?;
         if let Some(dir) = &gw.host.workdir {
             spec.resolve_paths(dir);
         }
-        let changed = gw.put_app(spec).await?;
+        let changed = gw.changes.put_app(spec).await?;
         Ok(changed_response("app", &name, changed))
     }
     .await;
@@ -136,8 +136,8 @@ pub(crate) async fn delete_app(
 ) -> Response {
     let result: Result<Response, Error> = async {
         check_path_name(&name, "app")?;
-        gw.changes.check_api_allowed()?;
-        gw.delete_app(&name).await?;
+        gw.changes.lock.check_api_allowed()?;
+        gw.changes.delete_app(&name).await?;
         Ok(axum::Json(json!({"app": name, "change": "deleted"})).into_response())
     }
     .await;
@@ -170,7 +170,7 @@ pub(crate) async fn put_adapter(
 ) -> Response {
     let result: Result<Response, Error> = async {
         check_path_name(&app, "app")?;
-        gw.changes.check_api_allowed()?;
+        gw.changes.lock.check_api_allowed()?;
         let (_, bytes) = read_body(req, &gw).await?;
         let body: AdapterBody = spec_from_json(&bytes, "an adapter")?;
         if body.name.as_ref().is_some_and(|n| *n != name) {
@@ -189,7 +189,7 @@ pub(crate) async fn put_adapter(
         if let Some(dir) = &gw.host.workdir {
             spec.resolve_paths(dir);
         }
-        let changed = gw.put_app(spec).await?;
+        let changed = gw.changes.put_app(spec).await?;
         let (status, change) = match changed {
             crate::change::Changed::Unchanged => (StatusCode::OK, "unchanged"),
             _ if !existed => (StatusCode::CREATED, "created"),
@@ -216,7 +216,7 @@ pub(crate) async fn delete_adapter(
 ) -> Response {
     let result: Result<Response, Error> = async {
         check_path_name(&app, "app")?;
-        gw.changes.check_api_allowed()?;
+        gw.changes.lock.check_api_allowed()?;
         let mut spec = current_spec(&gw, &app)?;
         if spec.adapters.get(&name).is_none() {
             return Err(Error::new(
@@ -225,7 +225,7 @@ pub(crate) async fn delete_adapter(
             ));
         }
         spec.adapters.models.retain(|a| a.name != name);
-        gw.put_app(spec).await?;
+        gw.changes.put_app(spec).await?;
         Ok(axum::Json(json!({"app": app, "adapter": name, "change": "deleted"})).into_response())
     }
     .await;
@@ -273,14 +273,14 @@ pub(crate) async fn put_pool(
 ) -> Response {
     let result: Result<Response, Error> = async {
         check_path_name(&name, "pool")?;
-        gw.changes.check_api_allowed()?;
+        gw.changes.lock.check_api_allowed()?;
         let (_, bytes) = read_body(req, &gw).await?;
         let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
         name_from_path(&mut spec.name, &name, "pool")?;
         if let Some(dir) = &gw.host.workdir {
             spec.resolve_paths(dir);
         }
-        let changed = gw.put_pool(spec).await?;
+        let changed = gw.changes.put_pool(spec).await?;
         Ok(changed_response("pool", &name, changed))
     }
     .await;
@@ -298,8 +298,8 @@ pub(crate) async fn delete_pool(
 ) -> Response {
     let result: Result<Response, Error> = async {
         check_path_name(&name, "pool")?;
-        gw.changes.check_api_allowed()?;
-        gw.delete_pool(&name).await?;
+        gw.changes.lock.check_api_allowed()?;
+        gw.changes.delete_pool(&name).await?;
         Ok(axum::Json(json!({"pool": name, "change": "deleted"})).into_response())
     }
     .await;
@@ -371,9 +371,10 @@ pub(crate) async fn promote(
                 ));
             }
             let c = gw
+                .changes
                 .promote_adapter(
                     &app,
-                    crate::adapter_promote::AdapterPromoteRequest {
+                    crate::change::AdapterPromoteRequest {
                         adapter,
                         checkpoint: body.checkpoint,
                         canary: body.canary,

@@ -347,7 +347,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         listener,
         move |gw| {
             // Before the listener opens.
-            gw.refuse_api_changes();
+            gw.changes.refuse_api_changes();
             if let Some(t) = peer_token {
                 gw.set_peer_token(t);
             }

@@ -271,13 +271,13 @@ fn settle(
 /// deleted and put again; anything else is put as `warmgate apply` puts
 /// it. Returns what was done, or why the gateway refused.
 async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<String, String> {
-    let running = gw.desired_config();
+    let running = gw.changes.desired_config();
     if let Some((old, new)) = checkpoint_only_change(&spec, &running) {
         match gw.promotions.promote_checkpoint(&spec.name, &new).await {
             Ok(rev) => {
                 // The app's spec names it now, so the put below finds the
                 // app unchanged, and so does the next reconcile.
-                gw.adopt_checkpoint(&spec.name, &new);
+                gw.changes.adopt_checkpoint(&spec.name, &new);
                 return Ok(format!("promoting the new checkpoint as {rev}"));
             }
             Err(e) => {
@@ -293,9 +293,13 @@ async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<String, String>
         .any(|a| a.name == spec.name && a.pool != spec.pool);
     if moves {
         tracing::info!(app = %spec.name, "the app changes where it runs: deleting it to put it again");
-        gw.delete_app(&spec.name).await.map_err(|e| e.message)?;
+        gw.changes
+            .delete_app(&spec.name)
+            .await
+            .map_err(|e| e.message)?;
     }
-    gw.put_app(spec)
+    gw.changes
+        .put_app(spec)
         .await
         .map(|c| c.describe())
         .map_err(|e| e.message)
@@ -319,6 +323,7 @@ async fn reconcile_pool(pool: Arc<WarmPool>, ctx: Arc<Ctx>) -> Result<Action, In
     };
     let outcome = ctx
         .gw
+        .changes
         .put_pool(spec)
         .await
         .map(|c| c.describe())
@@ -338,9 +343,9 @@ async fn sweep(ctx: &Ctx) {
     let _applying = ctx.applying.lock().await;
     let apps: BTreeSet<String> = ctx.apps.state().iter().map(|a| a.name_any()).collect();
     let pools: BTreeSet<String> = ctx.pools.state().iter().map(|p| p.name_any()).collect();
-    let running = ctx.gw.desired_config();
+    let running = ctx.gw.changes.desired_config();
     for a in running.apps.iter().filter(|a| !apps.contains(&a.name)) {
-        match ctx.gw.delete_app(&a.name).await {
+        match ctx.gw.changes.delete_app(&a.name).await {
             Ok(()) => tracing::info!(app = %a.name, "its ServingApp was deleted: drained"),
             Err(e) => {
                 tracing::warn!(app = %a.name, error = %e.message, "could not delete the app of a deleted ServingApp; tried again")
@@ -348,7 +353,7 @@ async fn sweep(ctx: &Ctx) {
         }
     }
     for p in running.pools.iter().filter(|p| !pools.contains(&p.name)) {
-        match ctx.gw.delete_pool(&p.name).await {
+        match ctx.gw.changes.delete_pool(&p.name).await {
             Ok(()) => tracing::info!(pool = %p.name, "its WarmPool was deleted: drained"),
             Err(e) => {
                 tracing::warn!(pool = %p.name, error = %e.message, "could not delete the pool of a deleted WarmPool; tried again")

@@ -10,6 +10,8 @@ use warmgate_deploy::store::{Overlay, StateStore};
 use warmgate_pool::{Backend, PoolManager};
 
 use crate::access::Access;
+use crate::change::Changes;
+use crate::change::lock::ChangeLock;
 use crate::host::Host;
 use crate::promote::Promotions;
 use crate::replica_sink::{Revisions, Sink};
@@ -156,6 +158,17 @@ impl Gateway {
             upstream: upstream.clone(),
             weights: weights.clone(),
         });
+        let changes = Arc::new(Changes {
+            host: host.clone(),
+            registry: registry.clone(),
+            store: store.clone(),
+            pool: pool.clone(),
+            upstream: upstream.clone(),
+            weights: weights.clone(),
+            tasks: tasks.clone(),
+            promotions: promotions.clone(),
+            lock: ChangeLock::default(),
+        });
         let gw = Arc::new(Gateway {
             serving: crate::serving::pipeline::Pipeline::new(
                 upstream.clone(),
@@ -171,7 +184,7 @@ impl Gateway {
             tasks,
             store,
             promotions,
-            changes: crate::change_lock::ChangeLock::default(),
+            changes,
             access: Access {
                 admin_token: crate::access::admin_token(),
                 tenants,
@@ -180,7 +193,7 @@ impl Gateway {
             peers: crate::peers::Peers::default(),
         });
         for spec in &gw.host.config.pools {
-            gw.start_pool(spec.clone())?;
+            gw.changes.start_pool(spec.clone())?;
         }
         let mut apps = Vec::with_capacity(gw.host.config.apps.len());
         // Every app's stored state in one read where the store can, and
@@ -197,7 +210,7 @@ impl Gateway {
                 let history = stored
                     .as_mut()
                     .map(|all| all.remove(&spec.name).unwrap_or_default());
-                match gw.prepare_app(spec.clone(), history) {
+                match gw.changes.prepare_app(spec.clone(), history) {
                     Ok(app) => apps.push(app),
                     // Under the operator one app that cannot start (its
                     // state in the cluster unreadable, a step it cannot
@@ -217,7 +230,7 @@ impl Gateway {
         gw.registry
             .rcu(|r| Arc::new(r.with_apps(apps.iter().cloned())));
         for app in &apps {
-            gw.watch_app(app);
+            gw.changes.watch_app(app);
         }
         Ok(gw)
     }

@@ -77,10 +77,11 @@ pub fn spawn(gw: &Arc<Gateway>) -> JoinHandle<()> {
             for p in registry.pools() {
                 p.expire(instant);
                 let target = p.target();
-                let desired = p.desired(gw.starting(&target));
+                let desired = p.desired(gw.pool.starting(&target));
                 gw.pool.scale(&target, desired);
                 if let Some(od) = p.ondemand_target() {
-                    gw.pool.scale(&od, p.ondemand_desired(gw.starting(&od)));
+                    gw.pool
+                        .scale(&od, p.ondemand_desired(gw.pool.starting(&od)));
                 }
                 let (pending, inflight, _) = p.load();
                 let g = gauges.pool(&p.name);

@@ -82,11 +82,11 @@ async fn reload_on_hangup(
                 continue;
             }
         };
-        if gw.other_settings_differ(&file) {
+        if gw.changes.other_settings_differ(&file) {
             tracing::warn!(file = %path.display(), "SIGHUP: settings other than [[apps]] and [[pools]] changed; they take effect at the next restart");
         }
         tracing::info!(file = %path.display(), "SIGHUP: applying the config file's apps and pools");
-        for change in gw.apply_file(file).await {
+        for change in gw.changes.apply_file(file).await {
             match &change.outcome {
                 Ok(_) => tracing::info!("{change}"),
                 Err(_) => tracing::error!("{change}"),
@@ -94,7 +94,7 @@ async fn reload_on_hangup(
         }
         // The file is the truth now: a later edit of it is not overridden
         // at the next start by what the API (or this apply) saved.
-        if let Err(e) = gw.forget_api_changes() {
+        if let Err(e) = gw.changes.forget_api_changes() {
             tracing::error!(error = %e.message, "SIGHUP: the file was applied, but the saved API changes remain");
         }
     }

@@ -47,7 +47,7 @@ pub(crate) fn sweep_left(gw: Arc<Gateway>, backend: Arc<KubeBackend>) {
                 break;
             }
             tokio::time::sleep(ADOPTION_GRACE).await;
-            let running = gw.desired_config();
+            let running = gw.changes.desired_config();
             let runs = |owner: &str| {
                 running.apps.iter().any(|a| a.name == owner)
                     || running.pools.iter().any(|p| p.name == owner)

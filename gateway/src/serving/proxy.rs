@@ -120,24 +120,13 @@ fn upstream_error(e: &SendError, replica: &str, app: &str) -> Error {
             format!("replica {replica} of app '{app}' refused the connection"),
         );
     }
-    tracing::warn!(%replica, %app, error = %error_chain(e), "replica failed before answering");
+    tracing::warn!(%replica, %app, error = %warmgate_pool::probe::error_chain(e), "replica failed before answering");
     Error::new(
         ErrorKind::ReplicaFailed,
         format!(
             "replica {replica} of app '{app}' closed the connection before answering: it stopped or failed with this request sent, which it may or may not have begun; send it again if it is safe to repeat"
         ),
     )
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 /// Removes the headers that belong to one connection, not to the message

@@ -285,6 +285,13 @@ impl PoolManager {
         Some(s.health(Instant::now()))
     }
 
+    /// Replicas of a target started and not ready yet, or waiting for
+    /// GPUs (0 for an unknown target): what a scale-up already has coming.
+    pub fn starting(&self, target: &TargetId) -> u32 {
+        self.health(target)
+            .map_or(0, |h| (h.starting + h.pending) as u32)
+    }
+
     /// Every target's status, by name.
     pub fn status(&self) -> Vec<TargetStatus> {
         let targets = self.inner.targets.read();

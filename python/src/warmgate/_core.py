@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import ssl
 import stat
 import urllib.parse
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ GATEWAY_ENV = "WARMGATE_GATEWAY"
 ADMIN_TOKEN_ENV = "WARMGATE_ADMIN_TOKEN"
 #: The variable with a tenant's API key for the data plane (tasks).
 API_KEY_ENV = "WARMGATE_API_KEY"
+#: The variable with a PEM file of CA certificates to trust (as the CLI's
+#: ``--cacert`` reads it).
+CACERT_ENV = "WARMGATE_CACERT"
 
 #: A duration as the gateway takes it: seconds, or text with a unit ("30s").
 Duration = Union[int, float, str]
@@ -147,6 +151,23 @@ def published_token(url: str) -> Optional[str]:
 
 def env_api_key(api_key: Optional[str]) -> Optional[str]:
     return api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def tls_verify(cacert: Optional[str]) -> Union[bool, ssl.SSLContext]:
+    """What an ``https://`` gateway's certificate is checked against: the
+    system's roots, and besides them the CA certificates in the PEM file
+    ``cacert`` (else ``$WARMGATE_CACERT``), as the CLI's ``--cacert`` does:
+    a private CA, or a gateway's self-signed certificate. A file that
+    cannot be read is an error at once, not at the first call."""
+    path = cacert if cacert is not None else (os.environ.get(CACERT_ENV) or None)
+    if not path:
+        return True
+    ctx = ssl.create_default_context()
+    try:
+        ctx.load_verify_locations(cafile=path)
+    except (OSError, ssl.SSLError) as e:
+        raise WarmgateError(f"cacert {path}: cannot read CA certificates from it ({e})") from e
+    return ctx
 
 
 def duration(value: Optional[Duration]) -> Optional[Union[float, str]]:

@@ -48,6 +48,7 @@ class AsyncClient:
         max_connections: int = 512,
         headers: Optional[Mapping[str, str]] = None,
         transport: Optional[httpx.AsyncBaseTransport] = None,
+        cacert: Optional[str] = None,
     ) -> None:
         base = _core.env_url(url)
         self._s = _core.Settings(
@@ -64,6 +65,7 @@ class AsyncClient:
             limits=_core.limits(max_connections),
             headers={"user-agent": "warmgate-python", **self._s.headers},
             transport=transport,
+            verify=_core.tls_verify(cacert),
         )
 
     @property

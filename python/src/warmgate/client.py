@@ -39,7 +39,9 @@ class Client:
     to ``$WARMGATE_ADMIN_TOKEN``, else the token a ``warmgate serve`` of
     this user made for itself and published for that address, as the CLI
     finds it (``token=""``: send none); ``api_key`` (a ``[[tenants]]`` key,
-    for tasks) to ``$WARMGATE_API_KEY``. ``max_retries`` answers that say
+    for tasks) to ``$WARMGATE_API_KEY``; ``cacert`` (a PEM file of CA
+    certificates trusted besides the system's, for an ``https://`` gateway
+    with a private CA or a self-signed certificate) to ``$WARMGATE_CACERT``. ``max_retries`` answers that say
     ``Retry-After`` are tried again after that long; ``x-should-retry:
     false`` is never tried again. ``timeout`` is the longest wait for any
     one answer, in seconds (``None``: no limit). Safe to share between
@@ -57,6 +59,7 @@ class Client:
         max_connections: int = 256,
         headers: Optional[Mapping[str, str]] = None,
         transport: Optional[httpx.BaseTransport] = None,
+        cacert: Optional[str] = None,
     ) -> None:
         base = _core.env_url(url)
         self._s = _core.Settings(
@@ -73,6 +76,7 @@ class Client:
             limits=_core.limits(max_connections),
             headers={"user-agent": "warmgate-python", **self._s.headers},
             transport=transport,
+            verify=_core.tls_verify(cacert),
         )
 
     @property

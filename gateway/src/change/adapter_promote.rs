@@ -15,9 +15,10 @@ use warmgate_deploy::revision::Event;
 
 use crate::error::{Error, ErrorKind};
 use crate::promote::Evaluated;
-use crate::server::Gateway;
 use crate::serving::adapter_split::AdapterCanary;
 use crate::serving::served::Served;
+
+use super::Changes;
 
 /// How often a running promotion looks at its canary.
 const STEP: Duration = Duration::from_millis(100);
@@ -42,7 +43,7 @@ pub struct AdapterPromoteRequest {
     pub bake: Option<Duration>,
 }
 
-impl Gateway {
+impl Changes {
     /// Starts a promotion of one of `app`'s adapters; it runs on its own.
     /// Refused when the adapter is unknown, its promotion runs already,
     /// or the checkpoint is not one the engine may read.
@@ -53,7 +54,7 @@ impl Gateway {
     ) -> Result<Arc<AdapterCanary>, Error> {
         // Revisions are handed out one change at a time: a `PUT` of the
         // adapter and this never take the same number.
-        let _one = self.changes.one_at_a_time().await;
+        let _one = self.lock.one_at_a_time().await;
         let spec = app.spec();
         let Some(adapter) = spec.adapters.get(&req.adapter) else {
             return Err(Error::new(

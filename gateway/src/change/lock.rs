@@ -1,4 +1,4 @@
-//! What keeps changes to the live registry apart (`change.rs` carries
+//! What keeps changes to the live registry apart (`change/` carries
 //! them out): one at a time, a second change to an app or pool being
 //! changed refused, the deleted ones still finishing what they hold, and
 //! whether the API may change anything at all.

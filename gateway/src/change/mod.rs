@@ -21,7 +21,8 @@ use warmgate_deploy::store::SpecKind;
 use warmgate_deploy::{AppSpec, Config, PoolSpec, TargetId};
 
 use crate::error::{Error, ErrorKind};
-use crate::server::Gateway;
+use crate::host::Host;
+use crate::promote::Promotions;
 use crate::serving::served::Served;
 
 /// What a put did.
@@ -45,12 +46,46 @@ pub enum Changed {
 /// its replicas are stopped anyway.
 const MAX_DRAIN: Duration = Duration::from_secs(30 * 60);
 
-impl Gateway {
+mod adapter_promote;
+mod apply;
+pub(crate) mod lock;
+mod start;
+
+pub use adapter_promote::AdapterPromoteRequest;
+pub use apply::Applied;
+use lock::ChangeLock;
+
+/// Changes to the live desired state, and the start of what they put:
+/// it holds the services a change reaches (the registry and the revision
+/// store, the pool manager, the weights, the task store, `Promotions` for
+/// the rolls) and what keeps changes apart.
+pub struct Changes {
+    /// The process: the file's other settings, where workers reach it.
+    pub(crate) host: Arc<Host>,
+    /// The apps and pools served now.
+    pub(crate) registry: crate::registry::Live,
+    /// Where a change is saved before it is made.
+    pub(crate) store: Arc<dyn warmgate_deploy::store::StateStore>,
+    /// The replicas of every target.
+    pub(crate) pool: warmgate_pool::PoolManager,
+    /// The connections to the replicas (a pool's dispatcher uses them).
+    pub(crate) upstream: crate::upstream::Upstream,
+    /// Checkpoints served to workers.
+    pub(crate) weights: Arc<crate::weights::Weights>,
+    /// The pools' tasks.
+    pub(crate) tasks: Arc<crate::tasks::store::TaskStore>,
+    /// Rolls, restores and the checkpoint watchers of the apps.
+    pub(crate) promotions: Arc<Promotions>,
+    /// One change at a time, busy and retiring names, the API switch.
+    pub(crate) lock: ChangeLock,
+}
+
+impl Changes {
     /// Refuses every change through the API from now on: under the
     /// operator the resources are the truth, and a put could carry what
     /// the operator refuses in a resource (a gate command).
     pub fn refuse_api_changes(&self) {
-        self.changes.refuse_api();
+        self.lock.refuse_api();
     }
 
     /// The specs served now, under the file's other settings.
@@ -94,7 +129,7 @@ impl Gateway {
         self.put_app_from(spec, false).await
     }
 
-    /// [`Gateway::put_app`] for an adapter promotion's commit: a change
+    /// [`Changes::put_app`] for an adapter promotion's commit: a change
     /// of adapters alone is made in place, also while a promotion of the
     /// app's own revisions runs (it touches no revision).
     pub(crate) async fn put_app_adapters(
@@ -110,11 +145,11 @@ impl Gateway {
         adapters_only: bool,
     ) -> Result<Changed, Error> {
         let name = spec.name.clone();
-        let _busy = self.changes.claim(&format!("app '{name}'"))?;
+        let _busy = self.lock.claim(&format!("app '{name}'"))?;
         // One registry change at a time: each is checked against the
         // state the one before it left.
-        let _one = self.changes.one_at_a_time().await;
-        if self.changes.retiring_pools.lock().contains(&name) {
+        let _one = self.lock.one_at_a_time().await;
+        if self.lock.retiring_pools.lock().contains(&name) {
             return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
@@ -280,7 +315,7 @@ impl Gateway {
     /// other means than a put, as the operator promotes a resource's new
     /// checkpoint).
     pub fn adopt_checkpoint(&self, name: &str, checkpoint: &str) {
-        if let Ok(app) = self.app(name) {
+        if let Ok(app) = self.registry.load().find_app(name) {
             let mut spec = (*app.spec()).clone();
             spec.checkpoint = Some(checkpoint.to_string());
             app.set_spec(spec);
@@ -312,8 +347,8 @@ impl Gateway {
     /// Deletes an app: it leaves routing at once; its revisions finish what
     /// they hold, then stop.
     pub async fn delete_app(self: &Arc<Self>, name: &str) -> Result<(), Error> {
-        let _busy = self.changes.claim(&format!("app '{name}'"))?;
-        let _one = self.changes.one_at_a_time().await;
+        let _busy = self.lock.claim(&format!("app '{name}'"))?;
+        let _one = self.lock.one_at_a_time().await;
         let Some(app) = self
             .registry
             .load()
@@ -343,7 +378,7 @@ impl Gateway {
             return Err(e);
         }
         self.registry.rcu(|r| Arc::new(r.without_app(name)));
-        self.changes.retiring_apps.lock().insert(name.to_string());
+        self.lock.retiring_apps.lock().insert(name.to_string());
         let gw = self.clone();
         tokio::spawn(async move { gw.retire_app(app).await });
         Ok(())
@@ -398,13 +433,13 @@ impl Gateway {
         // an app of that name was put again meanwhile. One registry change
         // at a time: a put of that name waits for this, or this sees it.
         {
-            let _one = self.changes.one_at_a_time().await;
+            let _one = self.lock.one_at_a_time().await;
             if self.registry.load().app(&app.name).is_none()
                 && let Err(e) = self.store.forget(&app.name)
             {
                 tracing::warn!(app = %app.name, error = %e, "could not drop the deleted app's state; it stays in the store");
             }
-            self.changes.retiring_apps.lock().remove(&app.name);
+            self.lock.retiring_apps.lock().remove(&app.name);
         }
         tracing::info!(app = %app.name, "deleted app's replicas stopped");
     }
@@ -414,9 +449,9 @@ impl Gateway {
     /// put it again).
     pub async fn put_pool(self: &Arc<Self>, spec: PoolSpec) -> Result<Changed, Error> {
         let name = spec.name.clone();
-        let _busy = self.changes.claim(&format!("pool '{name}'"))?;
-        let _one = self.changes.one_at_a_time().await;
-        if self.changes.retiring_pools.lock().contains(&name) {
+        let _busy = self.lock.claim(&format!("pool '{name}'"))?;
+        let _one = self.lock.one_at_a_time().await;
+        if self.lock.retiring_pools.lock().contains(&name) {
             return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
@@ -424,7 +459,7 @@ impl Gateway {
                 ),
             ));
         }
-        if self.changes.retiring_apps.lock().contains(&name) {
+        if self.lock.retiring_apps.lock().contains(&name) {
             return Err(Error::new(
                 ErrorKind::Conflict,
                 format!(
@@ -506,15 +541,15 @@ impl Gateway {
         }
         let target = pool.target();
         self.pool
-            .scale(&target, pool.desired(self.starting(&target)));
+            .scale(&target, pool.desired(self.pool.starting(&target)));
         Ok(Changed::InPlace)
     }
 
     /// Deletes a pool: it takes no new task at once; the tasks it holds
     /// finish, then its replicas stop.
     pub async fn delete_pool(self: &Arc<Self>, name: &str) -> Result<(), Error> {
-        let _busy = self.changes.claim(&format!("pool '{name}'"))?;
-        let _one = self.changes.one_at_a_time().await;
+        let _busy = self.lock.claim(&format!("pool '{name}'"))?;
+        let _one = self.lock.one_at_a_time().await;
         let Some(pool) = self.registry.load().pool(name).cloned() else {
             return Err(Error::new(
                 ErrorKind::NotFound,
@@ -538,7 +573,7 @@ impl Gateway {
         }
         self.record(SpecKind::Pool, name, None, "")?;
         pool.close();
-        self.changes.retiring_pools.lock().insert(name.to_string());
+        self.lock.retiring_pools.lock().insert(name.to_string());
         self.registry.rcu(|r| Arc::new(r.without_pool(name)));
         let gw = self.clone();
         tokio::spawn(async move {
@@ -551,7 +586,8 @@ impl Gateway {
                 let _ = tokio::time::timeout(Duration::from_millis(200), pool.drained()).await;
                 pool.expire(std::time::Instant::now());
                 let target = pool.target();
-                gw.pool.scale(&target, pool.desired(gw.starting(&target)));
+                gw.pool
+                    .scale(&target, pool.desired(gw.pool.starting(&target)));
             }
             if !pool.is_empty() {
                 let err = Error::new(
@@ -576,135 +612,10 @@ impl Gateway {
             gw.registry
                 .rcu(|r| Arc::new(r.forget_pool_targets(&pool.name)));
             gw.weights.unregister_all(&pool.name);
-            gw.changes.retiring_pools.lock().remove(&pool.name);
+            gw.lock.retiring_pools.lock().remove(&pool.name);
             tracing::info!(pool = %pool.name, "deleted pool's replicas stopped");
         });
         Ok(())
-    }
-}
-
-/// One change an apply made, or the reason it was refused.
-#[derive(Debug)]
-pub struct Applied {
-    /// `app` or `pool`.
-    pub kind: &'static str,
-    /// Its name.
-    pub name: String,
-    /// What was done (`created`, `unchanged`, `in place`, `rolled (to
-    /// e-00002)`, `deleted`), or why not.
-    pub outcome: Result<String, Error>,
-}
-
-impl std::fmt::Display for Applied {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.outcome {
-            Ok(what) => write!(f, "{} {}: {what}", self.kind, self.name),
-            Err(e) => write!(f, "{} {}: refused: {}", self.kind, self.name, e.message),
-        }
-    }
-}
-
-impl Changed {
-    /// In words, as `warmgate apply` prints it.
-    pub fn describe(&self) -> String {
-        match self {
-            Changed::Created => "created".into(),
-            Changed::Unchanged => "unchanged".into(),
-            Changed::InPlace => "in place".into(),
-            Changed::Rolled { revision } => format!("rolled (to {revision})"),
-        }
-    }
-}
-
-impl Gateway {
-    /// Makes the gateway serve the apps and pools of `file`: the others are
-    /// deleted (first, so a name may move from a pool to an app), then
-    /// every one of the file's is put. Each change stands alone: a refused
-    /// one leaves the others applied.
-    pub async fn apply_file(self: &Arc<Self>, file: Config) -> Vec<Applied> {
-        let mut out = Vec::new();
-        let current = self.desired_config();
-        // Apps first: a deleted pool may serve a deleted app. An app that
-        // moves between its own replicas and a pool (or between pools)
-        // cannot change in place: it is deleted here and put again below.
-        for a in &current.apps {
-            let moves = file
-                .apps
-                .iter()
-                .find(|f| f.name == a.name)
-                .is_some_and(|f| f.pool != a.pool);
-            if moves {
-                tracing::info!(app = %a.name, from = ?a.pool, "the app changes where it runs: deleting it to put it again");
-            }
-            if moves || !file.apps.iter().any(|f| f.name == a.name) {
-                let outcome = self
-                    .delete_app(&a.name)
-                    .await
-                    .map(|()| "deleted".to_string());
-                out.push(Applied {
-                    kind: "app",
-                    name: a.name.clone(),
-                    outcome,
-                });
-            }
-        }
-        for p in &current.pools {
-            if !file.pools.iter().any(|f| f.name == p.name) {
-                let outcome = self
-                    .delete_pool(&p.name)
-                    .await
-                    .map(|()| "deleted".to_string());
-                out.push(Applied {
-                    kind: "pool",
-                    name: p.name.clone(),
-                    outcome,
-                });
-            }
-        }
-        for p in file.pools {
-            let name = p.name.clone();
-            let outcome = self.put_pool(p).await.map(|c| c.describe());
-            out.push(Applied {
-                kind: "pool",
-                name,
-                outcome,
-            });
-        }
-        for a in file.apps {
-            let name = a.name.clone();
-            let outcome = self.put_app(a).await.map(|c| c.describe());
-            out.push(Applied {
-                kind: "app",
-                name,
-                outcome,
-            });
-        }
-        out
-    }
-
-    /// Drops the changes made through the API from the state store: the
-    /// config file is the whole truth again at the next start.
-    pub fn forget_api_changes(&self) -> Result<(), Error> {
-        self.store.clear_overlay().map_err(|e| {
-            Error::new(
-                ErrorKind::Internal,
-                format!("could not drop the changes made through the API: {e}"),
-            )
-        })
-    }
-
-    /// Whether `file` differs from the running config in anything but its
-    /// apps and pools (which an apply does not change).
-    pub fn other_settings_differ(&self, file: &Config) -> bool {
-        let strip = |c: &Config| {
-            let mut c = c.clone();
-            c.apps.clear();
-            c.pools.clear();
-            // `serve --listen` may have overridden it.
-            c.listen = self.host.config.listen;
-            c
-        };
-        strip(file) != strip(&self.host.config)
     }
 }
 
