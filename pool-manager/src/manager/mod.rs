@@ -95,6 +95,19 @@ struct Target {
     shutdown: watch::Sender<bool>,
     shared: Arc<Mutex<Shared>>,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// Its actor until first asked for a replica: a target at zero since
+    /// it was added has nothing to do, and 10,000 apps at `min = 0` need
+    /// no 10,000 tasks (nor their memory) to start.
+    idle: Mutex<Option<Actor>>,
+}
+
+impl Target {
+    /// Runs the target's actor, if it does not run yet.
+    fn wake(&self) {
+        if let Some(actor) = self.idle.lock().take() {
+            *self.task.lock() = Some(tokio::spawn(actor.run()));
+        }
+    }
 }
 
 // === impl PoolManager ===
@@ -132,8 +145,9 @@ impl PoolManager {
         v.iter().filter_map(std::sync::Weak::upgrade).collect()
     }
 
-    /// Starts managing a target, at zero replicas. Must be called from
-    /// within a tokio runtime.
+    /// Starts managing a target, at zero replicas; its actor runs from the
+    /// first time a replica is asked for. Must be called from within a
+    /// tokio runtime.
     pub fn add_target(&self, spec: TargetSpec) {
         let (desired_tx, desired_rx) = watch::channel(0);
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -162,7 +176,6 @@ impl PoolManager {
             next_seq: std::cell::Cell::new(1),
             shutting_down: false,
         };
-        let task = tokio::spawn(actor.run());
         self.inner.targets.write().insert(
             name,
             Target {
@@ -170,7 +183,8 @@ impl PoolManager {
                 events: ev_tx_for_target,
                 shutdown: shutdown_tx,
                 shared,
-                task: Mutex::new(Some(task)),
+                task: Mutex::new(None),
+                idle: Mutex::new(Some(actor)),
             },
         );
     }
@@ -179,6 +193,9 @@ impl PoolManager {
     pub fn scale(&self, target: &TargetId, n: u32) -> bool {
         match self.inner.targets.read().get(target) {
             Some(t) => {
+                if n > 0 {
+                    t.wake();
+                }
                 t.desired.send_if_modified(|cur| {
                     let changed = *cur != n;
                     *cur = n;
@@ -213,6 +230,7 @@ impl PoolManager {
         let Some(t) = targets.get(target) else {
             return false;
         };
+        t.wake();
         t.events
             .try_send(Event::Replace {
                 id: replica.to_string(),
