@@ -95,17 +95,19 @@ struct Target {
     shutdown: watch::Sender<bool>,
     shared: Arc<Mutex<Shared>>,
     task: Mutex<Option<JoinHandle<()>>>,
-    /// Its actor until first asked for a replica: a target at zero since
-    /// it was added has nothing to do, and 10,000 apps at `min = 0` need
-    /// no 10,000 tasks (nor their memory) to start.
-    idle: Mutex<Option<Actor>>,
+    /// Its actor until first asked for a replica, and the runtime it was
+    /// added in, where it will run: a target at zero since it was added
+    /// has nothing to do, and 10,000 apps at `min = 0` need no 10,000
+    /// tasks (nor their memory) to start.
+    idle: Mutex<Option<(Actor, tokio::runtime::Handle)>>,
 }
 
 impl Target {
-    /// Runs the target's actor, if it does not run yet.
+    /// Runs the target's actor, if it does not run yet (from any thread:
+    /// it runs on the runtime the target was added in).
     fn wake(&self) {
-        if let Some(actor) = self.idle.lock().take() {
-            *self.task.lock() = Some(tokio::spawn(actor.run()));
+        if let Some((actor, runtime)) = self.idle.lock().take() {
+            *self.task.lock() = Some(runtime.spawn(actor.run()));
         }
     }
 }
@@ -184,7 +186,7 @@ impl PoolManager {
                 shutdown: shutdown_tx,
                 shared,
                 task: Mutex::new(None),
-                idle: Mutex::new(Some(actor)),
+                idle: Mutex::new(Some((actor, tokio::runtime::Handle::current()))),
             },
         );
     }
