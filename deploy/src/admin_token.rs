@@ -170,14 +170,9 @@ fn read_private_text(path: &Path) -> Result<String, String> {
 
 /// A folder of this user's that nobody else may write to.
 pub fn check_private_dir(dir: &Path) -> Result<(), String> {
-    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if !meta.is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() || meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "{} is not a folder of this user's that only it may write to",
-            dir.display()
-        ));
-    }
-    Ok(())
+    // The whole way to it, not only the folder: a folder of another
+    // user's on the way could swap it for theirs.
+    crate::private_dir::check(dir).map_err(|e| e.to_string())
 }
 
 /// 64 hex digits.

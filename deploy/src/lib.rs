@@ -13,6 +13,7 @@ pub mod admin_token;
 mod config;
 pub mod crd;
 pub mod expand;
+pub mod private_dir;
 pub mod reference;
 pub mod revision;
 pub mod routing;

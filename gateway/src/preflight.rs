@@ -105,6 +105,9 @@ pub fn check(
             ));
         }
     }
+    if let Some(why) = untrusted_state_dir(&config.state_dir) {
+        out.push(error("state_dir".into(), why));
+    }
     if local {
         for (i, g) in config.backend.gpus.iter().enumerate() {
             if !gpu_present(*g) {
@@ -116,6 +119,30 @@ pub fn check(
         }
     }
     out
+}
+
+/// Why `serve` would refuse `state_dir` (see
+/// `warmgate_deploy::private_dir`): the folder when it exists, else the
+/// nearest folder on the way that does (the rest is made owner-only).
+fn untrusted_state_dir(state_dir: &Path) -> Option<String> {
+    let mut at = state_dir;
+    while !at.exists() {
+        at = at.parent()?;
+        if at.as_os_str().is_empty() {
+            at = Path::new(".");
+            break;
+        }
+    }
+    let result = if at == state_dir {
+        warmgate_deploy::private_dir::check(at)
+    } else {
+        // A missing folder is made inside `at`: `at` must not be open to
+        // others' changes (its owner may be root).
+        warmgate_deploy::private_dir::check_on_the_way_to(at)
+    };
+    result
+        .err()
+        .map(|e| format!("the state folder cannot be trusted: {e}"))
 }
 
 /// Whether `listen` can be bound now: a warning when it cannot (another

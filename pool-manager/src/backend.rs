@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 
@@ -237,11 +238,15 @@ impl LocalBackend {
 
     /// Stops the replicas a previous run of the gateway left running (it
     /// was killed before it could stop them): each recorded process group
-    /// whose leader is still the process that was recorded gets SIGKILL.
-    /// A pid since reused by an unrelated process is left alone. Their
-    /// state (warm weights, tasks in flight) cannot be trusted, so they
-    /// are cleaned up rather than adopted; the autoscaler starts fresh
-    /// ones as needed.
+    /// whose leader is provably the replica that was recorded gets
+    /// SIGKILL. A pid number proves nothing (it is reused, and a record
+    /// may have been planted), so the leader must still be the process
+    /// that was recorded (its start time), run as this user, and carry
+    /// the replica's own name in its environment (`WARMGATE_REPLICA`,
+    /// which only its starter sets); a record that is not a file of this
+    /// user's is not read. Anything else is left alone. Their state (warm
+    /// weights, tasks in flight) cannot be trusted, so they are cleaned up
+    /// rather than adopted; the autoscaler starts fresh ones as needed.
     pub fn reap_orphans(&self) -> Vec<Orphan> {
         let Some(dir) = &self.run_dir else {
             return Vec::new();
@@ -249,6 +254,7 @@ impl LocalBackend {
         let Ok(entries) = std::fs::read_dir(dir) else {
             return Vec::new();
         };
+        let me = nix::unistd::geteuid().as_raw();
         let mut reaped = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
@@ -260,7 +266,14 @@ impl LocalBackend {
             else {
                 continue;
             };
-            let record = std::fs::read_to_string(&path).unwrap_or_default();
+            let ours = std::fs::symlink_metadata(&path)
+                .is_ok_and(|m| m.file_type().is_file() && m.uid() == me);
+            let record = if ours {
+                std::fs::read_to_string(&path).unwrap_or_default()
+            } else {
+                tracing::warn!(path = %path.display(), "ignored a replica record that is not a file of this user's");
+                String::new()
+            };
             let _ = std::fs::remove_file(&path);
             let mut fields = record.split_whitespace();
             let (Some(pid), Some(started)) = (
@@ -272,12 +285,13 @@ impl LocalBackend {
             if pid <= 1 {
                 continue;
             }
-            // The leader is gone, or is another process now: if the leader
-            // died, Linux keeps its pid out of reuse while the group
-            // lives, so a live group with this id is still ours.
-            match start_time(pid) {
-                Some(t) if t != started => continue,
-                _ => {}
+            // The leader is still the replica that was recorded. (If the
+            // leader died, Linux keeps its pid out of reuse while the group
+            // lives, but then nothing proves the group is ours: its
+            // helpers die with their pipes, or at the next boot.)
+            if !is_replica_process(pid, &replica, started, me) {
+                tracing::warn!(%replica, pid, "left alone a recorded process that is not provably that replica");
+                continue;
             }
             if killpg(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
                 tracing::warn!(%replica, pid, "stopped a replica left running by a previous run");
@@ -552,6 +566,24 @@ impl Drop for LocalProcess {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Whether process `pid` is the replica `replica` started at `started`
+/// (clock ticks since boot) by user `uid`: same start time, same owner,
+/// and `WARMGATE_REPLICA=<replica>` in the environment it was started with.
+pub fn is_replica_process(pid: i32, replica: &str, started: u64, uid: u32) -> bool {
+    if start_time(pid) != Some(started) {
+        return false;
+    }
+    let owner = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid());
+    if owner.ok() != Some(uid) {
+        return false;
+    }
+    let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+        return false;
+    };
+    let wanted = format!("WARMGATE_REPLICA={replica}");
+    environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes())
 }
 
 /// Whether process `pid` has exited: it is gone, or a zombie waiting to be

@@ -20,15 +20,20 @@ pub struct StateLock {
 }
 
 /// Takes the lock on `dir` (created, owner only, when missing), or says
-/// which process holds it.
+/// which process holds it. A folder another user owns or may write to,
+/// or reaches through a folder or link of theirs, is refused before
+/// anything in it is read: its `state.db` names the commands a gateway
+/// runs, and its `run/` records the process groups it stops
+/// (`warmgate_deploy::private_dir`).
 pub fn lock(dir: &Path) -> anyhow::Result<StateLock> {
     use anyhow::Context as _;
-    use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("create the state folder {}", dir.display()))?;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    warmgate_deploy::private_dir::ensure(dir).map_err(|e| {
+        anyhow::anyhow!(
+            "the state folder {} cannot be trusted: {e}; give `state_dir` a folder of this user's",
+            dir.display()
+        )
+    })?;
     let path = dir.join("lock");
     let mut file = OpenOptions::new()
         .read(true)
@@ -36,6 +41,7 @@ pub fn lock(dir: &Path) -> anyhow::Result<StateLock> {
         .create(true)
         .truncate(false)
         .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(&path)
         .with_context(|| format!("open {}", path.display()))?;
     match file.try_lock() {

@@ -264,6 +264,35 @@ fn a_record_whose_pid_is_now_another_process_is_left_alone() {
     assert!(reaped.is_empty(), "a reused pid is not ours: {reaped:?}");
 }
 
+#[test]
+fn a_planted_record_naming_an_unrelated_process_with_its_true_start_time_is_left_alone() {
+    let dir = tempfile::tempdir().expect("dir");
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).expect("mkdir");
+    // An unrelated process in a group of its own: what a planted record
+    // would name, with the start time anyone can read in /proc.
+    use std::os::unix::process::CommandExt as _;
+    let mut victim = std::process::Command::new("sleep")
+        .arg("30")
+        .process_group(0)
+        .spawn()
+        .expect("sleep");
+    let pid = victim.id() as i32;
+    let started = start_time(pid).expect("start time");
+    std::fs::write(run.join("x-1.pid"), format!("{pid} {started}\n")).expect("write");
+    let reaped = LocalBackend::new(dir.path())
+        .with_run_dir(&run)
+        .reap_orphans();
+    assert!(reaped.is_empty(), "not a replica: {reaped:?}");
+    assert!(!exited(pid), "the unrelated process still runs");
+    assert!(
+        !is_replica_process(pid, "x-1", started, nix::unistd::geteuid().as_raw()),
+        "no WARMGATE_REPLICA in its environment"
+    );
+    victim.kill().expect("kill");
+    let _ = victim.wait();
+}
+
 #[tokio::test]
 async fn a_missing_program_is_a_spawn_error() {
     let backend = LocalBackend::new(std::env::temp_dir().join("wg-backend-missing"));

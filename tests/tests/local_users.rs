@@ -1,0 +1,143 @@
+//! Another user on the same machine, tried as an attacker would: the
+//! tests run as root (as CI does) and act as `nobody` where it matters.
+//! Run as another user, the parts that need a second user say so and
+//! check what they can without one.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// `nobody`'s uid and gid on Debian.
+const NOBODY: u32 = 65534;
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+fn chmod(path: &Path, mode: u32) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+/// Runs `sh -c script` as `nobody`; fails the test when it fails.
+fn as_nobody(script: &str) {
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={NOBODY}"),
+            &format!("--regid={NOBODY}"),
+            "--clear-groups",
+            "sh",
+            "-c",
+            script,
+        ])
+        .output()
+        .expect("run as nobody");
+    assert!(
+        out.status.success(),
+        "as nobody: {script}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `warmgate serve` on `config`, expected to refuse to start: its exit
+/// code and what it wrote.
+fn serve_refused(config: &Path) -> (Option<i32>, String) {
+    let mut child = Command::new(bin("warmgate"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warmgate");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("warmgate did not exit on a state folder it cannot trust");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// When process `pid` started, in clock ticks since boot.
+fn start_time(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let rest = &stat[stat.rfind(')').expect("comm") + 1..];
+    rest.split_whitespace()
+        .nth(19)
+        .and_then(|t| t.parse().ok())
+        .expect("start time")
+}
+
+#[test]
+fn a_state_folder_another_user_planted_is_refused_and_signals_nothing() {
+    let dir = tempfile::tempdir().expect("dir");
+    chmod(dir.path(), 0o755);
+    // A shared folder everyone may write to, as /tmp.
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).expect("mkdir");
+    chmod(&open, 0o1777);
+    let state = open.join("state");
+    // An unrelated process of the user who runs `serve`, in a group of its
+    // own: what a planted record names, with its true start time.
+    let mut victim = Command::new("sleep")
+        .arg("60")
+        .process_group(0)
+        .spawn()
+        .expect("sleep");
+    let pid = victim.id();
+    let record = format!("{pid} {}", start_time(pid));
+    let planted = format!(
+        "mkdir -m 755 {s} {s}/run && echo '{record}' > {s}/run/w-1.pid",
+        s = state.display()
+    );
+    if is_root() {
+        as_nobody(&planted);
+    } else {
+        eprintln!("not root: the state folder is planted by this user and left writable by all");
+        let out = Command::new("sh")
+            .args(["-c", &planted])
+            .status()
+            .expect("sh");
+        assert!(out.success());
+        chmod(&state, 0o777);
+    }
+    let config = dir.path().join("warmgate.toml");
+    std::fs::write(&config, format!("state_dir = \"{}\"\n", state.display())).expect("config");
+    let (code, text) = serve_refused(&config);
+    assert_ne!(code, Some(0), "refused: {text}");
+    assert!(
+        text.contains("cannot be trusted") && text.contains(&state.display().to_string()),
+        "names the folder and why: {text}"
+    );
+    if is_root() {
+        assert!(text.contains("another user"), "{text}");
+    }
+    assert!(
+        victim.try_wait().expect("wait").is_none(),
+        "the process the planted record names still runs"
+    );
+    assert!(
+        !state.join("state.db").exists(),
+        "nothing was written in the planted folder"
+    );
+    victim.kill().expect("kill");
+    let _ = victim.wait();
+}
