@@ -24,9 +24,10 @@ mod target;
 pub use adapters::{AdapterSpec, AdaptersSpec};
 pub use config::{
     AccessConfig, AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
-    KubeBackendConfig, LimitsConfig, NodeRequirement, OperatorConfig, PodSpec, PoolQueueSpec,
-    PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, TlsConfig, Toleration, VolumeSpec,
-    WeightsConfig, check_dns_label, defaults, parse_size, resolve_checkpoint,
+    KubeBackendConfig, LimitsConfig, Listen, NodeRequirement, OperatorConfig, PodSpec,
+    PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, TlsConfig,
+    Toleration, VolumeSpec, WeightsConfig, check_dns_label, defaults, parse_size,
+    resolve_checkpoint,
 };
 pub use routing::{EngineMetricNames, EngineSpec, RoutingPolicy, RoutingSpec};
 pub use scale_to_zero::ScaleToZeroAfter;

@@ -16,6 +16,7 @@ use base64::Engine as _;
 use gtmpl_value::{FuncError, Value as Tv};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
 
@@ -241,6 +242,7 @@ fn every_template_reads_as_its_kubernetes_type() {
             "_helpers.tpl",
             "configmap.yaml",
             "deployment.yaml",
+            "networkpolicy.yaml",
             "pvc.yaml",
             "role.yaml",
             "rolebinding.yaml",
@@ -509,6 +511,8 @@ fn helm_lints_the_chart_and_every_manifest_validates_against_kubernetes() {
     named["extraEnv"] = serde_json::json!([{"name": "AWS_REGION", "value": "us-east-1"}]);
     named["imagePullSecrets"] = serde_json::json!([{"name": "registry"}]);
     named["tolerations"] = serde_json::json!([{"key": "dedicated", "operator": "Exists"}]);
+    named["networkPolicy"]["allowFrom"] =
+        serde_json::json!([{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]);
     let mut cached = values();
     cached["weightsCache"]["persistence"] = serde_json::json!({
         "enabled": true, "existingClaim": "", "size": "500Gi",
@@ -783,4 +787,48 @@ fn a_tls_secret_is_mounted_served_and_workers_keep_a_plain_port() {
         sm.contains("scheme: https") && sm.contains("key: token"),
         "{sm}"
     );
+}
+
+#[test]
+fn replica_pods_take_traffic_only_from_the_operators_pods() {
+    let v = values();
+    let policy: NetworkPolicy = read("networkpolicy.yaml", &v);
+    let spec = policy.spec.expect("spec");
+    // It selects the pods the operator starts for this release: the labels
+    // `pool-manager/src/kubernetes/pod.rs` puts on every replica pod.
+    let selected = spec
+        .pod_selector
+        .and_then(|s| s.match_labels)
+        .expect("labels");
+    assert_eq!(selected["app.kubernetes.io/managed-by"], "warmgate");
+    assert_eq!(selected["warmgate.dev/instance"], "wg");
+    assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
+    let ingress = spec.ingress.expect("ingress rules");
+    assert_eq!(ingress.len(), 1, "one rule");
+    let from = ingress[0].from.as_ref().expect("peers");
+    assert_eq!(from.len(), 1, "the operator's pods only: {from:?}");
+    let peer = from[0]
+        .pod_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.clone())
+        .expect("a pod selector");
+    // The labels the Deployment gives the operator's pods.
+    let dep: Deployment = read("deployment.yaml", &v);
+    let pod_labels = dep
+        .spec
+        .template
+        .metadata
+        .and_then(|m| m.labels)
+        .expect("pod labels");
+    for (k, val) in &peer {
+        assert_eq!(pod_labels.get(k), Some(val), "{k}");
+    }
+    assert!(
+        ingress[0].ports.is_none(),
+        "any port of the replica, from the operator"
+    );
+
+    let mut off = values();
+    off["networkPolicy"]["enabled"] = Value::Bool(false);
+    assert!(render("networkpolicy.yaml", &off).trim().is_empty());
 }

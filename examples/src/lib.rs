@@ -273,6 +273,12 @@ impl Fetcher {
     /// naming the URL and quoting the answer.
     async fn send(&self, url: &str) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
         let uri: hyper::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+        if self.token.is_some() && !is_gateway_url(&uri) {
+            bail!(
+                "{url} is not on the gateway this worker was started by \
+                 (WARMGATE_GATEWAY_URL); its weights token is sent nowhere else"
+            );
+        }
         let mut req = hyper::Request::get(uri);
         if let Some(token) = &self.token {
             req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
@@ -308,6 +314,26 @@ impl Fetcher {
             .with_context(|| format!("read {url}"))?
             .to_bytes())
     }
+}
+
+/// Whether `uri` is on the gateway that started this worker: the origin
+/// (scheme, host, port) of `WARMGATE_GATEWAY_URL`, else of
+/// `WARMGATE_WEIGHTS_URL`. The worker's weights token goes there only.
+pub fn is_gateway_url(uri: &hyper::Uri) -> bool {
+    let base = std::env::var("WARMGATE_GATEWAY_URL")
+        .or_else(|_| std::env::var("WARMGATE_WEIGHTS_URL"))
+        .ok()
+        .and_then(|b| b.parse::<hyper::Uri>().ok());
+    let origin = |u: &hyper::Uri| {
+        let scheme = u.scheme_str().unwrap_or("").to_ascii_lowercase();
+        let port = u.port_u16().or(match scheme.as_str() {
+            "http" => Some(80),
+            "https" => Some(443),
+            _ => None,
+        });
+        (scheme, u.host().map(str::to_ascii_lowercase), port)
+    };
+    base.is_some_and(|b| origin(&b) == origin(uri))
 }
 
 /// One tensor of a streamed safetensors file, whole.
@@ -456,29 +482,47 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Runs a worker as the contract asks: it reads `$PORT`, builds its router
-/// with `setup` (which may load weights first: the port is bound only after,
-/// so a `/healthz` answer means ready), serves on `127.0.0.1:$PORT`, and
-/// finishes its requests in flight on SIGTERM.
+/// Runs a worker as the contract asks: it reads `$WARMGATE_SOCKET` (a Unix
+/// socket the gateway offers, which no other local user can reach) or
+/// else `$PORT`, builds its router with `setup` (which may load weights
+/// first: it listens only after, so a `/healthz` answer means ready),
+/// serves there, and finishes its requests in flight on SIGTERM.
 pub fn run_worker<F, Fut>(setup: F) -> anyhow::Result<()>
 where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<axum::Router>>,
 {
-    let port = port()?;
+    let socket = std::env::var_os("WARMGATE_SOCKET").filter(|s| !s.is_empty());
+    let port = match socket {
+        Some(_) => None,
+        None => Some(port()?),
+    };
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?
         .block_on(async move {
             let app = setup().await?;
-            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("listen on port {port}"))?;
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown_signal())
-                .await?;
+            match (socket, port) {
+                (Some(path), _) => {
+                    let path = std::path::PathBuf::from(path);
+                    let _ = std::fs::remove_file(&path);
+                    let listener = tokio::net::UnixListener::bind(&path)
+                        .with_context(|| format!("listen on {}", path.display()))?;
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(shutdown_signal())
+                        .await?;
+                }
+                (None, port) => {
+                    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port.unwrap_or(0)));
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("listen on {addr}"))?;
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(shutdown_signal())
+                        .await?;
+                }
+            }
             Ok(())
         })
 }

@@ -43,7 +43,7 @@ impl Gateway {
         for h in self.pool.shared_handles() {
             let n = h.inflight();
             if n > 0 {
-                *inflight.entry(h.addr).or_insert(0u32) += n;
+                *inflight.entry(h.addr.clone()).or_insert(0u32) += n;
             }
         }
         Report {
@@ -69,10 +69,10 @@ impl Gateway {
             } else {
                 e.values().filter_map(|c| c.knew).min()
             };
-            let mut totals: BTreeMap<std::net::SocketAddr, u32> = BTreeMap::new();
+            let mut totals: BTreeMap<warmgate_pool::Endpoint, u32> = BTreeMap::new();
             for c in e.values() {
                 for (addr, n) in &c.inflight {
-                    let t = totals.entry(*addr).or_insert(0);
+                    let t = totals.entry(addr.clone()).or_insert(0);
                     *t = t.saturating_add(*n);
                 }
             }
@@ -149,7 +149,7 @@ impl Gateway {
                             .filter(|h| h.is_routable())
                             .map(|h| Route {
                                 replica: h.id.clone(),
-                                addr: h.addr,
+                                addr: h.addr.clone(),
                             })
                             .collect();
                         (a.revision.clone(), ready)

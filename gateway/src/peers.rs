@@ -91,7 +91,7 @@ pub struct Report {
     /// Its requests in flight, by replica address: the leader drains a
     /// replica only once they are done.
     #[serde(default)]
-    pub inflight: BTreeMap<std::net::SocketAddr, u32>,
+    pub inflight: BTreeMap<warmgate_pool::Endpoint, u32>,
     /// The [`Table::epoch`] it serves by (0: none yet).
     #[serde(default)]
     pub applied: u64,
@@ -125,7 +125,7 @@ pub struct AppEntry {
 }
 
 /// Requests in flight by replica address.
-pub type InFlight = BTreeMap<std::net::SocketAddr, u32>;
+pub type InFlight = BTreeMap<warmgate_pool::Endpoint, u32>;
 
 /// The gateways serving together, as this one knows them.
 pub struct Peers {

@@ -50,6 +50,26 @@ pub fn check(
         message,
     };
     let local = config.backend.kind == BackendKind::Local;
+    if local {
+        let port_only = |command: &[String], listen: warmgate_deploy::Listen| {
+            listen.resolve(command) == warmgate_deploy::Listen::Port
+        };
+        let apps = config
+            .apps
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.pool.is_none());
+        for (i, app) in apps {
+            if port_only(&app.command, app.listen) {
+                out.push(warning(format!("apps[{i}].command"), reachable_by_all()));
+            }
+        }
+        for (i, pool) in config.pools.iter().enumerate() {
+            if port_only(&pool.command, pool.listen) {
+                out.push(warning(format!("pools[{i}].command"), reachable_by_all()));
+            }
+        }
+    }
     let mut program = |key: String, command: &[String]| {
         if let Some(p) = command.first()
             && let Err(why) = find_program(p, path)
@@ -119,6 +139,15 @@ pub fn check(
         }
     }
     out
+}
+
+/// The warning for replicas that listen on a TCP port.
+fn reachable_by_all() -> String {
+    "its replicas listen on 127.0.0.1:$PORT, which every user of this machine can connect to \
+     (send requests past the tenants' keys, call the engine's admin routes); a worker that \
+     takes a Unix socket listens where only the gateway reaches it: `--uds $WARMGATE_SOCKET` \
+     for vLLM, or `listen = \"socket\"` for a worker that reads WARMGATE_SOCKET"
+        .to_string()
 }
 
 /// Why `serve` would refuse `state_dir` (see

@@ -23,6 +23,9 @@ pub(crate) struct Sink {
     pub(crate) registry: crate::registry::Live,
     /// Mints and revokes each replica's weights token.
     pub(crate) weights: Arc<crate::weights::Weights>,
+    /// Where the worker reaches this gateway (`http://host:port`), its
+    /// `WARMGATE_GATEWAY_URL`: the one origin its kit sends the token to.
+    pub(crate) gateway_url: String,
 }
 
 impl ReplicaSink for Sink {
@@ -32,7 +35,10 @@ impl ReplicaSink for Sink {
     /// regrants).
     fn replica_env(&self, spec: &TargetSpec, replica: &str) -> BTreeMap<String, String> {
         match self.weights.issue(replica, grant_for(spec)) {
-            Ok(token) => BTreeMap::from([("WARMGATE_WEIGHTS_TOKEN".to_string(), token)]),
+            Ok(token) => BTreeMap::from([
+                ("WARMGATE_WEIGHTS_TOKEN".to_string(), token),
+                ("WARMGATE_GATEWAY_URL".to_string(), self.gateway_url.clone()),
+            ]),
             Err(e) => {
                 // The worker then gets 401 for its weights and fails to
                 // start, which its target reports.

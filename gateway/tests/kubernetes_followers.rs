@@ -317,7 +317,7 @@ async fn a_follower_without_a_part_of_a_replica_passes_its_requests_to_the_leade
             1,
             1,
             2,
-            salt_of(&std::net::SocketAddr::from(([127, 0, 0, 1], p))),
+            salt_of(&std::net::SocketAddr::from(([127, 0, 0, 1], p)).into()),
         ) == 0
         {
             port = p;

@@ -43,6 +43,8 @@ pub struct Launch {
     pub pool: bool,
     /// Its health probes (kubernetes backend: the pod's probes).
     pub health: warmgate_deploy::HealthSpec,
+    /// Where it listens (local backend).
+    pub listen: warmgate_deploy::Listen,
     /// Time allowed to become ready (kubernetes backend: the startup probe).
     pub startup_timeout: std::time::Duration,
 }
@@ -51,7 +53,7 @@ pub struct Launch {
 #[async_trait]
 pub trait Process: Send {
     /// Where it listens.
-    fn addr(&self) -> SocketAddr;
+    fn addr(&self) -> crate::Endpoint;
     /// Its process id, when it has one.
     fn pid(&self) -> Option<u32>;
     /// Where its output goes.
@@ -122,7 +124,11 @@ pub struct Adopted {
 /// Variables that belong to one replica or one revision's name, left out
 /// of [`interchangeable`]: the replica's own token, and the weights URL,
 /// which names the revision.
-const NOT_INTERCHANGEABLE_ENV: &[&str] = &["WARMGATE_WEIGHTS_TOKEN", "WARMGATE_WEIGHTS_URL"];
+const NOT_INTERCHANGEABLE_ENV: &[&str] = &[
+    "WARMGATE_WEIGHTS_TOKEN",
+    "WARMGATE_WEIGHTS_URL",
+    "WARMGATE_GATEWAY_URL",
+];
 
 /// What makes two replicas interchangeable, as a short digest: everything
 /// a replica is started with (image, command, environment, checkpoint,
@@ -150,6 +156,10 @@ pub fn interchangeable(launch: &Launch) -> String {
     let digest = sha2::Sha256::digest(what.to_string().as_bytes());
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
+
+/// The longest path a Unix socket may have (`sun_path` is 108 bytes with
+/// its NUL).
+const MAX_SOCKET_PATH: usize = 107;
 
 /// Variables of the gateway's environment that every local worker
 /// inherits: what a process needs to find programs and libraries, a home,
@@ -185,6 +195,9 @@ pub struct LocalBackend {
     /// One `<replica>.pid` file per live replica, so that a gateway killed
     /// with `kill -9` finds its orphans when it starts again.
     run_dir: Option<PathBuf>,
+    /// Where replicas' Unix sockets are made: a folder only this user may
+    /// enter, so no other local user can connect to a replica.
+    socket_dir: Option<PathBuf>,
     /// Names of the gateway's variables that workers inherit besides
     /// [`BASE_ENV`] (`backend.pass_env`).
     pass_env: Vec<String>,
@@ -210,6 +223,7 @@ impl LocalBackend {
         LocalBackend {
             log_dir: log_dir.into(),
             run_dir: None,
+            socket_dir: None,
             pass_env: Vec::new(),
             logs: LogLimits::default(),
             live: Live::default(),
@@ -234,6 +248,51 @@ impl LocalBackend {
     pub fn with_run_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.run_dir = Some(dir.into());
         self
+    }
+
+    /// Makes replicas' Unix sockets in `dir` (made owner-only when
+    /// missing); see [`warmgate_deploy::Listen`].
+    pub fn with_socket_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.socket_dir = Some(dir.into());
+        self
+    }
+
+    /// Where `replica`'s socket goes: `<dir>/<replica>.sock`, or a digest
+    /// of the name when that path would pass the 107 bytes a socket's path
+    /// may have. The folder is made owner-only and checked, and a socket
+    /// an earlier replica of the same name left is removed.
+    fn socket_path(&self, replica: &str) -> std::result::Result<PathBuf, String> {
+        use std::os::unix::fs::DirBuilderExt as _;
+        let dir = self
+            .socket_dir
+            .as_ref()
+            .ok_or("this backend has no folder for sockets")?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        warmgate_deploy::private_dir::check(dir).map_err(|e| e.to_string())?;
+        let mut path = dir.join(format!("{replica}.sock"));
+        if path.as_os_str().len() > MAX_SOCKET_PATH {
+            use sha2::Digest as _;
+            let digest = sha2::Sha256::digest(replica.as_bytes());
+            let short: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+            path = dir.join(format!("{short}.sock"));
+        }
+        if path.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(format!(
+                "{} is too long for a Unix socket's path ({MAX_SOCKET_PATH} bytes at most): \
+                 give state_dir a shorter path, or set listen = \"port\"",
+                path.display()
+            ));
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot remove {}: {e}", path.display())),
+        }
+        Ok(path)
     }
 
     /// Stops the replicas a previous run of the gateway left running (it
@@ -341,7 +400,22 @@ impl LocalBackend {
 #[async_trait]
 impl Backend for LocalBackend {
     async fn spawn(&self, launch: &Launch) -> Result<Box<dyn Process>> {
-        let port = free_port()?;
+        use warmgate_deploy::Listen;
+        let spawn_failed = |reason: String| Error::SpawnFailed {
+            program: launch.command.first().cloned().unwrap_or_default(),
+            reason,
+        };
+        let listen = launch.listen.resolve(&launch.command);
+        let socket = match listen {
+            Listen::Port => None,
+            Listen::Socket => Some(self.socket_path(&launch.replica).map_err(spawn_failed)?),
+            // Offered when it can be: without one the replica has its port.
+            Listen::Auto => self.socket_path(&launch.replica).ok(),
+        };
+        let port = match listen {
+            Listen::Socket => None,
+            Listen::Port | Listen::Auto => Some(free_port()?),
+        };
         // In use from now: no other start prunes it, even before it opens.
         let live = self.live.hold(&launch.replica);
         let log_path = self.prepare_log(&launch.replica).await?;
@@ -351,7 +425,15 @@ impl Backend for LocalBackend {
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
             .collect();
         vars.extend(launch.env.clone());
-        vars.insert("PORT".into(), port.to_string());
+        if let Some(port) = port {
+            vars.insert("PORT".into(), port.to_string());
+        }
+        if let Some(socket) = &socket {
+            vars.insert(
+                "WARMGATE_SOCKET".into(),
+                socket.to_string_lossy().into_owned(),
+            );
+        }
         vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
         vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
         vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
@@ -398,7 +480,12 @@ impl Backend for LocalBackend {
             pid,
             group_ended: false,
             record,
-            addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+            listening: match (port, socket) {
+                (Some(p), None) => Offered::Port(SocketAddr::from((Ipv4Addr::LOCALHOST, p))),
+                (None, Some(s)) => Offered::Socket(s),
+                (Some(p), Some(s)) => Offered::Both(SocketAddr::from((Ipv4Addr::LOCALHOST, p)), s),
+                (None, None) => return Err(spawn_failed("neither a port nor a socket".into())),
+            },
             log: log_path.clone(),
             secrets: vars
                 .iter()
@@ -458,6 +545,16 @@ pub fn gpu_list(gpus: &[u32]) -> String {
         .join(",")
 }
 
+/// Where a local replica was told to listen.
+enum Offered {
+    /// `$PORT` only.
+    Port(SocketAddr),
+    /// `$WARMGATE_SOCKET` only.
+    Socket(PathBuf),
+    /// Both; it is reached on the socket once it has made it.
+    Both(SocketAddr, PathBuf),
+}
+
 struct LocalProcess {
     child: tokio::process::Child,
     pid: Option<u32>,
@@ -466,7 +563,8 @@ struct LocalProcess {
     group_ended: bool,
     /// Its `<replica>.pid` record, removed when the process is dropped.
     record: Option<PathBuf>,
-    addr: SocketAddr,
+    /// Where it was told to listen.
+    listening: Offered,
     log: PathBuf,
     /// The values of its environment whose names say they are secrets,
     /// kept out of its output's tail.
@@ -479,8 +577,15 @@ struct LocalProcess {
 
 #[async_trait]
 impl Process for LocalProcess {
-    fn addr(&self) -> SocketAddr {
-        self.addr
+    /// The socket when it was given only that, or has made it (given
+    /// both, a replica that binds the socket is reached there: only it can
+    /// make a file in the gateway's private folder); else the port.
+    fn addr(&self) -> crate::Endpoint {
+        match &self.listening {
+            Offered::Socket(s) => crate::Endpoint::unix(s),
+            Offered::Both(_, s) if s.exists() => crate::Endpoint::unix(s),
+            Offered::Port(p) | Offered::Both(p, _) => crate::Endpoint::Tcp(*p),
+        }
     }
 
     fn pid(&self) -> Option<u32> {
@@ -563,6 +668,9 @@ impl Drop for LocalProcess {
         // and it has not been reaped, so its pid is still the group's id.
         self.end_group();
         if let Some(path) = &self.record {
+            let _ = std::fs::remove_file(path);
+        }
+        if let Offered::Socket(path) | Offered::Both(_, path) = &self.listening {
             let _ = std::fs::remove_file(path);
         }
     }

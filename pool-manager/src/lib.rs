@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod endpoint;
 pub mod engine;
 pub mod gpu;
 pub mod kubernetes;
@@ -25,6 +26,7 @@ pub mod replica;
 pub mod weights;
 
 pub use backend::{Adopted, Backend, Launch, LocalBackend, Orphan, Process, interchangeable};
+pub use endpoint::Endpoint;
 pub use gpu::GpuInventory;
 pub use manager::{
     CRASH_LOOP_AFTER, PoolManager, ReplicaCounts, ReplicaSink, TargetHealth, TargetSpec,

@@ -6,7 +6,6 @@
 //! no longer lists ends here too, so it is not routed to again.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -22,7 +21,7 @@ pub struct Route {
     /// Its id on the leader (`m-00002-3`).
     pub replica: String,
     /// Where it listens.
-    pub addr: SocketAddr,
+    pub addr: crate::Endpoint,
 }
 
 /// The leader's ready replicas, by target (an app revision's name,
@@ -153,8 +152,8 @@ impl PeerProcess {
 
 #[async_trait]
 impl Process for PeerProcess {
-    fn addr(&self) -> SocketAddr {
-        self.route.addr
+    fn addr(&self) -> crate::Endpoint {
+        self.route.addr.clone()
     }
 
     fn pid(&self) -> Option<u32> {
@@ -218,6 +217,7 @@ mod tests {
             gpu_count: 0,
             pool: false,
             health: Default::default(),
+            listen: Default::default(),
             startup_timeout: std::time::Duration::from_secs(1),
         }
     }
@@ -225,7 +225,7 @@ mod tests {
     fn route(replica: &str, port: u16) -> Route {
         Route {
             replica: replica.into(),
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], port)).into(),
         }
     }
 
@@ -253,7 +253,7 @@ mod tests {
         assert!(b.adopt(&l).is_none(), "none left");
         assert!(b.adopt(&launch("m-00002")).is_none(), "another target's");
         // The leader drops the second: it ends here.
-        let kept = if first.port() == 1 {
+        let kept = if first.tcp().map(|a| a.port()) == Some(1) {
             route("m-00001-1", 1)
         } else {
             route("m-00001-2", 2)

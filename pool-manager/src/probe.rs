@@ -4,7 +4,6 @@
 //! is a pure rule with hysteresis that turns a run of reports into a decision,
 //! so one slow answer does not take a replica out of rotation.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,6 +12,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use warmgate_deploy::HealthSpec;
+
+use crate::Endpoint;
 
 /// The first readiness probe goes out this soon after the process starts: a
 /// worker that binds its port at once is seen within milliseconds.
@@ -71,7 +72,7 @@ impl Prober {
     }
 
     /// Probes `addr` once, as `health` says.
-    pub async fn probe(&self, addr: SocketAddr, health: &HealthSpec) -> ProbeResult {
+    pub async fn probe(&self, addr: &Endpoint, health: &HealthSpec) -> ProbeResult {
         let path = health.path.as_str();
         let fut = async {
             let (status, body) = self.get(addr, path, MAX_HEALTH_BODY).await?;
@@ -103,7 +104,7 @@ impl Prober {
     /// within `timeout`.
     pub async fn read_engine(
         &self,
-        addr: SocketAddr,
+        addr: &Endpoint,
         path: &str,
         names: &warmgate_deploy::EngineMetricNames,
         timeout: Duration,
@@ -132,18 +133,33 @@ impl Prober {
     /// whole within `limit` bytes (`None` otherwise).
     async fn get(
         &self,
-        addr: SocketAddr,
+        addr: &Endpoint,
         path: &str,
         limit: usize,
     ) -> Result<(http::StatusCode, Option<Bytes>), String> {
-        let req = http::Request::get(format!("http://{addr}{path}"))
-            .body(Empty::new())
-            .map_err(|e| format!("bad request for {path}: {e}"))?;
-        let resp = self
-            .client
-            .request(req)
-            .await
-            .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?;
+        let resp = match addr {
+            Endpoint::Tcp(a) => {
+                let req = http::Request::get(format!("http://{a}{path}"))
+                    .body(Empty::new())
+                    .map_err(|e| format!("bad request for {path}: {e}"))?;
+                self.client
+                    .request(req)
+                    .await
+                    .map_err(|e| format!("GET {path} failed: {}", error_chain(&e)))?
+            }
+            // A socket is probed on a connection of its own: a connect to
+            // one costs microseconds, and the pooled client speaks TCP.
+            Endpoint::Unix(_) => {
+                let req = http::Request::get(path)
+                    .body(Empty::<Bytes>::new())
+                    .map_err(|e| format!("bad request for {path}: {e}"))?;
+                let once = addr.send_once(req);
+                tokio::time::timeout(PROBE_CONNECT_TIMEOUT, once)
+                    .await
+                    .map_err(|_| format!("GET {path}: no answer within {PROBE_CONNECT_TIMEOUT:?}"))?
+                    .map_err(|e| format!("GET {path} failed: {e}"))?
+            }
+        };
         let status = resp.status();
         let body = Limited::new(resp.into_body(), limit)
             .collect()
@@ -280,7 +296,10 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr");
         drop(l);
-        match Prober::new().probe(addr, &HealthSpec::default()).await {
+        match Prober::new()
+            .probe(&addr.into(), &HealthSpec::default())
+            .await
+        {
             ProbeResult::Unhealthy(msg) => assert!(msg.contains("/healthz"), "{msg}"),
             other => panic!("expected unhealthy, got {other:?}"),
         }

@@ -1,6 +1,5 @@
 //! A replica's lifecycle state, and the handle the gateway routes to.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -85,7 +84,7 @@ pub struct ReplicaHandle {
     /// The revision it serves.
     pub revision: String,
     /// Where it listens.
-    pub addr: SocketAddr,
+    pub addr: crate::Endpoint,
     /// `id` as a header value, built once: every answer names the replica
     /// that gave it. `None` if the id cannot be a header value.
     pub id_header: Option<http::HeaderValue>,
@@ -179,7 +178,7 @@ pub fn part_of(concurrency: u32, index: u32, count: u32, salt: u32) -> u32 {
 
 /// Where the run of gateways that get the remainder of a replica's split
 /// starts: from its address, the same in every gateway.
-pub fn salt_of(addr: &SocketAddr) -> u32 {
+pub fn salt_of(addr: &crate::Endpoint) -> u32 {
     use std::hash::{Hash as _, Hasher as _};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     addr.hash(&mut h);
@@ -192,7 +191,7 @@ impl ReplicaHandle {
         id: String,
         target: warmgate_deploy::TargetId,
         revision: String,
-        addr: SocketAddr,
+        addr: crate::Endpoint,
         concurrency: u32,
         ready_at: Instant,
     ) -> Self {
@@ -371,7 +370,7 @@ pub struct ReplicaStatus {
     /// Revision served.
     pub revision: String,
     /// Where it listens, once started.
-    pub addr: Option<SocketAddr>,
+    pub addr: Option<crate::Endpoint>,
     /// Process id (local backend).
     pub pid: Option<u32>,
     /// GPUs assigned.
@@ -541,7 +540,7 @@ mod tests {
             "a-1".into(),
             warmgate_deploy::TargetId::Pool("a".into()),
             "a-00001".into(),
-            "127.0.0.1:1".parse().expect("addr"),
+            "127.0.0.1:1".parse::<crate::Endpoint>().expect("addr"),
             2,
             Instant::now(),
         ));

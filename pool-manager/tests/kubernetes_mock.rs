@@ -66,6 +66,7 @@ fn launch(replica: &str) -> Launch {
             failure_threshold: 4,
             ..warmgate_deploy::HealthSpec::default()
         },
+        listen: Default::default(),
         startup_timeout: Duration::from_secs(600),
     }
 }
@@ -886,6 +887,7 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
     pm.add_target(warmgate_pool::TargetSpec {
         id: id.clone(),
         health: wanted.health.clone(),
+        listen: Default::default(),
         engine: warmgate_deploy::EngineSpec::default(),
         revision: wanted.revision.clone(),
         command: wanted.command.clone(),
@@ -922,7 +924,14 @@ async fn a_new_leader_takes_over_the_pods_its_targets_want_and_deletes_only_the_
     );
     let status = pm.status();
     assert_eq!(status[0].replicas[0].id, "llm-00002-7");
-    assert_eq!(status[0].replicas[0].addr.map(|a| a.port()), Some(port));
+    assert_eq!(
+        status[0].replicas[0]
+            .addr
+            .as_ref()
+            .and_then(|a| a.tcp())
+            .map(|a| a.port()),
+        Some(port)
+    );
 
     // Kept while its app may still take it over (it could not start yet).
     assert!(

@@ -12,7 +12,9 @@ Each flag may come from the environment instead: ``STANDIN_MODEL``,
 ``STANDIN_SLOTS``, ``STANDIN_PREFILL_MS_PER_TOKEN``,
 ``STANDIN_DECODE_MS_PER_TOKEN``, ``STANDIN_CACHE_TOKENS``,
 ``STANDIN_BLOCK_TOKENS``, ``STANDIN_MAX_MODEL_LEN``, ``STANDIN_LOAD_SECONDS``
-(a flag wins over its variable). Without ``--port`` the port is ``$PORT``
+(a flag wins over its variable). ``--uds PATH`` listens on a Unix socket
+instead, as vLLM's flag does (host and port are then ignored). Without
+``--port`` the port is ``$PORT``
 (warmgate gives each replica one), else 8000. ``--served-model-name`` is
 taken as a synonym of ``--model`` (several names may be given, comma
 separated; the first is the one reported).
@@ -137,6 +139,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description="a stand-in vLLM engine")
     p.add_argument("--host", default=env("STANDIN_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--uds", default=None, help="a Unix socket to listen on, as vLLM's --uds")
     p.add_argument("--model", "--served-model-name", dest="model",
                    default=env("STANDIN_MODEL", "standin"))
     p.add_argument("--slots", type=int, default=int(env("STANDIN_SLOTS", "4")))
@@ -909,14 +912,22 @@ async def main(argv):
     if cfg.load_seconds > 0:
         await asyncio.sleep(cfg.load_seconds)  # "loading weights": not listening yet
     srv = Server(cfg)
-    server = await asyncio.start_server(srv.connection, cfg.host, cfg.port,
-                                        limit=MAX_HEADER_BYTES, reuse_address=True)
+    if cfg.uds:
+        try:
+            os.unlink(cfg.uds)
+        except FileNotFoundError:
+            pass
+        server = await asyncio.start_unix_server(srv.connection, cfg.uds, limit=MAX_HEADER_BYTES)
+    else:
+        server = await asyncio.start_server(srv.connection, cfg.host, cfg.port,
+                                            limit=MAX_HEADER_BYTES, reuse_address=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     addr = server.sockets[0].getsockname()
-    print(f"llm_engine: {cfg.model} on http://{addr[0]}:{addr[1]} (slots {cfg.slots}, "
+    where = f"unix:{cfg.uds}" if cfg.uds else f"http://{addr[0]}:{addr[1]}"
+    print(f"llm_engine: {cfg.model} on {where} (slots {cfg.slots}, "
           f"prefill {cfg.prefill_ms_per_token} ms/token, decode {cfg.decode_ms_per_token} ms/token, "
           f"cache {cfg.cache_tokens} tokens in blocks of {cfg.block_tokens})", flush=True)
     await stop.wait()

@@ -85,6 +85,7 @@ if FLAVOR == "vllm":
     if not ARGS or ARGS[0] != "serve" or len(ARGS) < 2:
         die("usage: vllm serve MODEL --port PORT")
     MODEL = flag(["--served-model-name"], ARGS[1])
+    UDS = flag(["--uds"])
     PORT = flag(["--port"], "8000")
     HOST = flag(["--host"], "0.0.0.0")
     HEALTH = "/health"
@@ -105,12 +106,14 @@ elif FLAVOR == "uvicorn":
     if not ARGS or ":" not in ARGS[0]:
         die("usage: uvicorn MODULE:app --port PORT")
     MODEL = ARGS[0]
+    UDS = flag(["--uds"])
     PORT = flag(["--port"], "8000")
     HOST = flag(["--host"], "127.0.0.1")
     HEALTH = "/health"
 else:
     die(f"unknown server {FLAVOR!r}")
 
+UDS = globals().get("UDS")
 try:
     PORT = int(PORT)
 except ValueError:
@@ -196,8 +199,20 @@ def main():
     if FLAVOR == "vllm" and LOAD:
         # vLLM loads the model before it binds its port.
         time.sleep(LOAD)
-    server = ThreadingHTTPServer((HOST, PORT), Handler)
-    server.daemon_threads = True
+    if UDS:
+        # vLLM's and uvicorn's --uds: a Unix socket; host and port unused.
+        import os
+        import socketserver
+
+        class UnixServer(socketserver.ThreadingUnixStreamServer):
+            daemon_threads = True
+
+        if os.path.exists(UDS):
+            os.unlink(UDS)
+        server = UnixServer(UDS, Handler)
+    else:
+        server = ThreadingHTTPServer((HOST, PORT), Handler)
+        server.daemon_threads = True
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())

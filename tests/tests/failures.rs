@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Gateway, eventually, kind};
+use common::{Gateway, eventually, kind, replica_refuses};
 use serde_json::{Value, json};
 
 /// A request that waited for a start which failed: 502 `replica_failed`,
@@ -322,10 +322,7 @@ async fn a_request_a_deaf_replica_refused_goes_to_another_with_its_whole_body() 
     // gateway cannot tell it from one a replica dropped mid-work. Wait for
     // the refusal itself, which is what this test is about.
     eventually("the deaf replica refuses connections", || async {
-        tokio::net::TcpStream::connect(&deaf_addr)
-            .await
-            .err()
-            .map(|_| ())
+        replica_refuses(&deaf_addr).await.then_some(())
     })
     .await;
     let size = 256 * 1024;

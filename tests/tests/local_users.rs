@@ -141,3 +141,124 @@ fn a_state_folder_another_user_planted_is_refused_and_signals_nothing() {
     victim.kill().expect("kill");
     let _ = victim.wait();
 }
+
+/// Whether `nobody` can open a connection to `addr` (`127.0.0.1:P` or
+/// `unix:/path`, as `/v1/status` shows a replica's).
+fn nobody_connects(addr: &str) -> (bool, String) {
+    let script = match addr.strip_prefix("unix:") {
+        Some(path) => format!(
+            "import socket; s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect({path:?})"
+        ),
+        None => {
+            let (host, port) = addr.rsplit_once(':').expect("host:port");
+            format!("import socket; socket.create_connection(({host:?}, {port}), timeout=5)")
+        }
+    };
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={NOBODY}"),
+            &format!("--regid={NOBODY}"),
+            "--clear-groups",
+            "python3",
+            "-c",
+            &script,
+        ])
+        .output()
+        .expect("run as nobody");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// One HTTP/1.1 request on the Unix socket at `path`: the status code and
+/// the body.
+async fn over_socket(path: &str, method: &str, target: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::UnixStream::connect(path)
+        .await
+        .expect("connect to the replica's socket");
+    let req = format!(
+        "{method} {target} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut raw))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status line");
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_user_cannot_reach_a_replica_nor_make_a_worker_send_its_token_elsewhere() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "m"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        "#,
+    );
+    let status = gw.wait_ready("m", 1).await;
+    let replicas = &status["pool"]["replicas"];
+    let addr = replicas[0]["addr"]
+        .as_str()
+        .expect("an address")
+        .to_string();
+    assert!(
+        addr.starts_with("unix:"),
+        "a worker offered a socket listens on it: {replicas}"
+    );
+    if is_root() {
+        let (connected, why) = nobody_connects(&addr);
+        assert!(!connected, "nobody reached the replica at {addr}");
+        assert!(why.contains("Permission denied"), "{why}");
+    } else {
+        eprintln!("not root: no second user to try the replica's socket as");
+    }
+    // The gateway still reaches it.
+    let r = gw
+        .http
+        .get(gw.at("/apps/m/hello"))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 200);
+
+    // A weights URL that is not the gateway's: the worker sends its token
+    // nowhere, and says why.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let foreign = format!(
+        "http://{}/v1/weights/m/m-00001",
+        listener.local_addr().expect("addr")
+    );
+    let path = addr.trim_start_matches("unix:");
+    let (code, body) = over_socket(
+        path,
+        "POST",
+        "/weights",
+        &format!(r#"{{"url": "{foreign}", "version": 9}}"#),
+    )
+    .await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("not on the gateway"), "{body}");
+    assert!(
+        listener.accept().is_err(),
+        "the worker connected to the foreign URL"
+    );
+}

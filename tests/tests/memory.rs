@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Gateway, eventually, kind};
+use common::{Gateway, eventually, kind, replica_json};
 use serde_json::{Value, json};
 
 const MIB: usize = 1024 * 1024;
@@ -296,15 +296,7 @@ async fn an_async_task_that_cannot_be_journaled_is_refused_and_never_runs() {
         .post("/v1/pools/p/tasks", &json!({"input": {"n": 2}}))
         .await;
     assert_eq!(status, 200, "{body}");
-    let stats: Value = gw
-        .http
-        .get(format!("http://{worker}/stats"))
-        .send()
-        .await
-        .expect("worker stats")
-        .json()
-        .await
-        .expect("json");
+    let stats: Value = replica_json(&worker, "/stats").await;
     assert_eq!(
         stats["requests"], 1,
         "the worker received the refused task: {stats}"

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use common::{Gateway, checkpoint, eventually, kind};
+use common::{Gateway, checkpoint, eventually, kind, replica_json};
 use serde_json::{Value, json};
 
 const MIN_VERSION: &str = "x-warmgate-min-weights-version";
@@ -169,15 +169,7 @@ async fn requests_and_tasks_share_the_replicas_through_a_weight_sync() {
     }
     for r in &replicas {
         let addr = r["addr"].as_str().expect("addr");
-        let stats: Value = gw
-            .http
-            .get(format!("http://{addr}/stats"))
-            .send()
-            .await
-            .expect("stats")
-            .json()
-            .await
-            .expect("json");
+        let stats: Value = replica_json(addr, "/stats").await;
         let peak = stats["peak_in_flight"].as_u64().expect("peak");
         assert!(
             (1..=2).contains(&peak),

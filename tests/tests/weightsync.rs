@@ -71,15 +71,8 @@ async fn ready_on(gw: &Gateway, n: usize, version: u64) -> Vec<Value> {
 
 /// A worker's `/stats`, straight from its own port.
 async fn stats(gw: &Gateway, replica: &Value) -> Value {
-    let addr = replica["addr"].as_str().expect("addr");
-    gw.http
-        .get(format!("http://{addr}/stats"))
-        .send()
-        .await
-        .expect("stats")
-        .json()
-        .await
-        .expect("json")
+    let _ = gw;
+    common::replica_json(replica["addr"].as_str().expect("addr"), "/stats").await
 }
 
 fn root() -> (tempfile::TempDir, PathBuf) {

@@ -74,6 +74,11 @@ pub struct AppSpec {
     pub startup_timeout: Duration,
     /// How its readiness and liveness are probed.
     pub health: HealthSpec,
+    /// Where a local replica listens: `"socket"` (`$WARMGATE_SOCKET`, a
+    /// Unix socket no other local user can reach), `"port"` (`$PORT` on
+    /// loopback, which every local user can reach), or `"auto"`: the one
+    /// the command names, else both offered and the socket preferred.
+    pub listen: Listen,
     /// Scaling policy.
     pub autoscale: AutoscaleSpec,
     /// The hold queue for requests that find no free slot.
@@ -109,6 +114,7 @@ impl Default for AppSpec {
             gpus: 0,
             startup_timeout: defaults::STARTUP_TIMEOUT,
             health: HealthSpec::default(),
+            listen: Listen::default(),
             autoscale: AutoscaleSpec::default(),
             queue: QueueSpec::default(),
             promotion: PromotionSpec::default(),
@@ -147,6 +153,48 @@ impl AppSpec {
             if let Some(w) = &mut a.watch {
                 resolve_checkpoint(w, base);
             }
+        }
+    }
+}
+
+/// Where a local replica listens (the local backend; a pod always listens
+/// on its port).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Listen {
+    /// The one the command names (`$WARMGATE_SOCKET` or `$PORT`); a
+    /// command that names neither is offered both, and a replica that
+    /// binds the socket is reached there.
+    #[default]
+    Auto,
+    /// A Unix socket at `$WARMGATE_SOCKET`, in a folder only the gateway's
+    /// user may enter: no other local user can connect to the replica.
+    /// vLLM takes it as `--uds $WARMGATE_SOCKET`.
+    Socket,
+    /// TCP on `127.0.0.1:$PORT`, which any local user can connect to.
+    Port,
+}
+
+impl Listen {
+    /// What a replica running `command` is offered: `Socket`, `Port`, or
+    /// `Auto` for both.
+    pub fn resolve(self, command: &[String]) -> Listen {
+        if self != Listen::Auto {
+            return self;
+        }
+        let names = |var: &str| {
+            command
+                .iter()
+                .any(|w| w.contains(&format!("${var}")) || w.contains(&format!("${{{var}}}")))
+        };
+        if names("WARMGATE_SOCKET") {
+            Listen::Socket
+        } else if names("PORT") {
+            Listen::Port
+        } else {
+            Listen::Auto
         }
     }
 }

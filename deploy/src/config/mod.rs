@@ -11,7 +11,7 @@ mod server;
 pub(crate) mod size;
 mod tenants;
 
-pub use app::{AppSpec, AutoscaleSpec, HealthSpec, PromotionSpec, QueueSpec, ServingApp};
+pub use app::{AppSpec, AutoscaleSpec, HealthSpec, Listen, PromotionSpec, QueueSpec, ServingApp};
 pub use backend::{
     BackendConfig, BackendKind, KubeBackendConfig, NodeRequirement, PodSpec, SecretKey, Toleration,
     VolumeSpec,

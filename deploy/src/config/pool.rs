@@ -93,6 +93,8 @@ pub struct PoolSpec {
     pub startup_timeout: Duration,
     /// How its readiness and liveness are probed.
     pub health: HealthSpec,
+    /// Where a local replica listens (see `[[apps]] listen`).
+    pub listen: super::app::Listen,
     /// Retries of a task that fails in user code (a task may override it).
     pub retries: u32,
     /// How long a task may take, queueing included (a task may override it).
@@ -135,6 +137,7 @@ impl Default for PoolSpec {
             buffer: 0,
             startup_timeout: defaults::STARTUP_TIMEOUT,
             health: HealthSpec::default(),
+            listen: super::app::Listen::default(),
             retries: defaults::TASK_RETRIES,
             task_timeout: defaults::TASK_TIMEOUT,
             queue: PoolQueueSpec::default(),

@@ -41,6 +41,7 @@ impl Changes {
         let spot = TargetSpec {
             id: p.target(),
             health: p.spec().health.clone(),
+            listen: p.spec().listen,
             engine: warmgate_deploy::EngineSpec::default(),
             revision,
             command: p.spec().command.clone(),

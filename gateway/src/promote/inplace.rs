@@ -263,7 +263,7 @@ impl Promotions {
         self.weights.regrant(&r.id, grant(&m.to.revision));
         let url = self.host.weights_url(&m.app.name, &m.to.revision);
         let loaded =
-            tokio::time::timeout(limit, self.upstream.load_weights(r.addr, &url, m.version))
+            tokio::time::timeout(limit, self.upstream.load_weights(&r.addr, &url, m.version))
                 .await
                 .unwrap_or_else(|_| {
                     Err(LoadError::Failed(format!(

@@ -178,6 +178,7 @@ impl Promotions {
         self.pool.add_target(TargetSpec {
             id: target.clone(),
             health: spec.health.clone(),
+            listen: spec.listen,
             engine: spec.engine.clone(),
             revision: rev.id.clone(),
             command: spec.command.clone(),

@@ -143,6 +143,7 @@ impl Gateway {
                 guests: guests.clone(),
                 registry: registry.clone(),
                 weights: weights.clone(),
+                gateway_url: format!("http://{}", host.reach),
             }),
         );
         let upstream = Upstream::new().with_answer_idle(host.config.limits.idle_timeout);

@@ -154,6 +154,7 @@ async fn backend_for(config: &Config) -> anyhow::Result<Arc<dyn warmgate_pool::B
             }
             let backend = LocalBackend::new(logs)
                 .with_run_dir(config.state_dir.join("run"))
+                .with_socket_dir(config.state_dir.join("sockets"))
                 .with_pass_env(config.backend.pass_env.clone());
             // A previous run killed with `kill -9` left its replicas
             // running: stop them before anything starts, so GPUs and ports

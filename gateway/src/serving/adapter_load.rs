@@ -8,19 +8,15 @@
 //! leave it half done, and every request for that adapter on that replica
 //! waits for the one load.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use warmgate_deploy::AppSpec;
 
 use std::sync::Arc;
 
-use warmgate_pool::ReplicaHandle;
+use warmgate_pool::{Endpoint, ReplicaHandle};
 
 use super::adapter_files::AdapterFiles;
 use super::adapters::{LoadState, Ticket};
@@ -65,7 +61,7 @@ pub async fn prepare(
                         // made room before a later load of the same name.
                         let calls = app.engine_calls(&replica.id);
                         let _turn = calls.lock().await;
-                        load(replica.addr, &name, &path, evict.as_deref(), timeout).await
+                        load(&replica.addr, &name, &path, evict.as_deref(), timeout).await
                     }
                     Err(e) => (false, Err(e)),
                 };
@@ -131,17 +127,15 @@ pub async fn prepare(
 /// `/v1/models` `root`); from another folder it is unloaded and loaded
 /// again.
 async fn load(
-    addr: SocketAddr,
+    addr: &Endpoint,
     name: &str,
     path: &str,
     evict: Option<&str>,
     timeout: Duration,
 ) -> (bool, Result<(), String>) {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
     if let Some(old) = evict {
         let body = serde_json::json!({ "lora_name": old });
-        match post(&client, addr, "/v1/unload_lora_adapter", &body, timeout).await {
+        match post(addr, "/v1/unload_lora_adapter", &body, timeout).await {
             // 404: the engine had lost it already (a restart).
             Ok((status, _)) if status.is_success() || status.as_u16() == 404 => {}
             Ok((status, text)) => {
@@ -157,7 +151,7 @@ async fn load(
     }
     let loaded = async {
         let body = serde_json::json!({ "lora_name": name, "lora_path": path });
-        let (status, text) = post(&client, addr, "/v1/load_lora_adapter", &body, timeout).await?;
+        let (status, text) = post(addr, "/v1/load_lora_adapter", &body, timeout).await?;
         if status.is_success() {
             return Ok(());
         }
@@ -165,13 +159,13 @@ async fn load(
             return Err(format!("the engine answered {status}: {text}"));
         }
         // Held already: from the folder asked for, or it is reloaded.
-        let held = list(&client, addr).await?;
+        let held = list(addr).await?;
         if held.iter().any(|(n, root)| n == name && root == path) {
             return Ok(());
         }
         let unload = serde_json::json!({ "lora_name": name });
-        post(&client, addr, "/v1/unload_lora_adapter", &unload, timeout).await?;
-        let (status, text) = post(&client, addr, "/v1/load_lora_adapter", &body, timeout).await?;
+        post(addr, "/v1/unload_lora_adapter", &unload, timeout).await?;
+        let (status, text) = post(addr, "/v1/load_lora_adapter", &body, timeout).await?;
         if status.is_success() {
             Ok(())
         } else {
@@ -184,18 +178,17 @@ async fn load(
 }
 
 async fn post(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    addr: SocketAddr,
+    addr: &Endpoint,
     path: &str,
     body: &serde_json::Value,
     timeout: Duration,
 ) -> Result<(http::StatusCode, String), String> {
-    let req = http::Request::post(format!("http://{addr}{path}"))
+    let req = http::Request::post(path)
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
     let call = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = addr.send_once(req).await?;
         let status = resp.status();
         let bytes = Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
             .collect()
@@ -224,12 +217,10 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(5);
 /// (a deleted adapter, an old revision, another folder) are unloaded, so
 /// the engine holds only what the record says.
 pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
     // No load or unload of the gateway's runs on the engine meanwhile.
     let calls = app.engine_calls(&replica.id);
     let _turn = calls.lock().await;
-    let found = match list(&client, replica.addr).await {
+    let found = match list(&replica.addr).await {
         Ok(found) => found,
         Err(e) => {
             tracing::debug!(app = %app.name, replica = %replica.id, error = %e, "could not list the engine's adapters");
@@ -245,8 +236,7 @@ pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
     for name in stray {
         let body = serde_json::json!({ "lora_name": name });
         if let Err(e) = post(
-            &client,
-            replica.addr,
+            &replica.addr,
             "/v1/unload_lora_adapter",
             &body,
             LIST_TIMEOUT,
@@ -260,15 +250,12 @@ pub async fn reconcile(app: Arc<App>, replica: Arc<ReplicaHandle>) {
 
 /// The adapters an engine's `GET /v1/models` lists: (id, root) of each
 /// model with a `parent`.
-async fn list(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    addr: SocketAddr,
-) -> Result<Vec<(String, String)>, String> {
-    let req = http::Request::get(format!("http://{addr}/v1/models"))
+async fn list(addr: &Endpoint) -> Result<Vec<(String, String)>, String> {
+    let req = http::Request::get("/v1/models")
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
     let call = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = addr.send_once(req).await?;
         if !resp.status().is_success() {
             return Err(format!("/v1/models answered {}", resp.status()));
         }

@@ -55,7 +55,7 @@ pub async fn forward<S: Slot>(
     strip_hop_by_hop(req.headers_mut());
     req.headers_mut().remove(header::HOST);
     slot.note_forward();
-    let resp = match upstream.send_to(replica.addr, req).await {
+    let resp = match upstream.send_to(&replica.addr, req).await {
         Ok(r) => r,
         Err(failed) => {
             let err = upstream_error(&failed.error, &replica.id, replica.target.owner());

@@ -9,12 +9,12 @@
 //! ready again: a forwarded request costs a map read, a lock and a pop.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use warmgate_pool::Endpoint;
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -33,7 +33,7 @@ pub enum SendError {
     #[error("could not connect to {addr}: {source}")]
     Connect {
         /// The replica's address.
-        addr: SocketAddr,
+        addr: Endpoint,
         /// What the connect returned.
         #[source]
         source: std::io::Error,
@@ -82,7 +82,7 @@ pub struct Settings {
 
 /// The connections to every replica the gateway has sent to lately.
 pub struct Conns {
-    hosts: RwLock<HashMap<SocketAddr, Arc<Host>>>,
+    hosts: RwLock<HashMap<Endpoint, Arc<Host>>>,
     settings: Settings,
     started: Instant,
     /// When hosts with nothing open are next dropped, in ms after `started`.
@@ -91,7 +91,7 @@ pub struct Conns {
 
 /// One replica address and its idle connections, the last returned on top.
 struct Host {
-    addr: SocketAddr,
+    addr: Endpoint,
     /// `Host:` for requests that do not carry one.
     authority: HeaderValue,
     idle: Mutex<Vec<Idle>>,
@@ -120,7 +120,7 @@ impl Conns {
     /// can be made the request comes back unsent.
     pub async fn send(
         &self,
-        addr: SocketAddr,
+        addr: &Endpoint,
         mut req: Request<Body>,
     ) -> Result<Response<Returned>, Failed> {
         self.sweep();
@@ -167,18 +167,18 @@ impl Conns {
         }
     }
 
-    fn host(&self, addr: SocketAddr) -> Arc<Host> {
-        if let Some(h) = self.hosts.read().get(&addr) {
+    fn host(&self, addr: &Endpoint) -> Arc<Host> {
+        if let Some(h) = self.hosts.read().get(addr) {
             return h.clone();
         }
         self.hosts
             .write()
-            .entry(addr)
+            .entry(addr.clone())
             .or_insert_with(|| {
                 Arc::new(Host {
-                    addr,
-                    authority: HeaderValue::from_str(&addr.to_string())
-                        .expect("a socket address is a valid header value"),
+                    addr: addr.clone(),
+                    authority: HeaderValue::from_str(&addr.authority())
+                        .expect("an address or localhost is a valid header value"),
                     idle: Mutex::new(Vec::new()),
                     max_idle: self.settings.max_idle_per_host,
                 })
@@ -186,24 +186,24 @@ impl Conns {
             .clone()
     }
 
-    async fn connect(&self, addr: SocketAddr) -> Result<SendRequest<Body>, SendError> {
-        let connect_error = |source| SendError::Connect { addr, source };
-        let stream = tokio::time::timeout(
-            self.settings.connect_timeout,
-            tokio::net::TcpStream::connect(addr),
-        )
-        .await
-        .map_err(|_| {
-            connect_error(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no connection within {:?}", self.settings.connect_timeout),
-            ))
-        })?
-        .map_err(connect_error)?;
-        let _ = stream.set_nodelay(true);
+    async fn connect(&self, addr: &Endpoint) -> Result<SendRequest<Body>, SendError> {
+        let connect_error = |source| SendError::Connect {
+            addr: addr.clone(),
+            source,
+        };
+        let stream = tokio::time::timeout(self.settings.connect_timeout, addr.connect())
+            .await
+            .map_err(|_| {
+                connect_error(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection within {:?}", self.settings.connect_timeout),
+                ))
+            })?
+            .map_err(connect_error)?;
         let (tx, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await?;
+        let addr = addr.clone();
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!(%addr, error = %e, "replica connection ended");
@@ -239,10 +239,10 @@ impl Conns {
 
     /// Idle connections kept now to `addr`.
     #[cfg(test)]
-    fn idle(&self, addr: SocketAddr) -> usize {
+    fn idle(&self, addr: &Endpoint) -> usize {
         self.hosts
             .read()
-            .get(&addr)
+            .get(addr)
             .map_or(0, |h| h.idle.lock().len())
     }
 }
@@ -350,7 +350,7 @@ impl HttpBody for Returned {
 
 impl std::fmt::Debug for Returned {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let addr = self.lease.as_ref().map(|(_, h)| h.addr);
+        let addr = self.lease.as_ref().map(|(_, h)| h.addr.clone());
         f.debug_struct("Returned").field("replica", &addr).finish()
     }
 }
@@ -364,9 +364,9 @@ mod tests {
     /// A replica that counts its connections and answers `size` bytes to
     /// any request; with `close_idle`, it closes each connection after one
     /// answer (as a worker whose keep-alive timeout passed).
-    async fn replica(size: usize, one_per_conn: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+    async fn replica(size: usize, one_per_conn: bool) -> (Endpoint, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let addr = Endpoint::Tcp(listener.local_addr().unwrap());
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
         tokio::spawn(async move {
@@ -401,6 +401,45 @@ mod tests {
         (addr, accepted)
     }
 
+    #[tokio::test]
+    async fn a_replica_on_a_unix_socket_is_sent_to_with_host_localhost_and_kept_alive() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        let host = req.headers()[header::HOST].to_str().unwrap().to_string();
+                        Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+                            Bytes::from(host),
+                        )))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        let addr = Endpoint::unix(&path);
+        let c = conns();
+        for _ in 0..3 {
+            let resp = c.send(&addr, get("/")).await.unwrap();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"localhost");
+            until(|| c.idle(&addr) == 1).await;
+        }
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "one connection, kept alive"
+        );
+    }
+
     fn conns() -> Conns {
         Conns::new(Settings {
             connect_timeout: Duration::from_secs(5),
@@ -430,14 +469,14 @@ mod tests {
         let c = conns();
         for _ in 0..5 {
             let resp = c
-                .send(addr, get("http://example.invalid/a?b=1"))
+                .send(&addr, get("http://example.invalid/a?b=1"))
                 .await
                 .unwrap();
             assert_eq!(resp.headers()["x-target"], "/a?b=1", "origin form");
             assert_eq!(resp.headers()["x-host"], addr.to_string().as_str());
             let body = resp.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(body.len(), 100_000);
-            until(|| c.idle(addr) == 1).await;
+            until(|| c.idle(&addr) == 1).await;
         }
         assert_eq!(
             accepted.load(Ordering::SeqCst),
@@ -450,12 +489,12 @@ mod tests {
     async fn an_answer_dropped_before_its_end_takes_its_connection_with_it() {
         let (addr, accepted) = replica(4 << 20, false).await;
         let c = conns();
-        let resp = c.send(addr, get("/big")).await.unwrap();
+        let resp = c.send(&addr, get("/big")).await.unwrap();
         let mut body = resp.into_body();
         body.frame().await.unwrap().unwrap();
         drop(body);
-        assert_eq!(c.idle(addr), 0);
-        let resp = c.send(addr, get("/big")).await.unwrap();
+        assert_eq!(c.idle(&addr), 0);
+        let resp = c.send(&addr, get("/big")).await.unwrap();
         let n = resp.into_body().collect().await.unwrap().to_bytes().len();
         assert_eq!(n, 4 << 20, "the next request gets a whole answer");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
@@ -466,7 +505,7 @@ mod tests {
         let (addr, accepted) = replica(10, true).await;
         let c = conns();
         for i in 1..=3 {
-            let resp = c.send(addr, get("/")).await.unwrap();
+            let resp = c.send(&addr, get("/")).await.unwrap();
             assert_eq!(
                 resp.into_body().collect().await.unwrap().to_bytes().len(),
                 10
@@ -478,9 +517,9 @@ mod tests {
     #[tokio::test]
     async fn a_refused_connect_is_a_connect_error_and_sends_nothing() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
+        let addr = Endpoint::Tcp(listener.local_addr().unwrap());
         drop(listener);
-        let failed = conns().send(addr, get("/again")).await.unwrap_err();
+        let failed = conns().send(&addr, get("/again")).await.unwrap_err();
         let err = failed.error;
         assert!(err.is_connect(), "{err}");
         assert!(err.to_string().contains(&addr.to_string()), "{err}");
@@ -496,23 +535,23 @@ mod tests {
             idle_timeout: Duration::from_millis(200),
             max_idle_per_host: 2,
         });
-        let resps = futures_util::future::join_all((0..4).map(|_| c.send(addr, get("/")))).await;
+        let resps = futures_util::future::join_all((0..4).map(|_| c.send(&addr, get("/")))).await;
         for r in resps {
             r.unwrap().into_body().collect().await.unwrap();
         }
-        until(|| c.idle(addr) == 2).await;
+        until(|| c.idle(&addr) == 2).await;
         tokio::time::sleep(Duration::from_millis(250)).await;
         // Past the idle timeout the next request sweeps the old ones and
         // connects afresh; the replica nobody uses is forgotten.
         let (other, _) = replica(10, false).await;
-        c.send(other, get("/"))
+        c.send(&other, get("/"))
             .await
             .unwrap()
             .into_body()
             .collect()
             .await
             .unwrap();
-        assert_eq!(c.idle(addr), 0);
+        assert_eq!(c.idle(&addr), 0);
         assert!(!c.hosts.read().contains_key(&addr));
     }
 }

@@ -6,9 +6,9 @@
 
 pub mod conns;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use warmgate_pool::Endpoint;
 
 use axum::body::Body;
 use http::header;
@@ -104,7 +104,7 @@ impl Upstream {
     /// A request no connection could be made for comes back unsent.
     pub async fn send_to(
         &self,
-        addr: SocketAddr,
+        addr: &Endpoint,
         req: Request<Body>,
     ) -> Result<Response<Returned>, Failed> {
         self.conns.send(addr, req).await
@@ -134,20 +134,22 @@ impl Upstream {
     /// `weights_version` than asked failed.
     pub async fn load_weights(
         &self,
-        addr: SocketAddr,
+        addr: &Endpoint,
         url: &str,
         version: u64,
     ) -> Result<(), LoadError> {
         let failed = |e: String| LoadError::Failed(e);
         let body = serde_json::json!({"url": url, "version": version}).to_string();
-        let req = Request::post(format!("http://{addr}/weights"))
+        let req = Request::post("/weights")
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(body))
             .map_err(|e| failed(e.to_string()))?;
-        let resp = self
-            .send(req)
-            .await
-            .map_err(|e| failed(format!("the worker did not answer POST /weights: {e}")))?;
+        let resp = self.send_to(addr, req).await.map_err(|e| {
+            failed(format!(
+                "the worker did not answer POST /weights: {}",
+                warmgate_pool::probe::error_chain(&e.error)
+            ))
+        })?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), WEIGHTS_ANSWER_LIMIT)
             .collect()

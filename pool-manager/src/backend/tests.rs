@@ -17,6 +17,7 @@ fn launch(cmd: &[&str]) -> Launch {
         gpu_count: 2,
         pool: false,
         health: warmgate_deploy::HealthSpec::default(),
+        listen: Default::default(),
         startup_timeout: std::time::Duration::from_secs(60),
     }
 }
@@ -37,7 +38,7 @@ async fn child_gets_the_contract_environment_and_a_log_file() {
         .expect("spawn");
     assert_eq!(p.wait().await, "exited with status 3");
     let log = std::fs::read_to_string(p.log()).expect("log written");
-    let port = p.addr().port();
+    let port = p.addr().tcp().expect("a port").port();
     assert!(
         log.contains(&format!(
             "port={port} replica=t-1 target=t revision=t-00001 gpus=2,3 extra=yes"

@@ -50,8 +50,8 @@ pub(super) struct KubeProcess {
 
 #[async_trait]
 impl Process for KubeProcess {
-    fn addr(&self) -> SocketAddr {
-        self.addr
+    fn addr(&self) -> crate::Endpoint {
+        crate::Endpoint::Tcp(self.addr)
     }
 
     fn pid(&self) -> Option<u32> {

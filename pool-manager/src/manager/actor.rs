@@ -2,7 +2,6 @@
 //! replica, when to retry) and brings the target's replicas to the desired
 //! count, driven by [`Event`]s from the replicas' tasks.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,7 +17,7 @@ use crate::replica::{ReplicaHandle, ReplicaState, Transition};
 pub(super) enum Event {
     Launched {
         seq: u64,
-        addr: SocketAddr,
+        addr: crate::Endpoint,
         pid: Option<u32>,
         log: String,
     },
@@ -310,6 +309,9 @@ impl Actor {
                     return;
                 };
                 slot.state = next;
+                // Where it was found ready (a replica offered both a port
+                // and a socket is reached where it listened).
+                slot.addr = Some(handle.addr.clone());
                 slot.handle = Some(handle.clone());
                 self.inner.sink.replica_ready(handle.clone());
                 tracing::info!(

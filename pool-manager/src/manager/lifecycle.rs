@@ -32,6 +32,7 @@ pub(super) fn launch_for(spec: &TargetSpec, replica: String, gpus: Vec<u32>) -> 
         gpu_count: spec.gpus,
         pool: spec.id.is_pool(),
         health: spec.health.clone(),
+        listen: spec.listen,
         startup_timeout: spec.startup_timeout,
     }
 }
@@ -78,10 +79,9 @@ impl ReplicaTask {
         };
         let spawn = t0.elapsed();
         let t_spawned = Instant::now();
-        let addr = proc.addr();
         self.send(Event::Launched {
             seq,
-            addr,
+            addr: proc.addr(),
             pid: proc.pid(),
             log: proc.log(),
         })
@@ -92,10 +92,13 @@ impl ReplicaTask {
         let mut attempt = 0u32;
         let mut last = String::from("no probe answered yet");
         let health = &self.spec.health;
-        let (weights_version, weights_ms) = loop {
+        let (addr, weights_version, weights_ms) = loop {
+            // Asked each time: a replica offered both a port and a socket
+            // is reached on the socket once it has made it.
+            let addr = proc.addr();
             let probe = async {
                 tokio::time::sleep(readiness_delay(attempt)).await;
-                self.inner.prober.probe(addr, health).await
+                self.inner.prober.probe(&addr, health).await
             };
             tokio::select! {
                 biased;
@@ -122,7 +125,7 @@ impl ReplicaTask {
                     return;
                 }
                 r = probe => match r {
-                    ProbeResult::Healthy { weights_version, weights_ms } => break (weights_version, weights_ms),
+                    ProbeResult::Healthy { weights_version, weights_ms } => break (addr, weights_version, weights_ms),
                     ProbeResult::Unhealthy(why) => {
                         last = why;
                         attempt = attempt.saturating_add(1);
@@ -136,7 +139,7 @@ impl ReplicaTask {
                 launch.replica.clone(),
                 self.spec.id.clone(),
                 self.spec.revision.clone(),
-                addr,
+                addr.clone(),
                 self.spec.concurrency,
                 ready_at,
             )
@@ -186,7 +189,7 @@ impl ReplicaTask {
         let next_probe = || {
             Box::pin(async {
                 tokio::time::sleep(health.period).await;
-                self.inner.prober.probe(addr, health).await
+                self.inner.prober.probe(&addr, health).await
             })
         };
         let mut probe = next_probe();
@@ -211,12 +214,13 @@ impl ReplicaTask {
                     let path = engine.metrics_path.clone().unwrap_or_default();
                     let names = engine.names.clone();
                     let period = engine.period;
+                    let addr = addr.clone();
                     tokio::spawn(async move {
                         // Stamped when asked: a slow answer is as old as the
                         // question, and never replaces a newer reading.
                         let at = Instant::now();
                         let asked_with = handle.inflight();
-                        match prober.read_engine(addr, &path, &names, period).await {
+                        match prober.read_engine(&addr, &path, &names, period).await {
                             Ok(load) if !load.is_empty() => {
                                 handle.set_engine(crate::engine::EngineReading {
                                     load,

@@ -3,7 +3,6 @@
 //! backoff.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,7 +34,7 @@ pub(super) struct Slot {
     pub(super) state: ReplicaState,
     pub(super) gpus: Vec<u32>,
     pub(super) created: Instant,
-    pub(super) addr: Option<SocketAddr>,
+    pub(super) addr: Option<crate::Endpoint>,
     pub(super) pid: Option<u32>,
     pub(super) log: Option<String>,
     pub(super) handle: Option<Arc<ReplicaHandle>>,
@@ -77,7 +76,7 @@ impl Shared {
                     id: s.id.clone(),
                     state: s.state.clone(),
                     revision: self.spec.revision.clone(),
-                    addr: s.addr,
+                    addr: s.addr.clone(),
                     pid: s.pid,
                     gpus: s.gpus.clone(),
                     inflight: h.map_or(0, |h| h.inflight()),

@@ -40,6 +40,7 @@ fn spec(id: &TargetId) -> TargetSpec {
     TargetSpec {
         id: id.clone(),
         health: warmgate_deploy::HealthSpec::default(),
+        listen: Default::default(),
         engine: warmgate_deploy::EngineSpec::default(),
         revision: "r1".into(),
         command: vec!["worker".into()],

@@ -19,6 +19,8 @@ pub struct TargetSpec {
     pub id: TargetId,
     /// How readiness and liveness are probed.
     pub health: warmgate_deploy::HealthSpec,
+    /// Where a local replica listens.
+    pub listen: warmgate_deploy::Listen,
     /// Where the engine's own load is read (apps only).
     pub engine: warmgate_deploy::EngineSpec,
     /// Revision its replicas serve.

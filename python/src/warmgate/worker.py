@@ -19,7 +19,9 @@ Two parts, usable apart:
     ``weights_version`` and ``weights_seconds``, ``POST /invoke`` (JSON in
     and out, for pools), ``POST /weights {"url", "version"}`` (new weights
     without a restart: loaded aside, swapped only when whole), listening on
-    ``$PORT``, and SIGTERM (stop taking connections, finish what is in
+    ``$WARMGATE_SOCKET`` when the gateway offers one (a Unix socket in a
+    folder only the gateway's user may enter, so no other local user can
+    reach the worker), else ``$PORT``, and SIGTERM (stop taking connections, finish what is in
     flight, exit). Subclass it and override ``invoke`` and ``load``.
 
 Run ``python3 -m warmgate.worker`` for a demo worker that loads its
@@ -38,6 +40,7 @@ import struct
 import sys
 import threading
 import time
+import socketserver
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
@@ -93,6 +96,21 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor({self.name!r}, {self.dtype}, {self.shape}, {len(self.raw)} bytes)"
+
+
+def _origin(url: str) -> Tuple[str, str, Optional[int]]:
+    """``url``'s scheme, host and port, as browsers compare origins."""
+    u = urllib.parse.urlsplit(url)
+    port = u.port or {"http": 80, "https": 443}.get(u.scheme)
+    return (u.scheme, (u.hostname or "").lower(), port)
+
+
+def gateway_origin() -> Optional[Tuple[str, str, Optional[int]]]:
+    """The origin of the gateway this worker was started by
+    (``WARMGATE_GATEWAY_URL``, else ``WARMGATE_WEIGHTS_URL``'s), the one
+    place its ``WARMGATE_WEIGHTS_TOKEN`` is ever sent; ``None`` without one."""
+    base = os.environ.get("WARMGATE_GATEWAY_URL") or os.environ.get("WARMGATE_WEIGHTS_URL")
+    return _origin(base) if base else None
 
 
 def _open(
@@ -202,7 +220,15 @@ def stream_checkpoint(
     ``on_tensor`` a second time). ``local=False``: every file is
     downloaded.
     """
-    token = token if token is not None else os.environ.get("WARMGATE_WEIGHTS_TOKEN")
+    if token is None:
+        # The worker's own token goes to the gateway that started it and
+        # nowhere else: a URL handed to ``POST /weights`` by anyone else
+        # must not make it leak.
+        token = os.environ.get("WARMGATE_WEIGHTS_TOKEN")
+        if token and gateway_origin() != _origin(url):
+            raise WeightsError(
+                f"{url}: not the gateway this worker was started by "
+                f"(WARMGATE_GATEWAY_URL); its weights token is sent nowhere else")
     t0 = time.monotonic()
     conn, resp = _open(url, token, timeout)
     try:
@@ -352,7 +378,7 @@ class Worker:
         self.adapters: Dict[str, Any] = {}
         self._inflight = 0
         self._idle = threading.Condition()
-        self.server: Optional[ThreadingHTTPServer] = None
+        self.server: Optional[socketserver.BaseServer] = None
 
     # --- override these ---------------------------------------------------
 
@@ -449,6 +475,10 @@ class Worker:
             def log_message(self, fmt: str, *args: Any) -> None:
                 pass
 
+            def address_string(self) -> str:
+                # A Unix socket's peer has no address.
+                return str(self.client_address[0]) if self.client_address else "unix"
+
             def _reply(self, status: int, body: Any) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
@@ -484,8 +514,14 @@ class Worker:
                                                           "/v1/unload_lora_adapter"):
                         return self._reply(*worker._adapter_route(self.path, payload))
                     if method == "POST" and self.path == "/weights":
-                        if not isinstance(payload, dict) or "url" not in payload:
+                        if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
                             return self._reply(400, {"error": "expected {\"url\", \"version\"}"})
+                        if (os.environ.get("WARMGATE_WEIGHTS_TOKEN")
+                                and gateway_origin() != _origin(payload["url"])):
+                            return self._reply(400, {
+                                "error": "the weights URL is not on the gateway this worker was "
+                                         "started by; its weights token is sent nowhere else",
+                                "weights_version": worker.weights_version})
                         version = int(payload.get("version", 0))
                         try:
                             worker.load_weights(payload["url"], version)
@@ -508,9 +544,19 @@ class Worker:
             def do_POST(self) -> None:
                 self._route("POST")
 
-        port = int(port if port is not None else os.environ.get("PORT", "8000"))
-        server = self.server = ThreadingHTTPServer((host, port), Handler)
-        server.daemon_threads = True
+        socket_path = os.environ.get("WARMGATE_SOCKET") if port is None else None
+        server: socketserver.BaseServer
+        if socket_path:
+            # Replaced if an earlier worker of the same name left it.
+            try:
+                os.unlink(socket_path)
+            except FileNotFoundError:
+                pass
+            server = self.server = _UnixHTTPServer(socket_path, Handler)
+        else:
+            port = int(port if port is not None else os.environ.get("PORT", "8000"))
+            server = self.server = ThreadingHTTPServer((host, port), Handler)
+            server.daemon_threads = True
 
         def stop(*_: Any) -> None:
             # Stop taking connections, let in-flight requests finish.
@@ -521,6 +567,12 @@ class Worker:
         with self._idle:
             self._idle.wait_for(lambda: self._inflight == 0, timeout=60)
         server.server_close()
+
+
+class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+    """HTTP on a Unix socket, a thread a connection."""
+
+    daemon_threads = True
 
 
 class Demo(Worker):

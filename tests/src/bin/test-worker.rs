@@ -1,6 +1,7 @@
 //! `test-worker`: a fixture worker process for warmgate's end-to-end tests.
 //!
-//! It follows the worker contract (listen on `127.0.0.1:$PORT`, answer
+//! It follows the worker contract (listen on `$WARMGATE_SOCKET` when the
+//! gateway offers one, else on `127.0.0.1:$PORT`; answer
 //! `GET /healthz` once ready, drain in-flight requests on SIGTERM/SIGINT and
 //! exit 0) and lets tests script its behaviour:
 //!
@@ -73,14 +74,14 @@ fn main() {
         eprintln!("test-worker: TEST_WORKER_EXIT_AT_START={code}, exiting before binding");
         std::process::exit(code);
     }
-    let port = match port_from_env() {
-        Ok(port) => port,
+    let bind = match bind_from_env() {
+        Ok(bind) => bind,
         Err(message) => {
             eprintln!("test-worker: {message}");
             std::process::exit(USAGE_EXIT_CODE);
         }
     };
-    let config = Config::from_env(port);
+    let config = Config::from_env(bind);
 
     let result = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -110,11 +111,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
         }
     }
 
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, config.port));
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
-    eprintln!("test-worker listening on {addr}");
+    let listener = match &config.bind {
+        Bind::Port(port) => {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?;
+            eprintln!("test-worker listening on {addr}");
+            Listening::Tcp(l)
+        }
+        Bind::Socket(path) => {
+            let l = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("binding {}", path.display()))?;
+            eprintln!("test-worker listening on {}", path.display());
+            Listening::Unix(l)
+        }
+    };
 
     let mut loaded = Loaded::default();
     let mut weights_seconds = None;
@@ -156,20 +168,22 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     let by_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = by_request.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            tokio::select! {
-                name = signals.wait() => {
-                    eprintln!("test-worker: received {name}, draining in-flight requests");
-                }
-                () = close.notified() => {
-                    flag.store(true, Ordering::SeqCst);
-                    eprintln!("test-worker: closing the listener but staying alive");
-                }
+    let shutdown = async move {
+        tokio::select! {
+            name = signals.wait() => {
+                eprintln!("test-worker: received {name}, draining in-flight requests");
             }
-        })
-        .await
-        .context("serving")?;
+            () = close.notified() => {
+                flag.store(true, Ordering::SeqCst);
+                eprintln!("test-worker: closing the listener but staying alive");
+            }
+        }
+    };
+    match listener {
+        Listening::Tcp(l) => axum::serve(l, app).with_graceful_shutdown(shutdown).await,
+        Listening::Unix(l) => axum::serve(l, app).with_graceful_shutdown(shutdown).await,
+    }
+    .context("serving")?;
     if by_request.load(Ordering::SeqCst) {
         // A worker that is alive but refuses connections: wait for a signal.
         let mut signals = ShutdownSignals::install()?;
@@ -200,10 +214,24 @@ async fn close_listener(
 // Startup configuration
 // ---------------------------------------------------------------------------
 
+/// Where to listen.
+enum Bind {
+    /// `127.0.0.1:$PORT`.
+    Port(u16),
+    /// `$WARMGATE_SOCKET`.
+    Socket(std::path::PathBuf),
+}
+
+/// A bound listener.
+enum Listening {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener),
+}
+
 /// Everything read from the environment at startup.
 struct Config {
-    /// Port to listen on (from `PORT`).
-    port: u16,
+    /// Where to listen (`WARMGATE_SOCKET`, else `PORT`).
+    bind: Bind,
     /// `TEST_WORKER_STARTUP_MS`: delay before binding.
     startup_delay: Duration,
     /// `TEST_WORKER_NEVER_READY=1`: `/healthz` always answers 503.
@@ -215,9 +243,9 @@ struct Config {
 }
 
 impl Config {
-    fn from_env(port: u16) -> Self {
+    fn from_env(bind: Bind) -> Self {
         Self {
-            port,
+            bind,
             startup_delay: env_millis("TEST_WORKER_STARTUP_MS"),
             never_ready: std::env::var("TEST_WORKER_NEVER_READY").is_ok_and(|v| parse_flag(&v)),
             default_latency: env_millis("TEST_WORKER_LATENCY_MS"),
@@ -265,6 +293,14 @@ impl WorkerEnv {
     }
 }
 
+/// The socket the gateway offers (`WARMGATE_SOCKET`), else `PORT`.
+fn bind_from_env() -> Result<Bind, String> {
+    match std::env::var_os("WARMGATE_SOCKET").filter(|s| !s.is_empty()) {
+        Some(path) => Ok(Bind::Socket(path.into())),
+        None => port_from_env().map(Bind::Port),
+    }
+}
+
 /// Reads `PORT`, which is required and must be in `1..=65535`.
 fn port_from_env() -> Result<u16, String> {
     let raw = std::env::var("PORT").map_err(|_| "PORT must be set to the port to listen on")?;
@@ -273,6 +309,21 @@ fn port_from_env() -> Result<u16, String> {
         _ => Err(format!(
             "invalid PORT {raw:?}: expected an integer in 1..=65535"
         )),
+    }
+}
+
+/// Whether `url` has the origin of `WARMGATE_GATEWAY_URL` (else of
+/// `WARMGATE_WEIGHTS_URL`); without either, any URL (a worker run by hand).
+fn on_the_gateway(url: &str) -> bool {
+    let Some(base) = std::env::var("WARMGATE_GATEWAY_URL")
+        .or_else(|_| std::env::var("WARMGATE_WEIGHTS_URL"))
+        .ok()
+    else {
+        return true;
+    };
+    match (reqwest::Url::parse(&base), reqwest::Url::parse(url)) {
+        (Ok(b), Ok(u)) => b.origin() == u.origin(),
+        _ => false,
     }
 }
 
@@ -519,6 +570,16 @@ async fn swap_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
                 .into_response();
         }
     };
+    // The worker's token goes to the gateway that started it only.
+    if !on_the_gateway(&swap.url) {
+        return (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({
+                "error": "the weights URL is not on the gateway this worker was started by"
+            })),
+        )
+            .into_response();
+    }
     let replica = state.config.replica();
     // A stock server without in-place sync: the route is not there.
     if std::env::var_os("TEST_WORKER_NO_WEIGHTS").is_some() {

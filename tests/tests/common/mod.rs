@@ -561,3 +561,77 @@ impl Drop for Moto {
         let _ = self.child.wait();
     }
 }
+
+/// One request straight to a replica at `addr` as `/v1/status` shows it
+/// (`127.0.0.1:P`, or `unix:/path` for a worker on the gateway's socket),
+/// bypassing the gateway: its status and body.
+pub async fn replica_call(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut raw = Vec::new();
+    let read = async {
+        match addr.strip_prefix("unix:") {
+            Some(p) => {
+                let mut s = tokio::net::UnixStream::connect(p).await?;
+                s.write_all(req.as_bytes()).await?;
+                s.read_to_end(&mut raw).await
+            }
+            None => {
+                let mut s = tokio::net::TcpStream::connect(addr).await?;
+                s.write_all(req.as_bytes()).await?;
+                s.read_to_end(&mut raw).await
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read)
+        .await
+        .unwrap_or_else(|_| panic!("{addr} did not answer {method} {path} in time"))
+        .unwrap_or_else(|e| panic!("{method} {path} at {addr}: {e}"));
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line from {addr}: {text}"));
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    // The fixture workers answer with a length or chunks; undo chunking.
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut out = String::new();
+        let mut rest = rest;
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 || after.len() < n {
+                break;
+            }
+            out.push_str(&after[..n]);
+            rest = after[n..].trim_start_matches("\r\n");
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+/// A replica's `GET path` as JSON, straight from the replica.
+pub async fn replica_json(addr: &str, path: &str) -> Value {
+    let (status, body) = replica_call(addr, "GET", path, "").await;
+    assert_eq!(status, 200, "GET {path} at {addr}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path} at {addr}: {e}: {body}"))
+}
+
+/// Whether a connection to a replica at `addr` (as [`replica_call`]) is
+/// refused now.
+pub async fn replica_refuses(addr: &str) -> bool {
+    match addr.strip_prefix("unix:") {
+        Some(p) => tokio::net::UnixStream::connect(p).await.is_err(),
+        None => tokio::net::TcpStream::connect(addr).await.is_err(),
+    }
+}

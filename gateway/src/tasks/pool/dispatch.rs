@@ -245,7 +245,7 @@ impl Pool {
             .map_err(|e| Failure::User(format!("bad request: {e}")))?;
         let resp = self
             .client
-            .send_to(replica.addr, req)
+            .send_to(&replica.addr, req)
             .await
             .map_err(|e| Failure::System(format!("replica {}: {}", replica.id, e.error)))?;
         let status = resp.status();

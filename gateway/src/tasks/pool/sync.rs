@@ -344,7 +344,7 @@ impl Pool {
     /// `POST /weights {"url", "version"}` to a worker.
     async fn load_weights(&self, r: &ReplicaHandle, url: &str, version: u64) -> Result<(), String> {
         self.client
-            .load_weights(r.addr, url, version)
+            .load_weights(&r.addr, url, version)
             .await
             .map_err(|e| e.to_string())
     }
