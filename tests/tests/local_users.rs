@@ -262,3 +262,47 @@ async fn another_user_cannot_reach_a_replica_nor_make_a_worker_send_its_token_el
         "the worker connected to the foreign URL"
     );
 }
+
+#[test]
+fn serve_prints_its_token_only_to_a_terminal() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = tempfile::tempdir().expect("dir");
+    let config = dir.path().join("warmgate.toml");
+    std::fs::write(&config, "state_dir = \"state\"\n").expect("config");
+    let mut child = Command::new(bin("warmgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .env_remove("WARMGATE_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut lines = Vec::new();
+    while lines.len() < 2 {
+        match rx.recv_timeout(WAIT) {
+            Ok(l) => lines.push(l),
+            Err(_) => break,
+        }
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+    let token = std::fs::read_to_string(dir.path().join("state/admin-token")).expect("token");
+    let token = token.trim();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[1].starts_with("dashboard: "), "{lines:?}");
+    assert!(
+        lines.iter().all(|l| !l.contains(token)),
+        "stdout is a pipe, not a terminal: {lines:?}"
+    );
+}

@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 use common::{Gateway, bin, eventually};
 use serde_json::Value;
@@ -153,5 +153,77 @@ async fn apply_over_tls_works_with_a_private_ca_and_a_renewed_certificate_after_
         !o.status.success(),
         "the old CA is still trusted: {}",
         text(&o)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_listener_serves_weights_only_and_is_public_only_with_a_token() {
+    let certs = tempfile::tempdir().expect("dir");
+    let (cert, key) = (certs.path().join("cert.pem"), certs.path().join("key.pem"));
+    issue(certs.path(), "a", &cert, &key);
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let worker_at = free.local_addr().expect("addr");
+    drop(free);
+    let tls = format!(
+        "[tls]\ncert = \"{}\"\nkey = \"{}\"\nworker_listen = \"{worker_at}\"\n",
+        cert.display(),
+        key.display()
+    );
+    let gw = Gateway::start_with(&tls, &[], &[("WARMGATE_ADMIN_TOKEN", TOKEN)]);
+    let plain = reqwest::Client::new();
+    // The whole API was served there, in plain HTTP, even with a token.
+    let r = plain
+        .get(format!("http://{worker_at}/v1/status"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 404);
+    let body: Value = r.json().await.expect("json");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("workers' listener")),
+        "{body}"
+    );
+    let r = plain
+        .get(format!("http://{worker_at}/healthz"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    // Weights are still there for a worker (401 without its token).
+    let r = plain
+        .get(format!("http://{worker_at}/v1/weights/m/m-00001"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 401);
+    drop(gw);
+
+    // A public workers' listener needs the admin token, as a public listen.
+    let dir = tempfile::tempdir().expect("dir");
+    let config = dir.path().join("warmgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"state\"\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nworker_listen = \"0.0.0.0:0\"\n",
+            cert.display(),
+            key.display()
+        ),
+    )
+    .expect("write");
+    let out = Command::new(bin("warmgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .env_remove("WARMGATE_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("serve");
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    assert!(
+        text(&out).contains("refusing to listen on 0.0.0.0"),
+        "{}",
+        text(&out)
     );
 }

@@ -93,6 +93,15 @@ pub struct AppSpec {
     pub adapters: crate::adapters::AdaptersSpec,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
+    /// The paths of the app's own API that data-plane clients may call
+    /// through `/apps/{app}/…` (each path and what lies below it); the
+    /// rest needs the admin token. Empty: every path, except for an LLM
+    /// engine (an app with `adapters` or `engine.metrics_path`), which
+    /// passes its clients' routes only (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/embeddings`, `/tokenize`, `/health`, …).
+    /// The engines' admin routes (`/reset_prefix_cache`, `/sleep`,
+    /// `/collective_rpc`, SGLang's `/flush_cache`, …) always need it.
+    pub passthrough: Vec<String>,
     /// Served by this warm pool's replicas instead of its own: requests go
     /// to the same processes that run the pool's tasks, under the pool's
     /// per-replica `concurrency`, on the pool's weights. Such an app has no
@@ -123,6 +132,7 @@ impl Default for AppSpec {
             adapters: crate::adapters::AdaptersSpec::default(),
             kubernetes: PodSpec::default(),
             pool: None,
+            passthrough: Vec::new(),
         }
     }
 }
@@ -471,6 +481,14 @@ impl Config {
     ) -> Result<(), (String, String)> {
         let at = |key: &str| format!("apps[{i}].{key}");
         check_dns_label(&app.name).map_err(|m| (at("name"), m))?;
+        for (j, p) in app.passthrough.iter().enumerate() {
+            if !p.starts_with('/') {
+                return Err((
+                    at(&format!("passthrough[{j}]")),
+                    format!("{p:?} is not a path: it must start with '/'"),
+                ));
+            }
+        }
         for (j, alias) in app.aliases.iter().enumerate() {
             check_model_name(alias).map_err(|m| (at(&format!("aliases[{j}]")), m))?;
         }

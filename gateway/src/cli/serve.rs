@@ -112,9 +112,12 @@ pub(super) fn serve(
         );
         return 0;
     }
-    if let Err(e) = refuse_open_listen(config.listen, insecure) {
-        eprintln!("error: {e}");
-        return EXIT_USAGE;
+    let worker_listen = config.tls.as_ref().and_then(|t| t.worker_listen);
+    for listen in std::iter::once(config.listen).chain(worker_listen) {
+        if let Err(e) = refuse_open_listen(listen, insecure) {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
     }
     let _telemetry = crate::telemetry::init(log_format);
     raise_open_file_limit();

@@ -30,6 +30,9 @@ pub struct Edge {
     router: Router,
     /// `[access] allowed_hosts`, when set.
     hosts: Option<Arc<super::host::AllowedHosts>>,
+    /// The workers' own listener (`tls.worker_listen`): it serves what
+    /// workers call (`/v1/weights/…`) and the probes, nothing else.
+    workers_only: bool,
 }
 
 /// A hot route, recognised.
@@ -47,6 +50,16 @@ impl Edge {
             gw,
             router,
             hosts: (!hosts.is_empty()).then(|| Arc::new(hosts)),
+            workers_only: false,
+        }
+    }
+
+    /// The edge of the workers' listener: `/v1/weights/…`, `/healthz` and
+    /// `/readyz` only; any other path is `404`.
+    pub fn for_workers(gw: Arc<Gateway>) -> Self {
+        Edge {
+            workers_only: true,
+            ..Edge::new(gw)
         }
     }
 
@@ -56,6 +69,15 @@ impl Edge {
         req: http::Request<Incoming>,
     ) -> impl Future<Output = Result<Response, Infallible>> + Send + use<> {
         let mut req = req.map(Body::new);
+        if self.workers_only && !is_workers_path(req.uri().path()) {
+            let refused = Error::new(
+                ErrorKind::NotFound,
+                "this is the workers' listener (tls.worker_listen): it serves /v1/weights only; \
+                 the API is on the gateway's listen address",
+            )
+            .into_response();
+            return Either::Right(Either::Right(std::future::ready(Ok(refused))));
+        }
         if let Some(hosts) = &self.hosts
             && !hosts.admits(&req)
         {
@@ -96,6 +118,11 @@ async fn answer(gw: Arc<Gateway>, route: Hot, mut req: Request) -> Response {
         }
     };
     held(resp, guard)
+}
+
+/// What the workers' listener serves.
+fn is_workers_path(path: &str) -> bool {
+    path.starts_with("/v1/weights/") || path == "/healthz" || path == "/readyz"
 }
 
 /// The hot route `req` is for, when it surely is one the router would

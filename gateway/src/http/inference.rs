@@ -177,6 +177,19 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         let err = Error::new(ErrorKind::NotFound, format!("app '{name}' not found"));
         return finish(None, Err(err));
     };
+    let admin = is_admin(&gw, req.headers(), req.extensions());
+    if let Some(why) = crate::serving::engine_routes::admin_only(&app.spec(), sub)
+        && !admin
+    {
+        let err = Error::new(
+            ErrorKind::Unauthorized,
+            format!(
+                "{sub} of app '{}' needs Authorization: Bearer <the gateway's admin token>: {why}",
+                app.name
+            ),
+        );
+        return finish(None, Err(err));
+    }
     if let Some(control) = worker_control_path(sub) {
         let instead = if control.contains("lora") {
             "use PUT or DELETE /v1/apps/{app}/adapters/{name}"
@@ -193,6 +206,11 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         Some(q) => format!("{sub}?{q}"),
         None => sub.to_string(),
     };
+    let mut req = req;
+    if admin {
+        // The admin token never reaches a worker.
+        req.headers_mut().remove(http::header::AUTHORIZATION);
+    }
     let limit = gw.host.config.limits.max_body_bytes;
     if let Err(e) = check_content_length(&req, limit) {
         return finish(None, Err(e));
@@ -200,6 +218,22 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
     let idle = gw.host.config.limits.idle_timeout;
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit, idle)));
     within_deadline(&gw, serve(&gw, &app, req, &target)).await
+}
+
+/// Whether the request comes with the admin token: in `Authorization`
+/// (no tenants), or as the caller the tenant check let through as admin.
+fn is_admin(gw: &Gateway, headers: &http::HeaderMap, ext: &http::Extensions) -> bool {
+    if ext.get::<crate::http::AdminCaller>().is_some() {
+        return true;
+    }
+    let Some(token) = &gw.access.admin_token else {
+        return false;
+    };
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|presented| crate::tenants::same_secret(presented, token))
 }
 
 /// The worker contract's control paths (`/weights`, `/invoke`), which only

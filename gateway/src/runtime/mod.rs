@@ -267,7 +267,7 @@ where
         let mut stop_rx = stop_tx.subscribe();
         tokio::spawn(crate::listener::serve(
             l,
-            Edge::new(gw.clone()),
+            Edge::for_workers(gw.clone()),
             conn_limits,
             None,
             async move {
@@ -282,11 +282,22 @@ where
     println!("warmgate listening on {scheme}://{addr}");
     // A token the gateway made is shown to the user who started it, as
     // Jupyter shows its URL: the dashboard needs it.
+    // Only to a terminal: stdout sent to a file or a pipe may be read by
+    // others (a shared log, a CI job's output).
     if let Some(token) = crate::access::generated_admin_token() {
-        println!(
-            "dashboard: {scheme}://{addr}/ui#token={token} (admin token in {})",
-            gw.config().state_dir.join(admin_token::FILE_NAME).display()
-        );
+        use std::io::IsTerminal as _;
+        let file = gw.config().state_dir.join(admin_token::FILE_NAME);
+        if std::io::stdout().is_terminal() {
+            println!(
+                "dashboard: {scheme}://{addr}/ui#token={token} (admin token in {})",
+                file.display()
+            );
+        } else {
+            println!(
+                "dashboard: {scheme}://{addr}/ui (open it with #token=<the admin token in {}>)",
+                file.display()
+            );
+        }
     }
     let _ = std::io::stdout().flush();
 

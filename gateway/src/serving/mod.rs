@@ -10,6 +10,7 @@ pub mod buffered;
 pub(crate) mod crash_loop;
 pub mod dispatch;
 pub mod engine_load;
+pub mod engine_routes;
 pub mod pipeline;
 pub mod proxy;
 pub mod route;

@@ -67,6 +67,10 @@ pub async fn forward<S: Slot>(
     };
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    // An app's answer shares the gateway's origin with the dashboard, which
+    // keeps the admin token: it may not widen a service worker's scope to
+    // the whole origin (`/ui` included).
+    parts.headers.remove(SERVICE_WORKER_ALLOWED);
     let body = Body::new(GuardedBody {
         inner: body,
         slot: Some(slot),
@@ -128,6 +132,9 @@ fn upstream_error(e: &SendError, replica: &str, app: &str) -> Error {
         ),
     )
 }
+
+/// The header that lets a service worker control paths above its script's.
+const SERVICE_WORKER_ALLOWED: &str = "service-worker-allowed";
 
 /// Removes the headers that belong to one connection, not to the message
 /// (RFC 9110 §7.6.1), including any named by `Connection`.

@@ -1,0 +1,158 @@
+//! Two tenants on one gateway, tried as one of them would attack the
+//! other: what one learns of, or breaks for, the other.
+
+mod common;
+
+use std::path::Path;
+
+use common::{Gateway, eventually, kind};
+use serde_json::{Value, json};
+
+const KEY_A: &str = "team-a-key-0123456789";
+const KEY_B: &str = "team-b-key-0123456789";
+
+fn engine() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("standins/llm_engine.py")
+        .to_string_lossy()
+        .into_owned()
+}
+
+const TENANTS: &str = r#"
+        [[tenants]]
+        name = "team-a"
+        api_key_env = "TEST_KEY_A"
+        [[tenants]]
+        name = "team-b"
+        api_key_env = "TEST_KEY_B"
+"#;
+
+fn start(apps: &str) -> Gateway {
+    Gateway::start_with(
+        &format!("{apps}\n{TENANTS}"),
+        &[],
+        &[("TEST_KEY_A", KEY_A), ("TEST_KEY_B", KEY_B)],
+    )
+}
+
+/// A stand-in vLLM engine app on its socket, its metrics read.
+fn llm_app() -> String {
+    format!(
+        r#"
+        [[apps]]
+        name = "llm"
+        command = ["python3", "{engine}", "--model", "llm", "--uds", "$WARMGATE_SOCKET",
+                   "--prefill-ms-per-token", "0.01", "--decode-ms-per-token", "1"]
+        startup_timeout = "60s"
+        [apps.health]
+        path = "/health"
+        [apps.engine]
+        metrics_path = "/metrics"
+        [apps.autoscale]
+        min = 1
+        "#,
+        engine = engine()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_call_the_engine_s_admin_routes_through_the_passthrough() {
+    let gw = start(&llm_app());
+    gw.wait_ready("llm", 1).await;
+    let post = |path: &str, key: Option<&str>| {
+        let mut r = gw.http.post(gw.at(path)).json(&json!({}));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    // Emptying every tenant's prefix cache is the admin's.
+    for path in [
+        "/apps/llm/reset_prefix_cache",
+        "/apps/llm/%72eset_prefix_cache",
+        "/apps/llm/v1/../reset_prefix_cache",
+        "/apps/llm/metrics",
+        "/apps/llm/debug/anything",
+    ] {
+        let r = post(path, Some(KEY_A)).await.expect("send");
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.expect("json");
+        assert_eq!(status, 401, "{path}: {body}");
+        assert_eq!(kind(&body), "unauthorized", "{path}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("admin token")),
+            "{body}"
+        );
+    }
+    // The clients' routes pass for a tenant.
+    let r = post("/apps/llm/tokenize", Some(KEY_A)).await.expect("send");
+    assert_ne!(r.status().as_u16(), 401, "a client route");
+    let r = gw
+        .http
+        .post(gw.at("/apps/llm/v1/completions"))
+        .bearer_auth(KEY_B)
+        .json(&json!({"model": "llm", "prompt": "hi", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    // The admin reaches the admin route (the client carries its token).
+    let r = post("/apps/llm/reset_prefix_cache", None)
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    eventually("the gateway is still serving", || async {
+        let r = gw.http.get(gw.at("/healthz")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+}
+
+/// A web server that answers every GET with `Service-Worker-Allowed: /`.
+const WIDENING_SERVER: &str = r#"
+import os
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-type", "text/javascript")
+        self.send_header("service-worker-allowed", "/")
+        self.send_header("x-kept", "yes")
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"//")
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_cannot_widen_a_service_worker_to_the_dashboard_s_origin() {
+    let gw = Gateway::start(&format!(
+        r#"
+        [[apps]]
+        name = "sw"
+        command = ["python3", "-c", {script:?}]
+        listen = "port"
+        [apps.autoscale]
+        min = 1
+        "#,
+        script = WIDENING_SERVER
+    ));
+    gw.wait_ready("sw", 1).await;
+    let r = gw
+        .http
+        .get(gw.at("/apps/sw/sw.js"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kept"], "yes", "the app's other headers pass");
+    assert!(
+        r.headers().get("service-worker-allowed").is_none(),
+        "{:?}",
+        r.headers()
+    );
+}
