@@ -179,18 +179,57 @@ pub fn read(
         }
     } else {
         // Whole lines only, so a secret is never split across two reads
-        // (and left unredacted); a line longer than a whole read is
-        // returned as it is, so a read always moves on.
+        // (and left unredacted).
         match bytes.iter().rposition(|&b| b == b'\n') {
             Some(nl) => end = nl + 1,
             None if bytes.len() < max_bytes => end = 0,
-            None => {}
+            None => return long_line(&path, replica, from, max_bytes, size, secrets),
         }
     }
     let text = redact(&String::from_utf8_lossy(&bytes[begin..end]), secrets);
     Ok(Chunk {
         replica: replica.to_string(),
         offset: from + begin as u64,
+        next_offset: from + end as u64,
+        size,
+        text,
+    })
+}
+
+/// A line longer than a read, from `from`: read whole (up to
+/// [`MAX_BYTES`]) and redacted whole, then cut to `max_bytes`; the next
+/// read starts after it, so a read always moves on and no piece of a
+/// secret is ever returned on its own.
+fn long_line(
+    path: &Path,
+    replica: &str,
+    from: u64,
+    max_bytes: usize,
+    size: u64,
+    secrets: &[String],
+) -> Result<Chunk, Error> {
+    let (whole, from) = read_from(path, from, MAX_BYTES).map_err(|e| {
+        Error::new(
+            ErrorKind::Internal,
+            format!("cannot read the log of '{replica}': {e}"),
+        )
+    })?;
+    let end = whole
+        .iter()
+        .position(|&b| b == b'\n')
+        .map_or(whole.len(), |i| i + 1);
+    let mut text = redact(&String::from_utf8_lossy(&whole[..end]), secrets);
+    if text.len() > max_bytes {
+        let mut cut = max_bytes;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push_str("…\n");
+    }
+    Ok(Chunk {
+        replica: replica.to_string(),
+        offset: from,
         next_offset: from + end as u64,
         size,
         text,
@@ -254,5 +293,38 @@ mod tests {
         assert_eq!((head.text.as_str(), head.next_offset), ("line 0\n", 7));
         let e = read(dir.path(), "p-9", None, 10, 1, &[]).unwrap_err();
         assert_eq!(e.kind, ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn a_secret_read_in_small_pieces_is_never_returned() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = "hf_abcdefghijklmnop";
+        std::fs::write(
+            dir.path().join("p-1.log"),
+            format!("token {secret} loaded\nnext\n"),
+        )
+        .unwrap();
+        let secrets = [secret.to_string()];
+        let mut offset = 0;
+        let mut seen = String::new();
+        for _ in 0..10 {
+            let c = read(dir.path(), "p-1", Some(offset), 8, 0, &secrets).unwrap();
+            assert!(
+                c.next_offset > offset || c.next_offset == c.size,
+                "moves on"
+            );
+            seen.push_str(&c.text);
+            if c.next_offset == c.size {
+                break;
+            }
+            offset = c.next_offset;
+        }
+        for piece in ["hf_a", "abcdefgh", "ijklmnop", "mnop"] {
+            assert!(!seen.contains(piece), "{piece} in {seen:?}");
+        }
+        assert!(
+            seen.contains("token [r") && seen.ends_with("next\n"),
+            "{seen:?}"
+        );
     }
 }

@@ -127,7 +127,7 @@ impl ReplicaSink for Sink {
                 &crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(|| {
                     Error::new(
                         ErrorKind::ReplicaFailed,
-                        format!("{what} failed to start: {error}"),
+                        format!("{what} failed to start: {}", brief(health, error)),
                     )
                 }),
             );
@@ -137,7 +137,7 @@ impl ReplicaSink for Sink {
                 crate::serving::crash_loop::crash_loop_error(&what, health).unwrap_or_else(|| {
                     Error::new(
                         ErrorKind::ReplicaFailed,
-                        format!("{what} failed to start a replica: {error}"),
+                        format!("{what} failed to start a replica: {}", brief(health, error)),
                     )
                 });
             if matches!(target, TargetId::OnDemand(_)) {
@@ -147,6 +147,15 @@ impl ReplicaSink for Sink {
             }
         }
     }
+}
+
+/// A failed start as the data plane is told of it: the failure and the
+/// replica, not the worker's output (which goes to admins).
+fn brief(health: &TargetHealth, error: &warmgate_pool::Error) -> String {
+    health
+        .last_failure
+        .clone()
+        .unwrap_or_else(|| error.summary())
 }
 
 /// What a replica of `spec` may read: every weight version of its pool

@@ -100,6 +100,28 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The error in brief, without the worker's output or where it is:
+    /// what a client of the data plane is told. Another tenant's request
+    /// text, a port or a secret the worker printed stays with the admins
+    /// (status, `warmgate logs`).
+    pub fn summary(&self) -> String {
+        match self {
+            Error::SpawnFailed { .. } => "the worker's program could not be started".into(),
+            Error::LogFile { .. } | Error::Cache { .. } | Error::NoFreePort(_) => {
+                "the gateway could not prepare the replica".into()
+            }
+            Error::ExitedBeforeReady { exit, .. } => {
+                format!("the worker {exit} before it became ready")
+            }
+            Error::Weights { .. } => "its checkpoint could not be read".into(),
+            Error::StartupTimeout { after, .. } => {
+                format!("the worker did not become ready within {after:?}")
+            }
+        }
+    }
+}
+
 /// What an error says of a replica's output: its last lines when the
 /// backend has them (so the cause reaches whoever reads the error), or
 /// where to read it (`kubectl logs ...`).

@@ -264,14 +264,18 @@ pub fn tail(path: &Path, max_bytes: usize, max_lines: usize, secrets: &[String])
     if lines.is_empty() {
         return None;
     }
+    // Redacted whole, then cut: a cut first would leave a secret's start.
     let cut: Vec<String> = lines
         .iter()
-        .map(|l| match l.char_indices().nth(TAIL_LINE_CHARS) {
-            Some((i, _)) => format!("{}…", &l[..i]),
-            None => (*l).to_string(),
+        .map(|l| {
+            let l = redact(l, secrets);
+            match l.char_indices().nth(TAIL_LINE_CHARS) {
+                Some((i, _)) => format!("{}…", &l[..i]),
+                None => l,
+            }
         })
         .collect();
-    Some(redact(&cut.join("\n"), secrets))
+    Some(cut.join("\n"))
 }
 
 /// Reads at most the last `n` bytes of `path`; empty when it cannot.
@@ -303,15 +307,22 @@ pub fn read_from(path: &Path, offset: u64, max: usize) -> io::Result<(Vec<u8>, u
     Ok((buf, from))
 }
 
-/// `text` with each of `secrets` (values of six characters or more) and
-/// each run of 32 or more hex digits (the gateway's tokens, a key's
-/// digest) replaced by `[redacted]`: a worker that prints its environment
-/// does not hand its credentials to whoever reads its error.
+/// `text` with each of `secrets` (values of six characters or more, as
+/// they are and as JSON or a URL escapes them), the password of every URL
+/// (`postgres://user:PASSWORD@host`) and each run of 32 or more hex digits
+/// (the gateway's tokens, a key's digest) replaced by `[redacted]`: a
+/// worker that prints its environment does not hand its credentials to
+/// whoever reads its error or its log.
 pub fn redact(text: &str, secrets: &[String]) -> String {
     let mut out = text.to_string();
     for s in secrets.iter().filter(|s| s.len() >= 6) {
-        out = out.replace(s.as_str(), "[redacted]");
+        for form in escaped_forms(s) {
+            if out.contains(form.as_str()) {
+                out = out.replace(form.as_str(), "[redacted]");
+            }
+        }
     }
+    let out = redact_url_passwords(&out);
     let mut clean = String::with_capacity(out.len());
     let mut run = String::new();
     for c in out.chars() {
@@ -324,6 +335,66 @@ pub fn redact(text: &str, secrets: &[String]) -> String {
     }
     flush_hex(&mut clean, &mut run);
     clean
+}
+
+/// A secret as it is, and as a JSON string or a URL escapes it.
+fn escaped_forms(secret: &str) -> Vec<String> {
+    let mut forms = vec![secret.to_string()];
+    let mut add = |f: String| {
+        if !forms.contains(&f) {
+            forms.push(f);
+        }
+    };
+    if let Ok(json) = serde_json::to_string(secret) {
+        let inner = &json[1..json.len() - 1];
+        add(inner.to_string());
+        add(inner.replace('/', "\\/"));
+        // Every character as `\uXXXX`, as some encoders write them.
+        add(secret
+            .encode_utf16()
+            .map(|u| format!("\\u{u:04x}"))
+            .collect());
+    }
+    add(
+        percent_encoding::utf8_percent_encode(secret, percent_encoding::NON_ALPHANUMERIC)
+            .to_string(),
+    );
+    forms
+}
+
+/// Every `scheme://user:password@host` with its password redacted.
+fn redact_url_passwords(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (before, after) = rest.split_at(i + 3);
+        out.push_str(before);
+        // The authority ends at the path, query, fragment or the text's
+        // own end of the word.
+        let end = after
+            .find(|c: char| {
+                matches!(c, '/' | '?' | '#' | '"' | '\'' | '<' | '>' | '`') || c.is_whitespace()
+            })
+            .unwrap_or(after.len());
+        let authority = &after[..end];
+        match authority.rfind('@') {
+            Some(at) => {
+                let userinfo = &authority[..at];
+                match userinfo.find(':') {
+                    Some(colon) if colon + 1 < userinfo.len() => {
+                        out.push_str(&userinfo[..=colon]);
+                        out.push_str("[redacted]");
+                        out.push_str(&authority[at..]);
+                    }
+                    _ => out.push_str(authority),
+                }
+            }
+            None => out.push_str(authority),
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn flush_hex(out: &mut String, run: &mut String) {
@@ -451,6 +522,40 @@ mod tests {
             super::tail(&dir.path().join("none.log"), 2048, 5, &[]),
             None
         );
+    }
+
+    #[test]
+    fn escaped_secrets_url_passwords_and_long_lines_are_redacted() {
+        let secret = "s3cr3t/pa\"ss+word";
+        let json = serde_json::to_string(&serde_json::json!({"k": secret})).expect("json");
+        let text = format!(
+            "raw {secret} | json {json} | url {} | db postgres://app:hunter2x@db:5432/prod",
+            percent_encoding::utf8_percent_encode(secret, percent_encoding::NON_ALPHANUMERIC)
+        );
+        let out = redact(&text, &[secret.to_string()]);
+        assert!(
+            !out.contains("s3cr3t") && !out.contains("hunter2x"),
+            "{out}"
+        );
+        assert!(
+            out.contains("postgres://app:[redacted]@db:5432/prod"),
+            "{out}"
+        );
+        assert_eq!(out.matches("[redacted]").count(), 4, "{out}");
+        // A URL without a password, and text with no URL, are left alone.
+        assert_eq!(
+            redact("see https://example.org/a@b", &[]),
+            "see https://example.org/a@b"
+        );
+        assert_eq!(redact("git@host:repo", &[]), "git@host:repo");
+
+        // A secret past a long line's cut is still redacted, not cut in two.
+        let dir = tempfile::tempdir().expect("dir");
+        let log = dir.path().join("r.log");
+        let line = format!("{}{secret}\n", "x".repeat(TAIL_LINE_CHARS - 10));
+        std::fs::write(&log, line).expect("write");
+        let tail = tail(&log, TAIL_BYTES, TAIL_LINES, &[secret.to_string()]).expect("tail");
+        assert!(!tail.contains("s3cr"), "{tail}");
     }
 
     #[test]

@@ -204,7 +204,7 @@ try:
 except openai.InternalServerError as e:
     assert e.status_code == 502 and e.code == "replica_failed", e.body
     assert e.response.headers.get("x-should-retry") == "false", dict(e.response.headers)
-    assert "CrashLoopBackOff" in e.message and "exiting before binding" in e.message, e.message
+    assert "CrashLoopBackOff" in e.message and "exited with status 3" in e.message, e.message
 assert len(sent) == 1, sent
 print("ok crash loop")
 "#;

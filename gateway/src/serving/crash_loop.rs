@@ -1,6 +1,8 @@
 //! What clients are told about a target in a crash loop (Kubernetes'
-//! `CrashLoopBackOff`): one answer, the same every time, with the worker's
-//! last words, that no client retries.
+//! `CrashLoopBackOff`): one answer, the same every time, that no client
+//! retries. It names the failure and the replica, never the worker's last
+//! words: those may quote another tenant's request or a secret, so they go
+//! to admins only (`/v1/status`, `warmgate logs`).
 
 use warmgate_pool::TargetHealth;
 
@@ -24,9 +26,9 @@ pub(crate) fn crash_loop_error(what: &str, h: &TargetHealth) -> Option<Error> {
             ErrorKind::ReplicaFailed,
             format!(
                 "{what} is in a crash loop (CrashLoopBackOff): {} starts failed in a row; {next}. \
-                 The last failure: {}",
+                 The last failure: {} (its output: `warmgate logs`, for admins)",
                 h.failures,
-                h.last_error.as_deref().unwrap_or("unknown")
+                h.last_failure.as_deref().unwrap_or("unknown")
             ),
         )
         .no_retry(),
@@ -45,13 +47,23 @@ mod tests {
             failures: 5,
             retry_in: Some(Duration::from_millis(3500)),
             last_error: Some("exited with status 1; its last output:\n  CUDA out of memory".into()),
+            last_failure: Some("replica m-00001-5 exited with status 1".into()),
             ..TargetHealth::default()
         };
         let e = crash_loop_error("app 'm'", &h).expect("refused");
         assert_eq!(e.kind, ErrorKind::ReplicaFailed);
         assert!(e.no_retry);
         assert!(e.message.contains("5 starts failed") && e.message.contains("in 4s"));
-        assert!(e.message.ends_with("CUDA out of memory"), "{}", e.message);
+        assert!(
+            e.message.contains("replica m-00001-5 exited with status 1"),
+            "{}",
+            e.message
+        );
+        assert!(
+            !e.message.contains("CUDA"),
+            "no worker output: {}",
+            e.message
+        );
         h.starting = 1;
         assert_eq!(crash_loop_error("app 'm'", &h), None);
         h.starting = 0;

@@ -331,7 +331,7 @@ impl Pipeline {
                 format!(
                     "app '{}' is failing to start ({}); next attempt in {secs}s",
                     app.name,
-                    h.last_error.as_deref().unwrap_or("unknown error")
+                    h.last_failure.as_deref().unwrap_or("unknown error")
                 ),
             )
             .retry_after(secs));

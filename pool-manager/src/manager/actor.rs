@@ -360,7 +360,8 @@ impl Actor {
                     return;
                 }
                 tracing::warn!(target_name = %name, replica = %slot.id, %error, "replica failed to start");
-                shared.record_failure(error.to_string(), true, Duration::ZERO);
+                let summary = format!("replica {}: {}", slot.id, error.summary());
+                shared.record_failure(error.to_string(), summary, true, Duration::ZERO);
                 let health = shared.health(Instant::now());
                 drop(shared);
                 self.inner.sink.start_failed(&name, &error, &health);
@@ -396,6 +397,7 @@ impl Actor {
                         slot.id,
                         crate::last_output(&output, &log)
                     ),
+                    format!("replica {} {how}", slot.id),
                     false,
                     ready_for,
                 );
@@ -413,6 +415,7 @@ impl Actor {
                 self.stop_replica(&mut shared, seq);
                 shared.restarts += 1;
                 shared.last_error = Some(format!("replica {id} was replaced: {reason}"));
+                shared.last_failure = shared.last_error.clone();
             }
             Event::Unhealthy { seq, reason } => {
                 if shared
@@ -428,11 +431,8 @@ impl Actor {
                         .map_or(Duration::ZERO, |h| h.ready_at.elapsed());
                     self.stop_replica(&mut shared, seq);
                     shared.restarts += 1;
-                    shared.record_failure(
-                        format!("replica {id} is unhealthy: {reason}"),
-                        false,
-                        ready_for,
-                    );
+                    let error = format!("replica {id} is unhealthy: {reason}");
+                    shared.record_failure(error.clone(), error, false, ready_for);
                 }
             }
         }

@@ -163,6 +163,7 @@ impl PoolManager {
             consecutive_failures: 0,
             backoff_until: None,
             last_error: None,
+            last_failure: None,
             last_failure_at_start: false,
             crash_loop: false,
             restarts: 0,

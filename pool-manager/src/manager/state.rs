@@ -22,6 +22,8 @@ pub(super) struct Shared {
     pub(super) consecutive_failures: u32,
     pub(super) backoff_until: Option<Instant>,
     pub(super) last_error: Option<String>,
+    /// `last_error` in brief, without the worker's output.
+    pub(super) last_failure: Option<String>,
     pub(super) last_failure_at_start: bool,
     /// See [`TargetHealth::crash_loop`].
     pub(super) crash_loop: bool,
@@ -55,6 +57,7 @@ impl Shared {
             }
         }
         h.last_error = self.last_error.clone();
+        h.last_failure = self.last_failure.clone();
         h.failing_to_start = self.last_failure_at_start && self.consecutive_failures > 0;
         h.failures = self.consecutive_failures;
         h.crash_loop = self.crash_loop;
@@ -109,13 +112,22 @@ impl Shared {
 }
 
 impl Shared {
-    pub(super) fn record_failure(&mut self, error: String, at_start: bool, ready_for: Duration) {
+    /// Counts a failure: `error` in full (for admins) and `summary`, the
+    /// same without the worker's output (for the data plane).
+    pub(super) fn record_failure(
+        &mut self,
+        error: String,
+        summary: String,
+        at_start: bool,
+        ready_for: Duration,
+    ) {
         if ready_for >= STABLE_RESET {
             self.consecutive_failures = 0;
         }
         self.consecutive_failures = self.consecutive_failures.saturating_add(1);
         self.restarts += 1;
         self.last_error = Some(error);
+        self.last_failure = Some(summary);
         self.last_failure_at_start = at_start;
         let delay = crash_backoff(self.consecutive_failures);
         self.backoff_until = (!delay.is_zero()).then(|| Instant::now() + delay);

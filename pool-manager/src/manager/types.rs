@@ -61,8 +61,12 @@ pub struct TargetHealth {
     /// try: how long until it (in seconds, as JSON).
     #[serde(serialize_with = "seconds")]
     pub retry_in: Option<Duration>,
-    /// The last start or crash error.
+    /// The last start or crash error, with the worker's last output: for
+    /// admins (`/v1/status`).
     pub last_error: Option<String>,
+    /// The same in brief, without the worker's output, naming the replica:
+    /// what the data plane's clients are told.
+    pub last_failure: Option<String>,
     /// True when the latest attempts failed before becoming ready.
     pub failing_to_start: bool,
     /// Failed starts and crashes in a row.
