@@ -884,3 +884,60 @@ async fn serving_step(gw: &Gateway, step: &str) -> Value {
     })
     .await
 }
+
+/// An adapter folder that did not exist when it was put, and is later
+/// made a link out of the allowed prefixes, is refused at its load (as a
+/// checkpoint is at every open); a `watch` outside them, at the put.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_is_held_to_the_allow_list_at_every_load_and_watch_at_the_put() {
+    let dir = tempfile::tempdir().expect("dir");
+    let allowed = dir.path().join("allowed");
+    std::fs::create_dir_all(&allowed).expect("mkdir");
+    let outside = adapter(dir.path(), "outside", false);
+    let config = config(1, &[]).replace(
+        "[[apps]]",
+        &format!(
+            "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
+            allowed.display()
+        ),
+    );
+    let gw = Gateway::start(&config);
+    ready(&gw, 1).await;
+    // Put while the folder does not exist yet: it is under the prefix.
+    let later = allowed.join("later");
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/base/adapters/later-lora"))
+        .json(&json!({"checkpoint": format!("file://{}", later.display())}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 201, "under the prefix");
+    // Then made a link to a folder outside the prefixes.
+    std::os::unix::fs::symlink(&outside, &later).expect("link");
+    let (status, _, body) = chat(&gw, "later-lora").await;
+    assert_ne!(
+        status, 200,
+        "loaded through a link out of the prefixes: {body}"
+    );
+    assert!(
+        body.to_string().contains("outside the allowed prefix"),
+        "{body}"
+    );
+    // A watch prefix outside the allowed ones is refused at the put.
+    let mut spec: Value = gw.json("/v1/apps/base").await["spec"].clone();
+    if spec.is_null() {
+        spec = json!({"command": ["true"]});
+    }
+    spec["promotion"] = json!({"watch": "file:///etc"});
+    let r = gw
+        .http
+        .put(gw.at("/v1/apps/watcher"))
+        .json(&spec)
+        .send()
+        .await
+        .expect("send");
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 400, "{body}");
+}

@@ -56,6 +56,12 @@ impl AdapterFiles {
     /// pulled first if it lives in an object store.
     pub async fn local_path(&self, checkpoint: &str) -> Result<String, String> {
         if let Some(path) = checkpoint.strip_prefix("file://") {
+            // Checked at every load, as a checkpoint is at every open: a
+            // folder that did not exist when the app was put, or has since
+            // become a link out of the allowed prefixes, is refused.
+            self.weights
+                .open(checkpoint)
+                .map_err(|e| e.message.to_string())?;
             return Ok(path.to_string());
         }
         let src = self
