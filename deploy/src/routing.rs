@@ -72,6 +72,14 @@ pub struct RoutingSpec {
     #[serde(with = "crate::config::size")]
     #[schemars(with = "String")]
     pub index_bytes: u64,
+    /// With `[[tenants]]`, tenants share no cached prompt: each tenant's
+    /// prompts are indexed apart, and an LLM engine's requests carry a
+    /// `cache_salt` of the tenant's (vLLM keeps a salted prompt's KV blocks
+    /// apart), so one tenant can neither time nor read
+    /// (`usage.prompt_tokens_details.cached_tokens`) whether another sent
+    /// a prompt. `true` shares them: a system prompt common to tenants is
+    /// cached once, at the cost of that side channel.
+    pub share_cache_across_tenants: bool,
 }
 
 impl Default for RoutingSpec {
@@ -81,6 +89,7 @@ impl Default for RoutingSpec {
             load_bound: defaults::LOAD_BOUND,
             load_slack: defaults::LOAD_SLACK,
             index_bytes: defaults::INDEX_BYTES,
+            share_cache_across_tenants: false,
         }
     }
 }

@@ -385,11 +385,13 @@ class Engine:
                 "completion_tokens": n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def generate(self, tokens, n_out, gone, emit):
+    async def generate(self, tokens, n_out, gone, emit, salt=b""):
         """Run one request: wait for a slot, prefill, decode. `emit(i, word,
-        cached)` is awaited for each output token i. Returns cached tokens."""
+        cached)` is awaited for each output token i. Returns cached tokens.
+        `salt` (the request's ``cache_salt``) enters the first block's key,
+        as vLLM's does: requests with other salts share no block."""
         cfg, cache = self.cfg, self.cache
-        keys = cache.keys(tokens)
+        keys = cache.keys(tokens, salt)
         # A hash of the whole prompt picks the output words.
         tail = hashlib.blake2b(keys[-1] if keys else b"", digest_size=8)
         tail.update("\n".join(tokens[len(keys) * cfg.block_tokens:]).encode())
@@ -430,7 +432,7 @@ class Engine:
                 self.c["generation_tokens"] += 1
                 await emit(i, w, cached)
             # Finished: the full blocks of prompt + output go to the cache.
-            out_keys = cache.keys(tokens + words, keys[-1] if keys else b"", len(keys) * cfg.block_tokens)
+            out_keys = cache.keys(tokens + words, keys[-1] if keys else salt, len(keys) * cfg.block_tokens)
             cache.insert(keys + out_keys)
             self.c["request_success"] += 1
             return cached
@@ -527,7 +529,8 @@ def prompt_tokens(prompt):
 
 
 class Request:
-    __slots__ = ("method", "target", "version", "headers", "body", "keep_alive", "started", "lora")
+    __slots__ = ("method", "target", "version", "headers", "body", "keep_alive", "started", "lora",
+                 "salt")
 
 
 class HttpError(Exception):
@@ -798,6 +801,10 @@ class Server:
                 raise bad("prompt is required", "prompt")
             tokens = prompt_tokens(body["prompt"])
             n_out = want_int(body, "max_tokens", 16, 1)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        req.salt = (salt or "").encode()
         n = want_int(body, "n", 1, 1)
         if n != 1:
             raise bad("this stand-in generates one choice (n = 1)", "n")
@@ -839,7 +846,7 @@ class Server:
             async def emit(i, word, cached):
                 out.append(" " + word)
 
-            cached = await eng.generate(tokens, n_out, gone, emit)
+            cached = await eng.generate(tokens, n_out, gone, emit, req.salt)
             text = "".join(out)
             usage = eng.usage(n_prompt, n_out, cached)
             if chat:
@@ -895,7 +902,7 @@ class Server:
             writer.write(b"".join(parts))
             await writer.drain()
 
-        cached = await eng.generate(tokens, n_out, gone, emit)
+        cached = await eng.generate(tokens, n_out, gone, emit, req.salt)
         tail = []
         if include_usage:
             tail.append(event({"id": rid, "object": obj, "created": created, "model": model,

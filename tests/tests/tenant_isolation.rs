@@ -156,3 +156,43 @@ async fn an_app_cannot_widen_a_service_worker_to_the_dashboard_s_origin() {
         r.headers()
     );
 }
+
+/// `usage.prompt_tokens_details.cached_tokens` of a completion of `prompt`.
+async fn cached_tokens(gw: &Gateway, key: &str, prompt: &str) -> u64 {
+    let r = gw
+        .http
+        .post(gw.at("/v1/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": "llm", "prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.expect("json");
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("cached_tokens in {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_learn_from_the_cache_what_another_sent() {
+    let secret: String = (0..300).map(|i| format!("secret{i} ")).collect();
+    for share in [false, true] {
+        let gw = start(&llm_app().replace(
+            "[apps.autoscale]",
+            &format!("[apps.routing]\nshare_cache_across_tenants = {share}\n[apps.autoscale]"),
+        ));
+        gw.wait_ready("llm", 1).await;
+        assert_eq!(cached_tokens(&gw, KEY_A, &secret).await, 0, "first time");
+        assert!(
+            cached_tokens(&gw, KEY_A, &secret).await > 200,
+            "a tenant's own repeat is cached"
+        );
+        let other = cached_tokens(&gw, KEY_B, &secret).await;
+        if share {
+            assert!(other > 200, "shared on purpose: {other}");
+        } else {
+            assert_eq!(other, 0, "team-b learnt that team-a sent it");
+        }
+    }
+}

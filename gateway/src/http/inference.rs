@@ -52,22 +52,71 @@ pub(crate) async fn read_model(
             app
         }
     };
+    // A tenant's prompts share no cache with another's (unless the app
+    // says they may): indexed apart, and salted for the engine.
+    let salt = parts
+        .extensions
+        .get::<Arc<crate::tenants::Tenant>>()
+        .filter(|_| !app.spec().routing.share_cache_across_tenants)
+        .map(|t| cache_salt(gw, &t.name));
     if let Some(key) = route_key(&app, path, &parts.headers, &bytes) {
+        let key = match &salt {
+            Some(s) => key.salted(s.seed),
+            None => key,
+        };
         parts.extensions.insert(Arc::new(key));
     }
-    let bytes = match renamed {
-        Some(name) => {
-            let body = crate::serving::adapter_split::with_model(&bytes, &name)?;
-            parts.headers.insert(
-                http::header::CONTENT_LENGTH,
-                http::HeaderValue::from(body.len()),
-            );
-            body
-        }
-        None => bytes,
+    let salted = salt
+        .as_ref()
+        .filter(|_| is_prompt_path(path) && crate::serving::engine_routes::is_engine(&app.spec()));
+    let mut fields: Vec<(&str, &str)> = Vec::new();
+    if let Some(name) = &renamed {
+        fields.push(("model", name));
+    }
+    if let Some(s) = salted {
+        fields.push(("cache_salt", &s.text));
+    }
+    let bytes = if fields.is_empty() {
+        bytes
+    } else {
+        let body = crate::serving::json_body::with_fields(&bytes, &fields)?;
+        parts.headers.insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(body.len()),
+        );
+        body
     };
     let body = reading.into_held(bytes);
     Ok((app, Request::from_parts(parts, Body::new(body))))
+}
+
+/// A tenant's cache salt: the engine's `cache_salt` and the seed its
+/// prompts are indexed under. Derived from the admin token (which every
+/// gateway serving together shares) and the tenant's name, so another
+/// tenant cannot name it in its own requests to share the first's cache.
+struct CacheSalt {
+    text: String,
+    seed: u64,
+}
+
+fn cache_salt(gw: &Gateway, tenant: &str) -> CacheSalt {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update(b"warmgate cache salt\0");
+    h.update(gw.access.admin_token.as_deref().unwrap_or("").as_bytes());
+    h.update(b"\0");
+    h.update(tenant.as_bytes());
+    let d = h.finalize();
+    let seed = u64::from_le_bytes(d[..8].try_into().unwrap_or_default());
+    CacheSalt {
+        text: d[..16].iter().map(|b| format!("{b:02x}")).collect(),
+        seed,
+    }
+}
+
+/// Whether `path` runs a prompt through an engine's KV cache.
+fn is_prompt_path(path: &str) -> bool {
+    PROMPT_PATHS.contains(&path.split('?').next().unwrap_or(path))
 }
 
 /// Paths whose requests run a prompt through an LLM engine's KV cache:

@@ -7,17 +7,15 @@
 //! used another (an alias, or a canary's request): the engine serves an
 //! adapter only by the `lora_name` it was loaded under.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use serde_json::value::RawValue;
 use warmgate_deploy::adapter_promotion::AdapterPromotion;
 use warmgate_deploy::{AdapterSpec, AdaptersSpec};
 
-use crate::error::{Error, ErrorKind};
+use crate::error::Error;
 
 /// The adapter revision a request is served by (a request extension,
 /// from the body to the pipeline).
@@ -163,18 +161,7 @@ pub fn route(
 /// `body` (a JSON object) with its `model` set to `model`; every other
 /// value kept byte for byte (the keys come out sorted).
 pub fn with_model(body: &[u8], model: &str) -> Result<Bytes, Error> {
-    let mut fields: BTreeMap<String, &RawValue> = serde_json::from_slice(body).map_err(|e| {
-        Error::new(
-            ErrorKind::BadRequest,
-            format!("the request body must be a JSON object ({e})"),
-        )
-    })?;
-    let name = serde_json::value::to_raw_value(model)
-        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
-    fields.insert("model".to_string(), &name);
-    serde_json::to_vec(&fields)
-        .map(Bytes::from)
-        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))
+    super::json_body::with_fields(body, &[("model", model)])
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ pub(crate) mod crash_loop;
 pub mod dispatch;
 pub mod engine_load;
 pub mod engine_routes;
+pub mod json_body;
 pub mod pipeline;
 pub mod proxy;
 pub mod route;

@@ -43,6 +43,17 @@ pub struct RouteKey {
 }
 
 impl RouteKey {
+    /// The same key in a space of its own: `salt`'s chunks match no other
+    /// salt's (a tenant's prompts are indexed apart from another's).
+    pub fn salted(self, salt: u64) -> RouteKey {
+        let secrets = rapidhash::v3::RapidSecrets::seed_cpp(salt);
+        let mix = |h: u64| rapidhash::v3::rapidhash_v3_seeded(&h.to_le_bytes(), &secrets);
+        RouteKey {
+            chunks: self.chunks.iter().map(|h| mix(*h)).collect(),
+            home: mix(self.home),
+        }
+    }
+
     /// The key of a session id.
     pub fn session(id: &[u8]) -> RouteKey {
         let h = rapidhash::v3::rapidhash_v3(id);
@@ -244,6 +255,22 @@ fn text_of(v: &RawValue) -> Cow<'_, [u8]> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_salted_key_matches_its_own_salt_only() {
+        let text = "a system prompt ".repeat(40);
+        let k = RouteKey::prompt([text.as_bytes()]);
+        let a = k.clone().salted(1);
+        assert_eq!(a, k.clone().salted(1), "the same salt, the same key");
+        let b = k.clone().salted(2);
+        assert_eq!(a.chunks.len(), k.chunks.len());
+        assert!(
+            a.chunks
+                .iter()
+                .all(|h| !b.chunks.contains(h) && !k.chunks.contains(h))
+        );
+        assert_ne!(a.home, b.home);
+    }
+
     use super::*;
 
     fn chat(turns: &[(&str, &str)]) -> Vec<u8> {
