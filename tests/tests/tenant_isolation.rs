@@ -196,3 +196,133 @@ async fn one_tenant_cannot_learn_from_the_cache_what_another_sent() {
         }
     }
 }
+
+/// A PEFT-like adapter folder the stand-in engine loads.
+fn adapter(root: &Path, name: &str) -> std::path::PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(
+        dir.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 8}"#,
+    )
+    .expect("write");
+    std::fs::write(dir.join("adapter_model.safetensors"), b"weights").expect("write");
+    dir
+}
+
+/// One chat with `model` as `key`; whether it waited for its adapter's load.
+async fn chat_loaded(gw: &Gateway, key: &str, model: &str) -> bool {
+    let r = gw
+        .http
+        .post(gw.at("/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    let loaded = r.headers().contains_key("x-warmgate-adapter-load-ms");
+    let status = r.status();
+    let body = r.text().await.unwrap_or_default();
+    assert_eq!(status, 200, "{model}: {body}");
+    loaded
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cycling_adapters_does_not_push_out_another_s() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut models = String::new();
+    for name in ["hot", "a0", "a1", "a2", "a3", "a4", "a5"] {
+        let p = adapter(dir.path(), name);
+        models.push_str(&format!(
+            "[[apps.adapters.models]]\nname = \"{name}\"\ncheckpoint = \"file://{}\"\n",
+            p.display()
+        ));
+    }
+    let gw = start(&format!(
+        r#"
+        [weights]
+        allowed_prefixes = ["file://{root}"]
+        [[apps]]
+        name = "llm"
+        command = ["python3", "{engine}", "--model", "llm", "--uds", "$WARMGATE_SOCKET",
+                   "--prefill-ms-per-token", "0.01", "--decode-ms-per-token", "1",
+                   "--max-loras", "2", "--lora-load-ms", "20"]
+        env = {{ VLLM_ALLOW_RUNTIME_LORA_UPDATING = "True" }}
+        concurrency = 16
+        startup_timeout = "60s"
+        [apps.health]
+        path = "/health"
+        [apps.autoscale]
+        min = 2
+        max = 2
+        [apps.adapters]
+        max_loaded = 2
+{models}
+        "#,
+        root = dir.path().display(),
+        engine = engine()
+    ));
+    gw.wait_ready("llm", 2).await;
+    assert!(
+        chat_loaded(&gw, KEY_B, "hot").await,
+        "the first request loads it"
+    );
+    // Team a: four clients cycling six adapters, a bounded number each.
+    use std::sync::atomic::Ordering::Relaxed;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let total = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let cyclers: Vec<_> = (0..4)
+        .map(|c| {
+            let (http, url, stop) = (gw.http.clone(), gw.at("/v1/chat/completions"), stop.clone());
+            let total = total.clone();
+            tokio::spawn(async move {
+                let mut sent = 0u32;
+                let mut i = c;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && sent < 400 {
+                    let model = format!("a{}", i % 6);
+                    i += 1;
+                    sent += 1;
+                    total.fetch_add(1, Relaxed);
+                    let _ = http
+                        .post(&url)
+                        .bearer_auth(KEY_A)
+                        .json(&json!({"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}))
+                        .send()
+                        .await
+                        .map(|r| r.status());
+                }
+                sent
+            })
+        })
+        .collect();
+    // Team b: its hot adapter, one request each time team a has sent six
+    // more (one round of its adapters), meanwhile.
+    let mut reloads = 0u32;
+    const REQUESTS: u32 = 30;
+    for k in 1..=REQUESTS {
+        eventually("team a sends its next round", || async {
+            (total.load(Relaxed) >= k * 6).then_some(())
+        })
+        .await;
+        if chat_loaded(&gw, KEY_B, "hot").await {
+            reloads += 1;
+        }
+    }
+    stop.store(true, Relaxed);
+    let mut churn = 0;
+    for c in cyclers {
+        churn += c.await.expect("cycler");
+    }
+    eprintln!(
+        "team b's adapter reloaded for {reloads} of its {REQUESTS} requests while team a sent {churn}"
+    );
+    assert!(churn >= REQUESTS * 6, "team a's cycling ran: {churn}");
+    assert!(
+        reloads * 10 <= REQUESTS,
+        "team b's adapter reloaded for {reloads} of {REQUESTS} requests"
+    );
+    let _ = eventually("the gateway still serves", || async {
+        (gw.http.get(gw.at("/healthz")).send().await.ok()?.status() == 200).then_some(())
+    })
+    .await;
+}

@@ -20,6 +20,13 @@
 //! an idle adapter is ever pushed out: no request is sent to a replica for
 //! an adapter before its load answered (a request that finds its adapter
 //! loading waits for that load).
+//!
+//! With tenants, the adapter slots are shared fairly: an adapter belongs
+//! to the tenant that asks for it most lately, and a tenant's request may
+//! push out (step 3) only its own idle adapters, or those of a tenant that
+//! holds more than its fair share (the slots over the tenants holding or
+//! asking for adapters). One tenant cycling through many adapters then
+//! churns its own share, never another's hot adapter.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -106,6 +113,8 @@ pub struct AdapterTable {
     /// Requests per adapter, halved every [`DECAY_EVERY`] requests: how
     /// often each is asked for lately.
     uses: HashMap<Arc<str>, u64>,
+    /// The same by adapter and tenant: whose each adapter is.
+    tenant_uses: HashMap<(Arc<str>, Option<Arc<str>>), u64>,
 }
 
 /// Requests between two halvings of the use counts.
@@ -137,6 +146,22 @@ impl AdapterTable {
     pub fn choose(
         &self,
         name: &str,
+        candidates: &[Candidate<'_>],
+        max_loaded: u32,
+        bound: Bound,
+    ) -> Option<(usize, Reason)> {
+        let share = self.fair_share(None, candidates.len(), max_loaded);
+        self.choose_for(name, None, share, candidates, max_loaded, bound)
+    }
+
+    /// [`AdapterTable::choose`] for a request of `tenant`, which may push
+    /// out only its own idle adapters or those of a tenant holding more
+    /// than `share` (see [`AdapterTable::fair_share`]).
+    pub fn choose_for(
+        &self,
+        name: &str,
+        tenant: Option<&str>,
+        share: usize,
         candidates: &[Candidate<'_>],
         max_loaded: u32,
         bound: Bound,
@@ -173,7 +198,7 @@ impl AdapterTable {
             .enumerate()
             .filter(|(_, c)| !self.is_unloading(c.replica, name))
             .filter_map(|(i, c)| {
-                self.idle(c.replica)
+                self.idle(c.replica, tenant, share)
                     .map(|h| (i, (self.uses_of(&h.name), h.last_used, c.load)))
             })
             .min_by_key(|&(_, rank)| rank)
@@ -187,6 +212,25 @@ impl AdapterTable {
     /// Takes a place for a request for `name` on `replica`, chosen by
     /// [`AdapterTable::choose`] for `reason`: what the request must do.
     pub fn reserve(&mut self, replica: &str, name: &Arc<str>, reason: Reason) -> Ticket {
+        self.reserve_for(replica, name, None, usize::MAX, reason)
+    }
+
+    /// [`AdapterTable::reserve`] for a request of `tenant`, as chosen by
+    /// [`AdapterTable::choose_for`] with the same `share`.
+    pub fn reserve_for(
+        &mut self,
+        replica: &str,
+        name: &Arc<str>,
+        tenant: Option<&Arc<str>>,
+        share: usize,
+        reason: Reason,
+    ) -> Ticket {
+        let victim = if reason == Reason::Evict {
+            self.idle(replica, tenant.map(|t| &**t), share)
+                .map(|h| h.name.clone())
+        } else {
+            None
+        };
         self.tick += 1;
         let tick = self.tick;
         if tick.is_multiple_of(DECAY_EVERY) {
@@ -194,9 +238,16 @@ impl AdapterTable {
                 *n /= 2;
                 *n > 0
             });
+            self.tenant_uses.retain(|_, n| {
+                *n /= 2;
+                *n > 0
+            });
         }
         *self.uses.entry(name.clone()).or_default() += 1;
-        let uses = &self.uses;
+        *self
+            .tenant_uses
+            .entry((name.clone(), tenant.cloned()))
+            .or_default() += 1;
         let held = self.replicas.entry(replica.to_string()).or_default();
         if let Some(h) = held.iter_mut().find(|h| *h.name == **name && !h.unloading) {
             h.inflight += 1;
@@ -207,20 +258,13 @@ impl AdapterTable {
                 Ticket::Wait(h.state.clone())
             };
         }
-        let evict = if reason == Reason::Evict {
-            let at = held
-                .iter()
-                .enumerate()
-                .filter(|(_, h)| h.inflight == 0 && h.ready())
-                .min_by_key(|(_, h)| (uses.get(&h.name).copied().unwrap_or(0), h.last_used))
-                .map(|(i, _)| i);
-            at.map(|i| {
-                held[i].unloading = true;
-                held[i].name.clone()
-            })
-        } else {
-            None
-        };
+        let evict = victim.and_then(|v| {
+            let h = held
+                .iter_mut()
+                .find(|h| h.name == v && h.inflight == 0 && h.ready())?;
+            h.unloading = true;
+            Some(h.name.clone())
+        });
         let (done, state) = watch::channel(LoadState::Loading);
         held.push(Held {
             name: name.clone(),
@@ -344,14 +388,55 @@ impl AdapterTable {
         self.replicas.get(replica).map_or(0, Vec::len)
     }
 
-    /// The idle adapter of `replica` that would be pushed out: the least
-    /// asked for, then the least recently used.
-    fn idle(&self, replica: &str) -> Option<&Held> {
+    /// The idle adapter of `replica` a request of `tenant` would push
+    /// out: one of its own, or of a tenant holding more than `share`; the
+    /// least asked for, then the least recently used.
+    fn idle(&self, replica: &str, tenant: Option<&str>, share: usize) -> Option<&Held> {
         self.replicas
             .get(replica)?
             .iter()
             .filter(|h| h.inflight == 0 && h.ready())
+            .filter(|h| {
+                let owner = self.owner_of(&h.name);
+                owner.as_deref() == tenant || self.held_by(owner.as_deref()) > share
+            })
             .min_by_key(|h| (self.uses_of(&h.name), h.last_used))
+    }
+
+    /// The tenant that asks for `name` most lately (`None`: no tenant).
+    fn owner_of(&self, name: &str) -> Option<Arc<str>> {
+        self.tenant_uses
+            .iter()
+            .filter(|((n, _), _)| &**n == name)
+            .max_by_key(|((_, t), uses)| (**uses, t.clone()))
+            .and_then(|((_, t), _)| t.clone())
+    }
+
+    /// Adapters held (loaded or loading) whose owner is `tenant`.
+    fn held_by(&self, tenant: Option<&str>) -> usize {
+        self.replicas
+            .values()
+            .flatten()
+            .filter(|h| !h.unloading && self.owner_of(&h.name).as_deref() == tenant)
+            .count()
+    }
+
+    /// A tenant's fair share of the adapter slots: the slots of `replicas`
+    /// replicas of `max_loaded` each (or of every replica that held one),
+    /// over the tenants holding adapters and `tenant`, rounded up.
+    pub fn fair_share(&self, tenant: Option<&str>, replicas: usize, max_loaded: u32) -> usize {
+        let slots = replicas.max(self.replicas.len()) * max_loaded as usize;
+        let mut tenants: Vec<Option<Arc<str>>> = self
+            .replicas
+            .values()
+            .flatten()
+            .filter(|h| !h.unloading)
+            .map(|h| self.owner_of(&h.name))
+            .collect();
+        tenants.push(tenant.map(Arc::from));
+        tenants.sort();
+        tenants.dedup();
+        slots.div_ceil(tenants.len().max(1))
     }
 
     fn uses_of(&self, name: &str) -> u64 {
@@ -387,6 +472,63 @@ mod tests {
             t.loaded(c[i].replica, &name, true);
         }
         Some(c[i].replica.to_string())
+    }
+
+    /// [`send`] for a tenant; whether the adapter had to be loaded.
+    fn send_as(t: &mut AdapterTable, tenant: &str, name: &str, c: &[Candidate<'_>]) -> bool {
+        let share = t.fair_share(Some(tenant), c.len(), 2);
+        let (i, why) = t
+            .choose_for(name, Some(tenant), share, c, 2, B)
+            .expect("a replica");
+        let name: Arc<str> = Arc::from(name);
+        let who: Arc<str> = Arc::from(tenant);
+        let loaded = match t.reserve_for(c[i].replica, &name, Some(&who), share, why) {
+            Ticket::Load { done, evict } => {
+                done.send(LoadState::Ready).expect("a receiver is kept");
+                t.loaded(c[i].replica, &name, true);
+                if let Some(e) = evict {
+                    t.unloaded(c[i].replica, &e);
+                }
+                true
+            }
+            _ => false,
+        };
+        t.release(c[i].replica, &name);
+        loaded
+    }
+
+    #[test]
+    fn a_tenant_cycling_adapters_churns_its_own_share_not_another_s_hot_adapter() {
+        let mut t = AdapterTable::default();
+        let c = cands(&[("r1", 0), ("r2", 0)]);
+        assert!(send_as(&mut t, "b", "hot", &c), "loaded once");
+        let mut reloads = 0;
+        for round in 0..60 {
+            let a = format!("a{}", round % 6);
+            send_as(&mut t, "a", &a, &c);
+            if round % 3 == 0 && send_as(&mut t, "b", "hot", &c) {
+                reloads += 1;
+            }
+        }
+        assert_eq!(reloads, 0, "team b's adapter was pushed out by team a's");
+        // Without tenants the same traffic pushes it out: the rare hot one
+        // is the least asked for.
+        let mut t = AdapterTable::default();
+        send(&mut t, "hot", &c, 2);
+        t.release("r1", "hot");
+        t.release("r2", "hot");
+        let mut gone = false;
+        for round in 0..60 {
+            let a = format!("a{}", round % 6);
+            if let Some(r) = send(&mut t, &a, &c, 2) {
+                t.release(&r, &a);
+            }
+            gone |= t.holders("hot").is_empty();
+        }
+        assert!(
+            gone,
+            "the test's traffic is one that evicts it without tenants"
+        );
     }
 
     #[test]

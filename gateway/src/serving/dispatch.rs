@@ -226,6 +226,18 @@ impl App {
         key: Option<&Arc<RouteKey>>,
         adapter: Option<&Arc<str>>,
     ) -> Result<Acquire, Error> {
+        self.acquire_avoiding_for(avoid, key, adapter, None)
+    }
+
+    /// [`App::acquire_avoiding`] for a request of `tenant`, which gets a
+    /// fair share of the adapter slots (see [`super::adapters`]).
+    pub fn acquire_avoiding_for(
+        self: &Arc<Self>,
+        avoid: &[Arc<ReplicaHandle>],
+        key: Option<&Arc<RouteKey>>,
+        adapter: Option<&Arc<str>>,
+        tenant: Option<&Arc<str>>,
+    ) -> Result<Acquire, Error> {
         let mut s = self.slots.lock();
         if s.replicas.is_empty()
             && let Some(to) = self.moved_to.lock().clone()
@@ -236,7 +248,7 @@ impl App {
         s.meter.arrivals = s.meter.arrivals.saturating_add(1);
         let spec = self.spec.load();
         let found = match adapter {
-            Some(a) if s.live_waiters == 0 => s.route_adapter(a, &spec, avoid),
+            Some(a) if s.live_waiters == 0 => s.route_adapter(a, tenant, &spec, avoid),
             None if s.live_waiters == 0 => pick_avoiding(&s.replicas, avoid)
                 .or_else(|| s.route(key.map(|k| &**k), &spec))
                 .map(|r| (r, None)),
@@ -289,6 +301,7 @@ impl App {
             tx,
             key: key.cloned(),
             adapter: adapter.cloned(),
+            tenant: tenant.cloned(),
         });
         s.live_waiters += 1;
         s.update_meter(now);

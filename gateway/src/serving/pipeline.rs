@@ -48,6 +48,8 @@ pub(crate) struct Wants {
     pub adapter: Option<Arc<str>>,
     /// The adapter's checkpoint.
     pub checkpoint: Option<Arc<str>>,
+    /// The tenant asking, for a fair share of the adapter slots.
+    pub tenant: Option<Arc<str>>,
 }
 
 /// What serving a request needs: the upstream client, the pool manager
@@ -172,7 +174,12 @@ impl Pipeline {
         let requested = req
             .extensions_mut()
             .remove::<super::adapter_split::RequestedAdapter>();
+        let tenant = req
+            .extensions()
+            .get::<Arc<crate::tenants::Tenant>>()
+            .map(|t| Arc::from(t.name.as_str()));
         let wants = Wants {
+            tenant,
             key: req.extensions_mut().remove::<Arc<RouteKey>>(),
             adapter: requested.as_ref().map(|a| a.engine.clone()),
             checkpoint: requested.map(|a| a.checkpoint),
@@ -228,7 +235,12 @@ impl Pipeline {
                 self.refuse_if_failing(&app).map_err(Failed)?;
             }
             let next = match app
-                .acquire_avoiding(avoid, wants.key.as_ref(), wants.adapter.as_ref())
+                .acquire_avoiding_for(
+                    avoid,
+                    wants.key.as_ref(),
+                    wants.adapter.as_ref(),
+                    wants.tenant.as_ref(),
+                )
                 .map_err(Failed)?
             {
                 Acquire::Ready(slot) => break (slot, Duration::ZERO, false),

@@ -31,6 +31,8 @@ pub(super) struct Waiter {
     pub(super) key: Option<Arc<RouteKey>>,
     /// The adapter it asks for.
     pub(super) adapter: Option<Arc<str>>,
+    /// The tenant asking (a fair share of the adapter slots).
+    pub(super) tenant: Option<Arc<str>>,
 }
 
 /// What a held request got.
@@ -115,15 +117,15 @@ impl Slots {
             while self.waiters.front().is_some_and(|w| w.tx.is_closed()) {
                 self.waiters.pop_front();
             }
-            let Some((key, adapter)) = self
+            let Some((key, adapter, tenant)) = self
                 .waiters
                 .front()
-                .map(|w| (w.key.clone(), w.adapter.clone()))
+                .map(|w| (w.key.clone(), w.adapter.clone(), w.tenant.clone()))
             else {
                 break;
             };
             let found = match &adapter {
-                Some(a) => self.route_adapter(a, spec, &[]),
+                Some(a) => self.route_adapter(a, tenant.as_ref(), spec, &[]),
                 None => self.route(key.as_deref(), spec).map(|r| (r, None)),
             };
             let Some((replica, ticket)) = found else {

@@ -73,6 +73,7 @@ impl Slots {
     pub(super) fn route_adapter(
         &mut self,
         adapter: &Arc<str>,
+        tenant: Option<&Arc<str>>,
         spec: &AppSpec,
         avoid: &[Arc<ReplicaHandle>],
     ) -> Option<(Arc<ReplicaHandle>, Option<Ticket>)> {
@@ -89,8 +90,15 @@ impl Slots {
                 load: r.inflight(),
             })
             .collect();
-        let (i, reason) = self.adapters.choose(
+        let share = self.adapters.fair_share(
+            tenant.map(|t| &**t),
+            candidates.len(),
+            spec.adapters.max_loaded,
+        );
+        let (i, reason) = self.adapters.choose_for(
             adapter,
+            tenant.map(|t| &**t),
+            share,
             &candidates,
             spec.adapters.max_loaded,
             crate::serving::adapters::Bound {
@@ -99,7 +107,9 @@ impl Slots {
             },
         )?;
         let replica = free[i].clone();
-        let ticket = self.adapters.reserve(&replica.id, adapter, reason);
+        let ticket = self
+            .adapters
+            .reserve_for(&replica.id, adapter, tenant, share, reason);
         metrics::counter!("warmgate_adapter_route_decisions_total", "reason" => reason.as_str())
             .increment(1);
         Some((replica, Some(ticket)))
