@@ -941,3 +941,113 @@ async fn an_adapter_is_held_to_the_allow_list_at_every_load_and_watch_at_the_put
     let body: Value = r.json().await.unwrap_or(Value::Null);
     assert_eq!(status, 400, "{body}");
 }
+
+/// Adapters pulled from an object store share the weight cache's byte
+/// budget and are pulled once while they are kept; one larger than the
+/// whole budget is refused, not held past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulled_adapters_share_the_cache_budget_and_are_pulled_once_while_kept() {
+    let Some(moto) = common::Moto::start(&[]) else {
+        return;
+    };
+    let http = reqwest::Client::new();
+    let put = async |path: &str, body: Vec<u8>| {
+        let r = http
+            .put(format!("{}/{path}", moto.endpoint))
+            .body(body)
+            .send()
+            .await
+            .expect("put");
+        assert!(r.status().is_success(), "{path}: {}", r.status());
+    };
+    put("adapters", Vec::new()).await;
+    // A safetensors file of `size` bytes: its header, then padding data.
+    let tensor = |size: usize| {
+        let header =
+            format!(r#"{{"w":{{"dtype":"U8","shape":[{size}],"data_offsets":[0,{size}]}}}}"#);
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header.as_bytes());
+        b.extend(std::iter::repeat_n(7u8, size));
+        b
+    };
+    // Five of 150 KB (they fit the 1 MiB budget together), three of
+    // 300 KB (they do not, with the five).
+    let small = ["a0", "a1", "a2", "a3", "a4"];
+    let large = ["b0", "b1", "b2"];
+    for (name, size) in small
+        .iter()
+        .map(|n| (n, 150_000))
+        .chain(large.iter().map(|n| (n, 300_000)))
+    {
+        put(
+            &format!("adapters/{name}/adapter_config.json"),
+            br#"{"peft_type": "LORA", "r": 8}"#.to_vec(),
+        )
+        .await;
+        put(
+            &format!("adapters/{name}/adapter_model.safetensors"),
+            tensor(size),
+        )
+        .await;
+    }
+    put(
+        "adapters/big/adapter_config.json",
+        br#"{"peft_type": "LORA", "r": 8}"#.to_vec(),
+    )
+    .await;
+    put("adapters/big/adapter_model.safetensors", tensor(2_000_000)).await;
+    let env = moto.env("test");
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut models = String::new();
+    for name in small.iter().chain(&large).chain(&["big"]) {
+        models.push_str(&format!(
+            "[[apps.adapters.models]]\nname = \"{name}\"\ncheckpoint = \"s3://adapters/{name}\"\n"
+        ));
+    }
+    let config = config(1, &[])
+        .replace(
+            "[[apps]]",
+            "[weights]\nallowed_prefixes = [\"s3://adapters/\"]\ncache_max_bytes = \"1MiB\"\n[[apps]]",
+        )
+        .replace("max_loaded = 2", &format!("max_loaded = 2\n{models}"));
+    let gw = Gateway::start_with(&config, &[], &env);
+    ready(&gw, 1).await;
+    let state = gw.dir.path().join("state");
+    let held = || {
+        warmgate_pool::weights::folder_bytes(&state.join("adapters"))
+            + warmgate_pool::weights::folder_bytes(&state.join("cache"))
+    };
+    // Three rounds over the five small ones, two loaded at a time in the
+    // engine: each is pulled once, and loaded again from its folder.
+    for _ in 0..3 {
+        for name in small {
+            let (status, _, body) = chat(&gw, name).await;
+            assert_eq!(status, 200, "{name}: {body}");
+        }
+    }
+    assert_eq!(
+        gw.log().matches("adapter pulled").count(),
+        5,
+        "pulled once each"
+    );
+    // The large ones push the least recently used out: within the budget.
+    for name in large.iter().chain(&small) {
+        let (status, _, body) = chat(&gw, name).await;
+        assert_eq!(status, 200, "{name}: {body}");
+        assert!(
+            held() <= 1 << 20,
+            "{} bytes held past the 1 MiB budget",
+            held()
+        );
+    }
+    // One larger than the whole budget: refused, nothing held for it.
+    let (status, _, body) = chat(&gw, "big").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("cache_max_bytes")),
+        "{body}"
+    );
+    assert!(held() <= 1 << 20, "{}", held());
+}

@@ -75,9 +75,12 @@ impl Gateway {
             None => db.store()?,
         };
         let w = &config.weights;
+        // Adapters pulled for the engines share the cache's byte budget.
+        let adapters_dir = config.state_dir.join("adapters");
         let cache =
             warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
-                .context("open the weight cache")?;
+                .context("open the weight cache")?
+                .sharing_with(&adapters_dir);
         let allowed = warmgate_pool::weights::AllowList::new(
             &crate::weights::allowed_prefixes(&config),
             &base,
@@ -89,15 +92,16 @@ impl Gateway {
             memory_limit: w.memory_limit_bytes,
         };
         let weights = Arc::new(crate::weights::Weights::new(
-            cache,
+            cache.clone(),
             stream.clone(),
             allowed,
             base,
         ));
         let adapter_files = Arc::new(crate::serving::adapter_files::AdapterFiles::new(
             weights.clone(),
+            cache,
             stream,
-            config.state_dir.join("adapters"),
+            adapters_dir,
         ));
         // Pods reach the gateway at its advertised address (its Service);
         // workers on this machine on loopback when it listens on every

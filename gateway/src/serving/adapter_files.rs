@@ -7,8 +7,12 @@
 //!
 //! A folder is named by the checkpoint's URI and the size, ETag and
 //! version of each object, so a checkpoint rewritten in place is pulled
-//! again. At most [`MAX_FOLDERS`] are kept: the least recently used goes
-//! first (an engine reads an adapter's files when it loads it, not after).
+//! again, and one pulled whole is pulled once while it is kept. The
+//! folders share the weight cache's byte budget (`[weights]
+//! cache_max_bytes`): to make room for a pull, the least recently used
+//! folders go first (an engine reads an adapter's files when it loads it,
+//! not after), then the cache's own least recently used entries; an
+//! adapter larger than the whole budget is refused.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -19,14 +23,14 @@ use warmgate_pool::weights::{PullItem, StreamConfig};
 
 use crate::weights::Weights;
 
-/// Adapter folders kept pulled.
-pub const MAX_FOLDERS: usize = 64;
 /// The marker of a folder pulled whole.
 const COMPLETE: &str = ".warmgate-complete";
 
 /// Pulls adapters from object stores for the engines on this machine.
 pub struct AdapterFiles {
     weights: Arc<Weights>,
+    /// The weight cache, whose budget the folders share.
+    cache: warmgate_pool::weights::Cache,
     cfg: StreamConfig,
     dir: PathBuf,
     /// One pull per folder at a time.
@@ -35,7 +39,12 @@ pub struct AdapterFiles {
 
 impl AdapterFiles {
     /// Pulls into `dir`, opening checkpoints through `weights`.
-    pub fn new(weights: Arc<Weights>, cfg: StreamConfig, dir: PathBuf) -> Self {
+    pub fn new(
+        weights: Arc<Weights>,
+        cache: warmgate_pool::weights::Cache,
+        cfg: StreamConfig,
+        dir: PathBuf,
+    ) -> Self {
         // Pulls a stop cut short left these behind.
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for e in entries.filter_map(Result::ok) {
@@ -46,6 +55,7 @@ impl AdapterFiles {
         }
         AdapterFiles {
             weights,
+            cache,
             cfg,
             dir,
             pulling: Mutex::new(HashMap::new()),
@@ -79,6 +89,16 @@ impl AdapterFiles {
         let lock = self.pulling.lock().entry(key.clone()).or_default().clone();
         let _one = lock.lock().await;
         if !dest.join(COMPLETE).exists() {
+            let need: u64 = items.iter().map(|i| i.meta.size).sum();
+            let budget = self.cache.max_bytes();
+            if need > budget {
+                self.pulling.lock().remove(&key);
+                return Err(format!(
+                    "{checkpoint} holds {need} bytes, more than [weights] cache_max_bytes \
+                     ({budget}), which pulled adapters share"
+                ));
+            }
+            self.make_room(&key, need);
             let pulled = self.pull(&items, &key, &dest).await;
             if let Err(e) = pulled {
                 self.pulling.lock().remove(&key);
@@ -90,7 +110,6 @@ impl AdapterFiles {
         let _ = std::fs::File::open(dest.join(COMPLETE))
             .and_then(|f| f.set_modified(std::time::SystemTime::now()));
         self.pulling.lock().remove(&key);
-        self.prune(&key);
         Ok(dest.to_string_lossy().into_owned())
     }
 
@@ -122,29 +141,37 @@ impl AdapterFiles {
         outcome
     }
 
-    /// Removes the least recently used folders past [`MAX_FOLDERS`],
-    /// never `keep`.
-    fn prune(&self, keep: &str) {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return;
-        };
-        let mut folders: Vec<(std::time::SystemTime, PathBuf)> = entries
-            .filter_map(Result::ok)
-            .filter(|e| {
-                e.file_name() != keep && !e.file_name().to_string_lossy().ends_with(".partial")
-            })
-            .filter_map(|e| {
-                let used = e.path().join(COMPLETE).metadata().ok()?.modified().ok()?;
-                Some((used, e.path()))
-            })
-            .collect();
-        if folders.len() < MAX_FOLDERS {
-            return;
+    /// Makes room for `need` bytes under the shared budget: the least
+    /// recently used folders (never `keep`) go first, then the weight
+    /// cache's own least recently used entries.
+    fn make_room(&self, keep: &str, need: u64) {
+        let budget = self.cache.max_bytes();
+        let used =
+            |this: &Self| this.cache.size() + warmgate_pool::weights::folder_bytes(&this.dir);
+        if used(self) + need > budget
+            && let Ok(entries) = std::fs::read_dir(&self.dir)
+        {
+            let mut folders: Vec<(std::time::SystemTime, PathBuf)> = entries
+                .filter_map(Result::ok)
+                .filter(|e| {
+                    e.file_name() != keep && !e.file_name().to_string_lossy().ends_with(".partial")
+                })
+                .filter_map(|e| {
+                    let used = e.path().join(COMPLETE).metadata().ok()?.modified().ok()?;
+                    Some((used, e.path()))
+                })
+                .collect();
+            folders.sort();
+            for (_, path) in folders {
+                if used(self) + need <= budget {
+                    break;
+                }
+                if std::fs::remove_dir_all(&path).is_ok() {
+                    tracing::info!(folder = %path.display(), "removed a pulled adapter to make room");
+                }
+            }
         }
-        folders.sort();
-        for (_, path) in &folders[..folders.len() + 1 - MAX_FOLDERS] {
-            let _ = std::fs::remove_dir_all(path);
-        }
+        self.cache.make_room(need);
     }
 }
 

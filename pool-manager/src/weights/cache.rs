@@ -23,6 +23,9 @@ const TMP_SUFFIX: &str = ".tmp";
 pub struct Cache {
     dir: PathBuf,
     max_bytes: u64,
+    /// A folder whose files share the budget (the adapters pulled for the
+    /// engines): counted, never evicted by the cache.
+    shared: Option<PathBuf>,
 }
 
 /// A cache entry being written. Dropped without [`CacheWriter::commit`], it
@@ -57,7 +60,47 @@ impl Cache {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
-        Ok(Cache { dir, max_bytes })
+        Ok(Cache {
+            dir,
+            max_bytes,
+            shared: None,
+        })
+    }
+
+    /// The same cache, its budget shared with the files under `dir` (and
+    /// its folders): they count toward `max_bytes`, and the cache's own
+    /// entries go first when the two pass it.
+    pub fn sharing_with(mut self, dir: impl Into<PathBuf>) -> Cache {
+        self.shared = Some(dir.into());
+        self
+    }
+
+    /// The budget, in bytes.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Evicts the cache's own least recently used entries until they, the
+    /// shared folder's files and `extra` bytes fit the budget (or nothing
+    /// of the cache's is left).
+    pub fn make_room(&self, extra: u64) {
+        let mut entries = self.entries();
+        let mut total: u64 = entries.iter().map(|e| e.1).sum::<u64>() + self.shared_bytes() + extra;
+        entries.sort_by_key(|e| e.2);
+        for (path, len, _) in entries {
+            if total <= self.max_bytes {
+                break;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                total -= len;
+                tracing::info!(path = %path.display(), bytes = len, "evicted from the weight cache");
+            }
+        }
+    }
+
+    /// Bytes of the files under the shared folder.
+    pub fn shared_bytes(&self) -> u64 {
+        self.shared.as_deref().map_or(0, folder_bytes)
     }
 
     /// The entry name for an object: a hash of its identity (its URI) and
@@ -162,7 +205,7 @@ impl Cache {
     /// `keep`.
     fn evict(&self, keep: &Path) {
         let mut entries = self.entries();
-        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        let mut total: u64 = entries.iter().map(|e| e.1).sum::<u64>() + self.shared_bytes();
         if total <= self.max_bytes {
             return;
         }
@@ -180,6 +223,30 @@ impl Cache {
             }
         }
     }
+}
+
+/// Bytes of the files in `dir` and in its folders, one level down.
+pub fn folder_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            if m.is_dir() {
+                let inner = std::fs::read_dir(e.path()).ok()?;
+                Some(
+                    inner
+                        .flatten()
+                        .filter_map(|f| f.metadata().ok().filter(|m| m.is_file()))
+                        .map(|m| m.len())
+                        .sum(),
+                )
+            } else {
+                Some(m.len())
+            }
+        })
+        .sum()
 }
 
 impl CacheWriter {

@@ -22,7 +22,7 @@ mod recycle;
 mod source;
 
 pub use allow::AllowList;
-pub use cache::{Cache, CacheWriter, parse_sha256sums, sha256_file};
+pub use cache::{Cache, CacheWriter, folder_bytes, parse_sha256sums, sha256_file};
 pub use fanout::Fanout;
 pub use header::{Header, TensorEntry};
 pub use pull::{PullItem, PullReport, SHA256SUMS, checksums, plan, pull};
