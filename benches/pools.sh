@@ -143,6 +143,8 @@ allowed_prefixes = ["file://$WORK/ckpt"]
 [[pools]]
 name = "sync"
 command = ["$BIN/test-worker"]
+# The bench calls the workers directly too: on their ports.
+listen = "port"
 env = { TEST_WORKER_WEIGHTS_NO_HASH = "1" }
 checkpoint = "file://$WORK/ckpt/v0"
 replicas = [4, 4]
@@ -210,6 +212,7 @@ state_dir = "$WORK/state-fair-$1"
 [[pools]]
 name = "fair"
 command = ["$BIN/test-worker"]
+listen = "port"
 replicas = [2, 2]
 concurrency = 4
 [pools.queue]

@@ -940,6 +940,11 @@ async fn an_adapter_is_held_to_the_allow_list_at_every_load_and_watch_at_the_put
     let status = r.status().as_u16();
     let body: Value = r.json().await.unwrap_or(Value::Null);
     assert_eq!(status, 400, "{body}");
+    assert!(
+        body.to_string()
+            .contains("outside the allowed checkpoint prefixes"),
+        "refused for the watch prefix: {body}"
+    );
 }
 
 /// Adapters pulled from an object store share the weight cache's byte

@@ -108,6 +108,9 @@ impl Edge {
 async fn answer(gw: Arc<Gateway>, route: Hot, mut req: Request) -> Response {
     let guard = match admit_tenant(&gw, &mut req) {
         Ok(guard) => guard,
+        // An engine's admin route takes the admin token in place of a
+        // tenant's key (and only that route of the data plane does).
+        Err(_) if matches!(route, Hot::Passthrough) && admin_on_admin_route(&gw, &mut req) => None,
         Err(refused) => return refused.into_response(),
     };
     let resp = match route {
@@ -123,6 +126,34 @@ async fn answer(gw: Arc<Gateway>, route: Hot, mut req: Request) -> Response {
 /// What the workers' listener serves.
 fn is_workers_path(path: &str) -> bool {
     path.starts_with("/v1/weights/") || path == "/healthz" || path == "/readyz"
+}
+
+/// Whether `req` carries the admin token to one of an app's routes that
+/// need it (see `serving::engine_routes`); if so it is marked as the
+/// admin's, and the token taken off.
+fn admin_on_admin_route(gw: &Gateway, req: &mut Request) -> bool {
+    let Some(token) = &gw.access.admin_token else {
+        return false;
+    };
+    let presented = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if !presented.is_some_and(|p| crate::tenants::same_secret(p, token)) {
+        return false;
+    }
+    let rest = req.uri().path().strip_prefix("/apps/").unwrap_or("");
+    let (name, sub) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let Some(app) = gw.registry.load().app(name).cloned() else {
+        return false;
+    };
+    if crate::serving::engine_routes::admin_only(&app.spec(), sub).is_none() {
+        return false;
+    }
+    req.headers_mut().remove(http::header::AUTHORIZATION);
+    req.extensions_mut().insert(super::AdminCaller);
+    true
 }
 
 /// The hot route `req` is for, when it surely is one the router would

@@ -282,20 +282,6 @@ pub(crate) fn admit_tenant(
     let Some(tenants) = &gw.access.tenants else {
         return Ok(None);
     };
-    // The admin token is let through as the admin (no tenant, no quota):
-    // the passthrough lets it reach an engine's admin routes.
-    if let Some(token) = &gw.access.admin_token {
-        let presented = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if presented.is_some_and(|p| crate::tenants::same_secret(p, token)) {
-            req.headers_mut().remove(header::AUTHORIZATION);
-            req.extensions_mut().insert(AdminCaller);
-            return Ok(None);
-        }
-    }
     let Some(tenant) = tenants.identify(req.headers()) else {
         return Err(Error::new(
             ErrorKind::Unauthorized,
