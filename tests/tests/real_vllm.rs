@@ -1,0 +1,246 @@
+//! Real vLLM behind the gateway: the CPU build from PyPI
+//! (`tests/vllm/install.sh`), serving a tiny Llama made on the spot
+//! (`tests/vllm/make_model.py`), started by the gateway with its stock
+//! command on the Unix socket the gateway offers. What the stand-in
+//! engine imitates is checked here against the engine itself: usage,
+//! streamed usage, prefix caching (vLLM's own `cached_tokens` and
+//! `vllm:prefix_cache_hits_total`), a tenant's `cache_salt`, the engine's
+//! metrics by their real names, and a client that leaves mid-stream.
+//!
+//! vLLM is looked for in `$WARMGATE_VLLM_VENV`, else
+//! `~/.cache/warmgate/vllm-0.32.0` (where the install script puts it).
+//! Without it the tests say so and pass, except under CI, which installs
+//! it first and fails without it.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{Gateway, eventually, replica_call};
+use serde_json::{Value, json};
+
+const KEY_A: &str = "team-a-key-0123456789";
+const KEY_B: &str = "team-b-key-0123456789";
+
+/// The vLLM virtual environment, if it is installed.
+fn venv() -> Option<PathBuf> {
+    let dir = std::env::var_os("WARMGATE_VLLM_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/warmgate/vllm-0.32.0"))
+        })?;
+    if dir.join("bin/vllm").exists() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "real vLLM is required under CI: tests/vllm/install.sh (.ci/run runs it)"
+    );
+    eprintln!("SKIPPED: real vLLM is not installed (tests/vllm/install.sh)");
+    None
+}
+
+/// The tiny model, made once into the build's folder.
+fn model(venv: &std::path::Path) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = root.join("target/tmp/vllm-tiny-llama");
+    let status = Command::new(venv.join("bin/python"))
+        .arg(root.join("tests/vllm/make_model.py"))
+        .arg(&out)
+        .status()
+        .expect("run make_model.py");
+    assert!(status.success(), "make_model.py failed");
+    out
+}
+
+/// A gateway with two tenants and one app of real vLLM on its socket.
+fn gateway(venv: &std::path::Path, model: &std::path::Path) -> Gateway {
+    Gateway::start_with(
+        &format!(
+            r#"
+            [limits]
+            idle_timeout = "300s"
+            [[apps]]
+            name = "tiny"
+            command = ["{vllm}", "serve", "{model}", "--served-model-name", "tiny",
+                       "--uds", "$WARMGATE_SOCKET", "--max-model-len", "2048",
+                       "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+            env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_TARGET_DEVICE = "cpu" }}
+            startup_timeout = "600s"
+            concurrency = 8
+            [apps.health]
+            path = "/health"
+            timeout = "10s"
+            [apps.engine]
+            metrics_path = "/metrics"
+            [apps.autoscale]
+            min = 1
+            max = 1
+            [[tenants]]
+            name = "team-a"
+            api_key_env = "TEST_KEY_A"
+            [[tenants]]
+            name = "team-b"
+            api_key_env = "TEST_KEY_B"
+            "#,
+            vllm = venv.join("bin/vllm").display(),
+            model = model.display(),
+        ),
+        &[],
+        &[("TEST_KEY_A", KEY_A), ("TEST_KEY_B", KEY_B)],
+    )
+}
+
+/// Waits (within the engine's slow first start) until the app is ready.
+async fn wait_ready(gw: &Gateway) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let s = gw.app_status("tiny").await;
+        if let Some(addr) = s["pool"]["replicas"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["state"] == "ready"))
+            .and_then(|r| r["addr"].as_str())
+        {
+            return addr.to_string();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "vLLM did not become ready: {s}\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+/// A completion of `prompt` as `key`: the answer.
+async fn complete(gw: &Gateway, key: &str, prompt: &str, max_tokens: u32) -> Value {
+    let r = gw
+        .http
+        .post(gw.at("/v1/completions"))
+        .bearer_auth(key)
+        .json(
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+        )
+        .send()
+        .await
+        .expect("send");
+    let status = r.status();
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("cached_tokens in {v}"))
+}
+
+/// The engine's own metric `name`, summed over its series.
+async fn engine_metric(addr: &str, name: &str) -> f64 {
+    let (status, text) = replica_call(addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves() {
+    let Some(venv) = venv() else {
+        return;
+    };
+    let model = model(&venv);
+    let gw = gateway(&venv, &model);
+    let addr = wait_ready(&gw).await;
+    assert!(
+        addr.starts_with("unix:"),
+        "vLLM listens on its socket: {addr}"
+    );
+
+    // Chat, with usage as vLLM counts it.
+    let r = gw
+        .http
+        .post(gw.at("/v1/chat/completions"))
+        .bearer_auth(KEY_A)
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.expect("json");
+    assert_eq!(v["object"], "chat.completion", "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64() > Some(0), "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64() <= Some(5), "{v}");
+
+    // Streamed, with the usage chunk vLLM sends when asked.
+    let r = gw
+        .http
+        .post(gw.at("/v1/completions"))
+        .bearer_auth(KEY_A)
+        .json(
+            &json!({"model": "tiny", "prompt": "the gateway", "max_tokens": 4, "stream": true,
+                      "stream_options": {"include_usage": true}}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.expect("stream");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.contains("\"usage\":{"), "the usage chunk: {text}");
+
+    // Prefix caching, by vLLM's own count: a tenant's repeat is cached;
+    // the same prompt from the other tenant is not (its cache_salt).
+    let prompt: String = (0..300).map(|i| format!("word{i} ")).collect();
+    let hits_before = engine_metric(&addr, "vllm:prefix_cache_hits_total").await;
+    assert_eq!(cached(&complete(&gw, KEY_A, &prompt, 2).await), 0);
+    let again = cached(&complete(&gw, KEY_A, &prompt, 2).await);
+    assert!(again >= 1024, "team a's repeat cached {again} tokens");
+    let hits_after = engine_metric(&addr, "vllm:prefix_cache_hits_total").await;
+    assert!(
+        hits_after - hits_before >= again as f64,
+        "vllm:prefix_cache_hits_total {hits_before} -> {hits_after}"
+    );
+    assert_eq!(
+        cached(&complete(&gw, KEY_B, &prompt, 2).await),
+        0,
+        "team b learnt from the cache that team a sent it"
+    );
+
+    // The engine's load is read by its real names.
+    eventually("the engine's metrics are read", || async {
+        let s = gw.app_status("tiny").await;
+        let r = s["pool"]["replicas"].as_array()?.first()?.clone();
+        r.get("engine").filter(|e| !e.is_null()).map(|_| ())
+    })
+    .await;
+
+    // A client that leaves mid-stream: vLLM stops the request.
+    let mut stream = gw
+        .http
+        .post(gw.at("/v1/completions"))
+        .bearer_auth(KEY_A)
+        .json(
+            &json!({"model": "tiny", "prompt": "a long answer", "max_tokens": 1500,
+                      "min_tokens": 1500, "stream": true, "temperature": 1}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(stream.status(), 200);
+    let first = stream.chunk().await.expect("a chunk");
+    assert!(first.is_some(), "the stream began");
+    eventually("vLLM runs the request", || async {
+        (engine_metric(&addr, "vllm:num_requests_running").await >= 1.0).then_some(())
+    })
+    .await;
+    drop(stream);
+    eventually("vLLM drops the request its client left", || async {
+        (engine_metric(&addr, "vllm:num_requests_running").await == 0.0).then_some(())
+    })
+    .await;
+}
