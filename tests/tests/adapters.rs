@@ -18,20 +18,10 @@ fn engine() -> String {
         .into_owned()
 }
 
-/// An adapter folder as PEFT writes one (the engine checks for its
-/// `adapter_config.json`); `broken` leaves that file out.
+/// An adapter folder as PEFT writes one; `broken` leaves out its
+/// `adapter_config.json`.
 fn adapter(root: &Path, name: &str, broken: bool) -> PathBuf {
-    let dir = root.join(name);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    if !broken {
-        std::fs::write(
-            dir.join("adapter_config.json"),
-            r#"{"peft_type": "LORA", "r": 8}"#,
-        )
-        .expect("write");
-    }
-    std::fs::write(dir.join("adapter_model.safetensors"), b"weights").expect("write");
-    dir
+    common::peft_adapter(root, name, broken)
 }
 
 /// An app `base` of `replicas` stand-in engines with two adapter slots

@@ -197,19 +197,6 @@ async fn one_tenant_cannot_learn_from_the_cache_what_another_sent() {
     }
 }
 
-/// A PEFT-like adapter folder the stand-in engine loads.
-fn adapter(root: &Path, name: &str) -> std::path::PathBuf {
-    let dir = root.join(name);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::write(
-        dir.join("adapter_config.json"),
-        r#"{"peft_type": "LORA", "r": 8}"#,
-    )
-    .expect("write");
-    std::fs::write(dir.join("adapter_model.safetensors"), b"weights").expect("write");
-    dir
-}
-
 /// One chat with `model` as `key`; whether it waited for its adapter's load.
 async fn chat_loaded(gw: &Gateway, key: &str, model: &str) -> bool {
     let r = gw
@@ -232,7 +219,7 @@ async fn one_tenant_cycling_adapters_does_not_push_out_another_s() {
     let dir = tempfile::tempdir().expect("dir");
     let mut models = String::new();
     for name in ["hot", "a0", "a1", "a2", "a3", "a4", "a5"] {
-        let p = adapter(dir.path(), name);
+        let p = common::peft_adapter(dir.path(), name, false);
         models.push_str(&format!(
             "[[apps.adapters.models]]\nname = \"{name}\"\ncheckpoint = \"file://{}\"\n",
             p.display()

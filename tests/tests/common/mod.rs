@@ -635,3 +635,19 @@ pub async fn replica_refuses(addr: &str) -> bool {
         None => tokio::net::TcpStream::connect(addr).await.is_err(),
     }
 }
+
+/// An adapter folder as PEFT writes one (the engine checks for its
+/// `adapter_config.json`); `broken` leaves that file out.
+pub fn peft_adapter(root: &Path, name: &str, broken: bool) -> PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    if !broken {
+        std::fs::write(
+            dir.join("adapter_config.json"),
+            r#"{"peft_type": "LORA", "r": 8}"#,
+        )
+        .expect("write");
+    }
+    std::fs::write(dir.join("adapter_model.safetensors"), b"weights").expect("write");
+    dir
+}
