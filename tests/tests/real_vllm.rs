@@ -219,7 +219,10 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
     })
     .await;
 
-    // A client that leaves mid-stream: vLLM stops the request.
+    // A client that leaves mid-stream: vLLM stops the request, short of
+    // the 1,500 tokens it must otherwise generate (`min_tokens`). (vLLM
+    // does not count a client's abort in `vllm:request_success_total`.)
+    let generated_before = engine_metric(&addr, "vllm:generation_tokens_total").await;
     let mut stream = gw
         .http
         .post(gw.at("/v1/completions"))
@@ -243,4 +246,9 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
         (engine_metric(&addr, "vllm:num_requests_running").await == 0.0).then_some(())
     })
     .await;
+    let generated = engine_metric(&addr, "vllm:generation_tokens_total").await - generated_before;
+    assert!(
+        generated < 1500.0,
+        "vLLM generated {generated} tokens for a client that left"
+    );
 }
