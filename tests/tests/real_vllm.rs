@@ -61,6 +61,7 @@ fn gateway(venv: &std::path::Path, model: &std::path::Path) -> Gateway {
             r#"
             [limits]
             idle_timeout = "300s"
+            request_timeout = "600s"
             [[apps]]
             name = "tiny"
             command = ["{vllm}", "serve", "{model}", "--served-model-name", "tiny",
@@ -74,9 +75,12 @@ fn gateway(venv: &std::path::Path, model: &std::path::Path) -> Gateway {
             timeout = "10s"
             [apps.engine]
             metrics_path = "/metrics"
+            [apps.queue]
+            timeout = "600s"
             [apps.autoscale]
-            min = 1
+            min = 0
             max = 1
+            scale_to_zero_after = "20s"
             [[tenants]]
             name = "team-a"
             api_key_env = "TEST_KEY_A"
@@ -92,17 +96,18 @@ fn gateway(venv: &std::path::Path, model: &std::path::Path) -> Gateway {
     )
 }
 
-/// Waits (within the engine's slow first start) until the app is ready.
-async fn wait_ready(gw: &Gateway) -> String {
+/// Waits (within the engine's slow first start) until a replica other
+/// than `not` is ready; its id and address.
+async fn wait_ready(gw: &Gateway, not: Option<&str>) -> (String, String) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
     loop {
         let s = gw.app_status("tiny").await;
-        if let Some(addr) = s["pool"]["replicas"]
-            .as_array()
-            .and_then(|r| r.iter().find(|r| r["state"] == "ready"))
-            .and_then(|r| r["addr"].as_str())
+        if let Some(r) = s["pool"]["replicas"].as_array().and_then(|r| {
+            r.iter()
+                .find(|r| r["state"] == "ready" && r["id"].as_str() != not)
+        }) && let (Some(id), Some(addr)) = (r["id"].as_str(), r["addr"].as_str())
         {
-            return addr.to_string();
+            return (id.to_string(), addr.to_string());
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -155,13 +160,15 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
     };
     let model = model(&venv);
     let gw = gateway(&venv, &model);
-    let addr = wait_ready(&gw).await;
-    assert!(
-        addr.starts_with("unix:"),
-        "vLLM listens on its socket: {addr}"
-    );
 
-    // Chat, with usage as vLLM counts it.
+    // At zero until asked: the first request waits for vLLM to start
+    // (a cold start, with its phases in the status); chat, with usage as
+    // vLLM counts it.
+    let s = gw.app_status("tiny").await;
+    assert!(
+        s["pool"]["replicas"].as_array().is_some_and(Vec::is_empty),
+        "no replica before the first request: {s}"
+    );
     let r = gw
         .http
         .post(gw.at("/v1/chat/completions"))
@@ -171,8 +178,19 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
         .await
         .expect("send");
     assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-warmgate-cold-start"], "true");
     let v: Value = r.json().await.expect("json");
     assert_eq!(v["object"], "chat.completion", "{v}");
+    let s = gw.app_status("tiny").await;
+    assert!(
+        s["pool"]["last_cold_start"]["ready_seconds"].as_f64() > Some(0.0),
+        "the cold start's phases: {s}"
+    );
+    let (_, addr) = wait_ready(&gw, None).await;
+    assert!(
+        addr.starts_with("unix:"),
+        "vLLM listens on its socket: {addr}"
+    );
     assert!(v["usage"]["prompt_tokens"].as_u64() > Some(0), "{v}");
     assert!(v["usage"]["completion_tokens"].as_u64() <= Some(5), "{v}");
 
@@ -251,4 +269,18 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
         generated < 1500.0,
         "vLLM generated {generated} tokens for a client that left"
     );
+
+    // Idle past scale_to_zero_after: back to zero replicas.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    loop {
+        let s = gw.app_status("tiny").await;
+        if s["pool"]["replicas"].as_array().is_some_and(Vec::is_empty) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never scaled to zero: {s}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
 }
