@@ -12,6 +12,9 @@
 #
 # Usage: benches/proxy.sh   (env RATE, DURATION, CONNS, ROUNDS, COLD_N override)
 set -euo pipefail
+# The control plane (status, read below) needs the admin token: the bench
+# gives the gateway its own.
+export WARMGATE_ADMIN_TOKEN="bench-$RANDOM$RANDOM"
 cd "$(dirname "$0")/.."
 
 RATE=${RATE:-5000}
@@ -75,7 +78,7 @@ EOF
 start_gateway "$WORK/proxy.toml" "$WORK/gw.log"
 UPSTREAM=""
 for _ in $(seq 1 500); do
-  UPSTREAM=$(curl -s "$GW_URL/v1/status" | python3 -c '
+  UPSTREAM=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GW_URL/v1/status" | python3 -c '
 import json,sys
 a=json.load(sys.stdin)["apps"][0]
 r=[x for x in a["pool"]["replicas"] if x["state"]=="ready"]
@@ -169,7 +172,7 @@ TOTALS=()
 for i in $(seq 1 "$COLD_N"); do
   TOTALS+=("$(curl -s -o /dev/null -w '%{time_total}' "$GW_URL/apps/cold$i/")")
 done
-COLD=$(curl -s "$GW_URL/v1/status" | python3 -c '
+COLD=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GW_URL/v1/status" | python3 -c '
 import json,sys,statistics
 apps=json.load(sys.stdin)["apps"]
 h=sorted(a["handoff_ms"] for a in apps if a["handoff_ms"] is not None)
