@@ -186,7 +186,7 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
         s["pool"]["last_cold_start"]["ready_seconds"].as_f64() > Some(0.0),
         "the cold start's phases: {s}"
     );
-    let (_, addr) = wait_ready(&gw, None).await;
+    let (first_replica, addr) = wait_ready(&gw, None).await;
     assert!(
         addr.starts_with("unix:"),
         "vLLM listens on its socket: {addr}"
@@ -269,6 +269,49 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
         generated < 1500.0,
         "vLLM generated {generated} tokens for a client that left"
     );
+
+    // The engine killed mid-stream: the client's stream ends cut short
+    // (not hanging, not a clean end), and the next request is served by a
+    // new engine (started for it, as from zero).
+    let mut stream = gw
+        .http
+        .post(gw.at("/v1/completions"))
+        .bearer_auth(KEY_A)
+        .json(
+            &json!({"model": "tiny", "prompt": "killed", "max_tokens": 1500,
+                      "min_tokens": 1500, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(stream.status(), 200);
+    assert!(stream.chunk().await.expect("a chunk").is_some());
+    for pid in gw.replica_pids("tiny").await {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let mut text = String::new();
+    let ended_whole = tokio::time::timeout(common::WAIT, async {
+        loop {
+            match stream.chunk().await {
+                Ok(Some(c)) => text.push_str(&String::from_utf8_lossy(&c)),
+                Ok(None) => return text.contains("[DONE]"),
+                Err(_) => return false,
+            }
+        }
+    })
+    .await
+    .expect("the stream ends when its engine dies, it does not hang");
+    assert!(
+        !ended_whole,
+        "a stream cut short does not end as a whole answer"
+    );
+    let v = complete(&gw, KEY_B, "after the crash", 2).await;
+    assert_eq!(v["object"], "text_completion", "{v}");
+    let (second, _) = wait_ready(&gw, Some(&first_replica)).await;
+    assert_ne!(second, first_replica, "a new replica");
 
     // Idle past scale_to_zero_after: back to zero replicas.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
