@@ -24,6 +24,17 @@ fn adapter(root: &Path, name: &str, broken: bool) -> PathBuf {
     common::peft_adapter(root, name, broken)
 }
 
+/// `config` with `[weights] allowed_prefixes` set to the folder `dir`.
+fn allowing(config: String, dir: &Path) -> String {
+    config.replace(
+        "[[apps]]",
+        &format!(
+            "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
+            dir.display()
+        ),
+    )
+}
+
 /// An app `base` of `replicas` stand-in engines with two adapter slots
 /// each, serving `adapters` (name, folder).
 fn config(replicas: u32, adapters: &[(&str, &Path)]) -> String {
@@ -243,13 +254,7 @@ async fn adapters_are_added_and_removed_through_the_api_without_a_restart() {
     let dir = tempfile::tempdir().expect("dir");
     let first = adapter(dir.path(), "first", false);
     let added = adapter(dir.path(), "added", false);
-    let config = config(1, &[("first-lora", &first)]).replace(
-        "[[apps]]",
-        &format!(
-            "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
-            dir.path().display()
-        ),
-    );
+    let config = allowing(config(1, &[("first-lora", &first)]), dir.path());
     let gw = Gateway::start(&config);
     ready(&gw, 1).await;
     let pid = gw.replica_pids("base").await;
@@ -423,27 +428,23 @@ assert answer["model"] == os.environ["WARMGATE_EVAL_MODEL"], answer
         ),
     )
     .expect("write gate");
-    let config = config(2, &[("sql-lora", &v1), ("chat-lora", &chat_dir)])
-        .replace(
-            "[[apps]]",
-            &format!(
-                "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
-                dir.path().display()
-            ),
-        )
-        .replace(
-            "[apps.adapters]",
-            &format!(
-                "[apps.promotion]\nmin_requests = 5\nmax_error_rate = 0.2\nbake = \"2s\"\n\
+    let config = allowing(
+        config(2, &[("sql-lora", &v1), ("chat-lora", &chat_dir)]),
+        dir.path(),
+    )
+    .replace(
+        "[apps.adapters]",
+        &format!(
+            "[apps.promotion]\nmin_requests = 5\nmax_error_rate = 0.2\nbake = \"2s\"\n\
                  gate_command = [\"python3\", \"{}\"]\ngate_timeout = \"60s\"\n[apps.adapters]",
-                gate.display()
-            ),
-        )
-        .replacen(
-            "name = \"sql-lora\"\n",
-            "name = \"sql-lora\"\naliases = [\"sql\"]\n",
-            1,
-        );
+            gate.display()
+        ),
+    )
+    .replacen(
+        "name = \"sql-lora\"\n",
+        "name = \"sql-lora\"\naliases = [\"sql\"]\n",
+        1,
+    );
     let gw = Gateway::start(&config);
     ready(&gw, 2).await;
     let models = gw.json("/v1/models").await;
@@ -792,14 +793,7 @@ async fn an_adapters_training_run_is_followed_and_each_complete_checkpoint_promo
     let first = adapter(dir.path(), "first", false);
     let runs = dir.path().join("runs");
     std::fs::create_dir_all(&runs).expect("mkdir");
-    let config = config(1, &[("sql-lora", &first)])
-        .replace(
-            "[[apps]]",
-            &format!(
-                "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
-                dir.path().display()
-            ),
-        )
+    let config = allowing(config(1, &[("sql-lora", &first)]), dir.path())
         .replace(
             "[apps.adapters]",
             "[apps.promotion]\nbake = \"500ms\"\nwatch_interval = \"200ms\"\n[apps.adapters]",
@@ -884,13 +878,7 @@ async fn an_adapter_is_held_to_the_allow_list_at_every_load_and_watch_at_the_put
     let allowed = dir.path().join("allowed");
     std::fs::create_dir_all(&allowed).expect("mkdir");
     let outside = adapter(dir.path(), "outside", false);
-    let config = config(1, &[]).replace(
-        "[[apps]]",
-        &format!(
-            "[weights]\nallowed_prefixes = [\"file://{}\"]\n[[apps]]",
-            allowed.display()
-        ),
-    );
+    let config = allowing(config(1, &[]), &allowed);
     let gw = Gateway::start(&config);
     ready(&gw, 1).await;
     // Put while the folder does not exist yet: it is under the prefix.
