@@ -156,6 +156,16 @@ pub const METRICS: &[Metric] = &[
         "Bytes of request bodies held now (being read, or waiting for a replica), of limits.max_buffered_body_bytes; read when scraped.",
     ),
     counter(
+        "warmgate_replica_ejections_total",
+        &["cause"],
+        "Replicas taken out of rotation because a connection to them failed: refused, or broke before the answer ended (cause). Each is back once it answers its health probe.",
+    ),
+    counter(
+        "warmgate_unread_bodies_closed_total",
+        &[],
+        "Answers given before the request's body was read whose connection then closed (Connection: close), the rest of the body being too large, too slow or not yet asked for (Expect: 100-continue).",
+    ),
+    counter(
         "warmgate_tls_handshake_failures_total",
         &[],
         "TLS handshakes that failed or did not finish within limits.header_read_timeout.",

@@ -99,6 +99,9 @@ pub struct ReplicaHandle {
     pub weights_version: AtomicU64,
     inflight: AtomicU32,
     routable: AtomicBool,
+    /// Its connection failed (refused, or broken before the answer ended)
+    /// and it has not answered a probe since.
+    ejected: AtomicBool,
     last_active_ns: AtomicU64,
     first_forward: AtomicBool,
     idle: Notify,
@@ -208,6 +211,7 @@ impl ReplicaHandle {
             weights_version: AtomicU64::new(0),
             inflight: AtomicU32::new(0),
             routable: AtomicBool::new(true),
+            ejected: AtomicBool::new(false),
             last_active_ns: AtomicU64::new(now_ns()),
             first_forward: AtomicBool::new(false),
             idle: Notify::new(),
@@ -264,9 +268,28 @@ impl ReplicaHandle {
         self.inflight() < self.limit()
     }
 
-    /// Whether the gateway may send it new requests.
+    /// Whether the gateway may send it new requests: it is not draining,
+    /// and not ejected for a failed connection.
     pub fn is_routable(&self) -> bool {
-        self.routable.load(Ordering::Acquire)
+        self.routable.load(Ordering::Acquire) && !self.ejected.load(Ordering::Acquire)
+    }
+
+    /// A connection to it failed: no request is routed to it until
+    /// [`ReplicaHandle::readmit`]. Returns whether this call ejected it
+    /// (it was not out already).
+    pub fn eject(&self) -> bool {
+        !self.ejected.swap(true, Ordering::AcqRel)
+    }
+
+    /// It answered its probe after it was ejected: routable again (unless
+    /// it drains).
+    pub fn readmit(&self) {
+        self.ejected.store(false, Ordering::Release);
+    }
+
+    /// Whether it is ejected (see [`ReplicaHandle::eject`]).
+    pub fn is_ejected(&self) -> bool {
+        self.ejected.load(Ordering::Acquire)
     }
 
     /// Stops new requests from being routed to it.

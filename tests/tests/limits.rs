@@ -730,3 +730,105 @@ async fn a_client_that_stops_reading_is_cut_off_after_the_idle_timeout() {
     })
     .await;
 }
+
+/// One answer read off `s`: its head (lowercased) and its body, by its
+/// `content-length`; `None` if the connection ends first.
+async fn read_answer(s: &mut TcpStream) -> Option<(String, String)> {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        match tokio::time::timeout(WAIT, s.read(&mut byte)).await {
+            Ok(Ok(1)) => buf.push(byte[0]),
+            _ => return None,
+        }
+    }
+    let head = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    tokio::time::timeout(WAIT, s.read_exact(&mut body))
+        .await
+        .ok()?
+        .ok()?;
+    Some((head, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// The head of a chat request with `key` whose body is `len` bytes, and
+/// `extra` headers.
+fn chat_head(key: &str, len: usize, extra: &str) -> String {
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n\
+         content-type: application/json\r\ncontent-length: {len}\r\n{extra}\r\n"
+    )
+}
+
+/// A refusal made on the headers (a wrong key, a tenant over its rate)
+/// before the body has arrived: the gateway reads the body and keeps the
+/// connection, so the client's next request on it is answered (it used
+/// to close the connection after an answer that said it stayed open, and
+/// the official `openai` client's next request failed with "server
+/// disconnected"). A body that does not come, or one the client waits to
+/// be asked for (`Expect: 100-continue`), ends the connection, and the
+/// answer says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_before_the_body_keeps_the_connection_or_says_it_closes() {
+    let gw = tenants_gateway();
+    gw.wait_ready("m", 1).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    // Bravo's one request a burst goes through; its next is over its rate.
+    let (status, _, _) = send(
+        &gw,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some(KEY_B),
+        Some(serde_json::from_str(&body).expect("json")),
+    )
+    .await;
+    assert_eq!(status, 200);
+    for (key, expected) in [("not-a-key", "401"), (KEY_B, "429")] {
+        let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+        s.set_nodelay(true).expect("nodelay");
+        s.write_all(chat_head(key, body.len(), "").as_bytes())
+            .await
+            .expect("head");
+        // The body comes after the head, as a client's second write does
+        // on a busy machine.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.write_all(body.as_bytes()).await.expect("body");
+        let (head, answer) = read_answer(&mut s).await.expect("the refusal");
+        assert!(head.starts_with(&format!("http/1.1 {expected}")), "{head}");
+        assert!(!head.contains("connection: close"), "{head}{answer}");
+        // The same connection serves the next request.
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("next request");
+        let (head, answer) = read_answer(&mut s)
+            .await
+            .unwrap_or_else(|| panic!("the connection after a {expected} closed"));
+        assert!(head.starts_with("http/1.1 200"), "{head}{answer}");
+    }
+    // A body announced and never sent: answered within moments, closing.
+    let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+    s.write_all(chat_head("not-a-key", 100, "").as_bytes())
+        .await
+        .expect("head");
+    let (head, _) = read_answer(&mut s).await.expect("the refusal");
+    assert!(head.starts_with("http/1.1 401"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert_eq!(read_to_close(&mut s).await, "", "then the connection ends");
+    // A client waiting for `100 Continue` is not asked for its body.
+    let mut s = TcpStream::connect(addr(&gw)).await.expect("connect");
+    s.write_all(chat_head("not-a-key", 100, "expect: 100-continue\r\n").as_bytes())
+        .await
+        .expect("head");
+    let (head, _) = read_answer(&mut s).await.expect("the refusal");
+    assert!(head.starts_with("http/1.1 401"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(
+        gw.metric("warmgate_unread_bodies_closed_total").await >= 2.0,
+        "counted"
+    );
+}

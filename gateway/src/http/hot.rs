@@ -18,6 +18,7 @@ use futures_util::future::Either;
 use hyper::body::Incoming;
 use tower::ServiceExt as _;
 
+use super::leftover;
 use super::prelude::*;
 use super::request_id::{self, WithId};
 use super::{admit_tenant, held};
@@ -63,12 +64,28 @@ impl Edge {
         }
     }
 
-    /// Answers one request.
+    /// Answers one request; a body its handler left unread is read to its
+    /// end before the answer goes out, or the answer closes the connection
+    /// (see [`super::leftover`]).
     pub fn serve(
         &self,
         req: http::Request<Incoming>,
     ) -> impl Future<Output = Result<Response, Infallible>> + Send + use<> {
-        let mut req = req.map(Body::new);
+        let asked = leftover::Asked::of(&req);
+        let (parts, body) = req.into_parts();
+        let (body, rest) = leftover::Watched::new(body);
+        let answer = self.route(Request::from_parts(parts, Body::new(body)));
+        async move {
+            let Ok(resp) = answer.await;
+            Ok(leftover::settle(resp, &rest, asked).await)
+        }
+    }
+
+    /// The answer to `req`, from a hot route or the router.
+    fn route(
+        &self,
+        mut req: Request,
+    ) -> impl Future<Output = Result<Response, Infallible>> + Send + use<> {
         if self.workers_only && !is_workers_path(req.uri().path()) {
             let refused = Error::new(
                 ErrorKind::NotFound,

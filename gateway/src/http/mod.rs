@@ -10,6 +10,7 @@ pub(crate) mod forgery;
 pub(crate) mod host;
 pub(crate) mod hot;
 pub(crate) mod inference;
+pub(crate) mod leftover;
 pub(crate) mod logs;
 pub(crate) mod ops;
 pub(crate) mod request_id;

@@ -453,6 +453,22 @@ impl App {
         self.guest.store(false, Ordering::Release);
     }
 
+    /// Whether `replica` is one of its replicas.
+    pub fn holds(&self, replica: &Arc<ReplicaHandle>) -> bool {
+        self.slots
+            .lock()
+            .replicas
+            .iter()
+            .any(|r| Arc::ptr_eq(r, replica))
+    }
+
+    /// Hands free slots to the requests held, after a replica came back
+    /// into rotation (see `serving::refusing`).
+    pub fn redispatch(&self) {
+        let spec = self.spec.load_full();
+        self.slots.lock().dispatch(&spec);
+    }
+
     /// Replicas taking traffic.
     pub fn ready_replicas(&self) -> usize {
         self.slots.lock().replicas.len()

@@ -12,6 +12,7 @@ pub mod dispatch;
 pub mod engine_load;
 pub mod engine_routes;
 pub mod json_body;
+pub mod outlier;
 pub mod pipeline;
 pub mod proxy;
 pub mod route;

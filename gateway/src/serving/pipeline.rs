@@ -188,7 +188,9 @@ impl Pipeline {
         let mut req = read_small_body(req).await?;
         // A replica that refuses the connection (killed a moment ago, not
         // yet seen to exit) was sent nothing and hands the request back,
-        // body and all, so it may try another one.
+        // body and all, so it may try another one; it is out of rotation
+        // until it answers its probe (`serving::outlier`), so with no
+        // other replica the request waits for one.
         let mut attempt = 1;
         let mut refused: Vec<Arc<ReplicaHandle>> = Vec::new();
         loop {

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use warmgate_pool::ReplicaHandle;
 
+use super::outlier::Cause;
 use crate::error::{Error, ErrorKind};
 use crate::upstream::{Returned, SendError, Upstream};
 
@@ -28,6 +29,9 @@ pub trait Slot: Send + Sync + Unpin + 'static {
     fn note_forward(&self) {}
     /// The answer's first byte (or its end, when it has none) has passed.
     fn first_byte(&self) {}
+    /// A connection to the replica failed: take it out of rotation until
+    /// it answers its probe (see [`super::outlier`]).
+    fn eject(&self, _cause: Cause) {}
 }
 
 /// Sends `req` to the slot's replica at `path_and_query`. The answer's
@@ -59,6 +63,9 @@ pub async fn forward<S: Slot>(
         Ok(r) => r,
         Err(failed) => {
             let err = upstream_error(&failed.error, &replica.id, replica.target.owner());
+            if let Some(cause) = replica_at_fault(&failed.error) {
+                slot.eject(cause);
+            }
             return Err(match failed.unsent {
                 Some(req) => Forward::Refused(err, req, replica.clone()),
                 None => Forward::Failed(err),
@@ -100,6 +107,20 @@ impl Forward {
 }
 
 pub use crate::error::{BodyIdle, BodyTooLarge};
+
+/// Whether a failed send was the replica's connection failing (and how),
+/// not the request's own body (too large, stalled, broken off).
+fn replica_at_fault(e: &SendError) -> Option<Cause> {
+    if e.is_connect() {
+        return Some(Cause::Refused);
+    }
+    let mut chain = std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    });
+    let the_request =
+        chain.any(|e| e.is::<BodyTooLarge>() || e.is::<BodyIdle>() || e.is::<axum::Error>());
+    (!the_request).then_some(Cause::Broke)
+}
 
 fn upstream_error(e: &SendError, replica: &str, app: &str) -> Error {
     let chain = || {
@@ -295,6 +316,7 @@ impl<S: Slot> HttpBody for GuardedBody<S> {
                         error = %e,
                         "replica failed mid-response"
                     );
+                    slot.eject(Cause::Broke);
                 }
                 self.slot = None;
                 Poll::Ready(Some(Err(Box::new(e))))

@@ -90,8 +90,9 @@ pub async fn serve(
             }
             Err(Forward::Refused(e, back, _)) if attempt < MAX_CONNECT_ATTEMPTS => {
                 // Nothing was sent: the process is gone (the pool manager
-                // removes it within moments). The request, handed back
-                // whole, tries another.
+                // removes it within moments). It takes nothing more until
+                // it answers its probe; the request, handed back whole,
+                // tries another or waits for one.
                 req = *back;
                 refused.push(replica.id.clone());
                 metrics::counter!("warmgate_connect_retries_total").increment(1);

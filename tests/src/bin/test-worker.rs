@@ -8,7 +8,8 @@
 //! * at startup, through `TEST_WORKER_*` environment variables (slow start,
 //!   never ready, immediate exit, default latency);
 //! * per request, through query parameters or `x-test-*` headers (latency,
-//!   status code, crash, crash mid-body, server-sent events).
+//!   status code, crash, crash mid-body, a body broken off by a live
+//!   worker, server-sent events).
 //!
 //! `GET /stats` exposes in-flight / peak / total request counters so tests can
 //! check how the gateway spreads and limits load.
@@ -111,22 +112,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
         }
     }
 
-    let listener = match &config.bind {
-        Bind::Port(port) => {
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding {addr}"))?;
-            eprintln!("test-worker listening on {addr}");
-            Listening::Tcp(l)
-        }
-        Bind::Socket(path) => {
-            let l = tokio::net::UnixListener::bind(path)
-                .with_context(|| format!("binding {}", path.display()))?;
-            eprintln!("test-worker listening on {}", path.display());
-            Listening::Unix(l)
-        }
-    };
+    let bind = config.bind.clone();
+    let listener = listen(&bind).await?;
 
     let mut loaded = Loaded::default();
     let mut weights_seconds = None;
@@ -150,6 +137,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         counters: Arc::default(),
         pid: std::process::id(),
         close: close.clone(),
+        reopen_after: std::sync::Mutex::new(None),
         weights_seconds,
         weights_version: AtomicU64::new(loaded.version),
         broken: std::sync::atomic::AtomicBool::new(loaded.broken),
@@ -164,45 +152,103 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .route("/invoke", axum::routing::post(invoke))
         .route("/weights", axum::routing::post(swap_weights))
         .fallback(handle_request)
-        .with_state(state);
+        .with_state(state.clone());
 
-    let by_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = by_request.clone();
-    let shutdown = async move {
-        tokio::select! {
-            name = signals.wait() => {
-                eprintln!("test-worker: received {name}, draining in-flight requests");
+    // A signal stops the worker whether it listens or not.
+    let stop = Arc::new(tokio::sync::Notify::new());
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let name = signals.wait().await;
+            eprintln!("test-worker: received {name}, draining in-flight requests");
+            stop.notify_one();
+        });
+    }
+    let mut listener = listener;
+    loop {
+        let by_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, close, signalled) = (by_request.clone(), close.clone(), stop.clone());
+        let shutdown = async move {
+            tokio::select! {
+                () = signalled.notified() => {}
+                () = close.notified() => {
+                    flag.store(true, Ordering::SeqCst);
+                    eprintln!("test-worker: closing the listener but staying alive");
+                }
             }
-            () = close.notified() => {
-                flag.store(true, Ordering::SeqCst);
-                eprintln!("test-worker: closing the listener but staying alive");
+        };
+        match listener {
+            Listening::Tcp(l) => {
+                axum::serve(l, app.clone())
+                    .with_graceful_shutdown(shutdown)
+                    .await
+            }
+            Listening::Unix(l) => {
+                axum::serve(l, app.clone())
+                    .with_graceful_shutdown(shutdown)
+                    .await
             }
         }
-    };
-    match listener {
-        Listening::Tcp(l) => axum::serve(l, app).with_graceful_shutdown(shutdown).await,
-        Listening::Unix(l) => axum::serve(l, app).with_graceful_shutdown(shutdown).await,
-    }
-    .context("serving")?;
-    if by_request.load(Ordering::SeqCst) {
-        // A worker that is alive but refuses connections: wait for a signal.
-        let mut signals = ShutdownSignals::install()?;
-        let name = signals.wait().await;
-        eprintln!("test-worker: received {name} while not listening");
+        .context("serving")?;
+        if !by_request.load(Ordering::SeqCst) {
+            break;
+        }
+        let reopen = *state.reopen_after.lock().unwrap_or_else(|e| e.into_inner());
+        // A worker that is alive but refuses connections: for good (until
+        // a signal), or for a while, then listening again where it was.
+        let Some(after) = reopen else {
+            stop.notified().await;
+            break;
+        };
+        tokio::select! {
+            () = tokio::time::sleep(after) => {}
+            () = stop.notified() => break,
+        }
+        if let Bind::Socket(path) = &bind {
+            let _ = std::fs::remove_file(path);
+        }
+        listener = listen(&bind).await?;
     }
     eprintln!("test-worker: stopped");
     Ok(())
 }
 
+/// Binds where the gateway said to listen.
+async fn listen(bind: &Bind) -> anyhow::Result<Listening> {
+    Ok(match bind {
+        Bind::Port(port) => {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?;
+            eprintln!("test-worker listening on {addr}");
+            Listening::Tcp(l)
+        }
+        Bind::Socket(path) => {
+            let l = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("binding {}", path.display()))?;
+            eprintln!("test-worker listening on {}", path.display());
+            Listening::Unix(l)
+        }
+    })
+}
+
 /// `POST /close-listener`: stop accepting connections but keep the process
-/// alive, to test how the gateway handles a worker that refuses connections.
+/// alive, to test how the gateway handles a worker that refuses connections;
+/// with `?reopen_ms=N`, listen again where it was after N ms.
 /// The answer closes its connection: the shutdown closes it anyway, and a
 /// client that kept it would race that close with its next request, which
 /// then fails on a connection the worker never read (not the refused
 /// connect the tests are about).
 async fn close_listener(
     State(state): State<Arc<AppState>>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> (StatusCode, [(axum::http::HeaderName, &'static str); 1]) {
+    let reopen = q
+        .get("reopen_ms")
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis);
+    *state.reopen_after.lock().unwrap_or_else(|e| e.into_inner()) = reopen;
     state.close.notify_one();
     (
         StatusCode::ACCEPTED,
@@ -215,6 +261,7 @@ async fn close_listener(
 // ---------------------------------------------------------------------------
 
 /// Where to listen.
+#[derive(Clone)]
 enum Bind {
     /// `127.0.0.1:$PORT`.
     Port(u16),
@@ -399,6 +446,8 @@ struct AppState {
     pid: u32,
     /// Notified by `POST /close-listener`.
     close: Arc<tokio::sync::Notify>,
+    /// How long the listener it closes stays closed (`None`: for good).
+    reopen_after: std::sync::Mutex<Option<Duration>>,
     /// The weights loaded; the lock is held while a swap loads new ones.
     weights: tokio::sync::Mutex<Loaded>,
     /// The version loaded, readable while a swap holds the lock.
@@ -730,6 +779,8 @@ struct Controls {
     status: StatusCode,
     crash: bool,
     crash_mid: bool,
+    /// Send `partial\n`, then break the connection, and stay alive.
+    abort_mid: bool,
     sse_events: Option<u32>,
     sse_interval: Duration,
 }
@@ -751,6 +802,7 @@ impl Controls {
                 .unwrap_or(StatusCode::OK),
             crash: lookup("crash", "x-test-crash").is_some_and(|v| parse_flag(&v)),
             crash_mid: lookup("crash_mid", "x-test-crash-mid").is_some_and(|v| parse_flag(&v)),
+            abort_mid: lookup("abort_mid", "x-test-abort-mid").is_some_and(|v| parse_flag(&v)),
             sse_events: lookup("sse", "x-test-sse").and_then(|v| v.trim().parse().ok()),
             sse_interval: lookup("interval_ms", "x-test-interval-ms")
                 .and_then(|v| parse_millis(&v))
@@ -867,6 +919,9 @@ async fn handle_request(State(state): State<Arc<AppState>>, request: Request) ->
     }
     if controls.crash_mid {
         return crash_mid_response(guard);
+    }
+    if controls.abort_mid {
+        return abort_mid_response(guard);
     }
     if controls.status.as_u16() >= 400 {
         let error = json!({ "error": "requested status" });
@@ -1202,6 +1257,22 @@ fn crash_mid_response(guard: InFlightGuard) -> Response {
     let first = stream::once(async { Ok(Bytes::from_static(b"partial\n")) });
     let then_crash = stream::once(crash_after(CRASH_MID_DELAY, guard));
     let mut response = Body::from_stream(first.chain(then_crash)).into_response();
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    response
+}
+
+/// A chunked 200 answer that sends `partial\n`, then breaks off: the
+/// connection ends without the body's end, and the worker lives on.
+fn abort_mid_response(guard: InFlightGuard) -> Response {
+    let first = stream::once(async { Ok(Bytes::from_static(b"partial\n")) });
+    let then_break = stream::once(async move {
+        tokio::time::sleep(CRASH_MID_DELAY).await;
+        drop(guard);
+        Err(std::io::Error::other("abort_mid requested"))
+    });
+    let mut response = Body::from_stream(first.chain(then_break)).into_response();
     response
         .headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));

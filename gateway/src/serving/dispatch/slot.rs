@@ -52,6 +52,10 @@ impl crate::serving::proxy::Slot for SlotGuard {
         &self.replica
     }
 
+    fn eject(&self, cause: crate::serving::outlier::Cause) {
+        crate::serving::outlier::eject_from_app(&self.app, &self.replica, cause);
+    }
+
     /// Notes that the request is being forwarded now; the first forward to a
     /// fresh replica measures the gateway's share of the cold start.
     fn note_forward(&self) {

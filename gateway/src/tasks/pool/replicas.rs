@@ -46,6 +46,24 @@ impl Pool {
         }
     }
 
+    /// Whether `r` is one of its replicas.
+    pub fn holds(&self, r: &Arc<ReplicaHandle>) -> bool {
+        self.state.lock().replicas.iter().any(|x| Arc::ptr_eq(x, r))
+    }
+
+    /// A connection to `r` failed: out of rotation until it answers its
+    /// probe (see `serving::outlier`), then what waits is woken.
+    pub fn eject(self: &Arc<Self>, r: &Arc<ReplicaHandle>, cause: crate::serving::outlier::Cause) {
+        let (held, back, replica) = (self.clone(), self.clone(), r.clone());
+        crate::serving::outlier::eject(
+            r,
+            self.spec().health.clone(),
+            cause,
+            move || held.holds(&replica),
+            move || back.notify(),
+        );
+    }
+
     /// A replica must take no more tasks.
     pub fn remove_replica(&self, r: &Arc<ReplicaHandle>) {
         self.state.lock().replicas.retain(|x| !Arc::ptr_eq(x, r));

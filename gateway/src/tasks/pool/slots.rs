@@ -211,6 +211,10 @@ impl crate::serving::proxy::Slot for RequestSlot {
         &self.replica
     }
 
+    fn eject(&self, cause: crate::serving::outlier::Cause) {
+        self.pool.eject(&self.replica, cause);
+    }
+
     fn first_byte(&self) {
         metrics::histogram!("warmgate_time_to_first_byte_seconds", "app" => self.app.clone())
             .record(self.since.elapsed().as_secs_f64());
