@@ -26,7 +26,7 @@ pub use config::{
     AccessConfig, AppSpec, AutoscaleSpec, BackendConfig, BackendKind, Config, Fairness, HealthSpec,
     KubeBackendConfig, LimitsConfig, Listen, NodeRequirement, OperatorConfig, PodSpec,
     PoolQueueSpec, PoolSpec, PromotionSpec, QueueSpec, SecretKey, TenantSpec, TlsConfig,
-    Toleration, VolumeSpec, WeightsConfig, check_dns_label, defaults, parse_size,
+    Toleration, VolumeSpec, WeightSync, WeightsConfig, check_dns_label, defaults, parse_size,
     resolve_checkpoint,
 };
 pub use routing::{EngineMetricNames, EngineSpec, RoutingPolicy, RoutingSpec};

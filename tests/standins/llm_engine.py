@@ -49,6 +49,17 @@ Routes (as vLLM answers them):
   path in its dev mode, ``VLLM_SERVER_DEV_MODE=1``); counters keep going,
   as in vLLM: take differences.
 - ``GET /version``.
+- New weights in place, as vLLM in its dev mode (``VLLM_SERVER_DEV_MODE=1``;
+  without it the routes answer 404, as vLLM does not register them):
+  ``POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}}`` reads the ``*.safetensors`` files of DIR (a
+  folder without one gets vLLM's 500) and answers ``{"results": [null]}``;
+  the weights' digest enters the hash that picks the output words, so the
+  answers change with the weights, as a real model's do. Another method
+  gets a 500. The prefix cache is kept, as vLLM's reload keeps it.
+  ``POST /update_weight_version {"new_version": "N"}`` answers
+  ``{"success": true, "new_version": "N"}`` and ``GET /weight_info``
+  ``{"weight_version": "N"}`` (``null`` until set).
 - LoRA adapters, as vLLM with ``--enable-lora`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (without that variable the two
   routes answer 404, as vLLM does not register them):
@@ -379,6 +390,24 @@ class Engine:
         self.sched = Scheduler(cfg.slots)
         self.c = collections.Counter()  # counters
         self.created = int(time.time())
+        # A digest of the weights reloaded in place (empty: the ones it
+        # started with), and the version last named.
+        self.weights = b""
+        self.weight_version = None
+
+    def reload_weights(self, path):
+        """Reads the safetensors files of folder `path` as the new weights."""
+        try:
+            names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        except OSError as e:
+            raise ApiError(500, f"cannot read weights_path {path!r}: {e}", "InternalServerError")
+        if not names:
+            raise ApiError(500, f"no *.safetensors file in {path!r}", "InternalServerError")
+        h = hashlib.blake2b(digest_size=8)
+        for n in names:
+            with open(os.path.join(path, n), "rb") as f:
+                h.update(f.read())
+        self.weights = h.digest()
 
     def usage(self, n_prompt, n_out, cached):
         return {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
@@ -395,6 +424,7 @@ class Engine:
         # A hash of the whole prompt picks the output words.
         tail = hashlib.blake2b(keys[-1] if keys else b"", digest_size=8)
         tail.update("\n".join(tokens[len(keys) * cfg.block_tokens:]).encode())
+        tail.update(self.weights)
         x = int.from_bytes(tail.digest(), "little")
         words = []
         for _ in range(n_out):
@@ -479,6 +509,16 @@ class Engine:
 
 
 # --- requests ------------------------------------------------------------------
+
+def post_json(req):
+    """The JSON body of a POST, or the error vLLM answers."""
+    if req.method != "POST":
+        raise HttpError(405, "Method Not Allowed")
+    try:
+        return json.loads(req.body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}")
+
 
 def want_int(body, name, default, lo=None):
     v = body.get(name, default)
@@ -727,15 +767,40 @@ class Server:
                 writer.write(self.head(200, [("content-length", "0")], keep))
                 await writer.drain()
                 return keep
+            if path in ("/collective_rpc", "/update_weight_version", "/weight_info"):
+                if os.environ.get("VLLM_SERVER_DEV_MODE", "") != "1":
+                    raise HttpError(404, "Not Found")
+                if path == "/weight_info":
+                    if req.method != "GET":
+                        raise HttpError(405, "Method Not Allowed")
+                    await self.send(writer, 200, {"weight_version": eng.weight_version}, keep)
+                    return keep
+                body = post_json(req)
+                if not isinstance(body, dict):
+                    raise HttpError(400, "Request body must be a JSON object")
+                if path == "/update_weight_version":
+                    v = body.get("new_version")
+                    if not isinstance(v, str):
+                        raise HttpError(422, "new_version: a string is required")
+                    eng.weight_version = v
+                    await self.send(writer, 200, {"success": True, "new_version": v}, keep)
+                    return keep
+                method = body.get("method")
+                if method is None:
+                    raise HttpError(400, "Missing 'method' in request body")
+                if method != "reload_weights":
+                    raise ApiError(500, f"the workers have no method {method!r}", "InternalServerError")
+                kwargs = body.get("kwargs") or {}
+                wp = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+                if not isinstance(wp, str):
+                    raise ApiError(500, "reload_weights needs weights_path", "InternalServerError")
+                eng.reload_weights(wp)
+                await self.send(writer, 200, {"results": [None]}, keep)
+                return keep
             if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() not in ("1", "true"):
                     raise HttpError(404, "Not Found")
-                if req.method != "POST":
-                    raise HttpError(405, "Method Not Allowed")
-                try:
-                    body = json.loads(req.body)
-                except (ValueError, UnicodeDecodeError) as e:
-                    raise bad(f"the request body is not valid JSON: {e}")
+                body = post_json(req)
                 name = body.get("lora_name") if isinstance(body, dict) else None
                 if not isinstance(name, str) or not name:
                     raise bad("lora_name is required", "lora_name")

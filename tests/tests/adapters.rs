@@ -11,13 +11,6 @@ use std::path::{Path, PathBuf};
 use common::{Gateway, eventually, kind};
 use serde_json::{Value, json};
 
-fn engine() -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("standins/llm_engine.py")
-        .to_string_lossy()
-        .into_owned()
-}
-
 /// An adapter folder as PEFT writes one; `broken` leaves out its
 /// `adapter_config.json`.
 fn adapter(root: &Path, name: &str, broken: bool) -> PathBuf {
@@ -66,7 +59,7 @@ fn config(replicas: u32, adapters: &[(&str, &Path)]) -> String {
         max_loaded = 2
 {models}
         "#,
-        engine = engine()
+        engine = common::llm_engine()
     )
 }
 

@@ -5,7 +5,9 @@
 //! engine imitates is checked here against the engine itself: usage,
 //! streamed usage, prefix caching (vLLM's own `cached_tokens` and
 //! `vllm:prefix_cache_hits_total`), a tenant's `cache_salt`, the engine's
-//! metrics by their real names, and a client that leaves mid-stream.
+//! metrics by their real names, and a client that leaves mid-stream; and
+//! RL on stock engines: a rollout pool of two (`weight_sync = "vllm"`)
+//! that takes each step's weights in place while the reward rises.
 //!
 //! vLLM is looked for in `$WARMGATE_VLLM_VENV`, else
 //! `~/.cache/warmgate/vllm-0.32.0` (where the install script puts it).
@@ -326,4 +328,145 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
         );
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
+}
+
+/// The pool's replicas of real vLLM once `n` are ready (within the
+/// engines' slow first start): id, pid and weights version each.
+async fn pool_ready(gw: &Gateway, n: usize) -> Vec<(String, u64, u64)> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let s = gw.json("/v1/status").await;
+        let ready: Vec<(String, u64, u64)> = s["pools"][0]["pool"]["replicas"]
+            .as_array()
+            .map(|rs| {
+                rs.iter()
+                    .filter(|r| r["state"] == "ready")
+                    .map(|r| {
+                        (
+                            r["id"].as_str().unwrap_or_default().to_string(),
+                            r["pid"].as_u64().unwrap_or(0),
+                            r["weights_version"].as_u64().unwrap_or(0),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if ready.len() == n {
+            return ready;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool's vLLM engines did not become ready: {s}\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+/// RL on stock vLLM: a rollout pool of two real engines
+/// (`weight_sync = "vllm"`, `VLLM_SERVER_DEV_MODE=1`), rollouts through
+/// the gateway, a REINFORCE step on the same tiny model after each batch
+/// (`tests/vllm/rl_loop.py`), and each step's weights reloaded into the
+/// running engines: the same processes end on the last version, every
+/// sync reaches both, and the reward rises. The sync's seconds are
+/// printed beside the engines' cold start, what a restart would cost at
+/// least.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_vllm_rollout_engines_take_each_step_s_weights_in_place_and_the_reward_rises() {
+    let Some(venv) = venv() else { return };
+    let model = model(&venv);
+    let work = tempfile::tempdir().expect("tempdir");
+    let started = std::time::Instant::now();
+    let gw = Gateway::start(&format!(
+        r#"
+        [limits]
+        idle_timeout = "300s"
+        request_timeout = "600s"
+        [[pools]]
+        name = "policy"
+        command = ["{vllm}", "serve", "{model}", "--served-model-name", "policy-chat",
+                   "--uds", "$WARMGATE_SOCKET", "--max-model-len", "512"]
+        env = {{ VLLM_SERVER_DEV_MODE = "1", VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_TARGET_DEVICE = "cpu" }}
+        replicas = [2, 2]
+        concurrency = 16
+        weight_sync = "vllm"
+        weight_sync_timeout = "300s"
+        startup_timeout = "600s"
+        [pools.health]
+        path = "/health"
+        timeout = "10s"
+        [[apps]]
+        name = "policy-chat"
+        pool = "policy"
+        [apps.queue]
+        timeout = "600s"
+        {allow}
+        "#,
+        vllm = venv.join("bin/vllm").display(),
+        model = model.display(),
+        allow = common::allow_temp_checkpoints(),
+    ));
+    let before = pool_ready(&gw, 2).await;
+    let cold_start = started.elapsed();
+    let steps = 8;
+    let out = tokio::process::Command::new(venv.join("bin/python"))
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("vllm/rl_loop.py"))
+        .arg(&gw.url)
+        .arg(&model)
+        .arg(work.path())
+        .args(["--steps", &steps.to_string()])
+        .env("WARMGATE_ADMIN_TOKEN", gw.admin_token())
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .await
+        .expect("run rl_loop.py");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        gw.log()
+    );
+    let lines: Vec<Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(lines.len(), steps + 1, "{text}");
+    for (i, l) in lines[..steps].iter().enumerate() {
+        let synced = l["replicas"].as_array().expect("replicas");
+        assert_eq!(synced.len(), 2, "step {}: {l}", i + 1);
+        assert!(
+            synced
+                .iter()
+                .all(|r| r["ok"] == true && r["version"] == i as u64 + 1),
+            "step {}: {l}",
+            i + 1
+        );
+    }
+    let after = pool_ready(&gw, 2).await;
+    let pids = |rs: &[(String, u64, u64)]| {
+        let mut p: Vec<u64> = rs.iter().map(|r| r.1).collect();
+        p.sort();
+        p
+    };
+    assert_eq!(pids(&after), pids(&before), "the same engine processes");
+    assert!(
+        after.iter().all(|r| r.2 == steps as u64),
+        "every engine reports the last version: {after:?}"
+    );
+    let reward = |l: &Value| l["reward"].as_f64().expect("reward");
+    let (first, last) = (reward(&lines[0]), reward(&lines[steps]));
+    let syncs: Vec<f64> = lines[..steps]
+        .iter()
+        .map(|l| l["sync_seconds"].as_f64().unwrap_or(0.0))
+        .collect();
+    eprintln!(
+        "RL on real vLLM: cold start of the two engines {:.1}s; syncs {syncs:?}s; rewards {:?}",
+        cold_start.as_secs_f64(),
+        lines.iter().map(reward).collect::<Vec<_>>()
+    );
+    assert!(
+        last > first + 0.2,
+        "the reward rises over the steps: {first} then {last}\n{text}"
+    );
 }

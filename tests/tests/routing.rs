@@ -9,17 +9,9 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 
 use common::{Gateway, eventually};
 use serde_json::{Value, json};
-
-fn engine() -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("standins/llm_engine.py")
-        .to_string_lossy()
-        .into_owned()
-}
 
 /// An app of `replicas` stand-in engines routed by `policy`; each engine
 /// caches `cache_tokens` tokens and prefills 0.01 ms a token.
@@ -42,7 +34,7 @@ fn app(name: &str, policy: &str, replicas: u32, cache_tokens: u32, extra: &str) 
         policy = "{policy}"
         {extra}
         "#,
-        engine = engine()
+        engine = common::llm_engine()
     )
 }
 

@@ -3,20 +3,11 @@
 
 mod common;
 
-use std::path::Path;
-
 use common::{Gateway, eventually, kind};
 use serde_json::{Value, json};
 
 const KEY_A: &str = "team-a-key-0123456789";
 const KEY_B: &str = "team-b-key-0123456789";
-
-fn engine() -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("standins/llm_engine.py")
-        .to_string_lossy()
-        .into_owned()
-}
 
 const TENANTS: &str = r#"
         [[tenants]]
@@ -51,7 +42,7 @@ fn llm_app() -> String {
         [apps.autoscale]
         min = 1
         "#,
-        engine = engine()
+        engine = common::llm_engine()
     )
 }
 
@@ -247,7 +238,7 @@ async fn one_tenant_cycling_adapters_does_not_push_out_another_s() {
 {models}
         "#,
         root = dir.path().display(),
-        engine = engine()
+        engine = common::llm_engine()
     ));
     gw.wait_ready("llm", 2).await;
     assert!(

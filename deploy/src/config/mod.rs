@@ -18,7 +18,7 @@ pub use backend::{
 };
 pub use limits::{LimitsConfig, WeightsConfig};
 pub use names::{check_dns_label, check_model_name};
-pub use pool::{Fairness, PoolQueueSpec, PoolSpec, WarmPool};
+pub use pool::{Fairness, PoolQueueSpec, PoolSpec, WarmPool, WeightSync};
 pub use server::{AccessConfig, OperatorConfig, TlsConfig};
 pub use tenants::TenantSpec;
 

@@ -111,6 +111,12 @@ pub struct PoolSpec {
     #[serde(with = "bounded")]
     #[schemars(with = "String")]
     pub weight_sync_timeout: Duration,
+    /// How a replica takes new weights in place: `"worker"` (the worker
+    /// contract's `POST /weights`, which the kits serve) or `"vllm"`
+    /// (stock vLLM started with `VLLM_SERVER_DEV_MODE=1`: its
+    /// `reload_weights` RPC reads the checkpoint from a folder on this
+    /// machine, then its prefix cache is reset and its weight version set).
+    pub weight_sync: WeightSync,
     /// Pod settings (kubernetes backend).
     pub kubernetes: PodSpec,
     /// When an app is served by this pool (`[[apps]] pool = ...`) and both
@@ -143,10 +149,29 @@ impl Default for PoolSpec {
             queue: PoolQueueSpec::default(),
             max_staleness: None,
             weight_sync_timeout: defaults::WEIGHT_SYNC_TIMEOUT,
+            weight_sync: WeightSync::default(),
             kubernetes: PodSpec::default(),
             inference_share: defaults::INFERENCE_SHARE,
         }
     }
+}
+
+/// How a pool's replicas take new weights in place.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightSync {
+    /// `POST /weights {"url", "version"}`: the worker fetches the files
+    /// from the gateway (the Python kit, the Rust examples).
+    #[default]
+    Worker,
+    /// Stock vLLM with `VLLM_SERVER_DEV_MODE=1`: `POST /collective_rpc`
+    /// `reload_weights` with the checkpoint's folder (a `file://` one as it
+    /// is, an object-store one pulled into `state_dir` first), then
+    /// `POST /reset_prefix_cache` and `POST /update_weight_version`. The
+    /// local backend only: the folder is on this machine.
+    Vllm,
 }
 
 impl PoolSpec {
@@ -283,6 +308,14 @@ impl Config {
             return Err((at("image"), "is required for the kubernetes backend".into()));
         }
         check_pod(&pool.kubernetes).map_err(|(k, m)| (at(&k), m))?;
+        if pool.weight_sync == WeightSync::Vllm && self.backend.kind == BackendKind::Kubernetes {
+            return Err((
+                at("weight_sync"),
+                "\"vllm\" reads the checkpoint from a folder on the gateway's machine, which a pod \
+                 does not see: the local backend only"
+                    .into(),
+            ));
+        }
         if pool.kubernetes.interruptible {
             // Its on-demand replicas run as `<name>-ondemand`.
             let od = format!("{}-ondemand", pool.name);

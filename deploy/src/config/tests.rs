@@ -58,6 +58,23 @@ fn object_store_adapters_are_pulled_by_the_gateway_so_not_on_kubernetes() {
 }
 
 #[test]
+fn a_pool_of_vllm_engines_syncs_from_local_folders_so_not_on_kubernetes() {
+    let pool = |backend: &str| {
+        parse(&format!(
+            "{backend}[[pools]]\nname = \"p\"\ncommand = [\"./w\"]\nimage = \"w:1\"\n\
+             weight_sync = \"vllm\"\n"
+        ))
+    };
+    let c = pool("").expect("local: valid");
+    assert_eq!(c.pools[0].weight_sync, crate::WeightSync::Vllm);
+    let err = pool("[backend]\nkind = \"kubernetes\"\n")
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("pools[0].weight_sync"), "{err}");
+    assert!(err.contains("local backend only"), "{err}");
+}
+
+#[test]
 fn the_checkpoint_watcher_cannot_be_a_busy_loop() {
     let with = |interval: &str| {
         parse(&format!(

@@ -510,7 +510,22 @@ pub(crate) async fn sync_weights(
             other => other.map(|_| ()),
         };
         let url = gw.host.weights_url(&pool.name, &revision);
-        let begun = listed.and_then(|()| pool.begin_sync(version, url.clone()));
+        // vLLM reads the checkpoint from a folder on this machine: a
+        // `file://` one as it is, an object-store one pulled first.
+        let at = match (listed, pool.spec().weight_sync) {
+            (Ok(()), warmgate_deploy::WeightSync::Vllm) => gw
+                .serving
+                .checkpoint_folders()
+                .local_path(&body.checkpoint)
+                .await
+                .map(|folder| crate::tasks::pool::WeightsAt {
+                    url: url.clone(),
+                    folder: Some(folder),
+                })
+                .map_err(|e| Error::new(ErrorKind::BadRequest, e)),
+            (listed, _) => listed.map(|()| crate::tasks::pool::WeightsAt::url(url.clone())),
+        };
+        let begun = at.and_then(|at| pool.begin_sync(version, at));
         if let Err(e) = begun {
             if fresh {
                 gw.weights.unregister(&pool.name, &revision);

@@ -64,6 +64,12 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// Checkpoints as folders on this machine, for engines that read one
+    /// (vLLM's adapters and in-place weight reloads).
+    pub(crate) fn checkpoint_folders(&self) -> &super::adapter_files::AdapterFiles {
+        &self.adapter_files
+    }
+
     /// A pipeline over these parts; `started` is the autoscaler's clock;
     /// adapters' files come from `adapter_files`.
     pub fn new(

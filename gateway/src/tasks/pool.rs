@@ -35,7 +35,7 @@ mod sync;
 mod tests;
 
 pub use slots::RequestSlot;
-pub use sync::{ReplicaSync, SyncOutcome};
+pub use sync::{ReplicaSync, SyncOutcome, WeightsAt};
 
 /// Replicas lost under one task before it fails for good.
 pub const MAX_SYSTEM_RETRIES: u32 = 5;
@@ -162,13 +162,13 @@ struct PoolState {
     /// The newest weights version synced into the pool.
     latest_version: u64,
     /// Where workers fetch it (`None` until the first sync).
-    latest_url: Option<String>,
+    latest_url: Option<sync::WeightsAt>,
     /// The checkpoint it was synced from (the spec's until the first sync).
     latest_checkpoint: Option<String>,
     /// The version a sync in progress is rolling out, and where from; the
     /// pool's latest only once a replica has loaded it.
     syncing_to: Option<u64>,
-    syncing_url: Option<String>,
+    syncing_url: Option<sync::WeightsAt>,
     /// Replicas taken out of dispatch while they swap weights.
     syncing: HashSet<String>,
     /// Stopped entirely after `suspend_after` of idleness, until a task

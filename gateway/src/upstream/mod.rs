@@ -5,6 +5,7 @@
 //! generic pooled client, since they name URLs.
 
 pub mod conns;
+pub mod vllm;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -627,6 +627,14 @@ pub async fn replica_json(addr: &str, path: &str) -> Value {
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path} at {addr}: {e}: {body}"))
 }
 
+/// The stand-in vLLM engine's script (`tests/standins/llm_engine.py`).
+pub fn llm_engine() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("standins/llm_engine.py")
+        .to_string_lossy()
+        .into_owned()
+}
+
 /// Whether a connection to a replica at `addr` (as [`replica_call`]) is
 /// refused now.
 pub async fn replica_refuses(addr: &str) -> bool {

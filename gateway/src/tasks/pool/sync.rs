@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use serde::Serialize;
+use warmgate_deploy::WeightSync;
 use warmgate_pool::ReplicaHandle;
 
 use super::{Pool, PoolState};
@@ -17,6 +18,27 @@ use crate::error::{Error, ErrorKind};
 /// which the sync is rolled back: one can be the replica's own fault (a
 /// hang, an out-of-memory on a busy GPU), two are the checkpoint's.
 const FAILURES_BEFORE_ROLLBACK: usize = 2;
+
+/// Where a version's weights are: the URL workers fetch them from, and,
+/// for an engine that reads a folder (`weight_sync = "vllm"`), that folder
+/// on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightsAt {
+    /// `…/v1/weights/{pool}/v{N}` on the gateway.
+    pub url: String,
+    /// The checkpoint's folder, for vLLM's `reload_weights`.
+    pub folder: Option<String>,
+}
+
+impl WeightsAt {
+    /// Weights workers fetch from `url`.
+    pub fn url(url: impl Into<String>) -> Self {
+        WeightsAt {
+            url: url.into(),
+            folder: None,
+        }
+    }
+}
 
 /// How one replica's weight sync went.
 #[derive(Debug, Clone, Serialize)]
@@ -72,7 +94,7 @@ impl Pool {
     /// Refused while another sync runs, or for a version older than the
     /// latest ([`Pool::version_for`] picks one that is not); the latest
     /// itself may be synced again, to finish a sync that failed part way.
-    pub fn begin_sync(&self, version: u64, url: String) -> Result<(), Error> {
+    pub fn begin_sync(&self, version: u64, url: WeightsAt) -> Result<(), Error> {
         let mut st = self.state.lock();
         self.refuse_sync(&st, version)?;
         st.syncing_to = Some(version);
@@ -132,7 +154,9 @@ impl Pool {
             let version = st.syncing_to.unwrap_or(st.latest_version);
             (
                 version,
-                st.syncing_url.clone().unwrap_or_default(),
+                st.syncing_url
+                    .clone()
+                    .unwrap_or_else(|| WeightsAt::url(String::new())),
                 version <= st.latest_version,
             )
         };
@@ -253,10 +277,10 @@ impl Pool {
     }
 
     /// `version` is the pool's latest from now on.
-    pub(super) fn make_latest(&self, version: u64, url: &str) {
+    pub(super) fn make_latest(&self, version: u64, url: &WeightsAt) {
         let mut st = self.state.lock();
         st.latest_version = st.latest_version.max(version);
-        st.latest_url = Some(url.to_string());
+        st.latest_url = Some(url.clone());
     }
 
     /// The checkpoint the latest version came from.
@@ -270,7 +294,7 @@ impl Pool {
     pub(super) async fn sync_replica(
         &self,
         r: &Arc<ReplicaHandle>,
-        url: &str,
+        url: &WeightsAt,
         version: u64,
         deadline: Instant,
     ) -> ReplicaSync {
@@ -323,7 +347,7 @@ impl Pool {
     async fn load_within(
         &self,
         r: &ReplicaHandle,
-        url: &str,
+        url: &WeightsAt,
         version: u64,
         started: Instant,
         deadline: Instant,
@@ -342,10 +366,23 @@ impl Pool {
     }
 
     /// `POST /weights {"url", "version"}` to a worker.
-    async fn load_weights(&self, r: &ReplicaHandle, url: &str, version: u64) -> Result<(), String> {
-        self.client
-            .load_weights(&r.addr, url, version)
-            .await
-            .map_err(|e| e.to_string())
+    /// Loads `version` into `r` in place, the way its pool's replicas take
+    /// weights (`weight_sync`).
+    async fn load_weights(
+        &self,
+        r: &ReplicaHandle,
+        at: &WeightsAt,
+        version: u64,
+    ) -> Result<(), String> {
+        let loaded = match self.spec().weight_sync {
+            WeightSync::Worker => self.client.load_weights(&r.addr, &at.url, version).await,
+            WeightSync::Vllm => {
+                let Some(folder) = &at.folder else {
+                    return Err("no folder of this version for vLLM to read".into());
+                };
+                self.client.vllm_reload(&r.addr, folder, version).await
+            }
+        };
+        loaded.map_err(|e| e.to_string())
     }
 }

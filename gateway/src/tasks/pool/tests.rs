@@ -127,7 +127,10 @@ async fn dispatch_respects_staleness_and_task_versions() {
         pool.add_replica(replica(id, v));
     }
     // Version 3 was synced (a replica proved it).
-    pool.make_latest(3, "http://127.0.0.1:9/v1/weights/p/v3");
+    pool.make_latest(
+        3,
+        &super::sync::WeightsAt::url("http://127.0.0.1:9/v1/weights/p/v3"),
+    );
 
     // Staleness 1 from version 3: "old" (0) never gets a task.
     for _ in 0..3 {
