@@ -9,52 +9,18 @@
 //! RL on stock engines: a rollout pool of two (`weight_sync = "vllm"`)
 //! that takes each step's weights in place while the reward rises.
 //!
-//! vLLM is looked for in `$WARMGATE_VLLM_VENV`, else
-//! `~/.cache/warmgate/vllm-0.32.0` (where the install script puts it).
-//! Without it the tests say so and pass, except under CI, which installs
-//! it first and fails without it.
+//! Where vLLM is looked for, and what happens without it: `common::vllm`.
 
 mod common;
 
 use std::path::PathBuf;
-use std::process::Command;
 
-use common::{Gateway, eventually, replica_call};
+use common::vllm::{ENGINE_ENV, engine_metric, model, venv};
+use common::{Gateway, eventually};
 use serde_json::{Value, json};
 
 const KEY_A: &str = "team-a-key-0123456789";
 const KEY_B: &str = "team-b-key-0123456789";
-
-/// The vLLM virtual environment, if it is installed.
-fn venv() -> Option<PathBuf> {
-    let dir = std::env::var_os("WARMGATE_VLLM_VENV")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/warmgate/vllm-0.32.0"))
-        })?;
-    if dir.join("bin/vllm").exists() {
-        return Some(dir);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "real vLLM is required under CI: tests/vllm/install.sh (.ci/run runs it)"
-    );
-    eprintln!("SKIPPED: real vLLM is not installed (tests/vllm/install.sh)");
-    None
-}
-
-/// The tiny model, made once into the build's folder.
-fn model(venv: &std::path::Path) -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = root.join("target/tmp/vllm-tiny-llama");
-    let status = Command::new(venv.join("bin/python"))
-        .arg(root.join("tests/vllm/make_model.py"))
-        .arg(&out)
-        .status()
-        .expect("run make_model.py");
-    assert!(status.success(), "make_model.py failed");
-    out
-}
 
 /// A gateway with two tenants and one app of real vLLM on its socket.
 fn gateway(venv: &std::path::Path, model: &std::path::Path) -> Gateway {
@@ -69,7 +35,7 @@ fn gateway(venv: &std::path::Path, model: &std::path::Path) -> Gateway {
             command = ["{vllm}", "serve", "{model}", "--served-model-name", "tiny",
                        "--uds", "$WARMGATE_SOCKET", "--max-model-len", "2048",
                        "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-            env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_TARGET_DEVICE = "cpu" }}
+            env = {{ {ENGINE_ENV} }}
             startup_timeout = "600s"
             concurrency = 8
             [apps.health]
@@ -142,17 +108,6 @@ fn cached(v: &Value) -> u64 {
     v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or_else(|| panic!("cached_tokens in {v}"))
-}
-
-/// The engine's own metric `name`, summed over its series.
-async fn engine_metric(addr: &str, name: &str) -> f64 {
-    let (status, text) = replica_call(addr, "GET", "/metrics", "").await;
-    assert_eq!(status, 200);
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter(|l| l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -330,37 +285,20 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
     }
 }
 
-/// The pool's replicas of real vLLM once `n` are ready (within the
-/// engines' slow first start): id, pid and weights version each.
+/// The pool's replicas of real vLLM once `n` are ready: id, pid and
+/// weights version each.
 async fn pool_ready(gw: &Gateway, n: usize) -> Vec<(String, u64, u64)> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
-    loop {
-        let s = gw.json("/v1/status").await;
-        let ready: Vec<(String, u64, u64)> = s["pools"][0]["pool"]["replicas"]
-            .as_array()
-            .map(|rs| {
-                rs.iter()
-                    .filter(|r| r["state"] == "ready")
-                    .map(|r| {
-                        (
-                            r["id"].as_str().unwrap_or_default().to_string(),
-                            r["pid"].as_u64().unwrap_or(0),
-                            r["weights_version"].as_u64().unwrap_or(0),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        if ready.len() == n {
-            return ready;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pool's vLLM engines did not become ready: {s}\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    }
+    common::vllm::ready_replicas(gw, n, |s| s["pools"][0]["pool"]["replicas"].clone())
+        .await
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap_or_default().to_string(),
+                r["pid"].as_u64().unwrap_or(0),
+                r["weights_version"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
 }
 
 /// RL on stock vLLM: a rollout pool of two real engines
@@ -386,7 +324,7 @@ async fn real_vllm_rollout_engines_take_each_step_s_weights_in_place_and_the_rew
         name = "policy"
         command = ["{vllm}", "serve", "{model}", "--served-model-name", "policy-chat",
                    "--uds", "$WARMGATE_SOCKET", "--max-model-len", "512"]
-        env = {{ VLLM_SERVER_DEV_MODE = "1", VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_TARGET_DEVICE = "cpu" }}
+        env = {{ VLLM_SERVER_DEV_MODE = "1", {ENGINE_ENV} }}
         replicas = [2, 2]
         concurrency = 16
         weight_sync = "vllm"
