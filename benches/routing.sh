@@ -31,6 +31,20 @@
 # requests per engine; and ratios against the baselines. Table on stdout and
 # in target/bench-results/routing.md, everything in routing.json.
 #
+# Real vLLM (ROUTING_ENGINE=vllm): the engines are real vLLM 0.32 (the CPU
+# build `make vllm` installs) serving the tiny Llama of
+# tests/vllm/make_model.py, 2 of them, on ports (an outside router needs a
+# URL), with their prefix caching and VLLM_SERVER_DEV_MODE=1 (for
+# /reset_prefix_cache), each with a KV cache of VLLM_BLOCKS (160) blocks of
+# 32 tokens (the CPU build's smallest), about half of what the groups'
+# prompts take; the workload is `prefix` sized for this CPU (16 groups of a
+# 150-word system prompt and a 20-word question, 3 requests/s, 90 s, 8
+# output tokens), after 20 s of warm-up not counted; the targets
+# warmgate-prefix, direct-rr (round
+# robin) and sglang-router: SGLang's router (`sglang-router` from PyPI,
+# its cache_aware policy, installed into ~/.cache/warmgate on first use)
+# on the first gateway's engines, after it, as the direct targets are.
+#
 # Usage: benches/routing.sh
 #   env ROUTING_TARGETS   (warmgate-prefix,warmgate-least_loaded,direct-hash,direct-rr)
 #       ROUTING_WORKLOADS (prefix,chat,skew,unique)
@@ -45,12 +59,33 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-TARGETS=${ROUTING_TARGETS:-warmgate-prefix,warmgate-least_loaded,direct-hash,direct-rr}
-WORKLOADS=${ROUTING_WORKLOADS:-prefix,chat,skew,unique}
-ENGINES=${ENGINES:-4}
+ENGINE=${ROUTING_ENGINE:-standin}
 LOAD_BOUND=${LOAD_BOUND:-1.25}
-MODEL=llm
 PYTHON=$(python3 -c 'import sys; print(sys.executable)')
+if [ "$ENGINE" = vllm ]; then
+  TARGETS=${ROUTING_TARGETS:-warmgate-prefix,direct-rr,sglang-router}
+  WORKLOADS=${ROUTING_WORKLOADS:-prefix}
+  ENGINES=${ENGINES:-2}
+  MODEL=tiny
+  VLLM_VENV=${WARMGATE_VLLM_VENV:-$HOME/.cache/warmgate/vllm-0.32.0}
+  # A cache that holds about half the groups' prompts: where a request
+  # goes decides whether its prefix is still there.
+  VLLM_BLOCKS=${VLLM_BLOCKS:-160}
+  [ -x "$VLLM_VENV/bin/vllm" ] || { echo "real vLLM is not installed: make vllm" >&2; exit 1; }
+  "$VLLM_VENV/bin/python" tests/vllm/make_model.py target/tmp/vllm-tiny-llama >/dev/null
+  export ROUTING_GROUPS=${ROUTING_GROUPS:-16} ROUTING_SYSTEM_WORDS=${ROUTING_SYSTEM_WORDS:-150}
+  export ROUTING_QUESTION_WORDS=${ROUTING_QUESTION_WORDS:-20} ROUTING_RATE=${ROUTING_RATE:-3}
+  export ROUTING_DURATION=${ROUTING_DURATION:-90} ROUTING_DRAIN=${ROUTING_DRAIN:-60}
+  export ROUTING_MAX_TOKENS=${ROUTING_MAX_TOKENS:-8}
+  export ROUTING_ENGINES_SAID="$ENGINES engines (real vLLM 0.32, CPU, the tiny Llama, $VLLM_BLOCKS blocks of 32 tokens of KV cache each)"
+elif [ "$ENGINE" = standin ]; then
+  TARGETS=${ROUTING_TARGETS:-warmgate-prefix,warmgate-least_loaded,direct-hash,direct-rr}
+  WORKLOADS=${ROUTING_WORKLOADS:-prefix,chat,skew,unique}
+  ENGINES=${ENGINES:-4}
+  MODEL=llm
+else
+  echo "ROUTING_ENGINE is standin or vllm, not '$ENGINE'" >&2; exit 64
+fi
 ENGINE_ARGS=(
   --slots "${STANDIN_SLOTS:-4}"
   --prefill-ms-per-token "${STANDIN_PREFILL_MS_PER_TOKEN:-0.15}"
@@ -61,7 +96,7 @@ ENGINE_ARGS=(
 
 for t in ${TARGETS//,/ }; do
   case $t in
-    warmgate-prefix|warmgate-session|warmgate-least_loaded|warmgate-default|direct-hash|direct-rr) ;;
+    warmgate-prefix|warmgate-session|warmgate-least_loaded|warmgate-default|direct-hash|direct-rr|sglang-router) ;;
     *) echo "unknown target '$t'" >&2; exit 64 ;;
   esac
 done
@@ -112,9 +147,34 @@ done
 run_direct() { # engine-urls (comma separated): every direct target on these engines
   local t
   for t in "${DIRECT[@]}"; do
+    if [ "$t" = sglang-router ]; then
+      run_sglang_router "$1"
+      continue
+    fi
     "$PYTHON" benches/routing_load.py run --target "$t" --mode "${t#direct-}" --engines "$1" \
       --model "$MODEL" --workloads "$WORKLOADS" --out "$RAW"
   done
+}
+# SGLang's router (PyPI `sglang-router`), cache_aware, in front of the engines.
+run_sglang_router() { # engine-urls
+  local venv=$HOME/.cache/warmgate/sglang-router-venv port log=$WORK/sglang-router.log pid
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sglang_router' 2>/dev/null; then
+    python3 -m venv "$venv" && "$venv/bin/pip" install -q sglang-router
+  fi
+  port=$(free_port)
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" \
+    --policy cache_aware --worker-urls ${1//,/ } >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; echo "sglang-router exited" >&2; exit 1; }
+    sleep 0.1
+  done
+  "$PYTHON" benches/routing_load.py run --target sglang-router --mode gateway \
+    --url "http://127.0.0.1:$port" --engines "$1" --model "$MODEL" --workloads "$WORKLOADS" --out "$RAW"
+  kill -TERM "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
 }
 start_engines() { # -> sets ENGINE_URLS: engines started by this script
   local urls=() i port
@@ -138,11 +198,28 @@ state_dir = "$WORK/state-$target"
 
 [[apps]]
 name = "$MODEL"
+EOF
+    if [ "$ENGINE" = vllm ]; then
+      cat <<EOF
+command = ["$VLLM_VENV/bin/vllm", "serve", "$ROOT/target/tmp/vllm-tiny-llama", "--served-model-name", "$MODEL",
+           "--port", "\$PORT", "--max-model-len", "2048", "--enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--block-size", "32",
+           "--num-gpu-blocks-override", "$VLLM_BLOCKS"]
+env = { VLLM_SERVER_DEV_MODE = "1", VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_TARGET_DEVICE = "cpu" }
+# On ports: SGLang's router reaches the same engines by URL.
+listen = "port"
+startup_timeout = "600s"
+EOF
+    else
+      cat <<EOF
 command = ["$PYTHON", "$ROOT/tests/standins/llm_engine.py", "--port", "\$PORT", "--model", "$MODEL",
            $(printf '"%s", ' "${ENGINE_ARGS[@]}" | sed 's/, $//')]
+startup_timeout = "60s"
+EOF
+    fi
+    cat <<EOF
 # An engine batches: the gateway sends on, the engine's own queue holds.
 concurrency = 64
-startup_timeout = "60s"
 
 [apps.health]
 path = "/health"
@@ -183,7 +260,7 @@ EOF
   done
   local gw; gw=$(sed -n 's/^warmgate listening on //p' "$log.out" | head -1)
   [ -n "$gw" ] || { cat "$log"; echo "warmgate did not start" >&2; exit 1; }
-  local addrs="" deadline=$(( $(date +%s) + 120 ))
+  local addrs="" deadline=$(( $(date +%s) + 600 ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
     addrs=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$gw/v1/status" | python3 -c '
 import json,sys
@@ -194,6 +271,12 @@ print(",".join(r) if len(r)>=int(sys.argv[2]) else "")' "$MODEL" "$ENGINES" 2>/d
     sleep 0.1
   done
   [ -n "$addrs" ] || { cat "$log"; echo "$target: $ENGINES replicas did not become ready" >&2; exit 1; }
+  if [ "$ENGINE" = vllm ] && [ "$3" = with-direct ]; then
+    # A real engine's first requests pay its warm-up (kernels for new
+    # shapes): 20 s of round robin, not counted, before any target.
+    ROUTING_DURATION=20 "$PYTHON" benches/routing_load.py run --target warm-up --mode rr \
+      --engines "$addrs" --model "$MODEL" --workloads "$WORKLOADS" --out "$WORK/warm-up.json" >/dev/null
+  fi
   "$PYTHON" benches/routing_load.py run --target "$target" --mode gateway --url "$gw" \
     --engines "$addrs" --model "$MODEL" --workloads "$WORKLOADS" --out "$RAW"
   # The direct targets on the very replicas this gateway started (idle now).
@@ -203,6 +286,10 @@ print(",".join(r) if len(r)>=int(sys.argv[2]) else "")' "$MODEL" "$ENGINES" 2>/d
 
 START=$(date +%s)
 if [ ${#GATEWAYS[@]} -eq 0 ]; then
+  if [ "$ENGINE" = vllm ]; then
+    echo "with real vLLM a warmgate target comes first: its gateway starts the engines" >&2
+    exit 64
+  fi
   start_engines
   run_direct "$ENGINE_URLS"
   stop_all

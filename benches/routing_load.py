@@ -44,7 +44,10 @@ queue seen).
 
 Environment: ROUTING_DURATION (s per phase, 20), ROUTING_DRAIN (s allowed
 after the sending stops, 20), ROUTING_RATE (50), ROUTING_CHAT_RATE (110),
-ROUTING_THINK_S (0.5), ROUTING_MAX_TOKENS (16), ROUTING_SEED (1).
+ROUTING_THINK_S (0.5), ROUTING_MAX_TOKENS (16), ROUTING_SEED (1); the
+sizes, for engines that take less (real vLLM on a CPU): ROUTING_GROUPS
+(64), ROUTING_SYSTEM_WORDS (2048), ROUTING_QUESTION_WORDS (256),
+ROUTING_UNIQUE_WORDS (1024).
 """
 
 import argparse
@@ -66,10 +69,10 @@ THINK_S = float(ENV("ROUTING_THINK_S", "0.5"))
 MAX_TOKENS = int(ENV("ROUTING_MAX_TOKENS", "16"))
 SEED = int(ENV("ROUTING_SEED", "1"))
 
-GROUPS = 64
-SYSTEM_WORDS = 2048
-QUESTION_WORDS = 256
-UNIQUE_WORDS = 1024
+GROUPS = int(ENV("ROUTING_GROUPS", "64"))
+SYSTEM_WORDS = int(ENV("ROUTING_SYSTEM_WORDS", "2048"))
+QUESTION_WORDS = int(ENV("ROUTING_QUESTION_WORDS", "256"))
+UNIQUE_WORDS = int(ENV("ROUTING_UNIQUE_WORDS", "1024"))
 CHAT_TURNS = 6
 CHAT_SYSTEMS = 8
 CHAT_SYSTEM_WORDS = 256
@@ -529,7 +532,8 @@ def report(args):
     by = {(r["target"], r["workload"]): r for r in rows}
     lines = [
         f"## LLM routing: {len(targets)} targets × {len(workloads)} workloads, "
-        f"{rows[0]['duration_s']:.0f} s each, 4 engines (tests/standins/llm_engine.py)",
+        f"{rows[0]['duration_s']:.0f} s each, "
+        f"{ENV('ROUTING_ENGINES_SAID', '4 engines (tests/standins/llm_engine.py)')}",
         "",
         "| workload | target | cached ratio | TTFT p50 ms | p90 ms | p99 ms | e2e p99 ms | sent/s | done/s | ok | errors | requests per engine | max waiting per engine |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
