@@ -28,6 +28,20 @@ pub(crate) struct Sink {
     pub(crate) gateway_url: String,
 }
 
+impl Sink {
+    /// Another revision of `app`'s app with replicas ready, the one with
+    /// the most.
+    fn serving_sibling(&self, app: &Arc<App>) -> Option<Arc<App>> {
+        self.revisions
+            .read()
+            .values()
+            .filter(|a| a.name == app.name && !Arc::ptr_eq(a, app) && !a.is_retired())
+            .filter(|a| a.ready_replicas() > 0)
+            .max_by_key(|a| a.ready_replicas())
+            .cloned()
+    }
+}
+
 impl ReplicaSink for Sink {
     /// A pool replica may read every weight version of its pool (it syncs
     /// in place); an app replica, its revision's (an app started without
@@ -119,6 +133,19 @@ impl ReplicaSink for Sink {
             app.start_failed();
         }
         if health.ready > 0 || health.starting > 0 {
+            return;
+        }
+        // A revision that cannot start while another of the app serves (a
+        // promotion's new revision, a checkpoint superseded as it
+        // started): what it holds, and what the split sends it, is served
+        // by the serving revision rather than failed. The promotion sees
+        // the failed start and rolls back on its own.
+        if let Some(app) = &app
+            && app.ready_replicas() == 0
+            && let Some(serving) = self.serving_sibling(app)
+        {
+            tracing::warn!(app = %app.name, revision = %app.revision, to = %serving.revision, "revision failed to start; its requests go to the serving revision");
+            app.redirect_to(&serving);
             return;
         }
         if let Some(app) = app {

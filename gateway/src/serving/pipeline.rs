@@ -239,7 +239,7 @@ impl Pipeline {
         let mut app = app.clone();
         let mut hops = 0;
         let (slot, queued, cold) = loop {
-            if app.ready_replicas() == 0 {
+            if app.ready_replicas() == 0 && !app.is_redirected() {
                 self.refuse_if_failing(&app).map_err(Failed)?;
             }
             let next = match app

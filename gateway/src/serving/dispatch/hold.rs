@@ -75,6 +75,12 @@ impl App {
         s.answer_all(|| Ok(Granted::Moved(to.clone())));
     }
 
+    /// Whether its requests go to another revision while it has no
+    /// replica (see [`App::redirect_to`]).
+    pub fn is_redirected(&self) -> bool {
+        self.moved_to.lock().is_some()
+    }
+
     /// Ends a redirect to `to` (it was retired, or has no replica
     /// either): requests are held here for a replica of its own.
     pub fn clear_redirect_to(&self, to: &App) {
