@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 import sys
+import time
+import urllib.error
 import urllib.request
 
 
@@ -26,8 +28,17 @@ def loss(base_url: str, model: str, text: str, tokens: int) -> float:
             "prompt_logprobs": 0, "return_token_ids": True, "truncate_prompt_tokens": tokens}
     req = urllib.request.Request(f"{base_url}/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        choice = json.loads(r.read())["choices"][0]
+    # A 5xx is the engine's failure, not the adapter's verdict: two more
+    # tries (the gateway takes a failed engine out of rotation meanwhile).
+    for attempt in range(3):
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                choice = json.loads(r.read())["choices"][0]
+            break
+        except urllib.error.HTTPError as e:
+            if e.code < 500 or attempt == 2:
+                raise
+            time.sleep(5)
     ids, per = choice["prompt_token_ids"], choice["prompt_logprobs"]
     nll = [-per[i][str(t)]["logprob"] for i, t in enumerate(ids) if i and per[i]]
     return sum(nll) / len(nll)
