@@ -284,25 +284,13 @@ async fn a_replica_whose_answer_broke_off_is_ejected_and_back_once_it_answers() 
     );
 }
 
-/// A replica that refuses connections (its listener closed, its process
-/// alive) is taken out of rotation at the first refusal: the request that
-/// found it so waits in the hold queue and is answered by the replica the
-/// liveness probe starts in its place, not failed (it used to get a `502`
-/// three times in 60 ms, until the probe replaced the replica).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_a_deaf_replica_refused_waits_for_its_replacement() {
-    let gw = Gateway::start(
-        r#"
-        [[apps]]
-        name = "deaf"
-        command = ["{worker}"]
-        [apps.autoscale]
-        min = 1
-        max = 1
-        [apps.health]
-        period = "500ms"
-        "#,
-    );
+/// App `deaf`'s one replica closes its listener (`query` for
+/// `/close-listener`) and refuses connections; then one request: the
+/// replica's id, and the request's status, answering replica and body.
+async fn deafened_then_asked(
+    gw: &Gateway,
+    query: &str,
+) -> (String, reqwest::StatusCode, Option<String>, String) {
     let ready = gw.wait_ready("deaf", 1).await;
     let first = &ready["pool"]["replicas"][0];
     let (first_id, first_addr) = (
@@ -311,7 +299,7 @@ async fn a_request_a_deaf_replica_refused_waits_for_its_replacement() {
     );
     let resp = gw
         .http
-        .post(gw.at("/apps/deaf/close-listener"))
+        .post(gw.at(&format!("/apps/deaf/close-listener{query}")))
         .send()
         .await
         .expect("send");
@@ -332,7 +320,34 @@ async fn a_request_a_deaf_replica_refused_waits_for_its_replacement() {
         .get("x-warmgate-replica")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let body = r.text().await.unwrap_or_default();
+    (
+        first_id,
+        status,
+        replica,
+        r.text().await.unwrap_or_default(),
+    )
+}
+
+/// A replica that refuses connections (its listener closed, its process
+/// alive) is taken out of rotation at the first refusal: the request that
+/// found it so waits in the hold queue and is answered by the replica the
+/// liveness probe starts in its place, not failed (it used to get a `502`
+/// three times in 60 ms, until the probe replaced the replica).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_deaf_replica_refused_waits_for_its_replacement() {
+    let gw = Gateway::start(
+        r#"
+        [[apps]]
+        name = "deaf"
+        command = ["{worker}"]
+        [apps.autoscale]
+        min = 1
+        max = 1
+        [apps.health]
+        period = "500ms"
+        "#,
+    );
+    let (first_id, status, replica, body) = deafened_then_asked(&gw, "").await;
     assert_eq!(status, 200, "answered by the replacement: {body}");
     assert_ne!(replica.as_deref(), Some(first_id.as_str()), "{body}");
     assert!(
@@ -361,36 +376,7 @@ async fn a_replica_deaf_for_a_moment_is_back_once_it_answers_its_probe() {
         failure_threshold = 1000
         "#,
     );
-    let ready = gw.wait_ready("deaf", 1).await;
-    let first = &ready["pool"]["replicas"][0];
-    let (first_id, first_addr) = (
-        first["id"].as_str().expect("a replica id").to_string(),
-        first["addr"].as_str().expect("its address").to_string(),
-    );
-    let resp = gw
-        .http
-        .post(gw.at("/apps/deaf/close-listener?reopen_ms=1500"))
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(resp.status(), 202);
-    eventually("the deaf replica refuses connections", || async {
-        replica_refuses(&first_addr).await.then_some(())
-    })
-    .await;
-    let r = gw
-        .http
-        .get(gw.at("/apps/deaf/x"))
-        .send()
-        .await
-        .expect("send");
-    let status = r.status();
-    let replica = r
-        .headers()
-        .get("x-warmgate-replica")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let body = r.text().await.unwrap_or_default();
+    let (first_id, status, replica, body) = deafened_then_asked(&gw, "?reopen_ms=1500").await;
     assert_eq!(status, 200, "held, then answered: {body}");
     assert_eq!(replica.as_deref(), Some(first_id.as_str()), "{body}");
     let s = gw.app_status("deaf").await;
