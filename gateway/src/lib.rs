@@ -35,6 +35,7 @@ pub mod tenants;
 pub mod tls;
 pub mod trace;
 pub mod upstream;
+pub mod usage;
 pub mod weights;
 
 pub use error::{Error, ErrorKind};

@@ -257,6 +257,21 @@ pub const METRICS: &[Metric] = &[
         "Requests refused for a tenant's quota.",
     ),
     counter(
+        "warmgate_tokens_total",
+        &["tenant", "app", "model", "kind"],
+        "Tokens the engines counted in their answers' `usage`, by tenant (`-`: none), app, model (the app or an adapter) and kind: `prompt` (cached ones included), `cached` (`prompt_tokens_details.cached_tokens`), `completion`.",
+    ),
+    counter(
+        "warmgate_answers_without_usage_total",
+        &["tenant", "app", "model"],
+        "Successful answers on token-spending routes that carried no `usage` (or broke off before it): counted as requests, their tokens unknown.",
+    ),
+    counter(
+        "warmgate_usage_hours_dropped_total",
+        &[],
+        "Hours of the usage ledger dropped, oldest first, to keep it within `limits.max_usage_bytes`.",
+    ),
+    counter(
         "warmgate_tasks_total",
         &["pool", "outcome"],
         "Tasks finished, by `ok` or error kind.",

@@ -54,6 +54,8 @@ pub struct Gateway {
     pub(crate) buffered: crate::serving::buffered::Buffered,
     /// The other gateway replicas serving with this one.
     pub(crate) peers: crate::peers::Peers,
+    /// Tokens used, per tenant, app and model.
+    pub(crate) usage: Arc<crate::usage::Ledger>,
 }
 
 // === impl Gateway ===
@@ -79,10 +81,12 @@ impl Gateway {
         self.host.start_draining();
     }
 
-    /// Stops every replica and waits until they are gone.
+    /// Stops every replica and waits until they are gone; the usage
+    /// counted so far is written.
     pub async fn shutdown(&self) {
         self.start_draining();
         self.pool.shutdown().await;
+        crate::usage::flush(&self.usage).await;
     }
 
     /// Queues a task and wakes its pool at once if it needs more replicas.

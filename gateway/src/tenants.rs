@@ -21,6 +21,7 @@ use subtle::ConstantTimeEq as _;
 use warmgate_deploy::TenantSpec;
 
 use crate::error::{Error, ErrorKind};
+use crate::usage::budget::TokenBudget;
 
 type Limiter = RateLimiter<NotKeyed, InMemoryState, DefaultClock>;
 
@@ -47,6 +48,12 @@ pub struct Tenant {
     /// [`Tenants::with_byte_shares`]); `u64::MAX` until set.
     byte_share: AtomicU64,
     rejected: AtomicU64,
+    /// `tokens_per_minute`, if set.
+    tokens_per_minute: Option<u64>,
+    /// Its token bucket, with `tokens_per_minute`.
+    tokens: Option<parking_lot::Mutex<TokenBudget>>,
+    /// The largest `max_tokens` a request may ask for.
+    max_tokens: Option<u64>,
 }
 
 /// What `/v1/status` shows of a tenant.
@@ -68,6 +75,11 @@ pub struct TenantStatus {
     pub max_pending: Option<u32>,
     /// `rps`, if set.
     pub rps: Option<f64>,
+    /// `tokens_per_minute`, if set.
+    pub tokens_per_minute: Option<u64>,
+    /// Tokens in its bucket now (negative: the debt it must repay before
+    /// its next request), with `tokens_per_minute`.
+    pub tokens_available: Option<i64>,
 }
 
 /// Holds one of a tenant's in-flight slots until dropped.
@@ -143,6 +155,16 @@ impl Tenants {
                 pending_bytes: AtomicU64::new(0),
                 byte_share: AtomicU64::new(u64::MAX),
                 rejected: AtomicU64::new(0),
+                tokens_per_minute: spec.tokens_per_minute,
+                tokens: spec.tokens_per_minute.map(|per_minute| {
+                    let burst = spec.token_burst.unwrap_or(per_minute);
+                    parking_lot::Mutex::new(TokenBudget::new(
+                        per_minute,
+                        burst,
+                        crate::usage::clock(),
+                    ))
+                }),
+                max_tokens: spec.max_tokens,
             });
             if by_digest.insert(digest, tenant.clone()).is_some() {
                 return Err((
@@ -246,6 +268,64 @@ impl Tenant {
         Ok(guard)
     }
 
+    /// Lets an inference request in within the tenant's token rate (on one
+    /// of `gateways` gateways serving together, each at its part of the
+    /// rate), with `asked` (its `max_tokens`) within the tenant's
+    /// `max_tokens`. Returns the `max_tokens` to give a request that asked
+    /// none.
+    pub fn admit_tokens(&self, asked: Option<u64>, gateways: u32) -> Result<Option<u64>, Error> {
+        if let (Some(max), Some(asked)) = (self.max_tokens, asked)
+            && asked > max
+        {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "max_tokens {asked} is more than tenant '{}' may ask for ({max})",
+                    self.name
+                ),
+            )
+            .param("max_tokens"));
+        }
+        if let Some(budget) = &self.tokens {
+            let share = 1.0 / f64::from(gateways.max(1));
+            let admitted = budget.lock().admit(crate::usage::clock(), share);
+            if let Err(wait) = admitted {
+                return Err(self.refuse(
+                    format!(
+                        "tenant '{}' is over its rate of {} tokens per minute; its next request is let in once the tokens of its last answers are paid for",
+                        self.name,
+                        self.tokens_per_minute.unwrap_or(0)
+                    ),
+                    wait,
+                ));
+            }
+        }
+        Ok(if asked.is_none() {
+            self.max_tokens
+        } else {
+            None
+        })
+    }
+
+    /// Whether the tenant has a largest `max_tokens`.
+    pub fn has_max_tokens(&self) -> bool {
+        self.max_tokens.is_some()
+    }
+
+    /// Whether the tenant has a token rate to charge.
+    pub fn has_token_rate(&self) -> bool {
+        self.tokens.is_some()
+    }
+
+    /// Charges `tokens` an answer used to the tenant's token rate.
+    pub fn charge_tokens(&self, tokens: u64, gateways: u32) {
+        if let Some(budget) = &self.tokens {
+            let share = 1.0 / f64::from(gateways.max(1));
+            budget.lock().charge(crate::usage::clock(), tokens, share);
+        }
+    }
+
     /// The priority a task of this tenant gets when it asks for `asked`:
     /// at most its `max_priority`, so it cannot jump ahead of the other
     /// tenants' tasks.
@@ -308,6 +388,11 @@ impl Tenant {
             max_inflight: self.max_inflight,
             max_pending: self.max_pending,
             rps: self.rps,
+            tokens_per_minute: self.tokens_per_minute,
+            tokens_available: self
+                .tokens
+                .as_ref()
+                .map(|b| b.lock().level(crate::usage::clock(), 1.0).floor() as i64),
         }
     }
 }

@@ -34,6 +34,9 @@ pub const MAX_TASK_RESULTS_BYTES: u64 = 64 * 1024 * 1024;
 /// Disk kept by the async-task journal; the oldest rows go first. 1 GiB
 /// holds 100,000 results of 10 KiB without filling a small state disk.
 pub const MAX_JOURNAL_BYTES: u64 = 1024 * 1024 * 1024;
+/// The usage ledger: 16 MiB, some 150,000 rows (one tenant, app and model
+/// in one hour each): 17 months of ten of them busy every hour.
+pub const MAX_USAGE_BYTES: u64 = 16 << 20;
 /// A GPU model server batches well up to a handful of concurrent requests;
 /// 8 keeps latency predictable without leaving the GPU idle.
 pub const CONCURRENCY: u32 = 8;

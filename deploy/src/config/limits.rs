@@ -38,6 +38,11 @@ pub struct LimitsConfig {
     #[serde(with = "size")]
     #[schemars(with = "size::Size")]
     pub max_journal_bytes: u64,
+    /// Bytes of the usage ledger (tokens per tenant, app, model and hour)
+    /// on disk; the oldest hours are dropped past it.
+    #[serde(with = "size")]
+    #[schemars(with = "size::Size")]
+    pub max_usage_bytes: u64,
     /// Client connections open at once; past it a new connection gets
     /// `503 no_capacity` and is closed.
     pub max_connections: u32,
@@ -68,6 +73,7 @@ impl Default for LimitsConfig {
             max_buffered_body_bytes: defaults::MAX_BUFFERED_BODY_BYTES,
             max_task_results_bytes: defaults::MAX_TASK_RESULTS_BYTES,
             max_journal_bytes: defaults::MAX_JOURNAL_BYTES,
+            max_usage_bytes: defaults::MAX_USAGE_BYTES,
             max_connections: defaults::MAX_CONNECTIONS,
             header_read_timeout: defaults::HEADER_READ_TIMEOUT,
             idle_timeout: defaults::IDLE_TIMEOUT,
@@ -87,6 +93,7 @@ impl LimitsConfig {
             ("max_buffered_body_bytes", self.max_buffered_body_bytes),
             ("max_task_results_bytes", self.max_task_results_bytes),
             ("max_journal_bytes", self.max_journal_bytes),
+            ("max_usage_bytes", self.max_usage_bytes),
         ] {
             if n == 0 {
                 return Err((format!("limits.{key}"), "must be at least 1".into()));

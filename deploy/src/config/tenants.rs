@@ -28,6 +28,18 @@ pub struct TenantSpec {
     pub rps: Option<f64>,
     /// Requests allowed in a burst above `rps`; default: one second's worth.
     pub burst: Option<u32>,
+    /// Prompt and completion tokens per minute, as the engines count them
+    /// in each answer's `usage`, over every app (429 with `Retry-After`
+    /// past it). An answer is charged when it ends; requests wait while the
+    /// tenant is in debt.
+    pub tokens_per_minute: Option<u64>,
+    /// Tokens allowed in a burst above `tokens_per_minute`; default: one
+    /// minute's worth.
+    pub token_burst: Option<u64>,
+    /// The largest `max_tokens` (`max_completion_tokens`,
+    /// `max_output_tokens`) a request may ask for (400 past it); a request
+    /// that asks none is given this one.
+    pub max_tokens: Option<u64>,
     /// The highest task `priority` this tenant may ask for; a higher one is
     /// lowered to it. Default `0`, the default priority (see
     /// [`TenantSpec::max_priority()`]).
@@ -42,6 +54,9 @@ const DEFAULT_TENANT_MAX_PRIORITY: i32 = 0;
 const MIN_TENANT_RPS: f64 = 0.001;
 /// The fastest: 10^9 requests a second, a one-nanosecond period.
 const MAX_TENANT_RPS: f64 = 1e9;
+/// The largest token rate, burst or `max_tokens`: 10^12, far past any
+/// engine, and exact as a float.
+const MAX_TOKEN_FIGURE: u64 = 1_000_000_000_000;
 
 impl TenantSpec {
     /// The highest task priority the tenant may ask for.
@@ -102,6 +117,25 @@ impl Config {
                 if v == Some(0) {
                     return Err((at(key), "must be at least 1".into()));
                 }
+            }
+            for (key, v) in [
+                ("tokens_per_minute", t.tokens_per_minute),
+                ("token_burst", t.token_burst),
+                ("max_tokens", t.max_tokens),
+            ] {
+                match v {
+                    Some(0) => return Err((at(key), "must be at least 1".into())),
+                    Some(n) if n > MAX_TOKEN_FIGURE => {
+                        return Err((at(key), format!("must be at most {MAX_TOKEN_FIGURE}")));
+                    }
+                    _ => {}
+                }
+            }
+            if t.token_burst.is_some() && t.tokens_per_minute.is_none() {
+                return Err((
+                    at("token_burst"),
+                    "is a burst above tokens_per_minute, which is not set".into(),
+                ));
             }
         }
         Ok(())

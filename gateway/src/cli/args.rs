@@ -241,6 +241,38 @@ pub enum Command {
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
     },
+    /// Show the tokens used, as the engines counted them, by tenant, app,
+    /// model and time (`GET /v1/usage`). With the admin token every
+    /// tenant's; with a tenant's key (`WARMGATE_API_KEY`) its own.
+    Usage {
+        /// From: a duration ago (`24h`, `7d`) or an RFC 3339 time.
+        #[arg(long, default_value = "24h")]
+        since: String,
+        /// To (exclusive): a duration ago or an RFC 3339 time; default now.
+        #[arg(long)]
+        until: Option<String>,
+        /// Rows by `hour`, `day`, or one `total`.
+        #[arg(long, default_value = "total")]
+        bucket: String,
+        /// Rows by these, comma-separated: `tenant`, `app`, `model`.
+        #[arg(long, default_value = "tenant,app,model")]
+        by: String,
+        /// Only this tenant's (`-`: requests without one).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only this app's.
+        #[arg(long)]
+        app: Option<String>,
+        /// Only this model's (an app or an adapter).
+        #[arg(long)]
+        model: Option<String>,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, short, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
     /// List an app's revisions: checkpoint, created, state, traffic.
     Revisions {
         /// The app.

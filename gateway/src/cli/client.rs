@@ -115,15 +115,19 @@ async fn call(
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(http_body_util::Full::new(bytes))
         .map_err(|e| CallError::Unreachable(format!("bad gateway URL {url:?}: {e}")))?;
-    // The token given, else the one a gateway of this user made for
-    // itself and published for its address.
-    let token = std::env::var("WARMGATE_ADMIN_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
+    // The token given, else a tenant's API key given (for what a tenant
+    // may read: its usage, its tasks), else the one a gateway of this
+    // user made for itself and published for its address.
+    let given = |var: &str| std::env::var(var).ok().filter(|t| !t.is_empty());
+    let token = given("WARMGATE_ADMIN_TOKEN")
+        .or_else(|| given("WARMGATE_API_KEY"))
         .or_else(|| crate::runtime::admin_token::find_for(gateway));
     if let Some(token) = token {
         let v = http::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
-            CallError::Usage("WARMGATE_ADMIN_TOKEN is not a valid header value".into())
+            CallError::Usage(
+                "the token (WARMGATE_ADMIN_TOKEN or WARMGATE_API_KEY) is not a valid header value"
+                    .into(),
+            )
         })?;
         req.headers_mut().insert(http::header::AUTHORIZATION, v);
     }

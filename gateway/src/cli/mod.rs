@@ -11,6 +11,7 @@ mod logs;
 mod promote;
 mod serve;
 mod status;
+mod usage;
 mod weights;
 
 #[cfg(test)]
@@ -22,6 +23,7 @@ pub use client::CallError;
 pub use promote::render_revisions;
 pub use serve::keep_environment_private;
 pub use status::render_status;
+pub use usage::render_usage;
 
 use apply::apply;
 use client::CACERT;
@@ -29,6 +31,7 @@ use logs::logs;
 use promote::{Promotion, promote, revisions, rollback};
 use serve::{Start, raise_open_file_limit, refuse_open_listen, runtime, serve};
 use status::status;
+use usage::{UsageAsk, usage};
 use weights::weights_pull;
 
 /// Exit code for a bad config or bad usage (`EX_USAGE` from sysexits.h).
@@ -58,6 +61,29 @@ pub fn run(cli: Cli) -> i32 {
                 insecure,
                 config_wins,
             },
+        ),
+        Command::Usage {
+            since,
+            until,
+            bucket,
+            by,
+            tenant,
+            app,
+            model,
+            gateway,
+            output,
+        } => usage(
+            &gateway,
+            &UsageAsk {
+                since: &since,
+                until: until.as_deref(),
+                bucket: &bucket,
+                by: &by,
+                tenant: tenant.as_deref(),
+                app: app.as_deref(),
+                model: model.as_deref(),
+            },
+            output,
         ),
         Command::Status {
             watch,

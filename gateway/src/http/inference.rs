@@ -18,11 +18,81 @@ pub(crate) async fn openai(State(gw): State<Arc<Gateway>>, req: Request) -> Resp
         .to_string();
     within_deadline(&gw, async {
         match read_model(&gw, req, &path).await {
-            Ok((served, req)) => serve(&gw, &served, req, &path).await,
+            Ok((served, mut req)) => {
+                let metering = req.extensions_mut().remove::<Metering>();
+                let resp = serve(&gw, &served, req, &path).await;
+                metered(&gw, resp, metering)
+            }
             Err(e) => finish(None, Err(e)),
         }
     })
     .await
+}
+
+/// How an answer's usage is counted: whose it is, and whether the gateway
+/// asked the engine for a usage chunk the client did not ask for.
+#[derive(Clone)]
+pub(crate) struct Metering {
+    key: crate::usage::UsageKey,
+    strip: bool,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+    /// What a tenant is charged for an answer that carries no usage: its
+    /// prompt's bytes over four, and the completion tokens it asked for.
+    estimate: u64,
+}
+
+/// `resp`, its body read for usage when it is a success to count.
+fn metered(gw: &Gateway, resp: Response, metering: Option<Metering>) -> Response {
+    let Some(m) = metering.filter(|_| resp.status().is_success()) else {
+        return resp;
+    };
+    let charge = m.tenant.filter(|t| t.has_token_rate()).map(
+        |tenant| -> Box<dyn crate::usage::tap::Charge> {
+            Box::new(TenantCharge {
+                tenant,
+                gateways: gw.pool.share().get().1,
+                estimate: m.estimate,
+            })
+        },
+    );
+    let meter = crate::usage::tap::Meter {
+        cell: gw.usage.cell(&m.key),
+        charge,
+    };
+    let (mut parts, body) = resp.into_parts();
+    if m.strip {
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+    }
+    let body = Body::new(crate::usage::tap::Metered::new(body, meter, m.strip));
+    Response::from_parts(parts, body)
+}
+
+/// An answer's tokens charged to its tenant's token rate.
+struct TenantCharge {
+    tenant: Arc<crate::tenants::Tenant>,
+    gateways: u32,
+    estimate: u64,
+}
+
+impl crate::usage::tap::Charge for TenantCharge {
+    fn charge(&self, tokens: Option<crate::usage::Tokens>) {
+        let n = tokens.map_or(self.estimate, |t| t.total());
+        self.tenant.charge_tokens(n, self.gateways);
+    }
+}
+
+/// The usage key of a request to `app` for `model` (the app's name, or an
+/// adapter's) by `tenant`.
+fn usage_key(
+    tenant: Option<&crate::tenants::Tenant>,
+    app: &str,
+    model: &str,
+) -> crate::usage::UsageKey {
+    crate::usage::UsageKey {
+        tenant: tenant.map_or(crate::usage::NO_TENANT, |t| &t.name).into(),
+        app: app.into(),
+        model: model.into(),
+    }
 }
 
 pub(crate) async fn read_model(
@@ -32,7 +102,7 @@ pub(crate) async fn read_model(
 ) -> Result<(Arc<Served>, Request), Error> {
     let (mut parts, bytes, reading) =
         crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
-    let model = model_field(&bytes)?;
+    let (model, asks) = request_fields(&bytes)?;
     let registry = gw.registry.load();
     let mut renamed = None;
     let app = match registry.app(model.as_ref()) {
@@ -69,17 +139,64 @@ pub(crate) async fn read_model(
     let salted = salt
         .as_ref()
         .filter(|_| is_prompt_path(path) && crate::serving::engine_routes::is_engine(&app.spec()));
-    let mut fields: Vec<(&str, &str)> = Vec::new();
+    // Tokens: the tenant's token rate and largest `max_tokens`, and a
+    // stream asked for its usage so that it can be counted.
+    let tenant = parts
+        .extensions
+        .get::<Arc<crate::tenants::Tenant>>()
+        .cloned();
+    let metered = crate::usage::is_metered(path);
+    let mut cap = None;
+    if metered && let Some(t) = &tenant {
+        cap = t
+            .admit_tokens(asks.max_tokens, gw.pool.share().get().1)?
+            .filter(|_| is_prompt_path(path));
+    }
+    let strip =
+        metered && asks.stream && !asks.include_usage && crate::usage::takes_include_usage(path);
+    use crate::serving::json_body::json;
+    // Each field to set, and whether the body is known not to have it.
+    let mut fields: Vec<(&str, Box<serde_json::value::RawValue>, bool)> = Vec::new();
     if let Some(name) = &renamed {
-        fields.push(("model", name));
+        fields.push(("model", json(&**name)?, false));
     }
     if let Some(s) = salted {
-        fields.push(("cache_salt", &s.text));
+        fields.push(("cache_salt", json(&s.text)?, false));
+    }
+    if strip {
+        let options = crate::serving::json_body::include_usage(asks.stream_options)?;
+        fields.push(("stream_options", options, asks.stream_options.is_none()));
+    }
+    if let Some(max) = cap {
+        fields.push((max_tokens_field(path), json(&max)?, !asks.max_tokens_sent));
+    }
+    if metered {
+        let model_name = match parts
+            .extensions
+            .get::<crate::serving::adapter_split::RequestedAdapter>()
+        {
+            Some(r) => crate::serving::adapter_split::parse_model(&r.engine)
+                .0
+                .to_string(),
+            None => app.name.clone(),
+        };
+        let asked = asks.max_tokens.or(cap).unwrap_or(0);
+        parts.extensions.insert(Metering {
+            key: usage_key(tenant.as_deref(), &app.name, &model_name),
+            strip,
+            estimate: (bytes.len() as u64 / 4).saturating_add(asked),
+            tenant,
+        });
     }
     let bytes = if fields.is_empty() {
         bytes
     } else {
-        let body = crate::serving::json_body::with_fields(&bytes, &fields)?;
+        let body = if fields.iter().all(|f| f.2) {
+            crate::serving::json_body::prepend(&bytes, &fields)?
+        } else {
+            let values: Vec<_> = fields.into_iter().map(|(k, v, _)| (k, v)).collect();
+            crate::serving::json_body::with_values(&bytes, &values)?
+        };
         parts.headers.insert(
             http::header::CONTENT_LENGTH,
             http::HeaderValue::from(body.len()),
@@ -173,14 +290,60 @@ fn model_not_found(gw: &Gateway, model: &str) -> Error {
     .param("model")
 }
 
+/// The field a request on `path` asks for its largest completion in.
+fn max_tokens_field(path: &str) -> &'static str {
+    match path.split('?').next().unwrap_or(path) {
+        "/v1/chat/completions" => "max_completion_tokens",
+        "/v1/responses" => "max_output_tokens",
+        _ => "max_tokens",
+    }
+}
+
+/// What the gateway reads of an OpenAI body besides its `model`.
+#[derive(Debug, Default)]
+pub(crate) struct Asks<'a> {
+    /// `stream: true`.
+    pub stream: bool,
+    /// `stream_options`, as sent.
+    pub stream_options: Option<&'a serde_json::value::RawValue>,
+    /// `stream_options.include_usage: true`.
+    pub include_usage: bool,
+    /// The largest completion asked for: `max_tokens`,
+    /// `max_completion_tokens` or `max_output_tokens`, the largest given.
+    pub max_tokens: Option<u64>,
+    /// One of those fields is in the body, whatever its value.
+    pub max_tokens_sent: bool,
+}
+
 /// The JSON `model` field, without parsing the rest of the body into
 /// values: other keys are skipped as they are read, and `model` itself is
 /// borrowed from the body (a non-string is skipped, not built).
 pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, Error> {
+    request_fields(body).map(|(model, _)| model)
+}
+
+/// [`model_field`] and the [`Asks`] of the body, read in the same pass.
+pub(crate) fn request_fields(body: &[u8]) -> Result<(std::borrow::Cow<'_, str>, Asks<'_>), Error> {
+    use serde_json::value::RawValue;
     #[derive(serde::Deserialize)]
     struct Model<'a> {
         #[serde(borrow, default)]
         model: Scalar<'a>,
+        #[serde(borrow, default)]
+        stream: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        stream_options: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        max_tokens: Scalar<'a>,
+        #[serde(borrow, default)]
+        max_completion_tokens: Scalar<'a>,
+        #[serde(borrow, default)]
+        max_output_tokens: Scalar<'a>,
+    }
+    #[derive(serde::Deserialize)]
+    struct StreamOptions {
+        #[serde(default)]
+        include_usage: Option<bool>,
     }
     let not_object = |why: String| {
         Error::new(
@@ -194,8 +357,30 @@ pub fn model_field(body: &[u8]) -> Result<std::borrow::Cow<'_, str>, Error> {
         return Err(not_object("it is not an object".into()));
     }
     let parsed: Model = serde_json::from_slice(body).map_err(|e| not_object(e.to_string()))?;
+    let maxes = [
+        &parsed.max_tokens,
+        &parsed.max_completion_tokens,
+        &parsed.max_output_tokens,
+    ];
+    let asks = Asks {
+        stream: parsed.stream.is_some_and(|v| v.get() == "true"),
+        include_usage: parsed
+            .stream_options
+            .and_then(|o| serde_json::from_str::<StreamOptions>(o.get()).ok())
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+        stream_options: parsed.stream_options,
+        max_tokens: maxes
+            .iter()
+            .filter_map(|m| match m {
+                Scalar::Number(n) => n.as_u64(),
+                _ => None,
+            })
+            .max(),
+        max_tokens_sent: maxes.iter().any(|m| !matches!(m, Scalar::Absent)),
+    };
     match parsed.model {
-        Scalar::Str(s) if !s.is_empty() => Ok(s),
+        Scalar::Str(s) if !s.is_empty() => Ok((s, asks)),
         Scalar::Str(_) => Err(Error::new(
             ErrorKind::BadRequest,
             "the \"model\" field is empty; name an app (see GET /v1/models)",
@@ -255,6 +440,8 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         Some(q) => format!("{sub}?{q}"),
         None => sub.to_string(),
     };
+    let token_route = (req.method() == http::Method::POST && crate::usage::is_metered(sub))
+        .then(|| sub.to_string());
     let mut req = req;
     if admin {
         // The admin token never reaches a worker.
@@ -264,9 +451,60 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
     if let Err(e) = check_content_length(&req, limit) {
         return finish(None, Err(e));
     }
+    // An engine's own routes that spend tokens are counted and charged as
+    // the OpenAI routes are (the body is not read here: a stream not
+    // asking for its usage is counted as an answer without it).
+    let metering = if let Some(sub) = &token_route {
+        let tenant = req
+            .extensions()
+            .get::<Arc<crate::tenants::Tenant>>()
+            .cloned();
+        if let Some(t) = &tenant
+            && let Err(e) = passthrough_tokens(&gw, t, sub, &app.name)
+        {
+            return finish(None, Err(e));
+        }
+        let length = req
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        Some(Metering {
+            key: usage_key(tenant.as_deref(), &app.name, &app.name),
+            strip: false,
+            estimate: length / 4,
+            tenant,
+        })
+    } else {
+        None
+    };
     let idle = gw.host.config.limits.idle_timeout;
     let req = req.map(|b| Body::new(LimitedBody::new(b, limit, idle)));
-    within_deadline(&gw, serve(&gw, &app, req, &target)).await
+    let resp = within_deadline(&gw, serve(&gw, &app, req, &target)).await;
+    metered(&gw, resp, metering)
+}
+
+/// A tenant's token quotas on a passthrough route that spends tokens: its
+/// rate as on the OpenAI routes; with a `max_tokens` of its own, the
+/// route is refused (its body is not read here to check the request's).
+fn passthrough_tokens(
+    gw: &Gateway,
+    tenant: &crate::tenants::Tenant,
+    sub: &str,
+    app: &str,
+) -> Result<(), Error> {
+    if tenant.has_max_tokens() {
+        return Err(Error::new(
+            ErrorKind::BadRequest,
+            format!(
+                "tenant '{}' has a max_tokens, which only the OpenAI routes check: send {sub} to the gateway's own {sub} with \"model\": \"{app}\" instead of /apps/{app}{sub}",
+                tenant.name
+            ),
+        ));
+    }
+    tenant
+        .admit_tokens(None, gw.pool.share().get().1)
+        .map(|_| ())
 }
 
 /// Whether the request comes with the admin token: in `Authorization`

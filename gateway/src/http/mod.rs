@@ -15,6 +15,7 @@ pub(crate) mod logs;
 pub(crate) mod ops;
 pub(crate) mod request_id;
 pub(crate) mod tasks;
+pub(crate) mod usage;
 pub(crate) mod weights;
 
 #[allow(unused_imports)]
@@ -138,6 +139,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .merge(data)
         .route("/ui", get(dashboard))
         .route("/ui/", get(dashboard))
+        .route("/v1/usage", get(usage::usage))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route(crate::peers::PEERS_PATH, post(peer_report))
@@ -389,6 +391,7 @@ pub(crate) struct ErrorDetail {
         revisions,
         logs::app_logs,
         logs::pool_logs,
+        usage::usage,
         submit_task,
         submit_batch,
         sync_weights,

@@ -135,6 +135,7 @@ impl Gateway {
         }
         metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
         tasks.set_journal(Arc::new(journal));
+        let usage = Arc::new(db.usage(config.limits.max_usage_bytes)?);
         let host = Arc::new(Host::new(config, reach, workdir, metrics));
         let revisions: Revisions = Arc::default();
         let guests: Revisions = Arc::default();
@@ -196,6 +197,7 @@ impl Gateway {
             },
             buffered,
             peers: crate::peers::Peers::default(),
+            usage,
         });
         for spec in &gw.host.config.pools {
             gw.changes.start_pool(spec.clone())?;

@@ -250,6 +250,7 @@ where
     });
     let gw = Gateway::with_state(config, backend, metrics, worker_addr, state)?;
     let autoscaler = autoscale::spawn(&gw);
+    let usage_writer = crate::usage::spawn_flush(gw.usage.clone());
     let mut side = tokio::spawn(side(gw.clone()));
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
@@ -304,6 +305,7 @@ where
     tokio::select! {
         r = &mut server => {
             autoscaler.abort();
+            usage_writer.abort();
             gw.shutdown().await;
             return r.context("the server task failed");
         }
@@ -327,6 +329,7 @@ where
     if let Some(w) = worker_server {
         w.abort();
     }
+    usage_writer.abort();
     tracing::info!("stopping replicas");
     gw.shutdown().await;
     tracing::info!("stopped");

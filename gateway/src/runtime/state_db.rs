@@ -1,6 +1,7 @@
 //! `state_dir/state.db`, the one SQLite file of a gateway's state, and its
 //! one owner: made private before anything opens it, then handed out to
-//! its two users, the revision store and the task journal, each on
+//! its users, the revision store, the task journal and the usage ledger,
+//! each on
 //! connections of its own (SQLite's WAL lets them write in turn).
 
 use std::path::{Path, PathBuf};
@@ -33,6 +34,12 @@ impl StateDb {
         let store = SqliteState::open(&self.path)
             .with_context(|| format!("open {}", self.path.display()))?;
         Ok(Arc::new(store))
+    }
+
+    /// The usage ledger in it, kept within `max_bytes`.
+    pub(crate) fn usage(&self, max_bytes: u64) -> anyhow::Result<crate::usage::Ledger> {
+        crate::usage::Ledger::open(&self.path, max_bytes)
+            .with_context(|| format!("open the usage ledger in {}", self.path.display()))
     }
 
     /// The task journal in it, kept within `max_bytes` of bodies, and what

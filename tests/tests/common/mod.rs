@@ -295,6 +295,30 @@ impl Gateway {
         std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
     }
 
+    /// The last `lines` lines of each replica's log in the state folder,
+    /// printed when a test fails so that its output carries the workers'
+    /// (and real engines') own account of what happened.
+    pub fn replica_log_tails(&self, lines: usize) -> String {
+        let mut out = String::new();
+        let Ok(entries) = std::fs::read_dir(self.dir.path().join("state/logs")) else {
+            return out;
+        };
+        let mut paths: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        paths.sort();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            let tail = &all[all.len().saturating_sub(lines)..];
+            out.push_str(&format!(
+                "--- last {} lines of {} ---\n{}\n",
+                tail.len(),
+                path.display(),
+                tail.join("\n")
+            ));
+        }
+        out
+    }
+
     /// The gateway's pid.
     pub fn pid(&self) -> i32 {
         self.child.as_ref().map_or(0, |c| c.id() as i32)
@@ -326,6 +350,9 @@ impl Gateway {
 
 impl Drop for Gateway {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("{}", self.replica_log_tails(60));
+        }
         if self.child.is_some() {
             let status = self.stop();
             if !std::thread::panicking() {
