@@ -42,11 +42,14 @@ pub enum ErrorKind {
     /// 500: the gateway failed on its side (e.g. its state could not be
     /// saved); nothing the request asked for was done.
     Internal,
+    /// 409: the task was cancelled (`DELETE /v1/tasks/{id}`, its batch
+    /// cancelled, or its client gone) before it finished.
+    Cancelled,
 }
 
 impl ErrorKind {
     /// Every kind, for pre-registering metrics.
-    pub const ALL: [ErrorKind; 14] = [
+    pub const ALL: [ErrorKind; 15] = [
         ErrorKind::BadRequest,
         ErrorKind::Unauthorized,
         ErrorKind::NotFound,
@@ -61,6 +64,7 @@ impl ErrorKind {
         ErrorKind::Starting,
         ErrorKind::Timeout,
         ErrorKind::Internal,
+        ErrorKind::Cancelled,
     ];
 
     /// Whether trying the same request again can help. Where it cannot,
@@ -77,6 +81,7 @@ impl ErrorKind {
                 | ErrorKind::MisdirectedRequest
                 | ErrorKind::TooLarge
                 | ErrorKind::Timeout
+                | ErrorKind::Cancelled
         )
     }
 
@@ -97,6 +102,7 @@ impl ErrorKind {
             ErrorKind::Starting => "starting",
             ErrorKind::Timeout => "timeout",
             ErrorKind::Internal => "internal",
+            ErrorKind::Cancelled => "cancelled",
         }
     }
 }

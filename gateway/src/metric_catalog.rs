@@ -257,6 +257,11 @@ pub const METRICS: &[Metric] = &[
         "Requests refused for a tenant's quota.",
     ),
     counter(
+        "warmgate_tasks_cancelled_total",
+        &["pool"],
+        "Cancellations of tasks pending or running: `DELETE /v1/tasks/{id}`, a batch cancelled, or a waiting client gone.",
+    ),
+    counter(
         "warmgate_tokens_total",
         &["tenant", "app", "model", "kind"],
         "Tokens the engines counted in their answers' `usage`, by tenant (`-`: none), app, model (the app or an adapter) and kind: `prompt` (cached ones included), `cached` (`prompt_tokens_details.cached_tokens`), `completion`.",

@@ -80,7 +80,7 @@ def test_the_classes_cover_every_kind_of_the_gateway() -> None:
     kinds = {
         "bad_request", "unauthorized", "not_found", "method_not_allowed", "conflict",
         "too_large", "queue_full", "quota_exceeded", "replica_failed", "no_capacity",
-        "starting", "timeout", "internal",
+        "starting", "timeout", "internal", "cancelled",
     }
     assert set(ERRORS_BY_KIND) == kinds
     assert issubclass(warmgate.QueueFullError, warmgate.RateLimitError)

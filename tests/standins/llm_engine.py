@@ -447,8 +447,14 @@ class Engine:
             # blocks counted as partial until they exist).
             cache.hold(keys, partial)
             delay = (len(tokens) - cached) * cfg.prefill_ms_per_token / 1000.0
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # A long prefill is watched for the client leaving, as vLLM
+            # aborts a request between its scheduler's steps.
+            end = time.monotonic() + delay
+            while delay > 0:
+                await asyncio.sleep(min(delay, 0.05))
+                if gone():
+                    raise ClientGone()
+                delay = end - time.monotonic()
             cache.insert(keys)
             t0 = time.monotonic()
             step = cfg.decode_ms_per_token / 1000.0

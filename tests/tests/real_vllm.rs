@@ -194,6 +194,43 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
     })
     .await;
 
+    // A stream whose client did not ask for usage: the gateway asks vLLM
+    // for it, keeps the usage chunk from the client, and counts it. The
+    // gateway's usage then equals vLLM's own token counters, token for
+    // token, over every answer so far.
+    let r = gw
+        .http
+        .post(gw.at("/v1/chat/completions"))
+        .bearer_auth(KEY_B)
+        .json(
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": "count me"}],
+                      "max_tokens": 6, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.expect("stream");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(
+        !text.contains("\"usage\":{"),
+        "a client that did not ask for usage got it: {text}"
+    );
+    let usage = common::eventually("the gateway's usage equals vLLM's", || async {
+        let prompt = engine_metric(&addr, "vllm:prompt_tokens_total").await as u64;
+        let generated = engine_metric(&addr, "vllm:generation_tokens_total").await as u64;
+        let u = gw.json("/v1/usage?bucket=total&group_by=").await;
+        let row = &u["data"][0];
+        let counted = (
+            row["prompt_tokens"].as_u64()?,
+            row["completion_tokens"].as_u64()?,
+        );
+        assert_eq!(row["requests_without_usage"], 0, "{u}");
+        (counted == (prompt, generated)).then_some(u)
+    })
+    .await;
+    eprintln!("usage counted by the gateway, equal to vLLM's own: {usage}");
+
     // A client that leaves mid-stream: vLLM stops the request, short of
     // the 1,500 tokens it must otherwise generate (`min_tokens`). (vLLM
     // does not count a client's abort in `vllm:request_success_total`.)
@@ -217,10 +254,15 @@ async fn real_vllm_serves_usage_caches_per_tenant_and_drops_a_client_that_leaves
     })
     .await;
     drop(stream);
+    let left = std::time::Instant::now();
     eventually("vLLM drops the request its client left", || async {
         (engine_metric(&addr, "vllm:num_requests_running").await == 0.0).then_some(())
     })
     .await;
+    eprintln!(
+        "vllm:num_requests_running back to 0 {:.0} ms after the client left",
+        left.elapsed().as_secs_f64() * 1000.0
+    );
     let generated = engine_metric(&addr, "vllm:generation_tokens_total").await - generated_before;
     assert!(
         generated < 1500.0,

@@ -241,6 +241,19 @@ pub enum Command {
         #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
         gateway: String,
     },
+    /// Cancel a task (a queued one never runs; a running one's call to its
+    /// worker is dropped), or with `--batch` what is left of a batch.
+    /// With tenant keys, `WARMGATE_API_KEY` names whose.
+    Cancel {
+        /// The task's id (or the batch's, from `X-Warmgate-Batch-Id`).
+        id: String,
+        /// ID is a batch's.
+        #[arg(long)]
+        batch: bool,
+        /// The gateway to ask.
+        #[arg(long, env = "WARMGATE_GATEWAY", default_value = DEFAULT_GATEWAY)]
+        gateway: String,
+    },
     /// Show the tokens used, as the engines counted them, by tenant, app,
     /// model and time (`GET /v1/usage`). With the admin token every
     /// tenant's; with a tenant's key (`WARMGATE_API_KEY`) its own.

@@ -6,6 +6,7 @@
 
 mod apply;
 mod args;
+mod cancel;
 mod client;
 mod logs;
 mod promote;
@@ -26,6 +27,7 @@ pub use status::render_status;
 pub use usage::render_usage;
 
 use apply::apply;
+use cancel::cancel;
 use client::CACERT;
 use logs::logs;
 use promote::{Promotion, promote, revisions, rollback};
@@ -62,6 +64,7 @@ pub fn run(cli: Cli) -> i32 {
                 config_wins,
             },
         ),
+        Command::Cancel { id, batch, gateway } => cancel(&gateway, &id, batch),
         Command::Usage {
             since,
             until,

@@ -18,7 +18,7 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::MisdirectedRequest => StatusCode::MISDIRECTED_REQUEST,
-            ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::Conflict | ErrorKind::Cancelled => StatusCode::CONFLICT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::QueueFull | ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::ReplicaFailed => StatusCode::BAD_GATEWAY,
@@ -36,6 +36,7 @@ impl ErrorKind {
             | ErrorKind::MethodNotAllowed
             | ErrorKind::MisdirectedRequest
             | ErrorKind::Conflict
+            | ErrorKind::Cancelled
             | ErrorKind::TooLarge => "invalid_request_error",
             ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::QueueFull | ErrorKind::QuotaExceeded => "rate_limit_error",

@@ -128,7 +128,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/apps/{*rest}", any(passthrough))
         .route("/v1/pools/{pool}/tasks", post(submit_task))
         .route("/v1/pools/{pool}/tasks/batch", post(submit_batch))
-        .route("/v1/tasks/{id}", get(get_task));
+        .route("/v1/tasks/{id}", get(get_task).delete(cancel_task))
+        .route("/v1/batches/{id}", axum::routing::delete(cancel_batch));
     // Without tenants the layer would only cost time on every request.
     if gw.access.tenants.is_some() {
         data = data.route_layer(middleware::from_fn_with_state(gw.clone(), require_tenant));
@@ -396,6 +397,8 @@ pub(crate) struct ErrorDetail {
         submit_batch,
         sync_weights,
         get_task,
+        cancel_task,
+        cancel_batch,
         weights_manifest,
         weights_file,
         dashboard,

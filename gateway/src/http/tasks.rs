@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use futures_util::FutureExt as _;
 
 use crate::tasks::ordered::Ordered;
+use crate::tasks::pool::TaskState;
 
 /// The pool named in the path, the request's headers, and its body, read
 /// within the `which` limit (parse it with [`parse_json`]).
@@ -156,6 +157,7 @@ pub(crate) async fn submit_task(
             hold,
             durable: q.is_async,
             id: id.clone(),
+            cancel: None,
         };
         let (id, rx) = match gw.enqueue(&pool, submit) {
             Ok(accepted) => accepted,
@@ -169,10 +171,13 @@ pub(crate) async fn submit_task(
         if q.is_async {
             return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
         }
+        // A client that leaves before the answer cancels its task.
+        let mut left = CancelOnDrop::new(pool.clone(), id);
         let record = rx.await.map_err(|_| {
             Error::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
-        })??;
-        Ok(axum::Json(Finished::of(&record)).into_response())
+        });
+        left.disarm();
+        Ok(axum::Json(Finished::of(&record??)).into_response())
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
@@ -345,10 +350,16 @@ pub(crate) async fn submit_batch(
         pool.check_retries(retries)?;
         let min_version = body.min_weights_version;
         let traceparent = traceparent(&headers);
+        let batch = gw
+            .tasks
+            .batches
+            .begin(tenant_key.as_ref().map(|t| t.name.clone()), pool.clone());
+        let batch_id = batch.id().to_string();
         let tasks = inputs.enumerate().map(move |(index, input)| {
                 let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
                 let traceparent = traceparent.clone();
                 let tenant_key = tenant_key.clone();
+                let batch = batch.clone();
                 async move {
                     let submit = BatchTask {
                         tenant_key,
@@ -363,7 +374,7 @@ pub(crate) async fn submit_batch(
                     // worker sent (a tree of it would cost many times its size,
                     // and one nested past serde_json's depth limit would not
                     // convert at all).
-                    let mut line = match batch_one(&gw, &pool, input, submit).await {
+                    let mut line = match batch_one(&gw, &pool, input, submit, &batch).await {
                         Ok(r) => serde_json::to_vec(&BatchLine {
                             index,
                             id: &r.id,
@@ -373,9 +384,9 @@ pub(crate) async fn submit_batch(
                             attempts: r.attempts,
                         })
                         .unwrap_or_else(|e| {
-                            error_line(index, &Error::new(ErrorKind::Internal, e.to_string()))
+                            error_line(index, Some(&r.id), &Error::new(ErrorKind::Internal, e.to_string()))
                         }),
-                        Err(e) => error_line(index, &e),
+                        Err((id, e)) => error_line(index, id.as_deref(), &e),
                     };
                     line.push(b'\n');
                     Bytes::from(line)
@@ -385,7 +396,14 @@ pub(crate) async fn submit_batch(
         let lines = Ordered::new(tasks, window, BATCH_HELD_BYTES).map(Ok::<_, Infallible>);
         Ok::<_, Error>(
             (
-                [(header::CONTENT_TYPE, "application/x-ndjson")],
+                [
+                    (header::CONTENT_TYPE, HeaderValue::from_static("application/x-ndjson")),
+                    (
+                        http::HeaderName::from_static(X_BATCH_ID),
+                        HeaderValue::from_str(&batch_id)
+                            .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?,
+                    ),
+                ],
                 Body::from_stream(lines),
             )
                 .into_response(),
@@ -417,40 +435,103 @@ struct BatchLine<'a> {
     attempts: u32,
 }
 
-/// One failed task of a batch, as its NDJSON line (without the newline).
-fn error_line(index: usize, e: &Error) -> Vec<u8> {
-    json!({"index": index, "error": {"kind": e.kind.as_str(), "message": e.message}})
-        .to_string()
-        .into_bytes()
+/// One failed task of a batch, as its NDJSON line (without the newline),
+/// with its id when it was submitted.
+fn error_line(index: usize, id: Option<&str>, e: &Error) -> Vec<u8> {
+    let mut line =
+        json!({"index": index, "error": {"kind": e.kind.as_str(), "message": e.message}});
+    if let Some(id) = id {
+        line["id"] = json!(id);
+    }
+    line.to_string().into_bytes()
+}
+
+/// The header a batch's answer names it in, for `DELETE /v1/batches/{id}`.
+pub(crate) const X_BATCH_ID: &str = "x-warmgate-batch-id";
+
+/// Cancels a task if dropped before [`CancelOnDrop::disarm`]: its client
+/// (a waiting request, or a batch's stream) went away.
+pub(crate) struct CancelOnDrop {
+    pool: Arc<crate::tasks::pool::Pool>,
+    id: Option<String>,
+}
+
+impl CancelOnDrop {
+    pub(crate) fn new(pool: Arc<crate::tasks::pool::Pool>, id: String) -> Self {
+        CancelOnDrop { pool, id: Some(id) }
+    }
+
+    /// The task ended: nothing to cancel.
+    pub(crate) fn disarm(&mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take()
+            && self.pool.cancel(&id).is_some()
+        {
+            tracing::info!(task = %id, pool = %self.pool.name, "the task's client left; cancelled it");
+        }
+    }
 }
 
 pub(crate) async fn batch_one(
     gw: &Gateway,
-    pool: &crate::tasks::pool::Pool,
+    pool: &Arc<crate::tasks::pool::Pool>,
     input: Bytes,
     o: BatchTask,
-) -> Result<crate::tasks::pool::TaskRecord, Error> {
+    batch: &crate::tasks::batches::BatchGuard,
+) -> Result<crate::tasks::pool::TaskRecord, (Option<String>, Error)> {
+    if batch.token().is_cancelled() {
+        return Err((
+            None,
+            Error::new(
+                ErrorKind::Cancelled,
+                format!(
+                    "the batch {} was cancelled before this task was submitted",
+                    batch.id()
+                ),
+            ),
+        ));
+    }
     let hold = o
         .tenant_key
         .map(|t| t.pending_permit(input.len() as u64))
-        .transpose()?;
-    let (_, rx) = gw.enqueue(
-        pool,
-        crate::tasks::pool::Submit {
-            input,
-            priority: o.priority,
-            tenant: o.tenant,
-            timeout: o.timeout,
-            retries: o.retries,
-            min_weights_version: o.min_weights_version,
-            traceparent: o.traceparent,
-            hold,
-            durable: false,
-            id: None,
-        },
-    )?;
-    rx.await
-        .map_err(|_| Error::new(ErrorKind::NoCapacity, "the gateway is shutting down"))?
+        .transpose()
+        .map_err(|e| (None, e))?;
+    let (id, rx) = gw
+        .enqueue(
+            pool,
+            crate::tasks::pool::Submit {
+                input,
+                priority: o.priority,
+                tenant: o.tenant,
+                timeout: o.timeout,
+                retries: o.retries,
+                min_weights_version: o.min_weights_version,
+                traceparent: o.traceparent,
+                hold,
+                durable: false,
+                id: None,
+                // Cancelled with the batch, at once, wherever it is.
+                cancel: Some(batch.token().child_token()),
+            },
+        )
+        .map_err(|e| (None, e))?;
+    let mut left = CancelOnDrop::new(pool.clone(), id.clone());
+    if !batch.track(&id) {
+        // Cancelled between the check above and the submission.
+        pool.cancel(&id);
+    }
+    let outcome = rx.await;
+    batch.untrack(&id);
+    left.disarm();
+    outcome
+        .map_err(|_| Error::new(ErrorKind::NoCapacity, "the gateway is shutting down"))
+        .and_then(|r| r)
+        .map_err(|e| (Some(id), e))
 }
 
 #[derive(serde::Deserialize, utoipa::ToSchema)]
@@ -629,6 +710,110 @@ pub(crate) async fn get_task(
         return axum::Json(v).into_response();
     }
     Error::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
+}
+
+/// How long `DELETE /v1/tasks/{id}` waits for a running task's end to be
+/// recorded: its attempt is dropped at once, so this is only a bound.
+const CANCEL_WAIT: Duration = Duration::from_secs(10);
+
+/// `DELETE /v1/tasks/{id}`: cancels a task. A queued one never runs; a
+/// running one's request to the worker is dropped and it is not tried
+/// again. Answers its record, state `cancelled`; `409` if it had already
+/// ended otherwise.
+#[utoipa::path(delete, path = "/v1/tasks/{id}", tag = "pools",
+    params(("id" = String, Path, description = "Task id")),
+    responses((status = 200, description = "The task's record, `state: cancelled`", body = Object),
+              (status = 404, description = "No such task (or another tenant's)", body = ErrorBody),
+              (status = 409, description = "It ended before it could be cancelled", body = ErrorBody)))]
+pub(crate) async fn cancel_task(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let caller = req
+        .extensions()
+        .get::<Arc<Tenant>>()
+        .map(|t| t.name.clone());
+    let result = async {
+        let not_found = || Error::new(ErrorKind::NotFound, format!("task '{id}' not found"));
+        let record = match gw.tasks.get(&id) {
+            Some(r) => r,
+            None => {
+                // Ended before this gateway started, or evicted: it cannot
+                // be cancelled, but say how it ended.
+                let j = gw.tasks.journal().ok_or_else(not_found)?;
+                let (v, owner) = j.find(&id).await.ok_or_else(not_found)?;
+                if caller.is_some() && owner != caller {
+                    return Err(not_found());
+                }
+                return Err(ended(&id, v["state"].as_str().unwrap_or("ended")));
+            }
+        };
+        if caller.is_some() && record.owner != caller {
+            return Err(not_found());
+        }
+        let pool = gw.registry.load().pool(&record.pool).cloned();
+        let cancelled = pool.as_ref().and_then(|p| p.cancel(&id));
+        let Some((was, ended_as)) = cancelled else {
+            let now = gw.tasks.get(&id).unwrap_or(record);
+            return match now.state {
+                TaskState::Cancelled => Ok(axum::Json(now).into_response()),
+                s => Err(ended(&id, s.as_str())),
+            };
+        };
+        let state = ended_as.wait(CANCEL_WAIT).await;
+        // An async task's record stays to be read; a waiting client's
+        // went to that client: say what became of it.
+        let mut body = match gw.tasks.get(&id) {
+            Some(now) => serde_json::to_value(&now).unwrap_or_default(),
+            None => json!({"id": id, "pool": record.pool}),
+        };
+        body["state"] = json!(state.map_or("cancelling", TaskState::as_str));
+        body["cancelled"] = json!(match was {
+            crate::tasks::pool::Cancelled::Queued => "queued",
+            crate::tasks::pool::Cancelled::Running => "running",
+        });
+        Ok(axum::Json(body).into_response())
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/batches/{id}`: cancels what is left of a batch being
+/// streamed (`X-Warmgate-Batch-Id`): its tasks not yet submitted never
+/// are, those queued or running are cancelled; each gets its line, with
+/// `"error": {"kind": "cancelled"}`, and the stream ends.
+#[utoipa::path(delete, path = "/v1/batches/{id}", tag = "pools",
+    params(("id" = String, Path, description = "The batch's id, from its answer's X-Warmgate-Batch-Id")),
+    responses((status = 200, description = "`{id, cancelled: true}`", body = Object),
+              (status = 404, description = "No batch streams under that id (it ended), or another tenant's", body = ErrorBody)))]
+pub(crate) async fn cancel_batch(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let caller = req
+        .extensions()
+        .get::<Arc<Tenant>>()
+        .map(|t| t.name.as_str());
+    match gw.tasks.batches.cancel(&id, caller) {
+        Ok(()) => axum::Json(json!({"id": id, "cancelled": true})).into_response(),
+        Err(crate::tasks::batches::NotCancelled::Unknown) => Error::new(
+            ErrorKind::NotFound,
+            format!("no batch '{id}' is streaming (it ended, or never was)"),
+        )
+        .into_response(),
+    }
+}
+
+/// `409`: task `id` ended (`state`) before it could be cancelled.
+fn ended(id: &str, state: &str) -> Error {
+    Error::new(
+        ErrorKind::Conflict,
+        format!(
+            "task '{id}' already ended ({state}); only a task pending or running can be cancelled"
+        ),
+    )
 }
 
 #[cfg(test)]

@@ -86,6 +86,11 @@ pub fn prepend(body: &[u8], fields: &[(&str, Box<RawValue>, bool)]) -> Result<By
 /// `stream_options` as a client sent it (an object, or none), with
 /// `include_usage` set: the other options are kept.
 pub fn include_usage(options: Option<&RawValue>) -> Result<Box<RawValue>, Error> {
+    let Some(options) = options else {
+        return RawValue::from_string(r#"{"include_usage":true}"#.to_string())
+            .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()));
+    };
+    let options = Some(options);
     let mut map: BTreeMap<String, &RawValue> = options
         .and_then(|o| serde_json::from_str(o.get()).ok())
         .unwrap_or_default();

@@ -25,7 +25,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
-use super::record::{TaskRecord, TaskState};
+use super::record::TaskRecord;
 
 /// Ended tasks kept in the journal; older rows are pruned.
 const KEEP: i64 = 100_000;
@@ -237,15 +237,6 @@ fn now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn state_name(s: TaskState) -> &'static str {
-    match s {
-        TaskState::Pending => "pending",
-        TaskState::Running => "running",
-        TaskState::Succeeded => "succeeded",
-        TaskState::Failed => "failed",
-    }
-}
-
 /// The record as it is kept: the output dropped when too large. The
 /// output's text is copied as it is, never parsed.
 fn body_of(record: &TaskRecord) -> String {
@@ -380,7 +371,7 @@ fn commit(conn: &mut Connection, ops: &[Op], run: &str) -> Result<(), String> {
             params![
                 record.id,
                 record.owner,
-                state_name(record.state),
+                record.state.as_str(),
                 now(),
                 body_of(record),
                 run
@@ -394,6 +385,7 @@ fn commit(conn: &mut Connection, ops: &[Op], run: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tasks::record::TaskState;
 
     fn record(id: &str, state: TaskState) -> TaskRecord {
         TaskRecord {

@@ -3,6 +3,7 @@
 //! `/invoke` and syncs their weights, a task's record, and the journal
 //! that keeps async tasks across a restart.
 
+pub mod batches;
 pub mod journal;
 pub mod ordered;
 pub mod pool;

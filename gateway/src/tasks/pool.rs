@@ -26,6 +26,7 @@ use super::split::Split;
 use super::store::{InputCharge, TaskStore};
 use crate::error::{Error, ErrorKind};
 
+mod cancel;
 mod dispatch;
 mod replicas;
 mod slots;
@@ -34,6 +35,7 @@ mod sync;
 #[cfg(test)]
 mod tests;
 
+pub use cancel::{Cancelled, Ended};
 pub use slots::RequestSlot;
 pub use sync::{ReplicaSync, SyncOutcome, WeightsAt};
 
@@ -69,6 +71,9 @@ struct Task {
     system_failures: u32,
     attempts: u32,
     waiter: Option<oneshot::Sender<Outcome>>,
+    /// Cancelled by `DELETE /v1/tasks/{id}` (or its batch, or its client
+    /// leaving): its attempt is dropped, and it is not run again.
+    cancel: tokio_util::sync::CancellationToken,
     /// Dropped with the task, freeing the tenant's pending slot.
     _hold: Option<crate::tenants::PendingPermit>,
     /// Dropped with the task, freeing its input's bytes.
@@ -99,6 +104,10 @@ pub struct Submit {
     /// The id made beforehand with [`Pool::new_id`] (an async submission
     /// is journaled under it before it is queued); a fresh one if `None`.
     pub id: Option<String>,
+    /// Its cancellation, when it belongs to something cancelled as a whole
+    /// (a batch's child token); a fresh one if `None`. Already cancelled,
+    /// the task is refused; cancelled later, it never starts a call.
+    pub cancel: Option<tokio_util::sync::CancellationToken>,
 }
 
 /// Replaces a replica through the pool manager: `(replica, reason)`.
@@ -189,6 +198,8 @@ struct PoolState {
     /// Those in flight, in all and by replica id.
     requests_inflight: u32,
     requests_on: HashMap<String, u32>,
+    /// The cancellation of every task accepted and not finished, by id.
+    cancels: HashMap<String, cancel::Handle>,
 }
 
 // === impl Pool ===
@@ -225,6 +236,7 @@ impl Pool {
                 last_start_error: None,
                 requests_inflight: 0,
                 requests_on: HashMap::new(),
+                cancels: HashMap::new(),
             }),
             spec: arc_swap::ArcSwap::from_pointee(spec),
             wake: Notify::new(),

@@ -20,6 +20,26 @@ pub enum TaskState {
     Succeeded,
     /// Done, with an error.
     Failed,
+    /// Cancelled before it finished: never run, or its run dropped.
+    Cancelled,
+}
+
+impl TaskState {
+    /// As the API and the journal write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Pending => "pending",
+            TaskState::Running => "running",
+            TaskState::Succeeded => "succeeded",
+            TaskState::Failed => "failed",
+            TaskState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the task has ended (succeeded, failed or cancelled).
+    pub fn ended(self) -> bool {
+        !matches!(self, TaskState::Pending | TaskState::Running)
+    }
 }
 
 /// What `GET /v1/tasks/{id}` shows.

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use super::record::{TaskRecord, TaskState};
+use super::record::TaskRecord;
 
 /// Finished async tasks kept for `GET /v1/tasks/{id}`, whatever their
 /// size; the oldest go first (`limits.max_task_results_bytes` bounds their
@@ -46,6 +46,8 @@ pub struct TaskStore {
     limits: StoreLimits,
     /// Input bytes charged by live tasks (see [`InputCharge`]).
     pending_bytes: Arc<AtomicU64>,
+    /// The batches streaming now.
+    pub batches: Arc<super::batches::Batches>,
 }
 
 #[derive(Default)]
@@ -192,7 +194,7 @@ impl TaskStore {
         let r = s.records.get_mut(id)?;
         f(r);
         let out = r.clone();
-        let ended = matches!(out.state, TaskState::Succeeded | TaskState::Failed);
+        let ended = out.state.ended();
         if ended && !out.durable {
             // Its outcome goes to its waiter, the only one who asked.
             s.records.remove(id);
@@ -222,6 +224,7 @@ impl TaskStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tasks::record::TaskState;
 
     fn finish(store: &TaskStore, id: &str, owner: Option<&str>, output_bytes: usize) {
         store.insert(TaskRecord {

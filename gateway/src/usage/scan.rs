@@ -37,10 +37,15 @@ const MAX_USAGE_BYTES: usize = 4096;
 
 const KEY: &[u8] = b"\"usage\"";
 
+/// The key's searcher, built once: building one costs more than
+/// searching a frame.
+static FINDER: std::sync::LazyLock<memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memmem::Finder::new(KEY));
+
 /// Finds the usage objects in an answer fed to it in pieces.
 #[derive(Debug)]
 pub struct Scanner {
-    finder: memmem::Finder<'static>,
+    finder: &'static memmem::Finder<'static>,
     /// The last bytes of the previous piece, so that a key split between
     /// two pieces is found.
     carry: Vec<u8>,
@@ -69,7 +74,7 @@ enum State {
 impl Default for Scanner {
     fn default() -> Self {
         Scanner {
-            finder: memmem::Finder::new(KEY).into_owned(),
+            finder: &FINDER,
             carry: Vec::new(),
             state: State::Key,
             last: None,
@@ -83,13 +88,16 @@ impl Scanner {
         Self::default()
     }
 
-    /// Reads the next piece of the answer.
-    pub fn feed(&mut self, piece: &[u8]) {
+    /// Reads the next piece of the answer; whether a usage key was seen in
+    /// it (or one read before is still open).
+    pub fn feed(&mut self, piece: &[u8]) -> bool {
+        let mut seen = !matches!(self.state, State::Key);
         let mut at = 0;
         while at < piece.len() {
             at = match &mut self.state {
                 State::Key => match self.find_key(&piece[at..]) {
                     Some(after) => {
+                        seen = true;
                         self.state = State::Colon;
                         at + after
                     }
@@ -172,6 +180,7 @@ impl Scanner {
                 }
             };
         }
+        seen
     }
 
     /// The position just past the key in `piece`, counting a key that
@@ -195,18 +204,28 @@ impl Scanner {
             self.carry.clear();
             return Some(i + KEY.len());
         }
-        // Carry the last bytes seen: of this piece, or with a short piece
-        // of the carry and this piece (which `carry` now holds whole).
+        // Carry the last bytes seen (of this piece, or with a short piece
+        // of the carry and this piece, which `carry` now holds whole) from
+        // the last quote on: only those can begin a key.
         let keep = KEY.len() - 1;
         if piece.len() >= keep {
             self.carry.clear();
-            self.carry.extend_from_slice(&piece[piece.len() - keep..]);
+            let tail = &piece[piece.len() - keep..];
+            if let Some(q) = memchr::memrchr(b'"', tail) {
+                self.carry.extend_from_slice(&tail[q..]);
+            }
         } else {
             if carried == 0 {
                 self.carry.extend_from_slice(piece);
             }
             let excess = self.carry.len().saturating_sub(keep);
             self.carry.drain(..excess);
+            match memchr::memrchr(b'"', &self.carry) {
+                Some(q) => {
+                    self.carry.drain(..q);
+                }
+                None => self.carry.clear(),
+            }
         }
         None
     }

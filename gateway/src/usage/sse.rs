@@ -5,12 +5,24 @@
 //! A client that did not ask would read that event as a chunk without a
 //! choice, so it is taken out. Pure; fed frame by frame.
 
+use std::sync::LazyLock;
+
 use bytes::{Bytes, BytesMut};
 use memchr::memmem;
 
 /// An event longer than this is passed on as it is, unfiltered: no usage
 /// chunk is that long, and the filter must not hold a stream's bytes.
 const MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// Searchers built once (building one costs more than searching a frame).
+static CHOICES: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"choices\""));
+static USAGE: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
+static EVENT_END: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\n\n"));
+static EVENT_END_REV: LazyLock<memmem::FinderRev<'static>> =
+    LazyLock::new(|| memmem::FinderRev::new(b"\n\n"));
 
 /// Passes a stream of server-sent events on, without its usage-only
 /// chunk.
@@ -28,13 +40,17 @@ impl DropUsageChunk {
 
     /// What of `piece` goes to the client now: the events it completes,
     /// less a usage-only chunk. An event's start is held until its end
-    /// comes (a client acts on whole events only).
-    pub fn pass(&mut self, piece: Bytes) -> Bytes {
-        if self.pending.is_empty() && piece.ends_with(b"\n\n") && !has_empty_choices(&piece) {
+    /// comes (a client acts on whole events only). `may_hold_usage`:
+    /// whether a `"usage"` key was seen in it (the [`Scanner`] says); a
+    /// piece of whole events without one passes as it is, unsearched.
+    ///
+    /// [`Scanner`]: super::scan::Scanner
+    pub fn pass(&mut self, piece: Bytes, may_hold_usage: bool) -> Bytes {
+        if self.pending.is_empty() && piece.ends_with(b"\n\n") && !may_hold_usage {
             return piece;
         }
         self.pending.extend_from_slice(&piece);
-        let Some(end) = memmem::rfind(&self.pending, b"\n\n").map(|i| i + 2) else {
+        let Some(end) = EVENT_END_REV.rfind(&self.pending).map(|i| i + 2) else {
             if self.pending.len() > MAX_EVENT_BYTES {
                 return self.pending.split().freeze();
             }
@@ -46,7 +62,7 @@ impl DropUsageChunk {
         }
         let mut out = BytesMut::with_capacity(whole.len());
         let mut at = 0;
-        for i in memmem::find_iter(&whole, b"\n\n") {
+        for i in EVENT_END.find_iter(&whole) {
             let event = &whole[at..i + 2];
             if !is_usage_only(event) {
                 out.extend_from_slice(event);
@@ -65,7 +81,9 @@ impl DropUsageChunk {
 
 /// Whether `bytes` may hold an event with `"choices": []`.
 fn has_empty_choices(bytes: &[u8]) -> bool {
-    memmem::find_iter(bytes, b"\"choices\"").any(|i| empty_list_after(&bytes[i + 9..]))
+    CHOICES
+        .find_iter(bytes)
+        .any(|i| empty_list_after(&bytes[i + 9..]))
 }
 
 /// Whether `rest` starts (past whitespace) with `: []`.
@@ -78,7 +96,7 @@ fn empty_list_after(rest: &[u8]) -> bool {
 /// one `include_usage` adds.
 fn is_usage_only(event: &[u8]) -> bool {
     has_empty_choices(event)
-        && memmem::find_iter(event, b"\"usage\"").any(|i| {
+        && USAGE.find_iter(event).any(|i| {
             let mut it = event[i + 7..]
                 .iter()
                 .copied()
@@ -101,8 +119,10 @@ mod tests {
     fn through(pieces: &[&[u8]]) -> String {
         let mut f = DropUsageChunk::new();
         let mut out = Vec::new();
+        let mut scan = crate::usage::scan::Scanner::new();
         for p in pieces {
-            out.extend_from_slice(&f.pass(Bytes::copy_from_slice(p)));
+            let seen = scan.feed(p);
+            out.extend_from_slice(&f.pass(Bytes::copy_from_slice(p), seen));
         }
         out.extend_from_slice(&f.finish());
         String::from_utf8(out).unwrap()

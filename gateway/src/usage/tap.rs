@@ -86,10 +86,10 @@ impl HttpBody for Metered {
                 Poll::Ready(Some(Ok(frame))) => {
                     let frame = match frame.into_data() {
                         Ok(data) => {
-                            self.scanner.feed(&data);
+                            let seen = self.scanner.feed(&data);
                             match &mut self.strip {
                                 Some(f) => {
-                                    let out = f.pass(data);
+                                    let out = f.pass(data, seen);
                                     if out.is_empty() {
                                         continue;
                                     }

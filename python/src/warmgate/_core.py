@@ -245,10 +245,15 @@ class Settings:
     headers: Dict[str, str] = field(default_factory=dict)
 
     def auth(self, plane: str) -> Dict[str, str]:
-        """``Authorization`` for the control plane (the admin token) or the
-        data plane (the tenant's API key); the weights and public routes
-        need neither."""
-        secret = self.token if plane == "control" else self.api_key if plane == "data" else None
+        """``Authorization`` for the control plane (the admin token), the
+        data plane (the tenant's API key), or usage (the tenant's key when
+        given: its own usage; else the admin token: everyone's); the
+        weights and public routes need neither."""
+        secret = {
+            "control": self.token,
+            "data": self.api_key,
+            "usage": self.api_key or self.token,
+        }.get(plane)
         return {"authorization": f"Bearer {secret}"} if secret else {}
 
 
@@ -340,9 +345,26 @@ def task_outcome(record: Mapping[str, Any]) -> Optional[Union[TaskResult, APIErr
     state = record.get("state")
     if state == "succeeded":
         return TaskResult.from_json(record)
-    if state == "failed":
+    if state in ("failed", "cancelled"):
         return error_from_task(record.get("error") or {}, task_id=record.get("id"))
     return None
+
+
+def usage_params(
+    since: Optional[str],
+    until: Optional[str],
+    bucket: str,
+    group_by: Iterable[str],
+    tenant: Optional[str],
+    app: Optional[str],
+    model: Optional[str],
+) -> Dict[str, str]:
+    """The query of ``GET /v1/usage``."""
+    p = {"bucket": bucket, "group_by": ",".join(group_by)}
+    for k, v in (("since", since), ("until", until), ("tenant", tenant), ("app", app), ("model", model)):
+        if v is not None:
+            p[k] = v
+    return p
 
 
 def sync_body(

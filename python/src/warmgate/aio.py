@@ -25,7 +25,7 @@ import httpx
 from . import _core
 from ._core import JSON, Duration, TaskOptions, TaskResult
 from .client import _merge, _plane_of
-from .errors import APIError, UnreachableError, WarmgateError
+from .errors import APIError, NotFoundError, UnreachableError, WarmgateError
 
 __all__ = ["AsyncClient", "AsyncPool", "AsyncApp", "AsyncTask", "AsyncBatch", "AsyncTaskMap"]
 
@@ -243,6 +243,28 @@ class AsyncClient:
     async def task(self, task_id: str) -> Dict[str, Any]:
         return await self.request("GET", f"/v1/tasks/{_core.quote(task_id)}", plane="data")  # type: ignore[no-any-return]
 
+    async def cancel_task(self, task_id: str) -> Dict[str, Any]:
+        """See :meth:`warmgate.Client.cancel_task`."""
+        return await self.request(  # type: ignore[no-any-return]
+            "DELETE", f"/v1/tasks/{_core.quote(task_id)}", plane="data", retry=False
+        )
+
+    async def usage(
+        self,
+        *,
+        since: Optional[str] = "24h",
+        until: Optional[str] = None,
+        bucket: str = "total",
+        group_by: Iterable[str] = ("tenant", "app", "model"),
+        tenant: Optional[str] = None,
+        app: Optional[str] = None,
+        model: Optional[str] = None,
+    ) -> List[Dict[str, Any]]:
+        """See :meth:`warmgate.Client.usage`."""
+        params = _core.usage_params(since, until, bucket, group_by, tenant, app, model)
+        answer = await self.request("GET", "/v1/usage", params=params, plane="usage")
+        return answer["data"]  # type: ignore[no-any-return]
+
     def batch(
         self, pool: str, inputs: Iterable[JSON], *, return_exceptions: bool = False, **options: Any
     ) -> "AsyncBatch":
@@ -359,11 +381,16 @@ class AsyncTask:
         return await self.client.task(self.id)
 
     async def done(self) -> bool:
-        return (await self.get()).get("state") in ("succeeded", "failed")
+        return (await self.get()).get("state") in ("succeeded", "failed", "cancelled")
+
+    async def cancel(self) -> Dict[str, Any]:
+        """Cancels it on the gateway: its record."""
+        return await self.client.cancel_task(self.id)
 
     async def result(self, timeout: Optional[float] = None) -> TaskResult:
         """Waits for its end (wrap in ``asyncio.wait_for`` to bound it, or
-        give ``timeout``)."""
+        give ``timeout``). Cancelling the ``asyncio`` task that awaits it
+        cancels the gateway's task too."""
 
         async def poll() -> TaskResult:
             delay = 0.01
@@ -376,12 +403,21 @@ class AsyncTask:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-        return await asyncio.wait_for(poll(), timeout)
+        try:
+            return await asyncio.wait_for(poll(), timeout)
+        except asyncio.CancelledError:
+            # Nobody waits for it any more: neither should a worker.
+            try:
+                await asyncio.shield(self.cancel())
+            except WarmgateError:
+                pass
+            raise
 
 
 class AsyncBatch(AsyncIterator[Any]):
     """A batch's results as an async iterator, in input order;
-    :meth:`cancel` closes the stream."""
+    :meth:`cancel` cancels what is left of it on the gateway and closes the
+    stream (closing it alone cancels the rest too)."""
 
     def __init__(
         self,
@@ -439,7 +475,21 @@ class AsyncBatch(AsyncIterator[Any]):
             raise item
         return item
 
+    @property
+    def id(self) -> Optional[str]:
+        """The batch's id on the gateway, once it is streaming."""
+        if self._resp is None:
+            return None
+        return self._resp.headers.get("x-warmgate-batch-id")
+
     async def cancel(self) -> None:
+        if self.id is not None and not self._closed:
+            try:
+                await self._client.request(
+                    "DELETE", f"/v1/batches/{_core.quote(self.id)}", plane="data", retry=False
+                )
+            except NotFoundError:
+                pass  # it ended meanwhile
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -457,8 +507,8 @@ class AsyncBatch(AsyncIterator[Any]):
 class AsyncTaskMap(AsyncIterator[Any]):
     """Tasks run at most ``concurrency`` at a time, outputs in input order;
     :meth:`cancel` submits nothing more and cancels the submissions in
-    flight (their connections close; tasks the gateway already queued
-    still run)."""
+    flight: their connections close, and the gateway cancels their tasks,
+    queued or running."""
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ import httpx
 
 from . import _core
 from ._core import JSON, Duration, TaskOptions, TaskResult
-from .errors import APIError, UnreachableError, WarmgateError
+from .errors import APIError, NotFoundError, UnreachableError, WarmgateError
 
 __all__ = ["Client", "Pool", "App", "Task", "Batch", "TaskMap"]
 
@@ -278,6 +278,33 @@ class Client:
         "attempts", "replica", "weights_version"}``."""
         return self.request("GET", f"/v1/tasks/{_core.quote(task_id)}", plane="data")  # type: ignore[no-any-return]
 
+    def cancel_task(self, task_id: str) -> Dict[str, Any]:
+        """Cancels a task: a queued one never runs, a running one's call to
+        its worker is dropped. Its record, ``state: "cancelled"``; a task
+        that already ended raises :class:`ConflictError`."""
+        return self.request(  # type: ignore[no-any-return]
+            "DELETE", f"/v1/tasks/{_core.quote(task_id)}", plane="data", retry=False
+        )
+
+    def usage(
+        self,
+        *,
+        since: Optional[str] = "24h",
+        until: Optional[str] = None,
+        bucket: str = "total",
+        group_by: Iterable[str] = ("tenant", "app", "model"),
+        tenant: Optional[str] = None,
+        app: Optional[str] = None,
+        model: Optional[str] = None,
+    ) -> List[Dict[str, Any]]:
+        """Tokens used, as the engines counted them: a row per bucket
+        (``hour``, ``day`` or ``total``) and group, each with
+        ``requests``, ``prompt_tokens``, ``cached_tokens``,
+        ``completion_tokens`` and ``total_tokens``. With an API key, the
+        tenant's own; with the admin token, everyone's."""
+        params = _core.usage_params(since, until, bucket, group_by, tenant, app, model)
+        return self.request("GET", "/v1/usage", params=params, plane="usage")["data"]  # type: ignore[no-any-return]
+
     def batch(
         self, pool: str, inputs: Iterable[JSON], *, return_exceptions: bool = False, **options: Any
     ) -> "Batch":
@@ -318,8 +345,12 @@ class Client:
 
 def _plane_of(path: str) -> str:
     p = path.split("?", 1)[0]
-    if p.startswith("/v1/tasks/") or (p.startswith("/v1/pools/") and "/tasks" in p):
+    if p.startswith("/v1/tasks/") or p.startswith("/v1/batches/"):
         return "data"
+    if p.startswith("/v1/pools/") and "/tasks" in p:
+        return "data"
+    if p.startswith("/v1/usage"):
+        return "usage"
     if p.startswith("/v1/status") or p.startswith("/v1/apps") or p.startswith("/v1/pools"):
         return "control"
     if p.startswith("/v1/weights"):
@@ -424,7 +455,11 @@ class Task:
         return self.client.task(self.id)
 
     def done(self) -> bool:
-        return self.get().get("state") in ("succeeded", "failed")
+        return self.get().get("state") in ("succeeded", "failed", "cancelled")
+
+    def cancel(self) -> Dict[str, Any]:
+        """Cancels it (see :meth:`Client.cancel_task`): its record."""
+        return self.client.cancel_task(self.id)
 
     def result(self, timeout: Optional[float] = None) -> TaskResult:
         """Waits for its end: its result, or its error raised. ``timeout``
@@ -447,9 +482,11 @@ class Task:
 class Batch(Iterator[Any]):
     """The results of a batch, in input order, read as the gateway streams
     them: a :class:`TaskResult` per input, or its error (raised, or yielded
-    with ``return_exceptions``). :meth:`cancel` (or leaving a ``with``
-    block) closes the stream: the gateway then submits none of the inputs
-    it has not taken yet; those it holds still run."""
+    with ``return_exceptions``). :meth:`cancel` cancels what is left of it
+    on the gateway (``DELETE /v1/batches/{id}``: no input not taken yet is
+    submitted, the tasks queued or running are cancelled) and closes the
+    stream; leaving a ``with`` block, or closing it, closes the stream,
+    which cancels the rest too."""
 
     def __init__(
         self,
@@ -507,8 +544,23 @@ class Batch(Iterator[Any]):
             raise item
         return item
 
+    @property
+    def id(self) -> Optional[str]:
+        """The batch's id on the gateway, once it is streaming."""
+        if self._resp is None:
+            return None
+        return self._resp.headers.get("x-warmgate-batch-id")
+
     def cancel(self) -> None:
-        """Stops the batch: closes its stream."""
+        """Stops the batch: its remaining tasks cancelled, its stream
+        closed."""
+        if self.id is not None and not self._closed:
+            try:
+                self._client.request(
+                    "DELETE", f"/v1/batches/{_core.quote(self.id)}", plane="data", retry=False
+                )
+            except NotFoundError:
+                pass  # it ended meanwhile
         self.close()
 
     def close(self) -> None:

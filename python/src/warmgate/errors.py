@@ -118,6 +118,13 @@ class ConflictError(APIError):
     kind, status = "conflict", 409
 
 
+class TaskCancelledError(ConflictError):
+    """409 ``cancelled``: the task was cancelled before it finished
+    (``task.cancel()``, its batch cancelled, or its client gone)."""
+
+    kind, status = "cancelled", 409
+
+
 class TooLargeError(APIError):
     """413 ``too_large``: the body is over the gateway's size limit."""
 
@@ -188,7 +195,15 @@ class TaskFailedError(APIError):
 
 #: The kinds the gateway marks ``x-should-retry: false``.
 _NOT_RETRYABLE = frozenset(
-    ["bad_request", "unauthorized", "not_found", "method_not_allowed", "too_large", "timeout"]
+    [
+        "bad_request",
+        "unauthorized",
+        "not_found",
+        "method_not_allowed",
+        "too_large",
+        "timeout",
+        "cancelled",
+    ]
 )
 
 #: Every error kind the gateway sends, and its class.
@@ -208,6 +223,7 @@ ERRORS_BY_KIND: Dict[str, Type[APIError]] = {
         NoCapacityError,
         StartingError,
         GatewayTimeoutError,
+        TaskCancelledError,
     )
 }
 
@@ -295,6 +311,7 @@ __all__ = [
     "NotFoundError",
     "MethodNotAllowedError",
     "ConflictError",
+    "TaskCancelledError",
     "TooLargeError",
     "RateLimitError",
     "QueueFullError",

@@ -11,6 +11,7 @@ use http_body_util::{BodyExt, Limited};
 use warmgate_deploy::TargetId;
 use warmgate_pool::ReplicaHandle;
 
+use super::cancel::cancelled;
 use super::{MAX_SYSTEM_RETRIES, Output, Pool, Task, TaskState, timeout_error};
 use crate::error::{Error, ErrorKind};
 
@@ -137,7 +138,25 @@ impl Pool {
             r.replica = Some(replica.id.clone());
         });
         let left = task.deadline.saturating_duration_since(Instant::now());
-        let result = tokio::time::timeout(left, self.invoke(&task, &replica)).await;
+        let invoked = tokio::select! {
+            biased;
+            () = task.cancel.cancelled() => None,
+            r = tokio::time::timeout(left, self.invoke(&task, &replica)) => Some(r),
+        };
+        let Some(result) = invoked else {
+            // Cancelled: the request to the worker is dropped with the
+            // future above, and the task is not tried again.
+            {
+                let mut st = self.state.lock();
+                st.inflight -= 1;
+                st.queue.done(&task.tenant);
+            }
+            replica.release();
+            self.notify();
+            let when = format!("while it ran on replica {}", replica.id);
+            self.finish(task, Err(cancelled(&when)), Some(&replica));
+            return;
+        };
         // A task to be tried again counts as waiting from the moment it
         // stops running, under the same lock: `max_pending` never sees it
         // in neither place.
@@ -183,7 +202,11 @@ impl Pool {
                     // Give the pool manager a moment to take the lost
                     // replica out of rotation before the task is retried.
                     self.store.update(&id, |r| r.state = TaskState::Pending);
-                    tokio::time::sleep(SYSTEM_RETRY_PAUSE * task.system_failures).await;
+                    let pause = SYSTEM_RETRY_PAUSE * task.system_failures;
+                    if self.paused_or_cancelled(&task, pause).await {
+                        self.finish(task, Err(cancelled("before its retry")), Some(&replica));
+                        return;
+                    }
                     if task.system_failures == MAX_SYSTEM_RETRIES
                         && self.ondemand_target().is_some()
                     {
@@ -224,14 +247,30 @@ impl Pool {
                 let backoff =
                     RETRY_BASE.saturating_mul(1 << task.attempts.saturating_sub(1).min(10));
                 self.store.update(&id, |r| r.state = TaskState::Pending);
-                tokio::time::sleep(
-                    backoff.min(task.deadline.saturating_duration_since(Instant::now())),
-                )
-                .await;
+                let pause = backoff.min(task.deadline.saturating_duration_since(Instant::now()));
+                if self.paused_or_cancelled(&task, pause).await {
+                    self.finish(task, Err(cancelled("before its retry")), Some(&replica));
+                    return;
+                }
                 let (tenant, priority) = (task.tenant.clone(), task.priority);
                 self.state.lock().queue.requeue(&tenant, priority, task);
                 self.notify();
             }
+        }
+    }
+
+    /// Waits out a retry's `pause`; whether the task was cancelled in it
+    /// (then it no longer counts as waiting, nor in flight for its tenant).
+    async fn paused_or_cancelled(&self, task: &Task, pause: Duration) -> bool {
+        tokio::select! {
+            biased;
+            () = task.cancel.cancelled() => {
+                let mut st = self.state.lock();
+                st.queue.retry_elsewhere();
+                st.queue.done(&task.tenant);
+                true
+            }
+            () = tokio::time::sleep(pause) => false,
         }
     }
 

@@ -61,6 +61,10 @@ impl Pool {
             .retry_after(1)
         })?;
         let (tx, rx) = oneshot::channel();
+        let cancel = s.cancel.unwrap_or_default();
+        if cancel.is_cancelled() {
+            return Err(super::cancel::cancelled("before it was queued"));
+        }
         let tenant = match self.spec().queue.fairness {
             Fairness::Tenant => s.tenant.clone(),
             Fairness::None => DEFAULT_TENANT.to_string(),
@@ -83,6 +87,7 @@ impl Pool {
             system_failures: 0,
             attempts: 0,
             waiter: Some(tx),
+            cancel: cancel.clone(),
             _hold: s.hold,
             _charge: charge,
         };
@@ -122,6 +127,7 @@ impl Pool {
         min_weights_version: Option<u64>,
     ) -> Result<(), Error> {
         let mut st = self.state.lock();
+        let (id, cancel) = (task.id.clone(), task.cancel.clone());
         if let Some(v) = min_weights_version
             && v > st.latest_version
         {
@@ -162,6 +168,7 @@ impl Pool {
                 )
                 .retry_after(1),
             })?;
+        st.cancels.insert(id, super::cancel::Handle::new(cancel));
         // A task ends a suspension: `min` holds again.
         st.suspended = false;
         Ok(())
@@ -251,12 +258,25 @@ impl Pool {
                     r.output = Some(v.clone());
                 }
                 Err(e) => {
-                    r.state = TaskState::Failed;
+                    r.state = if e.kind == ErrorKind::Cancelled {
+                        TaskState::Cancelled
+                    } else {
+                        TaskState::Failed
+                    };
                     r.error =
                         Some(serde_json::json!({"kind": e.kind.as_str(), "message": e.message}));
                 }
             }
         });
+        // Whoever cancelled it learns how it ended.
+        if let Some(h) = self.state.lock().cancels.remove(&task.id) {
+            let state = match &result {
+                Ok(_) => TaskState::Succeeded,
+                Err(e) if e.kind == ErrorKind::Cancelled => TaskState::Cancelled,
+                Err(_) => TaskState::Failed,
+            };
+            h.ended.set(state);
+        }
         if let Some(tx) = task.waiter.take() {
             let _ = tx.send(match result {
                 Ok(_) => record

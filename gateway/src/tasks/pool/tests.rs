@@ -28,6 +28,7 @@ fn submit(pool: &Pool, min: Option<u64>) {
         hold: None,
         durable: false,
         id: None,
+        cancel: None,
     })
     .expect("accepted");
 }
@@ -80,6 +81,7 @@ fn a_task_taken_at_once_by_another_thread_has_its_record() {
             hold: None,
             durable: false,
             id: None,
+            cancel: None,
         });
         match accepted {
             Ok(_) => sent += 1,
@@ -106,6 +108,7 @@ fn a_task_taken_at_once_by_another_thread_has_its_record() {
         hold: None,
         durable: false,
         id: None,
+        cancel: None,
     });
     assert!(refused.is_err());
     assert_eq!(pool.store.len(), before, "a refused task left its record");
@@ -171,6 +174,7 @@ async fn dispatch_respects_staleness_and_task_versions() {
             hold: None,
             durable: false,
             id: None,
+            cancel: None,
         })
         .expect_err("refused");
     assert_eq!(e.kind, ErrorKind::Conflict);
@@ -184,4 +188,51 @@ async fn dispatch_respects_staleness_and_task_versions() {
     assert_eq!(pool.version_for(3, "file:///v1"), 4);
     assert_eq!(pool.version_for(1, "file:///v3"), 3);
     assert_eq!(pool.version_for(9, "file:///v9"), 9);
+}
+
+/// A queued task cancelled never runs, its waiter hears `cancelled` and
+/// its record says so; one already taken by a dispatcher is cancelled
+/// through its token; a finished one cannot be.
+#[tokio::test]
+async fn a_cancelled_task_never_runs_and_says_so() {
+    let pool = Pool::new(
+        PoolSpec {
+            name: "p".into(),
+            ..PoolSpec::default()
+        },
+        Arc::new(TaskStore::default()),
+        crate::upstream::Upstream::new(),
+    );
+    let send = || {
+        pool.submit(Submit {
+            input: Bytes::from_static(b"1"),
+            priority: 0,
+            tenant: DEFAULT_TENANT.into(),
+            timeout: None,
+            retries: None,
+            min_weights_version: None,
+            traceparent: None,
+            hold: None,
+            durable: false,
+            id: None,
+            cancel: None,
+        })
+        .expect("accepted")
+    };
+    let (queued, rx) = send();
+    let (running, _rx2) = send();
+    let (cancelled, ended) = pool.cancel(&queued).expect("held");
+    assert_eq!(cancelled, Cancelled::Queued);
+    assert_eq!(ended.wait(Duration::ZERO).await, Some(TaskState::Cancelled));
+    let outcome = rx.await.expect("an answer");
+    assert_eq!(outcome.expect_err("cancelled").kind, ErrorKind::Cancelled);
+    assert!(pool.cancel(&queued).is_none(), "ended already");
+    // The other is taken to run: its token is what stops it.
+    pool.add_replica(replica("r", 0));
+    let (task, r) = pool.next().expect("the second task");
+    assert_eq!(task.id, running);
+    assert_eq!(pool.cancel(&running).map(|c| c.0), Some(Cancelled::Running));
+    assert!(task.cancel.is_cancelled());
+    assert_eq!(pool.state.lock().queue.pending(), 0);
+    r.release();
 }
