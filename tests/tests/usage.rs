@@ -456,3 +456,93 @@ print("waited", round(took, 1), "told", wait, "team b", b_done[0])
         0.0
     );
 }
+
+/// The ways around a tenant's token quotas an attacker's read found are
+/// closed: the passthrough (however its path is spelled), a `max_tokens`
+/// that is not a number, a `stream` that is not a boolean; and a stream
+/// whose `stream_options` is `null` is still counted, its usage chunk kept
+/// from the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ways_around_token_quotas_are_closed() {
+    let digest = |key: &str| -> String {
+        sha2::Sha256::digest(key.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let config = format!(
+        "{app}\n[[tenants]]\nname = \"team-a\"\napi_key_sha256 = \"{a}\"\ntokens_per_minute = 60000\nmax_tokens = 8\n[[tenants]]\nname = \"team-b\"\napi_key_sha256 = \"{b}\"\n",
+        app = engine_app("llm", ""),
+        a = digest(key_of("team-a")),
+        b = digest(key_of("team-b")),
+    );
+    let gw = Gateway::start(&config);
+    gw.wait_ready("llm", 1).await;
+    let post = |key: &'static str, path: &str, body: Value| {
+        let (http, url) = (gw.http.clone(), gw.at(path));
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .expect("send");
+            let status = r.status().as_u16();
+            (status, r.text().await.expect("body"))
+        }
+    };
+    let chat = json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]});
+    for path in [
+        "/apps/llm/v1/chat/completions",
+        "/apps/llm/v1/chat/%63ompletions",
+        "/apps/llm/v1/x/../chat/completions",
+        "/apps/llm/V1/Completions",
+    ] {
+        let (status, body) = post(key_of("team-a"), path, chat.clone()).await;
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(body.contains("token quotas"), "{path}: {body}");
+    }
+    // A tenant without token quotas may use the passthrough; it is counted.
+    let (status, body) = post(
+        key_of("team-b"),
+        "/apps/llm/v1/chat/completions",
+        chat.clone(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    for (field, value) in [
+        ("max_tokens", json!("100000")),
+        ("max_completion_tokens", json!(100000.0)),
+        ("max_output_tokens", json!(-1)),
+    ] {
+        let mut b = chat.clone();
+        b[field] = value;
+        let (status, body) = post(key_of("team-a"), "/v1/chat/completions", b).await;
+        assert_eq!(status, 400, "{field}: {body}");
+        let v: Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(v["error"]["param"], field, "{body}");
+    }
+    for stream in [json!("true"), json!(1)] {
+        let mut b = chat.clone();
+        b["stream"] = stream;
+        let (status, body) = post(key_of("team-b"), "/v1/chat/completions", b).await;
+        assert_eq!(status, 400, "{body}");
+        let v: Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(v["error"]["param"], "stream", "{body}");
+    }
+    // `stream_options: null`: still asked for, counted, kept from the client.
+    let mut b = chat.clone();
+    b["stream"] = json!(true);
+    b["stream_options"] = Value::Null;
+    let (status, text) = post(key_of("team-a"), "/v1/chat/completions", b).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("\"usage\""), "{text}");
+    let u = gw
+        .json("/v1/usage?bucket=total&group_by=tenant&tenant=team-a")
+        .await;
+    let row = &u["data"][0];
+    assert_eq!(row["requests"], 1, "{u}");
+    assert_eq!(row["requests_without_usage"], 0, "{u}");
+    assert_eq!(row["completion_tokens"], 8, "the tenant's max_tokens: {u}");
+}

@@ -37,7 +37,8 @@ pub(crate) struct Metering {
     strip: bool,
     tenant: Option<Arc<crate::tenants::Tenant>>,
     /// What a tenant is charged for an answer that carries no usage: its
-    /// prompt's bytes over four, and the completion tokens it asked for.
+    /// prompt's bytes over four, and the completion tokens it asked for
+    /// (and a token for each chunk that passed).
     estimate: u64,
 }
 
@@ -75,8 +76,10 @@ struct TenantCharge {
 }
 
 impl crate::usage::tap::Charge for TenantCharge {
-    fn charge(&self, tokens: Option<crate::usage::Tokens>) {
-        let n = tokens.map_or(self.estimate, |t| t.total());
+    /// Without usage: the estimate, and a token for each chunk that passed
+    /// (an engine streams about one token a chunk).
+    fn charge(&self, tokens: Option<crate::usage::Tokens>, chunks: u64) {
+        let n = tokens.map_or(self.estimate.saturating_add(chunks), |t| t.total());
         self.tenant.charge_tokens(n, self.gateways);
     }
 }
@@ -103,6 +106,13 @@ pub(crate) async fn read_model(
     let (mut parts, bytes, reading) =
         crate::http::body::read_body_held(req, gw, BodyLimit::Inference).await?;
     let (model, asks) = request_fields(&bytes)?;
+    if let Some(field) = asks.bad_flag {
+        return Err(Error::new(
+            ErrorKind::BadRequest,
+            format!("\"{field}\" must be true or false"),
+        )
+        .param(field));
+    }
     let registry = gw.registry.load();
     let mut renamed = None;
     let app = match registry.app(model.as_ref()) {
@@ -148,6 +158,15 @@ pub(crate) async fn read_model(
     let metered = crate::usage::is_metered(path);
     let mut cap = None;
     if metered && let Some(t) = &tenant {
+        if t.has_max_tokens()
+            && let Some(field) = asks.max_tokens_malformed
+        {
+            return Err(Error::new(
+                ErrorKind::BadRequest,
+                format!("\"{field}\" must be a whole number of tokens (or null)"),
+            )
+            .param(field));
+        }
         cap = t
             .admit_tokens(asks.max_tokens, gw.pool.share().get().1)?
             .filter(|_| is_prompt_path(path));
@@ -304,7 +323,7 @@ fn max_tokens_field(path: &str) -> &'static str {
 pub(crate) struct Asks<'a> {
     /// `stream: true`.
     pub stream: bool,
-    /// `stream_options`, as sent.
+    /// `stream_options`, as sent (`null` included).
     pub stream_options: Option<&'a serde_json::value::RawValue>,
     /// `stream_options.include_usage: true`.
     pub include_usage: bool,
@@ -313,6 +332,23 @@ pub(crate) struct Asks<'a> {
     pub max_tokens: Option<u64>,
     /// One of those fields is in the body, whatever its value.
     pub max_tokens_sent: bool,
+    /// The first of those fields whose value is not a whole number (or
+    /// `null`): refused for a tenant with a `max_tokens`.
+    pub max_tokens_malformed: Option<&'static str>,
+    /// A flag (`stream`, `stream_options.include_usage`) that is not a
+    /// boolean: the request is refused, naming it.
+    pub bad_flag: Option<&'static str>,
+}
+
+/// A field's raw JSON value when the key is present (`null` included),
+/// where `Option<&RawValue>` would read `null` as absent.
+#[derive(Default)]
+struct Present<'a>(Option<&'a serde_json::value::RawValue>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Present<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <&'a serde_json::value::RawValue>::deserialize(d).map(|r| Present(Some(r)))
+    }
 }
 
 /// The JSON `model` field, without parsing the rest of the body into
@@ -330,20 +366,29 @@ pub(crate) fn request_fields(body: &[u8]) -> Result<(std::borrow::Cow<'_, str>, 
         #[serde(borrow, default)]
         model: Scalar<'a>,
         #[serde(borrow, default)]
-        stream: Option<&'a RawValue>,
+        stream: Present<'a>,
         #[serde(borrow, default)]
-        stream_options: Option<&'a RawValue>,
+        stream_options: Present<'a>,
         #[serde(borrow, default)]
-        max_tokens: Scalar<'a>,
+        max_tokens: Present<'a>,
         #[serde(borrow, default)]
-        max_completion_tokens: Scalar<'a>,
+        max_completion_tokens: Present<'a>,
         #[serde(borrow, default)]
-        max_output_tokens: Scalar<'a>,
+        max_output_tokens: Present<'a>,
     }
     #[derive(serde::Deserialize)]
-    struct StreamOptions {
-        #[serde(default)]
-        include_usage: Option<bool>,
+    struct StreamOptions<'a> {
+        #[serde(borrow, default)]
+        include_usage: Present<'a>,
+    }
+    /// A flag as the OpenAI API types it: a JSON boolean (or `null`);
+    /// `None` for anything else.
+    fn flag(raw: Option<&RawValue>) -> Option<bool> {
+        match raw.map(RawValue::get) {
+            None | Some("null" | "false") => Some(false),
+            Some("true") => Some(true),
+            Some(_) => None,
+        }
     }
     let not_object = |why: String| {
         Error::new(
@@ -362,22 +407,44 @@ pub(crate) fn request_fields(body: &[u8]) -> Result<(std::borrow::Cow<'_, str>, 
         &parsed.max_completion_tokens,
         &parsed.max_output_tokens,
     ];
+    let include_usage = match parsed
+        .stream_options
+        .0
+        .and_then(|o| serde_json::from_str::<StreamOptions>(o.get()).ok())
+    {
+        Some(o) => flag(o.include_usage.0),
+        None => Some(false),
+    };
+    let stream = flag(parsed.stream.0);
+    let bad_flag = match (stream, include_usage) {
+        (None, _) => Some("stream"),
+        (_, None) => Some("stream_options.include_usage"),
+        _ => None,
+    };
+    let names = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
+    // Each as given: absent or `null`, a whole number, or neither.
+    let read: Vec<(Option<u64>, bool)> = maxes
+        .iter()
+        .map(|m| match m.0.map(RawValue::get) {
+            None | Some("null") => (None, false),
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) => (Some(n), false),
+                Err(_) => (None, true),
+            },
+        })
+        .collect();
+    let max_tokens_malformed = read
+        .iter()
+        .zip(names)
+        .find_map(|((_, bad), name)| bad.then_some(name));
     let asks = Asks {
-        stream: parsed.stream.is_some_and(|v| v.get() == "true"),
-        include_usage: parsed
-            .stream_options
-            .and_then(|o| serde_json::from_str::<StreamOptions>(o.get()).ok())
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false),
-        stream_options: parsed.stream_options,
-        max_tokens: maxes
-            .iter()
-            .filter_map(|m| match m {
-                Scalar::Number(n) => n.as_u64(),
-                _ => None,
-            })
-            .max(),
-        max_tokens_sent: maxes.iter().any(|m| !matches!(m, Scalar::Absent)),
+        stream: stream.unwrap_or(false),
+        include_usage: include_usage.unwrap_or(false),
+        bad_flag,
+        stream_options: parsed.stream_options.0,
+        max_tokens: read.iter().filter_map(|(n, _)| *n).max(),
+        max_tokens_sent: maxes.iter().any(|m| m.0.is_some()),
+        max_tokens_malformed,
     };
     match parsed.model {
         Scalar::Str(s) if !s.is_empty() => Ok((s, asks)),
@@ -440,7 +507,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         Some(q) => format!("{sub}?{q}"),
         None => sub.to_string(),
     };
-    let token_route = (req.method() == http::Method::POST && crate::usage::is_metered(sub))
+    let token_route = (req.method() == http::Method::POST && crate::usage::is_metered_as_read(sub))
         .then(|| sub.to_string());
     let mut req = req;
     if admin {
@@ -460,7 +527,7 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
             .get::<Arc<crate::tenants::Tenant>>()
             .cloned();
         if let Some(t) = &tenant
-            && let Err(e) = passthrough_tokens(&gw, t, sub, &app.name)
+            && let Err(e) = passthrough_tokens(t, sub, &app.name)
         {
             return finish(None, Err(e));
         }
@@ -484,27 +551,21 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
     metered(&gw, resp, metering)
 }
 
-/// A tenant's token quotas on a passthrough route that spends tokens: its
-/// rate as on the OpenAI routes; with a `max_tokens` of its own, the
-/// route is refused (its body is not read here to check the request's).
-fn passthrough_tokens(
-    gw: &Gateway,
-    tenant: &crate::tenants::Tenant,
-    sub: &str,
-    app: &str,
-) -> Result<(), Error> {
-    if tenant.has_max_tokens() {
+/// A tenant's token quotas on a passthrough route that spends tokens:
+/// with a token rate or a `max_tokens`, the route is refused, since its
+/// body is not read here (its `max_tokens` unchecked, a stream not asked
+/// for its usage): the OpenAI route does both.
+fn passthrough_tokens(tenant: &crate::tenants::Tenant, sub: &str, app: &str) -> Result<(), Error> {
+    if tenant.has_max_tokens() || tenant.has_token_rate() {
         return Err(Error::new(
             ErrorKind::BadRequest,
             format!(
-                "tenant '{}' has a max_tokens, which only the OpenAI routes check: send {sub} to the gateway's own {sub} with \"model\": \"{app}\" instead of /apps/{app}{sub}",
+                "tenant '{}' has token quotas, which only the OpenAI routes check: send the request to the gateway's own route (POST /v1/chat/completions, /v1/completions, …) with \"model\": \"{app}\" instead of /apps/{app}{sub}",
                 tenant.name
             ),
         ));
     }
-    tenant
-        .admit_tokens(None, gw.pool.share().get().1)
-        .map(|_| ())
+    Ok(())
 }
 
 /// Whether the request comes with the admin token: in `Authorization`

@@ -755,6 +755,15 @@ pub(crate) async fn cancel_task(
         let pool = gw.registry.load().pool(&record.pool).cloned();
         let cancelled = pool.as_ref().and_then(|p| p.cancel(&id));
         let Some((was, ended_as)) = cancelled else {
+            if pool.is_none() {
+                return Err(Error::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "task '{id}' belongs to pool '{}', which was deleted",
+                        record.pool
+                    ),
+                ));
+            }
             let now = gw.tasks.get(&id).unwrap_or(record);
             return match now.state {
                 TaskState::Cancelled => Ok(axum::Json(now).into_response()),

@@ -68,13 +68,21 @@ impl Batches {
     }
 
     /// Cancels batch `id`, if `caller` (a tenant, or `None` for any) may.
+    /// Its tasks' tokens are the batch's children, cancelled at once; the
+    /// queued ones are then taken out, outside the registry's lock.
     pub fn cancel(&self, id: &str, caller: Option<&str>) -> Result<(), NotCancelled> {
-        let mut live = self.live.lock();
-        let b = live.get_mut(id).ok_or(NotCancelled::Unknown)?;
-        if caller.is_some() && b.owner.as_deref() != caller {
-            return Err(NotCancelled::Unknown);
+        let (pool, tasks) = {
+            let mut live = self.live.lock();
+            let b = live.get_mut(id).ok_or(NotCancelled::Unknown)?;
+            if caller.is_some() && b.owner.as_deref() != caller {
+                return Err(NotCancelled::Unknown);
+            }
+            b.token.cancel();
+            (b.pool.clone(), std::mem::take(&mut b.tasks))
+        };
+        for task in tasks {
+            pool.cancel(&task);
         }
-        b.cancel();
         Ok(())
     }
 

@@ -21,8 +21,11 @@ pub const NO_TENANT: &str = "-";
 /// The routes whose answers spend an engine's tokens and carry `usage`:
 /// OpenAI's generation and embedding routes, and vLLM's pooling, scoring
 /// and reranking ones (with and without `/v1`).
-const METERED: [&str; 13] = [
+const METERED: [&str; 16] = [
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
     "/v1/completions",
     "/v1/embeddings",
     "/v1/responses",
@@ -38,9 +41,18 @@ const METERED: [&str; 13] = [
 ];
 
 /// Whether answers on `path` carry usage worth counting (see
-/// [`METERED`]).
+/// [`METERED`]). The gateway's own routes are matched as they are.
 pub fn is_metered(path: &str) -> bool {
     METERED.contains(&path.split('?').next().unwrap_or(path))
+}
+
+/// [`is_metered`] for a path an engine will read: percent escapes
+/// decoded, dot segments applied, case ignored, as its router reads it
+/// (`/v1/chat/%63ompletions` is the chat route).
+pub fn is_metered_as_read(path: &str) -> bool {
+    let path = path.split('?').next().unwrap_or(path);
+    let normal = crate::serving::engine_routes::normalize(path);
+    METERED.iter().any(|m| *m == normal)
 }
 
 /// Whether a streamed request on `path` can be asked for a usage chunk

@@ -257,7 +257,10 @@ fn parse(bytes: &[u8]) -> Option<Tokens> {
         input_tokens_details: Option<Details>,
     }
     let u: Usage = serde_json::from_slice(bytes).ok()?;
-    let prompt = u.prompt_tokens.or(u.input_tokens)?;
+    // No answer uses a trillion tokens: a larger figure is not a usage
+    // (and would overflow the ledger's sums).
+    const MAX: u64 = 1 << 40;
+    let prompt = u.prompt_tokens.or(u.input_tokens)?.min(MAX);
     let cached = u
         .prompt_tokens_details
         .or(u.input_tokens_details)
@@ -266,7 +269,11 @@ fn parse(bytes: &[u8]) -> Option<Tokens> {
     Some(Tokens {
         prompt,
         cached: cached.min(prompt),
-        completion: u.completion_tokens.or(u.output_tokens).unwrap_or(0),
+        completion: u
+            .completion_tokens
+            .or(u.output_tokens)
+            .unwrap_or(0)
+            .min(MAX),
     })
 }
 

@@ -18,8 +18,8 @@ use super::sse::DropUsageChunk;
 /// Whom an answer's tokens are charged to, once it ends.
 pub trait Charge: Send + Sync + 'static {
     /// The answer ended with `tokens` (none: it carried no usage, or broke
-    /// off before it).
-    fn charge(&self, tokens: Option<Tokens>);
+    /// off before its end), after `chunks` frames of it passed.
+    fn charge(&self, tokens: Option<Tokens>, chunks: u64);
 }
 
 /// What an answer's end is recorded into.
@@ -31,10 +31,10 @@ pub struct Meter {
 }
 
 impl Meter {
-    fn record(self, tokens: Option<Tokens>) {
+    fn record(self, tokens: Option<Tokens>, chunks: u64) {
         self.cell.add(tokens);
         if let Some(c) = self.charge {
-            c.charge(tokens);
+            c.charge(tokens, chunks);
         }
     }
 }
@@ -47,6 +47,8 @@ pub struct Metered {
     meter: Option<Meter>,
     /// The inner body ended (and what the filter held was sent).
     finished: bool,
+    /// Data frames passed.
+    chunks: u64,
 }
 
 impl Metered {
@@ -59,12 +61,18 @@ impl Metered {
             strip: strip.then(DropUsageChunk::new),
             meter: Some(meter),
             finished: false,
+            chunks: 0,
         }
     }
 
-    fn end(&mut self) {
+    /// The answer ended: `whole`, or broken off (its client left, or the
+    /// replica failed). Only a whole answer's usage counts: a usage seen
+    /// before a break is not the answer's (a Responses stream echoes the
+    /// request's own objects first, which may hold a `usage` key).
+    fn end(&mut self, whole: bool) {
         if let Some(m) = self.meter.take() {
-            m.record(self.scanner.tokens());
+            let tokens = self.scanner.tokens().filter(|_| whole);
+            m.record(tokens, self.chunks);
         }
     }
 }
@@ -86,6 +94,7 @@ impl HttpBody for Metered {
                 Poll::Ready(Some(Ok(frame))) => {
                     let frame = match frame.into_data() {
                         Ok(data) => {
+                            self.chunks += 1;
                             let seen = self.scanner.feed(&data);
                             match &mut self.strip {
                                 Some(f) => {
@@ -103,7 +112,7 @@ impl HttpBody for Metered {
                     Poll::Ready(Some(Ok(frame)))
                 }
                 Poll::Ready(None) => {
-                    self.end();
+                    self.end(true);
                     self.finished = true;
                     let rest = self.strip.as_mut().map(DropUsageChunk::finish);
                     match rest.filter(|r| !r.is_empty()) {
@@ -112,7 +121,7 @@ impl HttpBody for Metered {
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    self.end();
+                    self.end(false);
                     Poll::Ready(Some(Err(e)))
                 }
                 Poll::Pending => Poll::Pending,
@@ -134,9 +143,92 @@ impl HttpBody for Metered {
 }
 
 impl Drop for Metered {
-    /// A client that left before the end: what usage passed counts, or
-    /// the answer is counted as one without usage.
+    /// Dropped: whole if its last byte passed (a body of known length is
+    /// not asked for its end once its length is sent), else its client
+    /// left before the end and it counts as an answer without usage.
     fn drop(&mut self) {
-        self.end();
+        let whole = self.inner.is_end_stream();
+        self.end(whole);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::usage::ledger::{Bucket, Query};
+    use crate::usage::{Ledger, UsageKey};
+
+    fn frames(parts: &'static [&'static str]) -> Body {
+        Body::from_stream(futures_util::stream::iter(parts.iter().map(|p| {
+            Ok::<_, std::convert::Infallible>(Bytes::from_static(p.as_bytes()))
+        })))
+    }
+
+    /// Polls `body` for `n` frames (all, when `None`); the bytes it gave.
+    fn read(body: &mut Metered, n: Option<usize>) -> Vec<u8> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut out = Vec::new();
+        let mut taken = 0;
+        while n.is_none_or(|n| taken < n) {
+            match Pin::new(&mut *body).poll_frame(&mut cx) {
+                Poll::Ready(Some(Ok(f))) => {
+                    out.extend_from_slice(f.data_ref().map_or(&[][..], |d| &d[..]));
+                    taken += 1;
+                }
+                _ => break,
+            }
+        }
+        out
+    }
+
+    fn requests(ledger: &Ledger) -> (u64, u64, u64) {
+        ledger.flush_at(3600).expect("flush");
+        let r = ledger
+            .query(&Query {
+                since: 0,
+                until: i64::MAX,
+                bucket: Bucket::Total,
+                group_by: vec![],
+                tenant: None,
+                app: None,
+                model: None,
+            })
+            .expect("query");
+        let row = &r.data[0];
+        (row.requests, row.requests_without_usage, row.prompt_tokens)
+    }
+
+    static STREAM: [&str; 3] = [
+        "data: {\"response\":{\"tools\":[{\"parameters\":{\"usage\":{\"prompt_tokens\":0,\"completion_tokens\":0}}}]}}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":900,\"completion_tokens\":40}}\n\n",
+        "data: [DONE]\n\n",
+    ];
+
+    #[test]
+    fn a_whole_answer_counts_its_last_usage_and_one_cut_short_counts_none() {
+        let dir = tempfile::tempdir().expect("dir");
+        let ledger = Ledger::open(&dir.path().join("state.db"), 1 << 20).expect("ledger");
+        let key = UsageKey {
+            tenant: "t".into(),
+            app: "a".into(),
+            model: "a".into(),
+        };
+        let meter = || Meter {
+            cell: ledger.cell(&key),
+            charge: None,
+        };
+        let mut whole = Metered::new(frames(&STREAM), meter(), true);
+        let text = String::from_utf8(read(&mut whole, None)).expect("text");
+        assert!(
+            !text.contains("900"),
+            "the usage chunk asked for is taken out: {text}"
+        );
+        drop(whole);
+        assert_eq!(requests(&ledger), (1, 0, 900));
+        // Cut after the echoed objects: the forged usage is not taken.
+        let mut cut = Metered::new(frames(&STREAM), meter(), true);
+        read(&mut cut, Some(1));
+        drop(cut);
+        assert_eq!(requests(&ledger), (2, 1, 900));
     }
 }

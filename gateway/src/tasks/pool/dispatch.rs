@@ -222,8 +222,7 @@ impl Pool {
                             start();
                         }
                     } else {
-                        let (tenant, priority) = (task.tenant.clone(), task.priority);
-                        self.state.lock().queue.requeue(&tenant, priority, task);
+                        self.requeue(task, &replica);
                     }
                     self.notify();
                 }
@@ -252,11 +251,26 @@ impl Pool {
                     self.finish(task, Err(cancelled("before its retry")), Some(&replica));
                     return;
                 }
-                let (tenant, priority) = (task.tenant.clone(), task.priority);
-                self.state.lock().queue.requeue(&tenant, priority, task);
+                self.requeue(task, &replica);
                 self.notify();
             }
         }
+    }
+
+    /// Puts a task back at the head of its queue after its pause, unless it
+    /// was cancelled meanwhile (checked under the lock a cancel takes, so
+    /// a cancel either finds it queued or sees it ended here).
+    fn requeue(&self, task: Task, replica: &ReplicaHandle) {
+        let mut st = self.state.lock();
+        if task.cancel.is_cancelled() {
+            st.queue.retry_elsewhere();
+            st.queue.done(&task.tenant);
+            drop(st);
+            self.finish(task, Err(cancelled("before its retry")), Some(replica));
+            return;
+        }
+        let (tenant, priority) = (task.tenant.clone(), task.priority);
+        st.queue.requeue(&tenant, priority, task);
     }
 
     /// Waits out a retry's `pause`; whether the task was cancelled in it
