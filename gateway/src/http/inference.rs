@@ -507,8 +507,11 @@ pub(crate) async fn passthrough(State(gw): State<Arc<Gateway>>, req: Request) ->
         Some(q) => format!("{sub}?{q}"),
         None => sub.to_string(),
     };
-    let token_route = (req.method() == http::Method::POST && crate::usage::is_metered_as_read(sub))
-        .then(|| sub.to_string());
+    // Read as the engine's router reads it: `/v1/chat/%63ompletions` is
+    // the chat route.
+    let token_route = (req.method() == http::Method::POST
+        && crate::usage::is_metered(&crate::serving::engine_routes::normalize(sub)))
+    .then(|| sub.to_string());
     let mut req = req;
     if admin {
         // The admin token never reaches a worker.

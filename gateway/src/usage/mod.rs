@@ -46,15 +46,6 @@ pub fn is_metered(path: &str) -> bool {
     METERED.contains(&path.split('?').next().unwrap_or(path))
 }
 
-/// [`is_metered`] for a path an engine will read: percent escapes
-/// decoded, dot segments applied, case ignored, as its router reads it
-/// (`/v1/chat/%63ompletions` is the chat route).
-pub fn is_metered_as_read(path: &str) -> bool {
-    let path = path.split('?').next().unwrap_or(path);
-    let normal = crate::serving::engine_routes::normalize(path);
-    METERED.iter().any(|m| *m == normal)
-}
-
 /// Whether a streamed request on `path` can be asked for a usage chunk
 /// with `stream_options.include_usage` (chat and completions; a Responses
 /// stream always ends with its usage).
