@@ -93,6 +93,12 @@ async fn real_vllm_routes_repeats_home_and_loads_promotes_and_rolls_back_adapter
     let poem = adapter(&venv, &model, dir.path(), "poem", 0, 8);
     let math = adapter(&venv, &model, dir.path(), "math", 0, 8);
     let python = venv.join("bin/python");
+    // One sequence at a time per engine: vLLM 0.32's CPU build kills its
+    // engine when a LoRA request asking for `prompt_logprobs` (the loss
+    // gate's) is batched with another request (`einsum(): subscript b has
+    // size 2 for operand 1 which does not broadcast with previously seen
+    // size 255` in `sample_tokens`, then `EngineDeadError`), as a
+    // fresh-clone CI run showed in the engine's own log.
     let gw = Gateway::start(&format!(
         r#"
         [limits]
@@ -103,7 +109,8 @@ async fn real_vllm_routes_repeats_home_and_loads_promotes_and_rolls_back_adapter
         command = ["{vllm}", "serve", "{model}", "--served-model-name", "tiny",
                    "--uds", "$WARMGATE_SOCKET", "--max-model-len", "1024",
                    "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                   "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+                   "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                   "--max-num-seqs", "1"]
         env = {{ VLLM_ALLOW_RUNTIME_LORA_UPDATING = "True", {ENGINE_ENV} }}
         startup_timeout = "600s"
         concurrency = 8

@@ -338,6 +338,13 @@ impl Gateway {
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
+                // Already failing: say so, kill it, and let the first
+                // failure be the one reported (a second panic would
+                // abort the test and hide it).
+                if std::thread::panicking() {
+                    eprintln!("warmgate did not exit within {WAIT:?} of SIGTERM; killed");
+                    return child.wait().expect("wait");
+                }
                 panic!(
                     "warmgate did not exit within {WAIT:?} of SIGTERM:\n{}",
                     self.log()
