@@ -13,17 +13,33 @@ const KEYS: [(&str, &str); 3] = [
     ("team-c", "team-c-key-0123456789"),
 ];
 
+/// A key's SHA-256, as `api_key_sha256` takes it.
+fn digest(key: &str) -> String {
+    sha2::Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// The three tenants by key digest (a restart passes no environment).
 fn tenants(extra: &str) -> String {
     KEYS.iter()
         .map(|(name, key)| {
-            let digest: String = sha2::Sha256::digest(key.as_bytes())
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
+            let digest = digest(key);
             format!("[[tenants]]\nname = \"{name}\"\napi_key_sha256 = \"{digest}\"\n{extra}\n")
         })
         .collect()
+}
+
+/// An engine app `llm`, team a with the token quotas `quotas` (TOML
+/// lines), team b with none.
+fn quota_config(quotas: &str) -> String {
+    format!(
+        "{app}\n[[tenants]]\nname = \"team-a\"\napi_key_sha256 = \"{a}\"\n{quotas}\n[[tenants]]\nname = \"team-b\"\napi_key_sha256 = \"{b}\"\n",
+        app = engine_app("llm", ""),
+        a = digest(key_of("team-a")),
+        b = digest(key_of("team-b")),
+    )
 }
 
 /// A stand-in vLLM engine app named `name`, on its socket.
@@ -364,19 +380,9 @@ async fn a_tenant_over_its_token_rate_waits_as_told_by_retry_after_and_another_i
     }
     // Team a: 600 tokens a minute (10 a second), a burst of 60, and at
     // most 8 tokens of completion a request. Team b: no token quota.
-    let digest = |key: &str| -> String {
-        sha2::Sha256::digest(key.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
-    let config = format!(
-        "{app}\n[[tenants]]\nname = \"team-a\"\napi_key_sha256 = \"{a}\"\ntokens_per_minute = 600\ntoken_burst = 60\nmax_tokens = 8\n[[tenants]]\nname = \"team-b\"\napi_key_sha256 = \"{b}\"\n",
-        app = engine_app("llm", ""),
-        a = digest(key_of("team-a")),
-        b = digest(key_of("team-b")),
-    );
-    let gw = Gateway::start(&config);
+    let gw = Gateway::start(&quota_config(
+        "tokens_per_minute = 600\ntoken_burst = 60\nmax_tokens = 8",
+    ));
     gw.wait_ready("llm", 1).await;
     let script = r#"
 import os, sys, threading, time, openai
@@ -464,19 +470,7 @@ print("waited", round(took, 1), "told", wait, "team b", b_done[0])
 /// from the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ways_around_token_quotas_are_closed() {
-    let digest = |key: &str| -> String {
-        sha2::Sha256::digest(key.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
-    let config = format!(
-        "{app}\n[[tenants]]\nname = \"team-a\"\napi_key_sha256 = \"{a}\"\ntokens_per_minute = 60000\nmax_tokens = 8\n[[tenants]]\nname = \"team-b\"\napi_key_sha256 = \"{b}\"\n",
-        app = engine_app("llm", ""),
-        a = digest(key_of("team-a")),
-        b = digest(key_of("team-b")),
-    );
-    let gw = Gateway::start(&config);
+    let gw = Gateway::start(&quota_config("tokens_per_minute = 60000\nmax_tokens = 8"));
     gw.wait_ready("llm", 1).await;
     let post = |key: &'static str, path: &str, body: Value| {
         let (http, url) = (gw.http.clone(), gw.at(path));
