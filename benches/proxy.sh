@@ -10,18 +10,35 @@
 #               rate, latency from the scheduled send time), pinned to CPU 1
 #               together with the upstream
 #
-# Usage: benches/proxy.sh   (env RATE, DURATION, CONNS, ROUNDS, COLD_N override)
+# A second table streams chat answers as vLLM does (16 one-token events,
+# the usage chunk when asked): direct, nginx, and warmgate on the same
+# request routed by its `model` twice, on `/v1/chat/completions` (tokens
+# counted: the gateway asks for the usage chunk, reads every frame for it,
+# takes it out and adds it to the ledger) and on `/v1/moderations` (the same
+# path through the gateway, nothing counted). The cost of counting is the
+# difference of the two, per round.
+#
+# Usage: benches/proxy.sh   (env RATE, STREAM_RATE, DURATION, CONNS, ROUNDS,
+#                            COLD_N override; SMOKE=1 runs each part for a
+#                            second on the debug build and fails on any error)
 set -euo pipefail
 # The control plane (status, read below) needs the admin token: the bench
 # gives the gateway its own.
 export WARMGATE_ADMIN_TOKEN="bench-$RANDOM$RANDOM"
 cd "$(dirname "$0")/.."
 
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then
+  RATE=${RATE:-200} STREAM_RATE=${STREAM_RATE:-100} DURATION=${DURATION:-1}
+  CONNS=${CONNS:-8} COLD_N=${COLD_N:-2} ROUNDS=${ROUNDS:-1} PROFILE=${PROFILE:-debug}
+fi
 RATE=${RATE:-5000}
+STREAM_RATE=${STREAM_RATE:-1000}
 DURATION=${DURATION:-10}
 CONNS=${CONNS:-64}
 COLD_N=${COLD_N:-30}
 ROUNDS=${ROUNDS:-3}
+PROFILE=${PROFILE:-release}
 PROXY_CPU=${PROXY_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 
@@ -32,8 +49,12 @@ if ! need nginx || ! need wrk || ! need taskset; then
   apt-get update -qq && apt-get install -y -qq nginx-light wrk util-linux >/dev/null
 fi
 
-cargo build --release --workspace --bins -q
-BIN=$PWD/target/release
+if [ "$PROFILE" = release ]; then
+  cargo build --release --workspace --bins -q
+else
+  cargo build --workspace --bins -q
+fi
+BIN=$PWD/target/$PROFILE
 WORK=$(mktemp -d /tmp/warmgate-bench.XXXXXX)
 OUT=${OUT:-$PWD/target/bench-results}
 mkdir -p "$OUT"
@@ -74,6 +95,11 @@ min = 1
 max = 1
 [apps.queue]
 max_pending = 100000
+# Both streamed paths are routed alike (prefix routing reads chat prompts
+# only, and benches/src/bin/route-cost.rs times it): what differs between
+# them is the counting.
+[apps.routing]
+policy = "least_loaded"
 EOF
 start_gateway "$WORK/proxy.toml" "$WORK/gw.log"
 UPSTREAM=""
@@ -152,6 +178,45 @@ for t in direct nginx warmgate; do
   P99[$t]=$(echo ${P99_ALL[$t]} | tr ' ' '\n' | median)
   P999[$t]=$(echo ${P999_ALL[$t]} | tr ' ' '\n' | median)
 done
+# --- 3b. streamed chat answers: the cost of counting tokens -------------------
+CHAT_BODY=$(python3 -c '
+import json
+print(json.dumps({"model": "echo", "stream": True, "max_tokens": 16, "messages": [
+  {"role": "system", "content": "You are a helpful assistant. " * 100},
+  {"role": "user", "content": "what is a gateway?"}]}, separators=(",", ":")))')
+declare -A SURL=(
+  [direct]="http://$UPSTREAM/v1/chat/completions"
+  [nginx]="http://127.0.0.1:$NGINX_PORT/apps/echo/v1/chat/completions"
+  [passed]="$GW_URL/v1/moderations"
+  [counted]="$GW_URL/v1/chat/completions"
+)
+STARGETS="direct nginx passed counted"
+for t in $STARGETS; do
+  n=$(curl -sf -X POST -H 'content-type: application/json' -d "$CHAT_BODY" "${SURL[$t]}" | grep -c '^data: ') \
+    || { echo "$t does not stream at ${SURL[$t]}" >&2; exit 1; }
+  echo "$t streams $n events" >&2
+done
+declare -A SP50_ALL SP99_ALL SERR
+COST_ALL=""
+for round in $(seq 1 "$ROUNDS"); do
+  declare -A this
+  for t in $STARGETS; do
+    j=$(taskset -c "$LOAD_CPU" "$BIN/loadgen" --url "${SURL[$t]}" --rate "$STREAM_RATE" \
+        --duration "$DURATION" --connections "$CONNS" --label "stream-$t" --body "$CHAT_BODY")
+    read -r p50 p99 err <<<"$(echo "$j" | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["p50_ms"], d["p99_ms"], d["errors"])')"
+    SP50_ALL[$t]+="$p50 "; SP99_ALL[$t]+="$p99 "; this[$t]=$p50
+    SERR[$t]=$(( ${SERR[$t]:-0} + err ))
+    echo "round $round stream $t: $j" >&2
+  done
+  COST_ALL+="$(python3 -c "print(round((${this[counted]} - ${this[passed]}) * 1000, 1))") "
+done
+declare -A SP50 SP99
+for t in $STARGETS; do
+  SP50[$t]=$(echo ${SP50_ALL[$t]} | tr ' ' '\n' | median)
+  SP99[$t]=$(echo ${SP99_ALL[$t]} | tr ' ' '\n' | median)
+done
+COST=$(echo $COST_ALL | tr ' ' '\n' | median)
+TOKENS=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GW_URL/metrics" | awk '/^warmgate_tokens_total/ {s += $NF} END {print s + 0}')
 kill -TERM "${PIDS[0]}"; wait "${PIDS[0]}" 2>/dev/null || true; PIDS=()
 kill -QUIT "$(cat "$WORK/nginx/nginx.pid")" 2>/dev/null || true
 
@@ -190,6 +255,11 @@ p50 = {"direct": ${P50[direct]}, "nginx": ${P50[nginx]}, "warmgate": ${P50[warmg
 p99 = {"direct": ${P99[direct]}, "nginx": ${P99[nginx]}, "warmgate": ${P99[warmgate]}}
 p999 = {"direct": ${P999[direct]}, "nginx": ${P999[nginx]}, "warmgate": ${P999[warmgate]}}
 err = {"direct": ${ERR[direct]}, "nginx": ${ERR[nginx]}, "warmgate": ${ERR[warmgate]}}
+sp50 = {"direct": ${SP50[direct]}, "nginx": ${SP50[nginx]}, "passed": ${SP50[passed]}, "counted": ${SP50[counted]}}
+sp99 = {"direct": ${SP99[direct]}, "nginx": ${SP99[nginx]}, "passed": ${SP99[passed]}, "counted": ${SP99[counted]}}
+serr = {"direct": ${SERR[direct]}, "nginx": ${SERR[nginx]}, "passed": ${SERR[passed]}, "counted": ${SERR[counted]}}
+cost = ${COST}
+tokens = ${TOKENS}
 add50 = {k: p50[k] - p50["direct"] for k in ("nginx", "warmgate")}
 add99 = {k: p99[k] - p99["direct"] for k in ("nginx", "warmgate")}
 def ratio(a, b):
@@ -211,6 +281,19 @@ lines += [
     f"- added p50 ratio warmgate / nginx: {ratio(add50['warmgate'], add50['nginx'])}",
     f"- p99 ratio warmgate / nginx (end to end): {p99['warmgate'] / p99['nginx']:.2f}",
     "",
+    f"## Streamed chat answers (16 one-token events as vLLM frames them; open loop {${STREAM_RATE}} req/s for ${DURATION}s, median of ${ROUNDS} rounds)",
+    "",
+    "| target | p50 ms | p99 ms | added p50 ms | errors (all rounds) |",
+    "|---|---:|---:|---:|---:|",
+]
+for k, name in (("direct", "direct"), ("nginx", "nginx"), ("passed", "warmgate, not counted (/v1/moderations)"), ("counted", "warmgate, tokens counted (/v1/chat/completions)")):
+    a50 = f"{sp50[k] - sp50['direct']:.3f}" if k != "direct" else "-"
+    lines.append(f"| {name} | {sp50[k]:.3f} | {sp99[k]:.3f} | {a50} | {serr[k]} |")
+lines += [
+    "",
+    f"- cost of counting (counted - not counted, p50, median of the rounds' differences): **{cost:.1f} µs** (goal < 5 µs); rounds: ${COST_ALL}",
+    f"- tokens counted during the run (warmgate_tokens_total): {tokens:.0f}",
+    "",
     f"## Cold start: the gateway's share ({${COLD_COUNT}} cold starts)",
     "",
     "From the replica answering /healthz to the first held request being forwarded:",
@@ -230,5 +313,13 @@ json.dump({
     "throughput_vs_nginx": rps["warmgate"] / rps["nginx"],
     "added_p99_vs_nginx": add99["warmgate"] / add99["nginx"] if add99["nginx"] > 0 else None,
     "cold_handoff_ms": {"p50": ${HO_P50}, "p90": ${HO_P90}, "max": ${HO_MAX}},
+    "stream_rate": ${STREAM_RATE}, "stream_p50_ms": sp50, "stream_p99_ms": sp99,
+    "stream_errors": serr, "counting_cost_us": cost, "tokens_counted": tokens,
 }, open(os.path.splitext(sys.argv[1])[0] + ".json", "w"), indent=1)
+if ${SMOKE} == 1:
+    # The smoke run's figures mean nothing; that it ran, and cleanly, does.
+    bad = {k: v for k, v in {**err, **{"stream-" + k: v for k, v in serr.items()}}.items() if v}
+    assert not bad, f"requests failed: {bad}"
+    assert tokens > 0, "no tokens were counted"
+    assert ${COLD_COUNT} == ${COLD_N}, "not every cold start was recorded"
 EOF

@@ -37,26 +37,6 @@ struct Args {
     rounds: usize,
 }
 
-/// A chat stream as vLLM frames it.
-fn frames(tokens: usize) -> Vec<Bytes> {
-    let mut out = Vec::with_capacity(tokens + 3);
-    let head = r#"{"id":"chatcmpl-5b1e0f7c2a4d4e0c9f3e","object":"chat.completion.chunk","created":1765100000,"model":"tiny","choices":[{"index":0,"delta":"#;
-    out.push(Bytes::from(format!(
-        "data: {head}{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
-    )));
-    for i in 0..tokens {
-        out.push(Bytes::from(format!(
-            "data: {head}{{\"content\":\" word{i}\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
-        )));
-    }
-    out.push(Bytes::from(format!(
-        "data: {{\"id\":\"chatcmpl-5b1e0f7c2a4d4e0c9f3e\",\"object\":\"chat.completion.chunk\",\"created\":1765100000,\"model\":\"tiny\",\"choices\":[],\"usage\":{{\"prompt_tokens\":812,\"total_tokens\":{},\"completion_tokens\":{tokens},\"prompt_tokens_details\":{{\"cached_tokens\":768}}}}}}\n\n",
-        812 + tokens
-    )));
-    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
-    out
-}
-
 fn body_of(frames: Vec<Bytes>) -> Body {
     Body::from_stream(futures_util::stream::iter(
         frames.into_iter().map(Ok::<_, Infallible>),
@@ -94,7 +74,7 @@ fn main() {
         args.tokens,
         "You are a helpful assistant. ".repeat(100)
     ));
-    let frames = frames(args.tokens);
+    let frames = warmgate_benches::chat_stream_frames(args.tokens, true);
     let total: usize = frames.iter().map(Bytes::len).sum();
     let mut base = Histogram::<u64>::new(3).expect("histogram");
     let mut metered = Histogram::<u64>::new(3).expect("histogram");
