@@ -55,7 +55,11 @@ def main() -> int:
     text = open(a.text).read()
     base, adapter = loss(url, a.base, text, a.tokens), loss(url, model, text, a.tokens)
     print(json.dumps({"model": model, "loss": round(adapter, 4), "base_loss": round(base, 4)}))
-    return 0 if adapter < base else 1
+    if adapter < base:
+        return 0
+    # The verdict's reason, where the promotion's `reason` shows it.
+    print(f"{model}'s loss {adapter:.4f} is not below the base's {base:.4f}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
