@@ -8,7 +8,6 @@ use std::convert::Infallible;
 use futures_util::FutureExt as _;
 
 use crate::tasks::ordered::Ordered;
-use crate::tasks::pool::TaskState;
 
 /// The pool named in the path, the request's headers, and its body, read
 /// within the `which` limit (parse it with [`parse_json`]).
@@ -712,10 +711,6 @@ pub(crate) async fn get_task(
     Error::new(ErrorKind::NotFound, format!("task '{id}' not found")).into_response()
 }
 
-/// How long `DELETE /v1/tasks/{id}` waits for a running task's end to be
-/// recorded: its attempt is dropped at once, so this is only a bound.
-const CANCEL_WAIT: Duration = Duration::from_secs(10);
-
 /// `DELETE /v1/tasks/{id}`: cancels a task. A queued one never runs; a
 /// running one's request to the worker is dropped and it is not tried
 /// again. Answers its record, state `cancelled`; `409` if it had already
@@ -728,64 +723,13 @@ const CANCEL_WAIT: Duration = Duration::from_secs(10);
 pub(crate) async fn cancel_task(
     State(gw): State<Arc<Gateway>>,
     Path(id): Path<String>,
-    req: Request,
-) -> Response {
-    let caller = req
-        .extensions()
-        .get::<Arc<Tenant>>()
-        .map(|t| t.name.clone());
-    let result = async {
-        let not_found = || Error::new(ErrorKind::NotFound, format!("task '{id}' not found"));
-        let record = match gw.tasks.get(&id) {
-            Some(r) => r,
-            None => {
-                // Ended before this gateway started, or evicted: it cannot
-                // be cancelled, but say how it ended.
-                let j = gw.tasks.journal().ok_or_else(not_found)?;
-                let (v, owner) = j.find(&id).await.ok_or_else(not_found)?;
-                if caller.is_some() && owner != caller {
-                    return Err(not_found());
-                }
-                return Err(ended(&id, v["state"].as_str().unwrap_or("ended")));
-            }
-        };
-        if caller.is_some() && record.owner != caller {
-            return Err(not_found());
-        }
-        let pool = gw.registry.load().pool(&record.pool).cloned();
-        let cancelled = pool.as_ref().and_then(|p| p.cancel(&id));
-        let Some((was, ended_as)) = cancelled else {
-            if pool.is_none() {
-                return Err(Error::new(
-                    ErrorKind::Conflict,
-                    format!(
-                        "task '{id}' belongs to pool '{}', which was deleted",
-                        record.pool
-                    ),
-                ));
-            }
-            let now = gw.tasks.get(&id).unwrap_or(record);
-            return match now.state {
-                TaskState::Cancelled => Ok(axum::Json(now).into_response()),
-                s => Err(ended(&id, s.as_str())),
-            };
-        };
-        let state = ended_as.wait(CANCEL_WAIT).await;
-        // An async task's record stays to be read; a waiting client's
-        // went to that client: say what became of it.
-        let mut body = match gw.tasks.get(&id) {
-            Some(now) => serde_json::to_value(&now).unwrap_or_default(),
-            None => json!({"id": id, "pool": record.pool}),
-        };
-        body["state"] = json!(state.map_or("cancelling", TaskState::as_str));
-        body["cancelled"] = json!(match was {
-            crate::tasks::pool::Cancelled::Queued => "queued",
-            crate::tasks::pool::Cancelled::Running => "running",
-        });
-        Ok(axum::Json(body).into_response())
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    tenant: Option<axum::Extension<Arc<Tenant>>>,
+) -> Result<axum::Json<serde_json::Value>, Error> {
+    let caller = tenant.as_ref().map(|t| t.name.as_str());
+    let pool_of = |p: &str| gw.registry.load().pool(p).cloned();
+    crate::tasks::cancel::cancel_task(&gw.tasks, pool_of, &id, caller)
+        .await
+        .map(axum::Json)
 }
 
 /// `DELETE /v1/batches/{id}`: cancels what is left of a batch being
@@ -813,16 +757,6 @@ pub(crate) async fn cancel_batch(
         )
         .into_response(),
     }
-}
-
-/// `409`: task `id` ended (`state`) before it could be cancelled.
-fn ended(id: &str, state: &str) -> Error {
-    Error::new(
-        ErrorKind::Conflict,
-        format!(
-            "task '{id}' already ended ({state}); only a task pending or running can be cancelled"
-        ),
-    )
 }
 
 #[cfg(test)]

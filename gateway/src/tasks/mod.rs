@@ -4,6 +4,7 @@
 //! that keeps async tasks across a restart.
 
 pub mod batches;
+pub mod cancel;
 pub mod journal;
 pub mod ordered;
 pub mod pool;
