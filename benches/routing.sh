@@ -51,6 +51,7 @@
 #       ROUTING_DURATION (20 s per phase), ROUTING_DRAIN (20), ROUTING_RATE (50),
 #       ROUTING_CHAT_RATE (110), ROUTING_THINK_S (0.5), ROUTING_MAX_TOKENS (16),
 #       ROUTING_SEED (1), LOAD_BOUND (1.25), ENGINES (4),
+#       ROUTING_CONCURRENCY (64: each replica's limit in warmgate),
 #       STANDIN_SLOTS (4), STANDIN_PREFILL_MS_PER_TOKEN (0.15),
 #       STANDIN_DECODE_MS_PER_TOKEN (4), STANDIN_CACHE_TOKENS (64000),
 #       STANDIN_BLOCK_TOKENS (16), WARMGATE_BIN (default: cargo build --release)
@@ -219,7 +220,7 @@ EOF
     fi
     cat <<EOF
 # An engine batches: the gateway sends on, the engine's own queue holds.
-concurrency = 64
+concurrency = ${ROUTING_CONCURRENCY:-64}
 
 [apps.health]
 path = "/health"

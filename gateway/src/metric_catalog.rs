@@ -219,7 +219,7 @@ pub const METRICS: &[Metric] = &[
     counter(
         "warmgate_route_decisions_total",
         &["reason"],
-        "Requests routed by prompt or session ([apps.routing]): affinity (to the replica that was sent the longest part of the prompt, or the session before) or home (its rendezvous home under the load bound).",
+        "Requests routed by prompt or session ([apps.routing]): affinity (to the replica that was sent the longest part of the prompt, or the session before), home (its rendezvous home under the load bound) or wait (held for the full replica that holds the prompt, whose next free slot costs less than recomputing the prompt elsewhere).",
     ),
     gauge(
         "warmgate_engine_replicas_read",

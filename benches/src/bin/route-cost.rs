@@ -18,7 +18,7 @@ use clap::Parser;
 use hdrhistogram::Histogram;
 use serde_json::json;
 use warmgate_gateway::serving::route::{
-    Bound, Candidate, PrefixIndex, ReplicaKey, choose, key::prompt_key,
+    Bound, Candidate, Costs, PrefixIndex, ReplicaKey, choose, key::prompt_key,
 };
 
 #[derive(Parser)]
@@ -73,6 +73,11 @@ fn main() {
             replica: ReplicaKey::of(&format!("llama-00001-{i}")),
             load: (i % 3) as u32,
             cache_permille: 0,
+            // The replica that holds half the conversation is full: the
+            // decision weighs waiting for it.
+            free: i != 1,
+            waiting: 0,
+            limit: 8,
         })
         .collect();
     let mut index = PrefixIndex::new(8 * 1024 * 1024);
@@ -86,6 +91,10 @@ fn main() {
     }
     let key = prompt_key(&body).expect("a prompt");
     index.record(&key.chunks[..key.chunks.len() / 2], candidates[1].replica);
+    let costs = Costs {
+        hold_seconds: 0.1,
+        prefill_per_chunk: 0.005,
+    };
     let bound = Bound {
         factor: 1.25,
         slack: 4,
@@ -101,7 +110,7 @@ fn main() {
         let b = t.elapsed();
         let t = Instant::now();
         let k = prompt_key(&body).expect("a prompt");
-        let c = choose(&candidates, &k, &index, bound, &mut scratch).expect("a choice");
+        let c = choose(&candidates, &k, &index, bound, costs, &mut scratch).expect("a choice");
         index.record(&k.chunks, candidates[c.index].replica);
         let r = t.elapsed();
         sink += c.index;

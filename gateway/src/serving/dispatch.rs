@@ -18,7 +18,7 @@ use warmgate_deploy::{AppSpec, TargetId};
 use warmgate_pool::ReplicaHandle;
 
 use super::adapters::{AdapterTable, LoadState};
-use super::route::{PrefixIndex, ReplicaKey, RouteKey};
+use super::route::{Learned, PrefixIndex, ReplicaKey, RouteKey};
 
 use crate::error::{Error, ErrorKind};
 
@@ -35,7 +35,7 @@ pub use slot::SlotGuard;
 
 use hold::Waiter;
 use meter::Meter;
-use pick::pick_avoiding;
+use pick::{Routed, pick_avoiding};
 
 /// Retry-After for a full queue: a second lets a few slots turn over.
 const QUEUE_FULL_RETRY_SECS: u64 = 1;
@@ -104,6 +104,11 @@ struct Slots {
     index: PrefixIndex,
     /// Reused by each routing decision.
     scratch: Vec<u32>,
+    /// What its requests taught of waiting against recomputing.
+    learned: Learned,
+    /// Requests held waiting for each full replica, while the queue is
+    /// dispatched (empty otherwise: nobody waits then).
+    held_for: HashMap<ReplicaKey, u32>,
     waiters: VecDeque<Waiter>,
     /// Waiters still waiting (the deque may also hold cancelled ones).
     live_waiters: usize,
@@ -158,6 +163,8 @@ impl App {
                 adapters: AdapterTable::default(),
                 engine_calls: HashMap::new(),
                 scratch: Vec::new(),
+                learned: Learned::default(),
+                held_for: HashMap::new(),
                 waiters: VecDeque::new(),
                 live_waiters: 0,
                 inflight: 0,
@@ -247,26 +254,44 @@ impl App {
         let now = Instant::now();
         s.meter.arrivals = s.meter.arrivals.saturating_add(1);
         let spec = self.spec.load();
-        let found = match adapter {
-            Some(a) if s.live_waiters == 0 => s.route_adapter(a, tenant, &spec, avoid),
-            None if s.live_waiters == 0 => pick_avoiding(&s.replicas, avoid)
-                .or_else(|| s.route(key.map(|k| &**k), &spec))
-                .map(|r| (r, None)),
-            _ => None,
+        // With requests held, a newcomer queues behind them and the queue
+        // is dispatched: a freed slot goes to the oldest first, and those
+        // waiting for a full replica that holds their prompt let the
+        // others by.
+        let queued = s.live_waiters > 0;
+        let routed = match adapter {
+            _ if queued => Routed::Hold,
+            Some(a) => s
+                .route_adapter(a, tenant, &spec, avoid)
+                .map_or(Routed::Hold, |(r, ticket)| Routed::Go(r, ticket, None)),
+            None => match pick_avoiding(&s.replicas, avoid) {
+                Some(r) => Routed::Go(r, None, None),
+                None => s.route(key.map(|k| &**k), &spec),
+            },
         };
-        if let Some((r, ticket)) = found {
-            r.acquire();
-            s.inflight += 1;
-            s.update_meter(now);
-            self.queued.record(0.0);
-            return Ok(Acquire::Ready(SlotGuard {
-                app: self.clone(),
-                replica: r,
-                adapter: adapter.cloned(),
-                ticket,
-                start: now,
-            }));
-        }
+        let target = match routed {
+            Routed::Go(r, ticket, uncached) => {
+                r.acquire();
+                s.inflight += 1;
+                s.update_meter(now);
+                self.queued.record(0.0);
+                return Ok(Acquire::Ready(SlotGuard {
+                    app: self.clone(),
+                    replica: r,
+                    adapter: adapter.cloned(),
+                    ticket,
+                    start: now,
+                    granted: now,
+                    uncached,
+                }));
+            }
+            Routed::Wait(t) => {
+                metrics::counter!("warmgate_route_decisions_total", "reason" => "wait")
+                    .increment(1);
+                Some(t)
+            }
+            Routed::Hold => None,
+        };
         let cold = s.replicas.is_empty();
         let max = self.spec.load().queue.max_pending;
         if s.live_waiters >= max as usize {
@@ -302,18 +327,27 @@ impl App {
             key: key.cloned(),
             adapter: adapter.cloned(),
             tenant: tenant.cloned(),
+            target,
         });
         s.live_waiters += 1;
         s.update_meter(now);
-        Ok(Acquire::Held {
-            pending: PendingSlot {
-                app: self.clone(),
-                adapter: adapter.cloned(),
-                rx: Some(rx),
-                since: now,
-            },
-            cold,
-        })
+        let mut pending = PendingSlot {
+            app: self.clone(),
+            adapter: adapter.cloned(),
+            rx: Some(rx),
+            since: now,
+        };
+        if queued {
+            s.dispatch(&spec);
+            drop(s);
+            match pending.try_take() {
+                Some(Ok(Slotted::Slot(guard, _))) => return Ok(Acquire::Ready(guard)),
+                Some(Ok(Slotted::Moved(to))) => return Ok(Acquire::Moved(to)),
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
+        Ok(Acquire::Held { pending, cold })
     }
 
     /// A replica became ready: route to it and serve held requests.
@@ -356,6 +390,11 @@ impl App {
         if removed && !s.index.is_empty() {
             // Its cache goes with it: nothing is routed to it by affinity.
             s.index.forget(ReplicaKey::of(&replica.id));
+        }
+        if removed && s.live_waiters > 0 {
+            // Those waiting for it choose again.
+            let spec = self.spec.load_full();
+            s.dispatch(&spec);
         }
         removed
     }

@@ -62,6 +62,8 @@ pub(crate) fn eject_from_app(app: &Arc<App>, replica: &Arc<ReplicaHandle>, cause
         move || held.holds(&r),
         move || back.redispatch(),
     );
+    // Requests waiting for its next slot choose again.
+    app.redispatch();
 }
 
 /// `replica` failed a connection: no request goes to it until it answers

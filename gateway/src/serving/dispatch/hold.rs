@@ -12,14 +12,17 @@ use warmgate_pool::ReplicaHandle;
 use super::{App, SlotGuard, Slots};
 use crate::error::{Error, ErrorKind};
 use crate::serving::adapters::Ticket;
-use crate::serving::route::RouteKey;
+use crate::serving::route::{ReplicaKey, RouteKey};
+
+use super::pick::Routed;
 
 pub(super) type Grant = Result<Granted, Error>;
 
 /// What a held request is given.
 pub(super) enum Granted {
-    /// A slot on this replica, and what to do for its adapter first.
-    Slot(Arc<ReplicaHandle>, Option<Ticket>),
+    /// A slot on this replica, what to do for its adapter first, and the
+    /// chunks of its prompt the replica is expected to miss.
+    Slot(Arc<ReplicaHandle>, Option<Ticket>, Option<u32>),
     /// Its revision gave its last replica to another (an in-place
     /// promotion or its rollback): ask that one.
     Moved(Arc<App>),
@@ -33,7 +36,14 @@ pub(super) struct Waiter {
     pub(super) adapter: Option<Arc<str>>,
     /// The tenant asking (a fair share of the adapter slots).
     pub(super) tenant: Option<Arc<str>>,
+    /// The full replica it waits for (it holds its prompt), if any.
+    pub(super) target: Option<ReplicaKey>,
 }
+
+/// The most held requests one dispatch routes again: those waiting for a
+/// full replica are passed over for the ones behind them, and this bounds
+/// the work a freed slot costs under the app's lock.
+const DISPATCH_SCAN: usize = 128;
 
 /// What a held request got.
 pub enum Slotted {
@@ -115,48 +125,94 @@ impl Slots {
     }
 
     /// Hands free slots to held requests, oldest first, each routed on
-    /// its key.
+    /// its key. A request that chooses to wait for a full replica holding
+    /// its prompt lets those behind it by; any other that finds no slot
+    /// stops the round (the oldest is served first).
     pub(super) fn dispatch(&mut self, spec: &AppSpec) {
-        while self.live_waiters > 0 {
-            // Cancelled waiters first: their owners already took them off
-            // `live_waiters`.
-            while self.waiters.front().is_some_and(|w| w.tx.is_closed()) {
-                self.waiters.pop_front();
-            }
-            let Some((key, adapter, tenant)) = self
+        if self.live_waiters > 0 {
+            self.held_for.clear();
+            for t in self
                 .waiters
-                .front()
-                .map(|w| (w.key.clone(), w.adapter.clone(), w.tenant.clone()))
-            else {
-                break;
-            };
-            let found = match &adapter {
-                Some(a) => self.route_adapter(a, tenant.as_ref(), spec, &[]),
-                None => self.route(key.as_deref(), spec).map(|r| (r, None)),
-            };
-            let Some((replica, ticket)) = found else {
-                break;
-            };
-            let Some(w) = self.waiters.pop_front() else {
-                break;
-            };
-            replica.acquire();
-            self.inflight += 1;
-            self.live_waiters -= 1;
-            if w.tx
-                .send(Ok(Granted::Slot(replica.clone(), ticket)))
-                .is_err()
+                .iter()
+                .filter(|w| !w.tx.is_closed())
+                .filter_map(|w| w.target)
             {
-                // The receiver is closed only under this lock, so this does
-                // not happen; undo the slot all the same.
-                replica.release();
-                self.inflight -= 1;
-                if let Some(a) = &adapter {
-                    self.adapters.release(&replica.id, a);
+                *self.held_for.entry(t).or_default() += 1;
+            }
+            self.dispatch_round(spec);
+            self.held_for.clear();
+        }
+        self.update_meter(Instant::now());
+    }
+
+    fn dispatch_round(&mut self, spec: &AppSpec) {
+        let mut i = 0;
+        let mut scanned = 0;
+        while i < self.waiters.len() && scanned < DISPATCH_SCAN {
+            // Cancelled waiters: their owners already took them off
+            // `live_waiters`.
+            if self.waiters[i].tx.is_closed() {
+                self.waiters.remove(i);
+                continue;
+            }
+            if !self
+                .replicas
+                .iter()
+                .any(|r| r.has_free_slot() && r.is_routable())
+            {
+                break;
+            }
+            scanned += 1;
+            let w = &self.waiters[i];
+            let (key, adapter, tenant, target) =
+                (w.key.clone(), w.adapter.clone(), w.tenant.clone(), w.target);
+            if let Some(t) = target
+                && let Some(n) = self.held_for.get_mut(&t)
+            {
+                *n = n.saturating_sub(1);
+            }
+            let routed = match &adapter {
+                Some(a) => self
+                    .route_adapter(a, tenant.as_ref(), spec, &[])
+                    .map_or(Routed::Hold, |(r, ticket)| Routed::Go(r, ticket, None)),
+                None => self.route(key.as_deref(), spec),
+            };
+            match routed {
+                Routed::Go(replica, ticket, uncached) => {
+                    let Some(w) = self.waiters.remove(i) else {
+                        break;
+                    };
+                    replica.acquire();
+                    self.inflight += 1;
+                    self.live_waiters -= 1;
+                    if w.tx
+                        .send(Ok(Granted::Slot(replica.clone(), ticket, uncached)))
+                        .is_err()
+                    {
+                        // The receiver is closed only under this lock, so
+                        // this does not happen; undo the slot all the same.
+                        replica.release();
+                        self.inflight -= 1;
+                        if let Some(a) = &adapter {
+                            self.adapters.release(&replica.id, a);
+                        }
+                    }
+                }
+                Routed::Wait(t) => {
+                    if target != Some(t) {
+                        metrics::counter!("warmgate_route_decisions_total", "reason" => "wait")
+                            .increment(1);
+                    }
+                    self.waiters[i].target = Some(t);
+                    *self.held_for.entry(t).or_default() += 1;
+                    i += 1;
+                }
+                Routed::Hold => {
+                    self.waiters[i].target = None;
+                    break;
                 }
             }
         }
-        self.update_meter(Instant::now());
     }
 }
 
@@ -165,8 +221,8 @@ impl Slots {
 impl PendingSlot {
     fn slotted(&self, g: Granted) -> Slotted {
         match g {
-            Granted::Slot(replica, ticket) => {
-                let (guard, waited) = self.granted(replica, ticket);
+            Granted::Slot(replica, ticket, uncached) => {
+                let (guard, waited) = self.granted(replica, ticket, uncached);
                 Slotted::Slot(guard, waited)
             }
             Granted::Moved(to) => Slotted::Moved(to),
@@ -177,6 +233,7 @@ impl PendingSlot {
         &self,
         replica: Arc<ReplicaHandle>,
         ticket: Option<Ticket>,
+        uncached: Option<u32>,
     ) -> (SlotGuard, Duration) {
         let waited = self.since.elapsed();
         self.app.queued.record(waited.as_secs_f64());
@@ -186,6 +243,8 @@ impl PendingSlot {
             adapter: self.adapter.clone(),
             ticket,
             start: self.since,
+            granted: Instant::now(),
+            uncached,
         };
         (guard, waited)
     }
@@ -259,7 +318,7 @@ impl Drop for PendingSlot {
         rx.close();
         match rx.try_recv() {
             // A slot was granted just as we gave up: give it back.
-            Ok(Ok(Granted::Slot(replica, ticket))) => {
+            Ok(Ok(Granted::Slot(replica, ticket, _))) => {
                 // A load it was to start never starts: forget the place.
                 if let (Some(Ticket::Load { evict, .. }), Some(a)) = (&ticket, &self.adapter) {
                     s.adapters.loaded(&replica.id, a, false);
@@ -268,7 +327,7 @@ impl Drop for PendingSlot {
                     }
                 }
                 drop(s);
-                self.app.release(&replica, self.adapter.as_ref());
+                self.app.release(&replica, self.adapter.as_ref(), None);
             }
             // Sent on: already off the queue.
             Ok(Ok(Granted::Moved(_))) => {}

@@ -1,5 +1,6 @@
 //! Which replica a request gets: routed on its key (prefix or session
-//! affinity) or its adapter, or the less loaded of two random replicas.
+//! affinity, perhaps waiting for the full replica that holds it) or its
+//! adapter, or the less loaded of two random replicas.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,47 +10,60 @@ use warmgate_pool::ReplicaHandle;
 
 use super::Slots;
 use crate::serving::adapters::{Candidate as AdapterCandidate, Ticket};
-use crate::serving::route::{self, Candidate, ReplicaKey, RouteKey};
+use crate::serving::route::{self, Candidate, Reason, ReplicaKey, RouteKey};
+
+/// Where a request goes.
+pub(super) enum Routed {
+    /// A slot on this replica, what to do there first for its adapter,
+    /// and how many chunks of its prompt the replica is expected to miss
+    /// (for a request routed on its prompt).
+    Go(Arc<ReplicaHandle>, Option<Ticket>, Option<u32>),
+    /// Wait for this full replica's next free slot: it holds the prompt.
+    Wait(ReplicaKey),
+    /// Wait for any slot.
+    Hold,
+}
 
 impl Slots {
-    /// The replica a request with `key` goes to (see
-    /// [`crate::serving::route`]), or `None` when no replica has a free
-    /// slot. Without a key, or under `least_loaded`, the less loaded of two
-    /// random replicas.
-    pub(super) fn route(
-        &mut self,
-        key: Option<&RouteKey>,
-        spec: &AppSpec,
-    ) -> Option<Arc<ReplicaHandle>> {
+    /// Where a request with `key` goes (see [`crate::serving::route`]):
+    /// a free replica, or a full one that holds its prompt, to wait for.
+    /// Without a key, or under `least_loaded`, the less loaded of two
+    /// random replicas with a free slot. The requests already waiting for
+    /// a replica are read from `held_for`.
+    pub(super) fn route(&mut self, key: Option<&RouteKey>, spec: &AppSpec) -> Routed {
         let (routing, max_age) = (&spec.routing, spec.engine.max_age);
         let key = match (key, routing.policy) {
             (Some(k), RoutingPolicy::Prefix | RoutingPolicy::Session) => k,
-            _ => return pick(&self.replicas),
+            _ => return pick(&self.replicas).map_or(Routed::Hold, |r| Routed::Go(r, None, None)),
         };
-        let free: Vec<&Arc<ReplicaHandle>> = self
-            .replicas
-            .iter()
-            .filter(|r| r.has_free_slot() && r.is_routable())
-            .collect();
+        let ready: Vec<&Arc<ReplicaHandle>> =
+            self.replicas.iter().filter(|r| r.is_routable()).collect();
         let now = Instant::now();
-        let candidates: Vec<Candidate> = free
+        let candidates: Vec<Candidate> = ready
             .iter()
             .map(|r| {
                 let engine = r.engine().filter(|e| e.fresh(now, max_age).is_some());
+                let replica = ReplicaKey::of(&r.id);
+                let waiting = self.held_for.get(&replica).copied().unwrap_or(0);
                 Candidate {
-                    replica: ReplicaKey::of(&r.id),
-                    // What this gateway has in flight, plus what the
-                    // engine held for others when it was last read.
+                    replica,
+                    // What this gateway has in flight and holds for it,
+                    // plus what the engine held for others when it was
+                    // last read.
                     load: r
                         .inflight()
+                        .saturating_add(waiting)
                         .saturating_add(engine.map_or(0, |e| e.others())),
                     cache_permille: engine
                         .and_then(|e| e.load.kv_cache_usage)
                         .map_or(0, |k| (k * 1000.0) as u16),
+                    free: r.has_free_slot(),
+                    waiting,
+                    limit: r.limit(),
                 }
             })
             .collect();
-        let choice = route::choose(
+        let Some(choice) = route::choose(
             &candidates,
             key,
             &self.index,
@@ -57,14 +71,21 @@ impl Slots {
                 factor: routing.load_bound,
                 slack: routing.load_slack,
             },
+            self.learned.costs(),
             &mut self.scratch,
-        )?;
+        ) else {
+            return Routed::Hold;
+        };
+        let replica = candidates[choice.index].replica;
+        if choice.reason == Reason::Wait {
+            return Routed::Wait(replica);
+        }
         self.index.set_bound(routing.index_bytes);
-        self.index
-            .record(&key.chunks, candidates[choice.index].replica);
+        self.index.record(&key.chunks, replica);
         metrics::counter!("warmgate_route_decisions_total", "reason" => choice.reason.as_str())
             .increment(1);
-        Some(free[choice.index].clone())
+        let uncached = (key.chunks.len() as u32).saturating_sub(choice.matched);
+        Routed::Go(ready[choice.index].clone(), None, Some(uncached))
     }
 
     /// The replica a request for `adapter` goes to, and what it must do

@@ -20,11 +20,26 @@ pub struct SlotGuard {
     pub(super) ticket: Option<Ticket>,
     /// When the request asked for a slot: its end-to-end clock.
     pub(super) start: Instant,
+    /// When it got the slot.
+    pub(super) granted: Instant,
+    /// The chunks of its prompt the replica was expected to miss (a
+    /// request routed on its prompt): its time to first byte teaches the
+    /// route what a chunk of prefill costs.
+    pub(super) uncached: Option<u32>,
 }
 
 impl App {
-    pub(super) fn release(&self, replica: &Arc<ReplicaHandle>, adapter: Option<&Arc<str>>) {
+    /// Gives a slot back (held `held`, when it was used) and hands it on.
+    pub(super) fn release(
+        &self,
+        replica: &Arc<ReplicaHandle>,
+        adapter: Option<&Arc<str>>,
+        held: Option<std::time::Duration>,
+    ) {
         let mut s = self.slots.lock();
+        if let Some(d) = held {
+            s.learned.held(d.as_secs_f64());
+        }
         replica.release();
         if let Some(a) = adapter {
             s.adapters.release(&replica.id, a);
@@ -46,6 +61,10 @@ impl crate::serving::proxy::Slot for SlotGuard {
     /// none): the time to first byte, from the request's arrival.
     fn first_byte(&self) {
         self.app.ttfb.record(self.start.elapsed().as_secs_f64());
+        if let Some(uncached) = self.uncached {
+            let seconds = self.granted.elapsed().as_secs_f64();
+            self.app.slots.lock().learned.first_byte(uncached, seconds);
+        }
     }
 
     fn replica(&self) -> &Arc<ReplicaHandle> {
@@ -102,6 +121,10 @@ impl Drop for SlotGuard {
             }
         }
         self.app.duration.record(self.start.elapsed().as_secs_f64());
-        self.app.release(&self.replica, self.adapter.as_ref());
+        self.app.release(
+            &self.replica,
+            self.adapter.as_ref(),
+            Some(self.granted.elapsed()),
+        );
     }
 }

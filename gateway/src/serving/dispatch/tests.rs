@@ -201,3 +201,90 @@ fn p2c_spreads_load_and_respects_limits() {
         assert_eq!(r.inflight(), 0);
     }
 }
+
+/// Teaches `app` that a request holds its slot 100 ms and a chunk of
+/// prompt costs 5 ms of prefill.
+fn teach(app: &App) {
+    let mut s = app.slots.lock();
+    for i in 0..100u32 {
+        s.learned.held(0.1);
+        s.learned.first_byte(i % 40, 0.005 * f64::from(i % 40));
+    }
+}
+
+fn prompt_key(text: &str) -> Arc<RouteKey> {
+    Arc::new(RouteKey::prompt([text.repeat(120).as_bytes()]))
+}
+
+/// A conversation whose replica is full waits for that replica's next slot
+/// when recomputing its prompt elsewhere would cost more; requests behind
+/// it with nothing to wait for pass it; and when its replica leaves, it
+/// chooses again at once.
+#[tokio::test]
+async fn a_request_waits_for_the_full_replica_that_holds_its_prompt_while_others_pass() {
+    let app = app(1, 10);
+    teach(&app);
+    let (a, b) = (replica("a-1", 1), replica("a-2", 1));
+    app.add_replica(a.clone());
+    app.add_replica(b.clone());
+    let key = prompt_key("a long conversation, turn after turn; ");
+    let first = ready(app.acquire_avoiding(&[], Some(&key), None).expect("slot"));
+    let holder = first.replica().clone();
+    let other = if Arc::ptr_eq(&holder, &a) { &b } else { &a };
+    // Its replica is full: 35 chunks saved (175 ms) against a 100 ms wait.
+    let again = held(app.acquire_avoiding(&[], Some(&key), None).expect("held"));
+    assert_eq!(other.inflight(), 0, "the other replica was left free");
+    // A request with nothing to wait for is not queued behind it.
+    let passer = ready(app.acquire().expect("a free slot"));
+    assert!(Arc::ptr_eq(passer.replica(), other));
+    drop(first);
+    let second = slot(again.wait(Duration::from_secs(1)).await.expect("granted"));
+    assert!(
+        Arc::ptr_eq(second.replica(), &holder),
+        "served where its prompt is"
+    );
+    drop((second, passer));
+
+    // Waiting for a replica that leaves: it goes to the one that is free.
+    let first = ready(app.acquire_avoiding(&[], Some(&key), None).expect("slot"));
+    let holder = first.replica().clone();
+    let again = held(app.acquire_avoiding(&[], Some(&key), None).expect("held"));
+    assert!(app.remove_replica(&holder));
+    let moved = slot(again.wait(Duration::from_secs(1)).await.expect("granted"));
+    assert!(!Arc::ptr_eq(moved.replica(), &holder));
+}
+
+/// Until the gateway has learned what a slot and a chunk of prefill cost,
+/// a full replica is not waited for: the request goes to a free one.
+#[test]
+fn with_nothing_learned_a_full_holder_is_passed_over() {
+    let app = app(1, 10);
+    app.add_replica(replica("a-1", 1));
+    app.add_replica(replica("a-2", 1));
+    let key = prompt_key("a long conversation, turn after turn; ");
+    let first = ready(app.acquire_avoiding(&[], Some(&key), None).expect("slot"));
+    let second = ready(app.acquire_avoiding(&[], Some(&key), None).expect("slot"));
+    assert!(!Arc::ptr_eq(first.replica(), second.replica()));
+}
+
+/// A few chunks in common are not worth a whole slot's turn-over.
+#[test]
+fn a_short_shared_start_is_not_worth_waiting_for() {
+    let app = app(1, 10);
+    teach(&app);
+    app.add_replica(replica("a-1", 1));
+    app.add_replica(replica("a-2", 1));
+    let first = ready(
+        app.acquire_avoiding(&[], Some(&prompt_key("one system prompt ")), None)
+            .expect("slot"),
+    );
+    // 720 bytes in common with the first (5 chunks, 25 ms of prefill)
+    // against a 100 ms wait.
+    let other = Arc::new(RouteKey::prompt([format!(
+        "{}and another question",
+        "one system prompt ".repeat(40)
+    )
+    .as_bytes()]));
+    let second = ready(app.acquire_avoiding(&[], Some(&other), None).expect("slot"));
+    assert!(!Arc::ptr_eq(first.replica(), second.replica()));
+}

@@ -23,27 +23,43 @@
 //!    order takes it, so a hot prefix spreads over a few replicas, always
 //!    the same few.
 //!
+//! 4. A replica at its concurrency limit takes nothing now, but it may
+//!    hold the prompt: the request then waits for its next free slot when
+//!    that wait is shorter than the prefill it saves over the best replica
+//!    free now (see [`cost`]), within the same bound (the requests already
+//!    waiting for it count as its load). A hard limit thus does not send a
+//!    conversation cold to another replica whenever its own is full.
+//!
 //! A new replica earns traffic as homes and as the overflow of loaded
 //! ones; one that leaves is [`index::PrefixIndex::forget`]-ten.
 
+pub mod cost;
 pub mod index;
 pub mod key;
 
+pub use cost::{Costs, Learned};
 pub use index::{PrefixIndex, ReplicaKey};
 pub use key::RouteKey;
 
-/// A replica that can take the request now.
+/// A replica in rotation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
     /// Who it is.
     pub replica: ReplicaKey,
     /// Its load: requests in flight to it from this gateway, or what its
     /// engine last said it holds (running and waiting), when that reading
-    /// is fresh and larger (other gateways send to it too).
+    /// is fresh and larger (other gateways send to it too), and the
+    /// requests held waiting for it.
     pub load: u32,
     /// Its KV cache's fill in thousandths, when its engine says (0
     /// otherwise): of two replicas alike in all else, the emptier wins.
     pub cache_permille: u16,
+    /// It has a free slot now.
+    pub free: bool,
+    /// Requests held waiting for its next free slot (part of `load`).
+    pub waiting: u32,
+    /// Its concurrency limit (this gateway's share).
+    pub limit: u32,
 }
 
 /// Why a replica was chosen (for metrics and tests).
@@ -54,6 +70,9 @@ pub enum Reason {
     /// Nobody eligible had seen the prompt: its home, or the next one in
     /// rendezvous order under the bound.
     Home,
+    /// It holds the prompt and is full: the request waits for its next
+    /// free slot.
+    Wait,
 }
 
 impl Reason {
@@ -62,6 +81,7 @@ impl Reason {
         match self {
             Reason::Affinity => "affinity",
             Reason::Home => "home",
+            Reason::Wait => "wait",
         }
     }
 }
@@ -114,12 +134,16 @@ pub fn weight(home: u64, replica: ReplicaKey) -> u64 {
 }
 
 /// Chooses among `candidates` for `key` (see the module's text); `None`
-/// only when there is no candidate. `scratch` is reused for the matches.
+/// when no candidate is free and none is worth waiting for (the request
+/// then waits for any slot). A choice of a full candidate (reason
+/// [`Reason::Wait`]) means: wait for it. `scratch` is reused for the
+/// matches.
 pub fn choose(
     candidates: &[Candidate],
     key: &RouteKey,
     index: &PrefixIndex,
     bound: Bound,
+    costs: Costs,
     scratch: &mut Vec<u32>,
 ) -> Option<Choice> {
     if candidates.is_empty() {
@@ -130,38 +154,58 @@ pub fn choose(
     scratch.resize(candidates.len(), 0);
     index.matches(&key.chunks, &keys, scratch);
     // Affinity: the longest match within the affinity cap, then the least
-    // loaded, then the emptier cache, then home.
+    // loaded, then the emptier cache, then home; among the free replicas,
+    // and among the full ones.
     let sticky = affinity_cap(candidates, bound);
-    let best = candidates
-        .iter()
-        .enumerate()
-        .filter(|(i, c)| scratch[*i] > 0 && f64::from(c.load) < sticky)
-        .max_by_key(|(i, c)| {
-            (
-                scratch[*i],
-                std::cmp::Reverse(c.load),
-                std::cmp::Reverse(c.cache_permille),
-                weight(key.home, c.replica),
-            )
-        })
-        .map(|(i, _)| i);
-    if let Some(i) = best {
+    let best = |free: bool| {
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| c.free == free && scratch[*i] > 0 && f64::from(c.load) < sticky)
+            .max_by_key(|(i, c)| {
+                (
+                    scratch[*i],
+                    std::cmp::Reverse(c.load),
+                    std::cmp::Reverse(c.cache_permille),
+                    weight(key.home, c.replica),
+                )
+            })
+            .map(|(i, _)| i)
+    };
+    let free_best = best(true);
+    let any_free = candidates.iter().any(|c| c.free);
+    if let Some(h) = best(false) {
+        let here = free_best.map_or(0, |i| scratch[i]);
+        let held = &candidates[h];
+        if costs.worth_waiting(
+            scratch[h].saturating_sub(here),
+            held.waiting,
+            held.limit,
+            any_free,
+        ) {
+            return Some(Choice {
+                index: h,
+                matched: scratch[h],
+                reason: Reason::Wait,
+            });
+        }
+    }
+    if let Some(i) = free_best {
         return Some(Choice {
             index: i,
             matched: scratch[i],
             reason: Reason::Affinity,
         });
     }
-    // Home: the highest rendezvous weight under the strict bound. The
-    // least loaded is always under it; the fallback is the guard should
-    // rounding ever say otherwise.
+    // Home: the highest rendezvous weight under the strict bound, among
+    // the free. The least loaded free one is the guard should the bound
+    // pass over them all.
     let cap = load_cap(candidates, bound.factor);
-    let index = candidates
-        .iter()
-        .enumerate()
+    let free = || candidates.iter().enumerate().filter(|(_, c)| c.free);
+    let index = free()
         .filter(|(_, c)| f64::from(c.load) < cap)
         .max_by_key(|(_, c)| weight(key.home, c.replica))
-        .or_else(|| candidates.iter().enumerate().min_by_key(|(_, c)| c.load))
+        .or_else(|| free().min_by_key(|(_, c)| c.load))
         .map(|(i, _)| i)?;
     Some(Choice {
         index,

@@ -14,6 +14,9 @@ fn cands(loads: &[u32]) -> Vec<Candidate> {
             replica: ReplicaKey::of(&format!("llm-{i}")),
             load: *l,
             cache_permille: 0,
+            free: true,
+            waiting: 0,
+            limit: 1000,
         })
         .collect()
 }
@@ -28,7 +31,7 @@ const BOUND: Bound = Bound {
 };
 
 fn pick(cs: &[Candidate], k: &RouteKey, ix: &PrefixIndex) -> Choice {
-    choose(cs, k, ix, BOUND, &mut Vec::new()).expect("a candidate")
+    choose(cs, k, ix, BOUND, Costs::default(), &mut Vec::new()).expect("a candidate")
 }
 
 #[test]
@@ -137,19 +140,33 @@ fn a_hot_prefix_spreads_under_the_bound_and_keeps_its_caches() {
 }
 
 proptest! {
-    /// Whatever the loads, keys and history: an affinity choice is under
-    /// the affinity cap and matched no less than any other replica under
-    /// it; a home choice is under the strict cap, which the least loaded
-    /// replica always is.
+    /// Whatever the loads, keys, history, free slots and learned costs: an
+    /// affinity choice is a free replica under the affinity cap that
+    /// matched no less than any other free one under it; a wait is for a
+    /// full replica under the cap that matched more than any free one, and
+    /// only with costs known; a home choice is free and under the strict
+    /// cap, which the least loaded replica always is; and there is no
+    /// choice only when nothing is free.
     #[test]
     fn the_choice_is_never_above_the_bound(
-        loads in proptest::collection::vec(0u32..50, 1..12),
+        loads in proptest::collection::vec((0u32..50, any::<bool>(), 0u32..4), 1..12),
         seen in proptest::collection::vec((0usize..12, 0usize..8), 0..20),
         prompt in 0u32..20,
         factor in 1.0f64..3.0,
         slack in 0u32..8,
+        known in any::<bool>(),
     ) {
-        let cs = cands(&loads);
+        let mut cs = cands(&loads.iter().map(|l| l.0).collect::<Vec<_>>());
+        for (c, (load, free, waiting)) in cs.iter_mut().zip(&loads) {
+            c.free = *free;
+            c.waiting = if *free { 0 } else { (*waiting).min(*load) };
+            c.limit = 8;
+        }
+        let costs = if known {
+            Costs { hold_seconds: 0.1, prefill_per_chunk: 0.005 }
+        } else {
+            Costs::default()
+        };
         let bound = Bound { factor, slack };
         let mut ix = PrefixIndex::new(1 << 20);
         let k = key(&format!("prompt {prompt} ").repeat(50));
@@ -161,22 +178,39 @@ proptest! {
         }
         let cap = load_cap(&cs, factor);
         let sticky = affinity_cap(&cs, bound);
-        let min = loads.iter().min().copied().unwrap_or(0);
+        let min = cs.iter().map(|c| c.load).min().unwrap_or(0);
         prop_assert!(f64::from(min) < cap);
-        let c = choose(&cs, &k, &ix, bound, &mut Vec::new()).expect("choice");
         let mut out = vec![0; cs.len()];
         let keys: Vec<_> = cs.iter().map(|c| c.replica).collect();
         ix.matches(&k.chunks, &keys, &mut out);
+        let free_match = |i: usize| cs[i].free && f64::from(cs[i].load) < sticky;
+        let Some(c) = choose(&cs, &k, &ix, bound, costs, &mut Vec::new()) else {
+            prop_assert!(cs.iter().all(|c| !c.free));
+            return Ok(());
+        };
         match c.reason {
             Reason::Affinity => {
+                prop_assert!(cs[c.index].free);
                 prop_assert!(f64::from(cs[c.index].load) < sticky);
                 prop_assert_eq!(out[c.index], c.matched);
-                prop_assert!(out.iter().enumerate().all(|(i, m)| *m <= c.matched || f64::from(cs[i].load) >= sticky));
+                prop_assert!(out.iter().enumerate().all(|(i, m)| *m <= c.matched || !free_match(i)));
+            }
+            Reason::Wait => {
+                prop_assert!(known);
+                prop_assert!(!cs[c.index].free);
+                prop_assert!(f64::from(cs[c.index].load) < sticky);
+                prop_assert_eq!(out[c.index], c.matched);
+                prop_assert!(out.iter().enumerate().all(|(i, m)| *m < c.matched || !free_match(i)));
             }
             Reason::Home => {
-                prop_assert!(f64::from(cs[c.index].load) < cap);
-                // Nobody under the affinity cap had seen any of it.
-                prop_assert!(out.iter().enumerate().all(|(i, m)| *m == 0 || f64::from(cs[i].load) >= sticky));
+                prop_assert!(cs[c.index].free);
+                // Nobody free under the affinity cap had seen any of it;
+                // the strict cap holds unless every free one is above it.
+                prop_assert!(out.iter().enumerate().all(|(i, m)| *m == 0 || !free_match(i)));
+                prop_assert!(
+                    f64::from(cs[c.index].load) < cap
+                        || cs.iter().all(|x| !x.free || f64::from(x.load) >= cap)
+                );
             }
         }
     }
