@@ -244,6 +244,38 @@ class Settings:
     timeout: Optional[float]
     headers: Dict[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def of(
+        cls,
+        url: Optional[str],
+        token: Optional[str],
+        api_key: Optional[str],
+        max_retries: int,
+        timeout: Optional[float],
+        headers: Optional[Mapping[str, str]],
+    ) -> "Settings":
+        """A client's settings from its arguments and the environment."""
+        base = env_url(url)
+        return cls(
+            url=base,
+            token=env_token(token, base),
+            api_key=env_api_key(api_key),
+            max_retries=max_retries,
+            timeout=timeout,
+            headers=dict(headers or {}),
+        )
+
+    def http_options(self, max_connections: int, cacert: Optional[str]) -> Dict[str, Any]:
+        """The httpx client's options, the same for both clients."""
+        t = self.timeout
+        return {
+            "base_url": self.url,
+            "timeout": httpx.Timeout(t, connect=min(t or 10.0, 10.0), pool=None),
+            "limits": limits(max_connections),
+            "headers": {"user-agent": "warmgate-python", **self.headers},
+            "verify": tls_verify(cacert),
+        }
+
     def auth(self, plane: str) -> Dict[str, str]:
         """``Authorization`` for the control plane (the admin token), the
         data plane (the tenant's API key), or usage (the tenant's key when
