@@ -107,10 +107,15 @@ impl ErrorKind {
     }
 }
 
-/// An error of the gateway's: what kind, a message for a person, and what
-/// a client may do about it. Answered at the edge as `{"error": {"kind",
-/// "message", "type", "code", "param"}}` (`http/error.rs`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What caused an error: kept for the logs and `source()`, never sent to
+/// a client.
+pub type Cause = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// An error of the gateway's: what kind, a message for a person, what a
+/// client may do about it, and what caused it. Answered at the edge as
+/// `{"error": {"kind", "message", "type", "code", "param"}}`
+/// (`http/error.rs`); the cause is logged there, not answered.
+#[derive(Debug, Clone)]
 pub struct Error {
     /// What went wrong, from the fixed set.
     pub kind: ErrorKind,
@@ -123,7 +128,24 @@ pub struct Error {
     /// Trying again now cannot help, whatever the kind (a worker in a
     /// crash loop): the answer says `x-should-retry: false`.
     pub no_retry: bool,
+    /// The error below this one (an I/O error, SQLite's, a parse), with
+    /// its own chain.
+    pub cause: Option<Cause>,
 }
+
+/// Two errors are equal when a client would see the same answer: the
+/// cause is not compared.
+impl PartialEq for Error {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind
+            && self.message == other.message
+            && self.retry_after == other.retry_after
+            && self.param == other.param
+            && self.no_retry == other.no_retry
+    }
+}
+
+impl Eq for Error {}
 
 impl Error {
     /// An error of `kind` with `message`.
@@ -134,7 +156,30 @@ impl Error {
             retry_after: None,
             param: None,
             no_retry: false,
+            cause: None,
         }
+    }
+
+    /// Keeps what caused it (see [`Error::chain`]).
+    pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.cause = Some(std::sync::Arc::new(cause));
+        self
+    }
+
+    /// The message and each cause below it, `: `-separated, for a log line.
+    pub fn chain(&self) -> String {
+        let mut out = self.message.clone();
+        let mut next = std::error::Error::source(self);
+        while let Some(e) = next {
+            let text = e.to_string();
+            // A message that already quotes its cause says it once.
+            if !out.ends_with(&text) {
+                out.push_str(": ");
+                out.push_str(&text);
+            }
+            next = e.source();
+        }
+        out
     }
 
     /// Says that trying again now cannot help (`x-should-retry: false`).
@@ -162,7 +207,13 @@ impl std::fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause
+            .as_deref()
+            .map(|c| c as &(dyn std::error::Error + 'static))
+    }
+}
 
 /// Marks a body that broke the size limit, so the proxy can answer 413.
 #[derive(Debug)]
@@ -225,6 +276,27 @@ mod tests {
 
     /// Metric handles are indexed by `kind as usize`: `ALL` must list the
     /// kinds in their declaration order.
+    #[test]
+    fn the_cause_chain_is_kept_for_the_logs_and_not_compared() {
+        let below = Error::new(ErrorKind::Internal, "the journal is full")
+            .caused_by(std::io::Error::other("disk full"));
+        let e = Error::new(ErrorKind::Internal, "could not save the change").caused_by(below);
+        assert_eq!(
+            e.chain(),
+            "could not save the change: internal: the journal is full: disk full",
+            "every level, as each says itself"
+        );
+        assert!(std::error::Error::source(&e).is_some());
+        assert_eq!(
+            e,
+            Error::new(ErrorKind::Internal, "could not save the change"),
+            "a client sees the same answer"
+        );
+        let quoted = Error::new(ErrorKind::Internal, "could not save: no space")
+            .caused_by(std::io::Error::other("no space"));
+        assert_eq!(quoted.chain(), "could not save: no space");
+    }
+
     #[test]
     fn all_kinds_are_listed_in_declaration_order() {
         for (i, k) in ErrorKind::ALL.iter().enumerate() {

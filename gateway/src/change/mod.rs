@@ -121,6 +121,7 @@ impl Changes {
                 ErrorKind::Internal,
                 format!("the gateway could not save the change, so it did not make it: {e}"),
             )
+            .caused_by(e)
         })
     }
 
@@ -332,9 +333,9 @@ impl Changes {
             let mut h = app.history.lock();
             let mut next = h.clone();
             next.config = Some(config);
-            self.store
-                .save(&app.name, &next, "")
-                .map_err(|e| Error::new(ErrorKind::Internal, format!("could not save: {e}")))?;
+            self.store.save(&app.name, &next, "").map_err(|e| {
+                Error::new(ErrorKind::Internal, format!("could not save: {e}")).caused_by(e)
+            })?;
             *h = next;
         }
         for rev in app.live() {

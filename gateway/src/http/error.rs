@@ -66,6 +66,10 @@ struct Inner<'a> {
 
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
+        // The cause is for the operator, not the client.
+        if self.cause.is_some() {
+            tracing::warn!(kind = self.kind.as_str(), error = %self.chain(), "answered an error");
+        }
         let body = Body {
             error: Inner {
                 kind: self.kind.as_str(),

@@ -42,6 +42,8 @@ use super::{
     owner_of, write_statuses,
 };
 use crate::Gateway;
+use crate::change::Changed;
+use crate::error::Error;
 
 /// How often a refused resource is checked again: the resource it
 /// clashed with may have gone, or the operator's settings changed.
@@ -230,26 +232,45 @@ fn checked_alone(ctx: &Ctx, kind: ResourceKind, name: &str) -> Result<Config, Ac
     Err(Action::requeue(REFUSED_RECHECK))
 }
 
+/// What reconciling one resource did to the gateway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Reconciled {
+    /// Its spec was put, and this is what changed.
+    Put(Changed),
+    /// Its checkpoint alone changed: promoted as this revision.
+    Promoting(String),
+}
+
+impl std::fmt::Display for Reconciled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reconciled::Put(c) => f.write_str(&c.describe()),
+            Reconciled::Promoting(rev) => write!(f, "promoting the new checkpoint as {rev}"),
+        }
+    }
+}
+
 /// Logs what putting a resource did and keeps its refusal, if the
 /// gateway refused; the refused are reconciled again as `retry` says.
 fn settle(
     ctx: &Ctx,
     kind: ResourceKind,
     name: &str,
-    outcome: Result<String, String>,
+    outcome: Result<Reconciled, Error>,
     retry: Action,
 ) -> Action {
     match outcome {
-        Ok(what) => {
-            if what == "unchanged" {
-                tracing::debug!(?kind, %name, "unchanged");
-            } else {
-                tracing::info!(?kind, %name, "{what}");
-            }
+        Ok(Reconciled::Put(Changed::Unchanged)) => {
+            tracing::debug!(?kind, %name, "unchanged");
             ctx.set_refused(kind, name, Vec::new());
             Action::requeue(RESYNC)
         }
-        Err(message) => {
+        Ok(what) => {
+            tracing::info!(?kind, %name, "{what}");
+            ctx.set_refused(kind, name, Vec::new());
+            Action::requeue(RESYNC)
+        }
+        Err(Error { message, .. }) => {
             tracing::warn!(?kind, %name, reason = %message, "the gateway refused the change");
             ctx.set_refused(
                 kind,
@@ -270,7 +291,7 @@ fn settle(
 /// promoted; an app that moves between its own replicas and a pool is
 /// deleted and put again; anything else is put as `warmgate apply` puts
 /// it. Returns what was done, or why the gateway refused.
-async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<String, String> {
+async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<Reconciled, Error> {
     let running = gw.changes.desired_config();
     if let Some((old, new)) = checkpoint_only_change(&spec, &running) {
         match gw.promotions.promote_checkpoint(&spec.name, &new).await {
@@ -278,7 +299,7 @@ async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<String, String>
                 // The app's spec names it now, so the put below finds the
                 // app unchanged, and so does the next reconcile.
                 gw.changes.adopt_checkpoint(&spec.name, &new);
-                return Ok(format!("promoting the new checkpoint as {rev}"));
+                return Ok(Reconciled::Promoting(rev));
             }
             Err(e) => {
                 tracing::warn!(app = %spec.name, error = %e.message, "could not promote the new checkpoint");
@@ -293,16 +314,9 @@ async fn put_app(gw: &Arc<Gateway>, mut spec: AppSpec) -> Result<String, String>
         .any(|a| a.name == spec.name && a.pool != spec.pool);
     if moves {
         tracing::info!(app = %spec.name, "the app changes where it runs: deleting it to put it again");
-        gw.changes
-            .delete_app(&spec.name)
-            .await
-            .map_err(|e| e.message)?;
+        gw.changes.delete_app(&spec.name).await?;
     }
-    gw.changes
-        .put_app(spec)
-        .await
-        .map(|c| c.describe())
-        .map_err(|e| e.message)
+    gw.changes.put_app(spec).await.map(Reconciled::Put)
 }
 
 /// Puts one `WarmPool` into the gateway. A change the gateway refuses
@@ -321,13 +335,7 @@ async fn reconcile_pool(pool: Arc<WarmPool>, ctx: Arc<Ctx>) -> Result<Action, In
     let Some(spec) = config.pools.into_iter().find(|p| p.name == name) else {
         return Ok(Action::requeue(REFUSED_RECHECK));
     };
-    let outcome = ctx
-        .gw
-        .changes
-        .put_pool(spec)
-        .await
-        .map(|c| c.describe())
-        .map_err(|e| e.message);
+    let outcome = ctx.gw.changes.put_pool(spec).await.map(Reconciled::Put);
     Ok(settle(
         &ctx,
         ResourceKind::Pool,
