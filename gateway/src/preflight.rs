@@ -1,8 +1,10 @@
 //! What `warmgate serve --check` checks beyond the config's schema: what
 //! `serve` would trip on at once on this machine. Errors: a worker or gate
-//! program that is neither on `PATH` nor an executable file. Warnings: a
-//! local checkpoint that does not exist (yet), a listen address in use,
-//! GPUs that this machine does not show.
+//! program that is neither on `PATH` nor an executable file, a tenant's
+//! key in an environment variable that is not set. Warnings: a local
+//! checkpoint that does not exist (yet), a listen address in use, GPUs
+//! that this machine does not show, a `{placeholder}` in a command that
+//! nothing expands, replicas on a TCP port every local user can reach.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -31,114 +33,200 @@ pub struct Finding {
     pub message: String,
 }
 
-/// What `config` would trip on here. `path` is the `PATH` to search
-/// programs on; `gpu_present` tells whether GPU `n` exists.
-pub fn check(
-    config: &Config,
-    path: Option<&str>,
-    gpu_present: impl Fn(u32) -> bool,
-) -> Vec<Finding> {
-    let mut out = Vec::new();
-    let error = |key: String, message: String| Finding {
-        level: Level::Error,
-        key,
-        message,
-    };
-    let warning = |key: String, message: String| Finding {
-        level: Level::Warning,
-        key,
-        message,
-    };
+/// What `check` reads of the machine it runs on.
+pub struct Machine<'a> {
+    /// The `PATH` to search programs on.
+    pub path: Option<&'a str>,
+    /// An environment variable's value.
+    pub env: &'a dyn Fn(&str) -> Option<String>,
+    /// Whether GPU `n` exists.
+    pub gpu_present: &'a dyn Fn(u32) -> bool,
+}
+
+/// What `config` would trip on on `machine`: errors first, then warnings.
+pub fn check(config: &Config, machine: &Machine<'_>) -> Vec<Finding> {
     let local = config.backend.kind == BackendKind::Local;
+    let mut out = Vec::new();
     if local {
-        let port_only = |command: &[String], listen: warmgate_deploy::Listen| {
-            listen.resolve(command) == warmgate_deploy::Listen::Port
-        };
-        let apps = config
-            .apps
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.pool.is_none());
-        for (i, app) in apps {
-            if port_only(&app.command, app.listen) {
-                out.push(warning(format!("apps[{i}].command"), reachable_by_all()));
-            }
-        }
-        for (i, pool) in config.pools.iter().enumerate() {
-            if port_only(&pool.command, pool.listen) {
-                out.push(warning(format!("pools[{i}].command"), reachable_by_all()));
-            }
-        }
+        out.extend(open_ports(config));
     }
-    let mut program = |key: String, command: &[String]| {
-        if let Some(p) = command.first()
-            && let Err(why) = find_program(p, path)
-        {
-            out.push(error(key, why));
-        }
-    };
-    for (i, app) in config.apps.iter().enumerate() {
-        if local && app.pool.is_none() {
-            program(format!("apps[{i}].command[0]"), &app.command);
-        }
-        program(
-            format!("apps[{i}].promotion.gate_command[0]"),
-            &app.promotion.gate_command,
-        );
-    }
-    if local {
-        for (i, pool) in config.pools.iter().enumerate() {
-            program(format!("pools[{i}].command[0]"), &pool.command);
-        }
-    }
-    let checkpoints = config
-        .apps
-        .iter()
-        .enumerate()
-        .flat_map(|(i, a)| {
-            let own = a
-                .checkpoint
-                .iter()
-                .map(move |c| (format!("apps[{i}].checkpoint"), c.as_str()));
-            let adapters = a.adapters.models.iter().enumerate().map(move |(j, m)| {
-                (
-                    format!("apps[{i}].adapters.models[{j}].checkpoint"),
-                    m.checkpoint.as_str(),
-                )
-            });
-            own.chain(adapters)
-        })
-        .chain(config.pools.iter().enumerate().flat_map(|(i, p)| {
-            p.checkpoint
-                .iter()
-                .map(move |c| (format!("pools[{i}].checkpoint"), c.as_str()))
-        }));
-    for (key, uri) in checkpoints {
-        if let Some(p) = uri.strip_prefix("file://")
-            && !Path::new(p).exists()
-        {
-            out.push(warning(
-                key,
-                format!(
-                    "{uri} does not exist (yet): replicas that read it will fail until it does"
-                ),
-            ));
-        }
-    }
+    out.extend(placeholders(config));
+    out.extend(programs(config, local, machine.path));
+    out.extend(checkpoints(config));
     if let Some(why) = untrusted_state_dir(&config.state_dir) {
-        out.push(error("state_dir".into(), why));
+        out.push(Finding::error("state_dir".into(), why));
+    }
+    if let Err((key, message)) = crate::tenants::Tenants::from_config(&config.tenants, machine.env)
+    {
+        out.push(Finding::error(key, message));
     }
     if local {
         for (i, g) in config.backend.gpus.iter().enumerate() {
-            if !gpu_present(*g) {
-                out.push(warning(
+            if !(machine.gpu_present)(*g) {
+                out.push(Finding::warning(
                     format!("backend.gpus[{i}]"),
                     format!("GPU {g} is not on this machine (no /dev/nvidia{g})"),
                 ));
             }
         }
     }
+    // Errors first: they are why `--check` fails.
+    out.sort_by_key(|f| f.level != Level::Error);
     out
+}
+
+impl Finding {
+    fn error(key: String, message: String) -> Finding {
+        Finding {
+            level: Level::Error,
+            key,
+            message,
+        }
+    }
+
+    fn warning(key: String, message: String) -> Finding {
+        Finding {
+            level: Level::Warning,
+            key,
+            message,
+        }
+    }
+}
+
+/// The commands of the config's own replicas (an app on a pool runs on
+/// the pool's), by key.
+fn commands(config: &Config) -> impl Iterator<Item = (String, &[String])> {
+    let apps = config
+        .apps
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.pool.is_none())
+        .map(|(i, a)| (format!("apps[{i}].command"), a.command.as_slice()));
+    let pools = config
+        .pools
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (format!("pools[{i}].command"), p.command.as_slice()));
+    apps.chain(pools)
+}
+
+/// Replicas that listen on a TCP port any local user can reach.
+fn open_ports(config: &Config) -> Vec<Finding> {
+    let listens = config
+        .apps
+        .iter()
+        .filter(|a| a.pool.is_none())
+        .map(|a| a.listen)
+        .chain(config.pools.iter().map(|p| p.listen));
+    commands(config)
+        .zip(listens)
+        .filter(|((_, command), listen)| listen.resolve(command) == warmgate_deploy::Listen::Port)
+        .map(|((key, _), _)| Finding::warning(key, reachable_by_all()))
+        .collect()
+}
+
+/// A `{name}` in a command: warmgate expands `$PORT`, `$WARMGATE_SOCKET`
+/// and the environment's `$VAR`, never braces, so the program gets the
+/// braces as they are (`--port {port}` makes the engine exit).
+fn placeholders(config: &Config) -> Vec<Finding> {
+    let gates = config.apps.iter().enumerate().map(|(i, a)| {
+        (
+            format!("apps[{i}].promotion.gate_command"),
+            a.promotion.gate_command.as_slice(),
+        )
+    });
+    let mut out = Vec::new();
+    for (key, command) in commands(config).chain(gates) {
+        for (j, word) in command.iter().enumerate() {
+            if let Some(name) = brace_placeholder(word) {
+                out.push(Finding::warning(
+                    format!("{key}[{j}]"),
+                    format!(
+                        "{{{name}}} is passed as it is written: warmgate expands $PORT, \
+                         $WARMGATE_SOCKET and $VARIABLES, not braces"
+                    ),
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The name in the first `{name}` of `word` (letters, digits, `_`), as a
+/// template would write it; `${NAME}` and JSON (`{"a": 1}`) are not.
+fn brace_placeholder(word: &str) -> Option<&str> {
+    let mut rest = word;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let dollar = rest[..open].ends_with('$');
+        if let Some(close) = after.find('}') {
+            let name = &after[..close];
+            let plain =
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if plain && !dollar {
+                return Some(name);
+            }
+        }
+        rest = after;
+    }
+    None
+}
+
+/// Programs that `exec` would not find.
+fn programs(config: &Config, local: bool, path: Option<&str>) -> Vec<Finding> {
+    let gates = config.apps.iter().enumerate().map(|(i, a)| {
+        (
+            format!("apps[{i}].promotion.gate_command[0]"),
+            a.promotion.gate_command.as_slice(),
+        )
+    });
+    let own = commands(config)
+        .filter(|_| local)
+        .map(|(key, command)| (format!("{key}[0]"), command));
+    let mut out = Vec::new();
+    for (key, command) in own.chain(gates) {
+        if let Some(p) = command.first()
+            && let Err(why) = find_program(p, path)
+        {
+            out.push(Finding::error(key, why));
+        }
+    }
+    out
+}
+
+/// Local checkpoints that do not exist (yet).
+fn checkpoints(config: &Config) -> Vec<Finding> {
+    let apps = config.apps.iter().enumerate().flat_map(|(i, a)| {
+        let own = a
+            .checkpoint
+            .iter()
+            .map(move |c| (format!("apps[{i}].checkpoint"), c.as_str()));
+        let adapters = a.adapters.models.iter().enumerate().map(move |(j, m)| {
+            (
+                format!("apps[{i}].adapters.models[{j}].checkpoint"),
+                m.checkpoint.as_str(),
+            )
+        });
+        own.chain(adapters)
+    });
+    let pools = config.pools.iter().enumerate().flat_map(|(i, p)| {
+        p.checkpoint
+            .iter()
+            .map(move |c| (format!("pools[{i}].checkpoint"), c.as_str()))
+    });
+    apps.chain(pools)
+        .filter_map(|(key, uri)| {
+            let p = uri.strip_prefix("file://")?;
+            (!Path::new(p).exists()).then(|| {
+                Finding::warning(
+                    key,
+                    format!(
+                        "{uri} does not exist (yet): replicas that read it will fail until it does"
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 /// The warning for replicas that listen on a TCP port.
@@ -217,6 +305,18 @@ fn find_program(program: &str, path: Option<&str>) -> Result<PathBuf, String> {
 mod tests {
     use super::*;
 
+    fn unset(_: &str) -> Option<String> {
+        None
+    }
+
+    fn every_gpu(_: u32) -> bool {
+        true
+    }
+
+    fn no_gpu(_: u32) -> bool {
+        false
+    }
+
     fn config(text: &str) -> Config {
         Config::parse(text, Path::new("w.toml"), Path::new("/base")).expect("valid")
     }
@@ -239,7 +339,12 @@ mod tests {
             plain.display(),
             tool.display()
         ));
-        let found = check(&c, Some(&path), |_| false);
+        let machine = |gpu: bool| Machine {
+            path: Some(&path),
+            env: &unset,
+            gpu_present: if gpu { &every_gpu } else { &no_gpu },
+        };
+        let found = check(&c, &machine(false));
         let keys: Vec<(&str, Level)> = found.iter().map(|f| (f.key.as_str(), f.level)).collect();
         assert_eq!(
             keys,
@@ -252,6 +357,49 @@ mod tests {
             "{found:?}"
         );
         assert!(found[1].message.contains("not an executable"), "{found:?}");
-        assert!(check(&c, Some(&path), |_| true).len() == 3);
+        assert!(check(&c, &machine(true)).len() == 3);
+    }
+
+    #[test]
+    fn unset_tenant_keys_are_errors_and_brace_placeholders_warnings() {
+        let c = config(
+            "[[apps]]\nname = \"a\"\n\
+             command = [\"/bin/sh\", \"--port\", \"{port}\", \"${PORT}\", \"{\\\"k\\\": 1}\"]\n\
+             [[tenants]]\nname = \"t\"\napi_key_env = \"TEAM_T_KEY\"\n",
+        );
+        fn set(v: &str) -> Option<String> {
+            (v == "TEAM_T_KEY").then(|| "k".to_string())
+        }
+        fn machine(env: &'static dyn Fn(&str) -> Option<String>) -> Machine<'static> {
+            Machine {
+                path: None,
+                env,
+                gpu_present: &every_gpu,
+            }
+        }
+        let found = check(&c, &machine(&unset));
+        let keys: Vec<(&str, Level)> = found.iter().map(|f| (f.key.as_str(), f.level)).collect();
+        assert_eq!(
+            keys,
+            [
+                ("tenants[0].api_key_env", Level::Error),
+                ("apps[0].command", Level::Warning),
+                ("apps[0].command[2]", Level::Warning),
+            ],
+            "{found:?}"
+        );
+        assert!(found[0].message.contains("TEAM_T_KEY"), "{found:?}");
+        assert!(found[2].message.contains("{port}"), "{found:?}");
+        assert_eq!(check(&c, &machine(&set)).len(), 2);
+    }
+
+    #[test]
+    fn only_plain_names_in_braces_are_placeholders() {
+        assert_eq!(brace_placeholder("{port}"), Some("port"));
+        assert_eq!(brace_placeholder("--x={model_dir}/a"), Some("model_dir"));
+        assert_eq!(brace_placeholder("${PORT}"), None);
+        assert_eq!(brace_placeholder("{\"a\": {}}"), None);
+        assert_eq!(brace_placeholder("{}"), None);
+        assert_eq!(brace_placeholder("}{"), None);
     }
 }

@@ -47,17 +47,22 @@ pub struct Listing {
 
 /// The checkpoint URI prefixes the gateway may open: `[weights]
 /// allowed_prefixes` when set, else every checkpoint the config names
-/// (apps', their adapters' and pools') and the apps' `promotion.watch`
-/// prefixes.
+/// (apps', their adapters' and pools') and the prefixes watched for new
+/// checkpoints (the apps' `promotion.watch` and their adapters' `watch`).
 pub fn allowed_prefixes(config: &warmgate_deploy::Config) -> Vec<String> {
     if let Some(list) = &config.weights.allowed_prefixes {
         return list.clone();
     }
     let apps = config.apps.iter().flat_map(|a| {
+        let adapters = a
+            .adapters
+            .models
+            .iter()
+            .flat_map(|m| std::iter::once(&m.checkpoint).chain(m.watch.iter()));
         a.checkpoint
             .iter()
             .chain(a.promotion.watch.iter())
-            .chain(a.adapters.models.iter().map(|m| &m.checkpoint))
+            .chain(adapters)
             .cloned()
     });
     let pools = config.pools.iter().filter_map(|p| p.checkpoint.clone());

@@ -156,8 +156,10 @@ pub struct WeightsConfig {
     /// refused before it is opened. Matched on path segments after `.` and
     /// `..` are resolved; `http(s)` stores only when listed. When set, the
     /// config's own checkpoints must be under it too. Unset (the default):
-    /// the checkpoints named in this file (each app's and pool's
-    /// `checkpoint`) and the apps' `promotion.watch` prefixes.
+    /// the checkpoints named in this file (each app's, adapter's and
+    /// pool's `checkpoint`) and the prefixes it watches (the apps'
+    /// `promotion.watch`, the adapters' `watch`). A pool's weight syncs
+    /// name checkpoints the file does not: list their prefix here.
     pub allowed_prefixes: Option<Vec<String>>,
 }
 

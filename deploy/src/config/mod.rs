@@ -60,6 +60,13 @@ pub struct Config {
     /// Who may reach what: the `Host` names served, and whether
     /// `/metrics` and `/openapi.json` need the admin token.
     pub access: AccessConfig,
+    /// The config file's folder, against which its relative paths were
+    /// resolved: the workers' working folder, and where a relative
+    /// `file://` given later (a promotion, a weight sync) resolves. Not a
+    /// key of the file; `None` for a config not read from a file.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub folder: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -78,6 +85,7 @@ impl Default for Config {
             operator: OperatorConfig::default(),
             tls: None,
             access: AccessConfig::default(),
+            folder: None,
         }
     }
 }
@@ -122,6 +130,7 @@ impl Config {
             message,
         })?;
         config.resolve_paths(base);
+        config.folder = Some(base.to_path_buf());
         Ok(config)
     }
 

@@ -119,7 +119,7 @@ pub enum Command {
         #[arg(long)]
         trace: Vec<PathBuf>,
         /// Generated traffic, comma-separated: steady, bursts-short,
-        /// bursts-long, daily, spikes; or a family with parameters
+        /// bursts-long, daily, spikes, busy-idle; or a family with parameters
         /// (rates per second, lengths in seconds or with a unit):
         /// poisson:rate=R, on-off:low=R:high=R:on=S:off=S,
         /// daily:low=R:high=R, spikes:every=S:min=N:max=N:within=S.

@@ -72,11 +72,13 @@ pub(super) fn serve(
     if check {
         // Beyond the schema: what `serve` would trip on on this machine.
         let search = std::env::var("PATH").ok();
-        let mut found = crate::preflight::check(
-            &config,
-            search.as_deref(),
-            crate::preflight::nvidia_gpu_present,
-        );
+        let env = |v: &str| std::env::var(v).ok();
+        let machine = crate::preflight::Machine {
+            path: search.as_deref(),
+            env: &env,
+            gpu_present: &crate::preflight::nvidia_gpu_present,
+        };
+        let mut found = crate::preflight::check(&config, &machine);
         found.extend(crate::preflight::check_listen(config.listen));
         let errors = found
             .iter()

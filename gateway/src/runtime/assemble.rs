@@ -42,7 +42,7 @@ impl Gateway {
         addr: std::net::SocketAddr,
         state: Option<Box<dyn warmgate_deploy::store::StateStore>>,
     ) -> anyhow::Result<Arc<Self>> {
-        let workdir = config.state_dir.parent().map(|p| p.to_path_buf());
+        let workdir = workers_folder(&config);
         let base = workdir
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from("."));
@@ -275,4 +275,38 @@ fn lay_over(mut config: Config, overlay: Overlay) -> Config {
         }
     }
     config
+}
+
+/// The config's folder: the workers' working folder, and where a relative
+/// `file://` given through the API (a promotion, a weight sync) resolves,
+/// as one in the file does. A config not read from a file: the state
+/// folder's parent.
+fn workers_folder(config: &Config) -> Option<std::path::PathBuf> {
+    config
+        .folder
+        .clone()
+        .or_else(|| config.state_dir.parent().map(|p| p.to_path_buf()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    #[test]
+    fn relative_paths_given_later_resolve_against_the_config_s_folder() {
+        let text = "state_dir = \"/var/lib/warmgate/state\"\n";
+        let c =
+            Config::parse(text, Path::new("/etc/wg/w.toml"), Path::new("/etc/wg")).expect("valid");
+        assert_eq!(workers_folder(&c).as_deref(), Some(Path::new("/etc/wg")));
+        let built = Config {
+            state_dir: "/srv/wg/state".into(),
+            ..Config::default()
+        };
+        assert_eq!(
+            workers_folder(&built).as_deref(),
+            Some(Path::new("/srv/wg"))
+        );
+    }
 }
