@@ -273,10 +273,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "gateway/src/http/inference.rs::request_fields",
         "not split yet",
     ),
-    (
-        "gateway/src/http/tasks.rs::sync_weights",
-        "a handler doing the service's work; to move into tasks::pool::sync",
-    ),
     ("gateway/src/operator/mod.rs::run", "not split yet"),
     ("gateway/src/promote/drive.rs::drive", "not split yet"),
     ("gateway/src/report.rs::status_of", "not split yet"),

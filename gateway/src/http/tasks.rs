@@ -558,127 +558,28 @@ pub(crate) async fn sync_weights(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        let (pool, _, bytes) = pool_request(&gw, &name, req, BodyLimit::Inference).await?;
-        let mut body: SyncBody<'_> = parse_json(
-            &bytes,
-            "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
-        )?;
-        // Relative to the config's folder, as in the file.
-        if let Some(dir) = &gw.host.workdir {
-            warmgate_deploy::resolve_checkpoint(&mut body.checkpoint, dir);
-        }
-        let timeout =
-            duration_value(&body.timeout, "timeout")?.unwrap_or(pool.spec().weight_sync_timeout);
-        let ready = pool.load().2;
-        let max_unavailable = max_unavailable(&body.max_unavailable, ready)?;
-        // Going back to an earlier checkpoint is a new version.
-        let asked = body.version;
-        let version = pool.version_for(asked, &body.checkpoint);
-        pool.check_sync(version)?;
-        let source = gw.weights.open(&body.checkpoint)?;
-        let revision = format!("v{version}");
-        let fresh = gw.weights.uri(&pool.name, &revision).is_none();
-        gw.weights.register(&pool.name, &revision, source);
-        // The checkpoint must exist and list before any replica is touched.
-        let listed = match gw.weights.files(&pool.name, &revision).await {
-            Ok(files) if files.items.is_empty() => Err(Error::new(
-                ErrorKind::BadRequest,
-                format!("checkpoint {} has no files", body.checkpoint),
-            )),
-            other => other.map(|_| ()),
-        };
-        let url = gw.host.weights_url(&pool.name, &revision);
-        // vLLM reads the checkpoint from a folder on this machine: a
-        // `file://` one as it is, an object-store one pulled first.
-        let at = match (listed, pool.spec().weight_sync) {
-            (Ok(()), warmgate_deploy::WeightSync::Vllm) => gw
-                .serving
-                .checkpoint_folders()
-                .local_path(&body.checkpoint)
-                .await
-                .map(|folder| crate::tasks::pool::WeightsAt {
-                    url: url.clone(),
-                    folder: Some(folder),
-                })
-                .map_err(|e| Error::new(ErrorKind::BadRequest, e)),
-            (listed, _) => listed.map(|()| crate::tasks::pool::WeightsAt::url(url.clone())),
-        };
-        let begun = at.and_then(|at| pool.begin_sync(version, at));
-        if let Err(e) = begun {
-            if fresh {
-                gw.weights.unregister(&pool.name, &revision);
-            }
-            return Err(e);
-        }
-        // Once a replica has loaded it: older versions are no longer
-        // served, and replicas that start from then on read this one.
-        let commit = {
-            let (gw, pool, url, revision) = (gw.clone(), pool.clone(), url.clone(), revision.clone());
-            let checkpoint = body.checkpoint.clone();
-            move || {
-                gw.weights.retain_only(&pool.name, &revision);
-                pool.set_latest_checkpoint(&checkpoint);
-                for target in std::iter::once(pool.target()).chain(pool.ondemand_target()) {
-                    gw.pool.update_target(&target, |t| {
-                        t.env.insert("WARMGATE_WEIGHTS_URL".into(), url.clone());
-                        t.env
-                            .insert("WARMGATE_WEIGHTS_VERSION".into(), version.to_string());
-                        t.checkpoint = Some(checkpoint.clone());
-                    });
-                }
-            }
-        };
-        let started = Instant::now();
-        let deadline = started + timeout;
-        // In its own task: a client that hangs up does not cut a rollout
-        // short and leave replicas out of dispatch.
-        let job = {
-            let pool = pool.clone();
-            tokio::spawn(async move { pool.sync_weights(max_unavailable, deadline, commit).await })
-        };
-        let outcome = job.await.map_err(|e| {
-            Error::new(ErrorKind::ReplicaFailed, format!("the weight sync failed: {e}"))
-        })?;
-        let results = outcome.replicas;
-        if outcome.rolled_back {
-            if fresh {
-                gw.weights.unregister(&pool.name, &revision);
-            }
-            let why: Vec<String> = results
-                .iter()
-                .map(|r| format!("{}: {}", r.replica, r.error.as_deref().unwrap_or("failed")))
-                .collect();
-            tracing::warn!(pool = %pool.name, version, "weight sync rolled back: no replica could load it");
-            return Err(Error::new(
-                ErrorKind::ReplicaFailed,
-                format!(
-                    "no replica could load weights version {version} ({}), so the sync was rolled back: pool '{}' keeps version {} and the replicas that failed were replaced on it. {}",
-                    body.checkpoint,
-                    pool.name,
-                    pool.status().weights_version,
-                    why.join("; ")
-                ),
-            )
-            .no_retry());
-        }
-        let synced = results.iter().filter(|r| r.ok).count();
-        tracing::info!(pool = %pool.name, version, synced, replaced = results.len() - synced, "weight sync done");
-        Ok(axum::Json(json!({
-            "pool": pool.name,
-            "version": version,
-            "asked_version": asked,
-            "checkpoint": body.checkpoint,
-            "seconds": started.elapsed().as_secs_f64(),
-            "synced": synced,
-            "replaced": results.len() - synced,
-            "replicas": results,
-        }))
-        .into_response())
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+) -> Result<axum::Json<crate::tasks::weight_sync::SyncReport>, Error> {
+    let (pool, _, bytes) = pool_request(&gw, &name, req, BodyLimit::Inference).await?;
+    let body: SyncBody<'_> = parse_json(
+        &bytes,
+        "{\"checkpoint\": \"s3://…\", \"version\": N, \"timeout\"?, \"max_unavailable\"?}",
+    )?;
+    let asked = crate::tasks::weight_sync::SyncRequest {
+        timeout: duration_value(&body.timeout, "timeout")?
+            .unwrap_or(pool.spec().weight_sync_timeout),
+        max_unavailable: max_unavailable(&body.max_unavailable, pool.load().2)?,
+        checkpoint: body.checkpoint,
+        version: body.version,
+    };
+    let services = crate::tasks::weight_sync::Services {
+        weights: &gw.weights,
+        folders: gw.serving.checkpoint_folders(),
+        manager: &gw.pool,
+        host: &gw.host,
+    };
+    crate::tasks::weight_sync::sync_weights(&services, &pool, asked)
+        .await
+        .map(axum::Json)
 }
 
 /// `GET /v1/tasks/{id}`.

@@ -13,5 +13,6 @@ pub mod record;
 pub mod shared;
 pub mod split;
 pub mod store;
+pub mod weight_sync;
 
 pub use pool::Pool;
