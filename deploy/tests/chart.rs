@@ -795,7 +795,7 @@ fn replica_pods_take_traffic_only_from_the_operators_pods() {
     let policy: NetworkPolicy = read("networkpolicy.yaml", &v);
     let spec = policy.spec.expect("spec");
     // It selects the pods the operator starts for this release: the labels
-    // `pool-manager/src/kubernetes/pod.rs` puts on every replica pod.
+    // `pool-manager/src/backend/kubernetes/pod.rs` puts on every replica pod.
     let selected = spec
         .pod_selector
         .and_then(|s| s.match_labels)

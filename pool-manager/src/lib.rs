@@ -17,7 +17,6 @@ pub mod backend;
 pub mod endpoint;
 pub mod engine;
 pub mod gpu;
-pub mod kubernetes;
 pub mod logs;
 mod manager;
 pub mod peer;
@@ -25,7 +24,9 @@ pub mod probe;
 pub mod replica;
 pub mod weights;
 
-pub use backend::{Adopted, Backend, Launch, LocalBackend, Orphan, Process, interchangeable};
+pub use backend::{
+    Adopted, Backend, Launch, LocalBackend, Orphan, Process, interchangeable, kubernetes,
+};
 pub use endpoint::Endpoint;
 pub use gpu::GpuInventory;
 pub use manager::{

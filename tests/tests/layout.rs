@@ -295,9 +295,9 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "gateway/src/tasks/pool/sync.rs::sync_weights",
         "not split yet",
     ),
-    ("pool-manager/src/backend.rs::spawn", "not split yet"),
+    ("pool-manager/src/backend/local.rs::spawn", "not split yet"),
     (
-        "pool-manager/src/kubernetes/pod.rs::pod_for",
+        "pool-manager/src/backend/kubernetes/pod.rs::pod_for",
         "not split yet",
     ),
     (
