@@ -260,10 +260,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "a bench's sequence of measured phases; not split yet",
     ),
     (
-        "deploy/src/config/app.rs::validate_app",
-        "one check per key of an app, in the order the reference lists them; not split yet",
-    ),
-    (
         "deploy/src/config/pool.rs::validate_pool",
         "one check per key of a pool; not split yet",
     ),

@@ -480,45 +480,30 @@ impl Config {
         names: &mut HashSet<&'a str>,
     ) -> Result<(), (String, String)> {
         let at = |key: &str| format!("apps[{i}].{key}");
-        check_dns_label(&app.name).map_err(|m| (at("name"), m))?;
-        for (j, p) in app.passthrough.iter().enumerate() {
-            if !p.starts_with('/') {
-                return Err((
-                    at(&format!("passthrough[{j}]")),
-                    format!("{p:?} is not a path: it must start with '/'"),
-                ));
-            }
-        }
-        for (j, alias) in app.aliases.iter().enumerate() {
-            check_model_name(alias).map_err(|m| (at(&format!("aliases[{j}]")), m))?;
-        }
-        let adapters = app.adapters.models.iter().enumerate().flat_map(|(j, a)| {
-            std::iter::once((format!("adapters.models[{j}].name"), &a.name)).chain(
-                a.aliases
-                    .iter()
-                    .enumerate()
-                    .map(move |(k, x)| (format!("adapters.models[{j}].aliases[{k}]"), x)),
-            )
-        });
-        for (key, name) in std::iter::once(("name".to_string(), &app.name))
-            .chain(
-                app.aliases
-                    .iter()
-                    .enumerate()
-                    .map(|(j, a)| (format!("aliases[{j}]"), a)),
-            )
-            .chain(adapters)
-        {
-            if !names.insert(name) {
-                return Err((
-                    at(&key),
-                    format!("the name {name:?} is already used by another app"),
-                ));
-            }
-        }
+        check_names(app, &at, names)?;
         if let Some(pool) = &app.pool {
             return self.check_pool_served(i, app, pool);
         }
+        self.check_runs_here(app, &at)?;
+        app.autoscale
+            .validate(&at, app.engine.metrics_path.is_some())?;
+        if app.queue.timeout.is_zero() {
+            return Err((at("queue.timeout"), "must be more than 0s".into()));
+        }
+        app.routing.validate(at)?;
+        app.engine.validate(at)?;
+        app.adapters.validate(at)?;
+        app.promotion.validate(at)
+    }
+
+    /// What a replica of `app` needs to run on this backend: a command or
+    /// an image, adapters it can read, its pod, environment, checkpoint,
+    /// limit, GPUs, start-up grace, probes and a command that expands.
+    fn check_runs_here(
+        &self,
+        app: &AppSpec,
+        at: &impl Fn(&str) -> String,
+    ) -> Result<(), (String, String)> {
         match self.backend.kind {
             BackendKind::Local if app.command.is_empty() => {
                 return Err((
@@ -600,7 +585,66 @@ impl Config {
                 return Err((at(&format!("command[{n}]")), e.to_string()));
             }
         }
-        let a = &app.autoscale;
+        Ok(())
+    }
+}
+
+/// An app's own names (its name, aliases and adapters' names, each a
+/// valid name and not already taken by an app before it, `names`) and its
+/// passthrough paths.
+fn check_names<'a>(
+    app: &'a AppSpec,
+    at: &impl Fn(&str) -> String,
+    names: &mut HashSet<&'a str>,
+) -> Result<(), (String, String)> {
+    check_dns_label(&app.name).map_err(|m| (at("name"), m))?;
+    for (j, p) in app.passthrough.iter().enumerate() {
+        if !p.starts_with('/') {
+            return Err((
+                at(&format!("passthrough[{j}]")),
+                format!("{p:?} is not a path: it must start with '/'"),
+            ));
+        }
+    }
+    for (j, alias) in app.aliases.iter().enumerate() {
+        check_model_name(alias).map_err(|m| (at(&format!("aliases[{j}]")), m))?;
+    }
+    let adapters = app.adapters.models.iter().enumerate().flat_map(|(j, a)| {
+        std::iter::once((format!("adapters.models[{j}].name"), &a.name)).chain(
+            a.aliases
+                .iter()
+                .enumerate()
+                .map(move |(k, x)| (format!("adapters.models[{j}].aliases[{k}]"), x)),
+        )
+    });
+    for (key, name) in std::iter::once(("name".to_string(), &app.name))
+        .chain(
+            app.aliases
+                .iter()
+                .enumerate()
+                .map(|(j, a)| (format!("aliases[{j}]"), a)),
+        )
+        .chain(adapters)
+    {
+        if !names.insert(name) {
+            return Err((
+                at(&key),
+                format!("the name {name:?} is already used by another app"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl AutoscaleSpec {
+    /// Its checks; `at` names a key. Scaling on the engine's signals needs
+    /// them read (`engine_metrics`).
+    fn validate(
+        &self,
+        at: &impl Fn(&str) -> String,
+        engine_metrics: bool,
+    ) -> Result<(), (String, String)> {
+        let a = self;
         if a.max == 0 {
             return Err((at("autoscale.max"), "must be at least 1".into()));
         }
@@ -640,9 +684,7 @@ impl Config {
                 "must be above 0 and at most 1.0 (0.8 means 80% of the KV cache)".into(),
             ));
         }
-        if (a.target_waiting.is_some() || a.target_kv_cache_usage.is_some())
-            && app.engine.metrics_path.is_none()
-        {
+        if (a.target_waiting.is_some() || a.target_kv_cache_usage.is_some()) && !engine_metrics {
             let key = if a.target_waiting.is_some() {
                 "autoscale.target_waiting"
             } else {
@@ -679,13 +721,14 @@ impl Config {
                 "must be more than 0s and at most stable_window".into(),
             ));
         }
-        if app.queue.timeout.is_zero() {
-            return Err((at("queue.timeout"), "must be more than 0s".into()));
-        }
-        app.routing.validate(at)?;
-        app.engine.validate(at)?;
-        app.adapters.validate(at)?;
-        let pr = &app.promotion;
+        Ok(())
+    }
+}
+
+impl PromotionSpec {
+    /// Its checks; `at` names a key.
+    fn validate(&self, at: impl Fn(&str) -> String) -> Result<(), (String, String)> {
+        let pr = self;
         if pr.marker.is_empty() || pr.marker.contains('/') {
             return Err((
                 at("promotion.marker"),
