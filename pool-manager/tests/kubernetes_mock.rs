@@ -14,7 +14,7 @@ use kube::client::Body;
 use serde_json::{Value, json};
 use tower_test::mock;
 use warmgate_deploy::{KubeBackendConfig, PodSpec, Toleration};
-use warmgate_pool::kubernetes::{KubeBackend, KubeSettings, pod_for};
+use warmgate_pool::kubernetes::{KubeBackend, KubeSettings, PodError, pod_for};
 use warmgate_pool::{Backend, Launch};
 
 type Handle = mock::Handle<Request<Body>, Response<Full<Bytes>>>;
@@ -331,18 +331,16 @@ fn the_pod_carries_the_worker_contract_gpus_placement_and_labels() {
     assert!(v["spec"]["containers"][0].get("resources").is_none());
     // No image: a clear error, no pod.
     l.image = None;
-    assert!(
-        pod_for(&l, &settings(), None)
-            .unwrap_err()
-            .contains("image")
-    );
+    assert!(pod_for(&l, &settings(), None).unwrap_err() == PodError::NoImage);
 }
 
 #[test]
 fn a_service_account_is_used_only_when_the_settings_allow_it() {
     let mut l = launch("llm-00002-1");
     l.pod.service_account = Some("warmgate".into());
-    let err = pod_for(&l, &settings(), None).expect_err("not allowed");
+    let err = pod_for(&l, &settings(), None)
+        .map_err(|e| e.to_string())
+        .expect_err("not allowed");
     assert!(err.contains("allowed_service_accounts"), "{err}");
     let mut allowing = settings();
     allowing.config.allowed_service_accounts = vec!["llm-reader".into()];
@@ -677,7 +675,9 @@ fn the_command_takes_its_port_and_variables_without_a_shell() {
         ])
     );
     l.command = vec!["serve".into(), "--model".into(), "$MODLE".into()];
-    let err = pod_for(&l, &settings(), None).expect_err("an unset variable");
+    let err = pod_for(&l, &settings(), None)
+        .map_err(|e| e.to_string())
+        .expect_err("an unset variable");
     assert!(err.contains("$MODLE"), "{err}");
 }
 
@@ -695,7 +695,9 @@ fn a_pod_reads_allowed_secrets_pulls_with_them_and_gets_a_memory_backed_shm() {
     l.pod.image_pull_secrets = vec!["registry".into()];
     let mut s = settings();
     // A secret the operator does not allow is never read into a pod.
-    let err = pod_for(&l, &s, None).expect_err("not allowed");
+    let err = pod_for(&l, &s, None)
+        .map_err(|e| e.to_string())
+        .expect_err("not allowed");
     assert!(err.contains("allowed_secrets"), "{err}");
     s.config.allowed_secrets = vec!["hf".into(), "s3-credentials".into(), "registry".into()];
     let pod = pod_for(&l, &s, None).expect("pod");
@@ -997,7 +999,9 @@ fn a_pod_mounts_allowed_volumes_and_runs_on_the_nodes_asked_for() {
     }];
     let mut s = settings();
     // Another team's claim is never mounted.
-    let err = pod_for(&l, &s, None).expect_err("not allowed");
+    let err = pod_for(&l, &s, None)
+        .map_err(|e| e.to_string())
+        .expect_err("not allowed");
     assert!(err.contains("allowed_claims"), "{err}");
     s.config.allowed_claims = vec!["hf-cache".into()];
     let v = serde_json::to_value(pod_for(&l, &s, None).expect("pod")).expect("json");

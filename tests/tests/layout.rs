@@ -293,10 +293,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ),
     ("pool-manager/src/backend/local.rs::spawn", "not split yet"),
     (
-        "pool-manager/src/backend/kubernetes/pod.rs::pod_for",
-        "not split yet",
-    ),
-    (
         "pool-manager/src/manager/actor.rs::on_event",
         "not split yet",
     ),

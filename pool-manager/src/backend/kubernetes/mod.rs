@@ -14,7 +14,7 @@ mod pod;
 mod process;
 mod view;
 
-pub use pod::pod_for;
+pub use pod::{PodError, pod_for};
 pub use view::{PodView, ended_of, view_of};
 
 use std::collections::{BTreeMap, HashMap};
@@ -223,7 +223,7 @@ impl Backend for KubeBackend {
         let owner = self.shared.owners.lock().get(&launch.target).cloned();
         let pod = pod_for(launch, &self.settings, owner).map_err(|reason| Error::SpawnFailed {
             program: launch.image.clone().unwrap_or_default(),
-            reason,
+            reason: reason.to_string(),
         })?;
         let name = launch.replica.clone();
         // Register before creating, so no watch event can be missed.

@@ -42,171 +42,18 @@ pub fn pod_for(
     launch: &Launch,
     settings: &KubeSettings,
     owner: Option<OwnerReference>,
-) -> std::result::Result<Pod, String> {
+) -> std::result::Result<Pod, PodError> {
     let image = launch
         .image
         .clone()
         .filter(|i| !i.is_empty())
-        .ok_or("the kubernetes backend needs an `image`")?;
+        .ok_or(PodError::NoImage)?;
     let spec = &launch.pod;
-    if let Some(sa) = &spec.service_account
-        && !settings.config.allowed_service_accounts.contains(sa)
-    {
-        return Err(format!(
-            "the service account {sa:?} is not in backend.kubernetes.allowed_service_accounts"
-        ));
-    }
-    for secret in spec
-        .secret_env
-        .values()
-        .map(|k| &k.secret)
-        .chain(&spec.env_from_secrets)
-        .chain(&spec.image_pull_secrets)
-    {
-        if !settings.config.allowed_secrets.contains(secret) {
-            return Err(format!(
-                "the secret {secret:?} is not in backend.kubernetes.allowed_secrets"
-            ));
-        }
-    }
-    for v in spec.volumes.values() {
-        if let Some(c) = &v.claim
-            && !settings.config.allowed_claims.contains(c)
-        {
-            return Err(format!(
-                "the claim {c:?} is not in backend.kubernetes.allowed_claims"
-            ));
-        }
-        if let Some(c) = &v.config_map
-            && !settings.config.allowed_config_maps.contains(c)
-        {
-            return Err(format!(
-                "the config map {c:?} is not in backend.kubernetes.allowed_config_maps"
-            ));
-        }
-    }
+    check_allowed(spec, settings)?;
     let port = port_of(launch);
-    let mut labels = BTreeMap::from([
-        (MANAGED_BY.to_string(), "warmgate".to_string()),
-        (INSTANCE.to_string(), settings.instance.clone()),
-        (REVISION.to_string(), launch.revision.clone()),
-        (REPLICA.to_string(), launch.replica.clone()),
-        (INTERCHANGEABLE.to_string(), interchangeable(launch)),
-    ]);
-    labels.insert(
-        if launch.pool { POOL } else { APP }.to_string(),
-        launch.target.clone(),
-    );
-    let mut vars = launch.env.clone();
-    vars.insert("PORT".into(), port.to_string());
-    vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
-    vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
-    vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
-    if let Some(c) = &launch.checkpoint {
-        vars.insert("WARMGATE_CHECKPOINT".into(), c.clone());
-    }
-    let command = crate::backend::expand_command(&launch.command, &vars)?;
-    let mut env: Vec<EnvVar> = launch.env.iter().map(|(k, v)| env_var(k, v)).collect();
-    env.push(env_var("PORT", &port.to_string()));
-    env.push(env_var("WARMGATE_REPLICA", &launch.replica));
-    env.push(env_var("WARMGATE_TARGET", &launch.target));
-    env.push(env_var("WARMGATE_REVISION", &launch.revision));
-    if let Some(c) = &launch.checkpoint {
-        env.push(env_var("WARMGATE_CHECKPOINT", c));
-    }
-    for (name, k) in &spec.secret_env {
-        env.push(EnvVar {
-            name: name.clone(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: k.secret.clone(),
-                    key: k.key.clone(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        });
-    }
-    let env_from: Vec<EnvFromSource> = spec
-        .env_from_secrets
-        .iter()
-        .map(|name| EnvFromSource {
-            secret_ref: Some(SecretEnvSource {
-                name: name.clone(),
-                optional: Some(false),
-            }),
-            ..EnvFromSource::default()
-        })
-        .collect();
-    // A memory-backed /dev/shm: GPU workers (NCCL, data loaders) need more
-    // than the container runtime's 64 MiB.
-    let shm = match spec.shm_size.as_deref() {
-        Some("0") => None,
-        Some(size) => Some(Some(Quantity(size.to_string()))),
-        None if launch.gpu_count > 0 => Some(None),
-        None => None,
-    };
-    let (volumes, mounts) = volumes_of(spec, shm);
-    let affinity = (!spec.node_affinity.is_empty()).then(|| Affinity {
-        node_affinity: Some(NodeAffinity {
-            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
-                node_selector_terms: vec![NodeSelectorTerm {
-                    match_expressions: Some(
-                        spec.node_affinity
-                            .iter()
-                            .map(|n| NodeSelectorRequirement {
-                                key: n.key.clone(),
-                                operator: n.operator.clone(),
-                                values: (!n.values.is_empty()).then(|| n.values.clone()),
-                            })
-                            .collect(),
-                    ),
-                    ..NodeSelectorTerm::default()
-                }],
-            }),
-            ..NodeAffinity::default()
-        }),
-        ..Affinity::default()
-    });
-    let mut limits = BTreeMap::new();
-    if launch.gpu_count > 0 {
-        limits.insert(
-            GPU_RESOURCE.to_string(),
-            Quantity(launch.gpu_count.to_string()),
-        );
-    }
-    if let Some(cpu) = &spec.cpu {
-        limits.insert("cpu".to_string(), Quantity(cpu.clone()));
-    }
-    if let Some(mem) = &spec.memory {
-        limits.insert("memory".to_string(), Quantity(mem.clone()));
-    }
-    // Requests equal limits: a replica's latency must not depend on its
-    // neighbours (the Guaranteed QoS class).
-    let resources = (!limits.is_empty()).then(|| ResourceRequirements {
-        requests: Some(limits.clone()),
-        limits: Some(limits),
-        ..ResourceRequirements::default()
-    });
-    let mut node_selector = spec.node_selector.clone();
-    if let Some(t) = &spec.gpu_type {
-        node_selector.insert(GPU_PRODUCT.to_string(), t.clone());
-    }
-    let mut tolerations: Vec<KubeToleration> = spec.tolerations.iter().map(toleration).collect();
-    if spec.interruptible {
-        node_selector.extend(settings.config.spot_node_selector.clone());
-        tolerations.extend(settings.config.spot_tolerations.iter().map(toleration));
-    }
-    if launch.gpu_count > 0 {
-        // GPU node pools are commonly tainted so that only GPU pods land.
-        tolerations.push(KubeToleration {
-            key: Some(GPU_RESOURCE.to_string()),
-            operator: Some("Exists".to_string()),
-            effect: Some("NoSchedule".to_string()),
-            ..KubeToleration::default()
-        });
-    }
+    let (command, env, env_from) = environment(launch, port)?;
+    let (volumes, mounts) = volumes_of(spec, shm_of(launch));
+    let (node_selector, tolerations) = placement(launch, settings);
     let container = Container {
         name: "worker".to_string(),
         image: Some(image),
@@ -218,40 +65,13 @@ pub fn pod_for(
             name: Some("http".to_string()),
             ..ContainerPort::default()
         }]),
-        resources,
-        readiness_probe: Some(Probe {
-            period_seconds: Some(whole_seconds(launch.health.period)),
-            timeout_seconds: Some(whole_seconds(launch.health.timeout)),
-            failure_threshold: Some(launch.health.failure_threshold as i32),
-            ..health_get(&launch.health.path, port)
-        }),
-        // Readiness is not judged until the worker has had its
-        // startup_timeout to load: the startup grace.
-        startup_probe: Some(Probe {
-            period_seconds: Some(STARTUP_PROBE_PERIOD_SECONDS),
-            timeout_seconds: Some(whole_seconds(launch.health.timeout)),
-            failure_threshold: Some(
-                (launch
-                    .startup_timeout
-                    .as_secs()
-                    .div_ceil(STARTUP_PROBE_PERIOD_SECONDS as u64))
-                .clamp(1, i32::MAX as u64) as i32,
-            ),
-            ..health_get(&launch.health.path, port)
-        }),
+        resources: resources_of(launch),
         env_from: (!env_from.is_empty()).then_some(env_from),
         volume_mounts: (!mounts.is_empty()).then_some(mounts),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            privileged: Some(false),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_string()]),
-                add: None,
-            }),
-            ..SecurityContext::default()
-        }),
-        ..Container::default()
+        ..locked_down(probes(launch, port))
     };
+    let affinity = affinity_of(spec);
+    let labels = labels_of(launch, settings);
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(launch.replica.clone()),
@@ -292,6 +112,276 @@ pub fn pod_for(
         }),
         status: None,
     })
+}
+
+/// Why a replica's pod cannot be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PodError {
+    /// The launch names no image.
+    #[error("the kubernetes backend needs an `image`")]
+    NoImage,
+    /// A resource the pod would use is not on the operator's list.
+    #[error("the {what} {name:?} is not in backend.kubernetes.{list}")]
+    NotAllowed {
+        /// `secret`, `claim`, `config map`, `service account`.
+        what: &'static str,
+        /// Its name.
+        name: String,
+        /// The list it must be on (`allowed_secrets`).
+        list: &'static str,
+    },
+    /// The command does not expand.
+    #[error("{0}")]
+    Command(String),
+}
+
+/// Every service account, secret, claim and config map the pod would use
+/// must be on the operator's lists: whoever may create a resource must
+/// not reach the namespace's others through the operator.
+fn check_allowed(
+    spec: &warmgate_deploy::PodSpec,
+    settings: &KubeSettings,
+) -> std::result::Result<(), PodError> {
+    let c = &settings.config;
+    let refused = |what, name: &String, list| PodError::NotAllowed {
+        what,
+        name: name.clone(),
+        list,
+    };
+    if let Some(sa) = &spec.service_account
+        && !c.allowed_service_accounts.contains(sa)
+    {
+        return Err(refused("service account", sa, "allowed_service_accounts"));
+    }
+    let secrets = spec
+        .secret_env
+        .values()
+        .map(|k| &k.secret)
+        .chain(&spec.env_from_secrets)
+        .chain(&spec.image_pull_secrets);
+    for secret in secrets {
+        if !c.allowed_secrets.contains(secret) {
+            return Err(refused("secret", secret, "allowed_secrets"));
+        }
+    }
+    for v in spec.volumes.values() {
+        if let Some(claim) = v.claim.as_ref().filter(|x| !c.allowed_claims.contains(x)) {
+            return Err(refused("claim", claim, "allowed_claims"));
+        }
+        if let Some(map) = v
+            .config_map
+            .as_ref()
+            .filter(|x| !c.allowed_config_maps.contains(x))
+        {
+            return Err(refused("config map", map, "allowed_config_maps"));
+        }
+    }
+    Ok(())
+}
+
+/// The pod's labels: who manages it, the gateway instance, the target,
+/// revision and replica, and what makes two launches interchangeable.
+fn labels_of(launch: &Launch, settings: &KubeSettings) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::from([
+        (MANAGED_BY.to_string(), "warmgate".to_string()),
+        (INSTANCE.to_string(), settings.instance.clone()),
+        (REVISION.to_string(), launch.revision.clone()),
+        (REPLICA.to_string(), launch.replica.clone()),
+        (INTERCHANGEABLE.to_string(), interchangeable(launch)),
+    ]);
+    labels.insert(
+        if launch.pool { POOL } else { APP }.to_string(),
+        launch.target.clone(),
+    );
+    labels
+}
+
+/// The command expanded from the pod's own variables, the worker
+/// contract's environment with the secrets' variables, and the secrets
+/// read whole into it.
+fn environment(
+    launch: &Launch,
+    port: u16,
+) -> std::result::Result<(Vec<String>, Vec<EnvVar>, Vec<EnvFromSource>), PodError> {
+    let spec = &launch.pod;
+    let mut vars = launch.env.clone();
+    vars.insert("PORT".into(), port.to_string());
+    vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
+    vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
+    vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
+    if let Some(c) = &launch.checkpoint {
+        vars.insert("WARMGATE_CHECKPOINT".into(), c.clone());
+    }
+    let command =
+        crate::backend::expand_command(&launch.command, &vars).map_err(PodError::Command)?;
+    let mut env: Vec<EnvVar> = launch.env.iter().map(|(k, v)| env_var(k, v)).collect();
+    env.push(env_var("PORT", &port.to_string()));
+    env.push(env_var("WARMGATE_REPLICA", &launch.replica));
+    env.push(env_var("WARMGATE_TARGET", &launch.target));
+    env.push(env_var("WARMGATE_REVISION", &launch.revision));
+    if let Some(c) = &launch.checkpoint {
+        env.push(env_var("WARMGATE_CHECKPOINT", c));
+    }
+    for (name, k) in &spec.secret_env {
+        env.push(EnvVar {
+            name: name.clone(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: k.secret.clone(),
+                    key: k.key.clone(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
+    let env_from: Vec<EnvFromSource> = spec
+        .env_from_secrets
+        .iter()
+        .map(|name| EnvFromSource {
+            secret_ref: Some(SecretEnvSource {
+                name: name.clone(),
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        })
+        .collect();
+    Ok((command, env, env_from))
+}
+
+/// A memory-backed /dev/shm's size limit, when the pod gets one.
+fn shm_of(launch: &Launch) -> Option<Option<Quantity>> {
+    let spec = &launch.pod;
+    // A memory-backed /dev/shm: GPU workers (NCCL, data loaders) need more
+    // than the container runtime's 64 MiB.
+    match spec.shm_size.as_deref() {
+        Some("0") => None,
+        Some(size) => Some(Some(Quantity(size.to_string()))),
+        None if launch.gpu_count > 0 => Some(None),
+        None => None,
+    }
+}
+
+/// Required node-affinity terms, all of which must hold.
+fn affinity_of(spec: &warmgate_deploy::PodSpec) -> Option<Affinity> {
+    (!spec.node_affinity.is_empty()).then(|| Affinity {
+        node_affinity: Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(
+                        spec.node_affinity
+                            .iter()
+                            .map(|n| NodeSelectorRequirement {
+                                key: n.key.clone(),
+                                operator: n.operator.clone(),
+                                values: (!n.values.is_empty()).then(|| n.values.clone()),
+                            })
+                            .collect(),
+                    ),
+                    ..NodeSelectorTerm::default()
+                }],
+            }),
+            ..NodeAffinity::default()
+        }),
+        ..Affinity::default()
+    })
+}
+
+/// GPUs, CPU and memory, requested as much as limited.
+fn resources_of(launch: &Launch) -> Option<ResourceRequirements> {
+    let spec = &launch.pod;
+    let mut limits = BTreeMap::new();
+    if launch.gpu_count > 0 {
+        limits.insert(
+            GPU_RESOURCE.to_string(),
+            Quantity(launch.gpu_count.to_string()),
+        );
+    }
+    if let Some(cpu) = &spec.cpu {
+        limits.insert("cpu".to_string(), Quantity(cpu.clone()));
+    }
+    if let Some(mem) = &spec.memory {
+        limits.insert("memory".to_string(), Quantity(mem.clone()));
+    }
+    // Requests equal limits: a replica's latency must not depend on its
+    // neighbours (the Guaranteed QoS class).
+    (!limits.is_empty()).then(|| ResourceRequirements {
+        requests: Some(limits.clone()),
+        limits: Some(limits),
+        ..ResourceRequirements::default()
+    })
+}
+
+/// Where the pod may run: its node selector (the GPU model, spot nodes
+/// for an interruptible replica) and its tolerations (spot and GPU taints).
+fn placement(
+    launch: &Launch,
+    settings: &KubeSettings,
+) -> (BTreeMap<String, String>, Vec<KubeToleration>) {
+    let spec = &launch.pod;
+    let mut node_selector = spec.node_selector.clone();
+    if let Some(t) = &spec.gpu_type {
+        node_selector.insert(GPU_PRODUCT.to_string(), t.clone());
+    }
+    let mut tolerations: Vec<KubeToleration> = spec.tolerations.iter().map(toleration).collect();
+    if spec.interruptible {
+        node_selector.extend(settings.config.spot_node_selector.clone());
+        tolerations.extend(settings.config.spot_tolerations.iter().map(toleration));
+    }
+    if launch.gpu_count > 0 {
+        // GPU node pools are commonly tainted so that only GPU pods land.
+        tolerations.push(KubeToleration {
+            key: Some(GPU_RESOURCE.to_string()),
+            operator: Some("Exists".to_string()),
+            effect: Some("NoSchedule".to_string()),
+            ..KubeToleration::default()
+        });
+    }
+    (node_selector, tolerations)
+}
+
+/// The readiness probe on the health path, and the startup probe that
+/// gives the worker its `startup_timeout` to load first.
+fn probes(launch: &Launch, port: u16) -> (Probe, Probe) {
+    let readiness = Probe {
+        period_seconds: Some(whole_seconds(launch.health.period)),
+        timeout_seconds: Some(whole_seconds(launch.health.timeout)),
+        failure_threshold: Some(launch.health.failure_threshold as i32),
+        ..health_get(&launch.health.path, port)
+    };
+    let startup = Probe {
+        period_seconds: Some(STARTUP_PROBE_PERIOD_SECONDS),
+        timeout_seconds: Some(whole_seconds(launch.health.timeout)),
+        failure_threshold: Some(
+            (launch
+                .startup_timeout
+                .as_secs()
+                .div_ceil(STARTUP_PROBE_PERIOD_SECONDS as u64))
+            .clamp(1, i32::MAX as u64) as i32,
+        ),
+        ..health_get(&launch.health.path, port)
+    };
+    (readiness, startup)
+}
+
+/// A container with its probes that cannot gain privileges and holds no
+/// Linux capability.
+fn locked_down((readiness, startup): (Probe, Probe)) -> Container {
+    Container {
+        readiness_probe: Some(readiness),
+        startup_probe: Some(startup),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            privileged: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_string()]),
+                add: None,
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
+    }
 }
 
 /// The pod's volumes and the worker's mounts: the memory-backed
