@@ -272,10 +272,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
     ("gateway/src/operator/mod.rs::run", "not split yet"),
     ("gateway/src/promote/drive.rs::drive", "not split yet"),
     ("gateway/src/report.rs::status_of", "not split yet"),
-    (
-        "gateway/src/runtime/assemble.rs::with_state",
-        "not split yet",
-    ),
     ("gateway/src/runtime/mod.rs::serve_with", "not split yet"),
     (
         "gateway/src/serving/pipeline.rs::serve_once_or_refused",

@@ -46,25 +46,8 @@ impl Gateway {
         let base = workdir
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from("."));
-        // Owner only: it holds the state database, replica logs and the
-        // weight cache.
-        {
-            use std::os::unix::fs::DirBuilderExt as _;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&config.state_dir)
-                .with_context(|| format!("create {}", config.state_dir.display()))?;
-        }
-        let tenants =
-            crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
-                .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?
-                .map(|t| {
-                    t.with_byte_shares(
-                        config.limits.max_pending_task_bytes,
-                        config.limits.max_task_body_bytes,
-                    )
-                });
+        make_state_dir(&config)?;
+        let tenants = tenants_of(&config)?;
         // `state.db` holds the task journal in every mode (tasks are the
         // pools' and last as long as their gateway), and the revisions
         // unless the operator keeps them in the cluster.
@@ -74,45 +57,8 @@ impl Gateway {
             Some(s) => Arc::from(s),
             None => db.store()?,
         };
-        let w = &config.weights;
-        // Adapters pulled for the engines share the cache's byte budget.
-        let adapters_dir = config.state_dir.join("adapters");
-        let cache =
-            warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
-                .context("open the weight cache")?
-                .sharing_with(&adapters_dir);
-        let allowed = warmgate_pool::weights::AllowList::new(
-            &crate::weights::allowed_prefixes(&config),
-            &base,
-        )
-        .context("weights.allowed_prefixes")?;
-        let stream = warmgate_pool::weights::StreamConfig {
-            concurrency: w.concurrency,
-            part_size: w.part_size_bytes,
-            memory_limit: w.memory_limit_bytes,
-        };
-        let weights = Arc::new(crate::weights::Weights::new(
-            cache.clone(),
-            stream.clone(),
-            allowed,
-            base,
-        ));
-        let adapter_files = Arc::new(crate::serving::adapter_files::AdapterFiles::new(
-            weights.clone(),
-            cache,
-            stream,
-            adapters_dir,
-        ));
-        // Pods reach the gateway at its advertised address (its Service);
-        // workers on this machine on loopback when it listens on every
-        // interface.
-        let reach = match &config.backend.kubernetes.advertise {
-            Some(a) if config.backend.kind == warmgate_deploy::BackendKind::Kubernetes => a.clone(),
-            _ if addr.ip().is_unspecified() => {
-                std::net::SocketAddr::from(([127, 0, 0, 1], addr.port())).to_string()
-            }
-            _ => addr.to_string(),
-        };
+        let (weights, adapter_files) = weights_of(&config, base)?;
+        let reach = reach_of(&config, addr);
         // The changes made through the API, over the file. The weights
         // allow-list above is the file's alone: a checkpoint put through
         // the API must lie under it.
@@ -120,21 +66,7 @@ impl Gateway {
             .overlay()
             .context("read the changes made through the API")?;
         let config = lay_over(config, overlay);
-        let tasks = Arc::new(crate::tasks::store::TaskStore::new(
-            crate::tasks::store::StoreLimits {
-                max_pending_bytes: config.limits.max_pending_task_bytes,
-                max_results_bytes: config.limits.max_task_results_bytes,
-            },
-        ));
-        let (journal, recovered) = db.journal(config.limits.max_journal_bytes)?;
-        if recovered.failed > 0 {
-            tracing::warn!(
-                tasks = recovered.failed,
-                "async tasks accepted before the last stop had not finished; they are marked failed (gateway_restarted)"
-            );
-        }
-        metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
-        tasks.set_journal(Arc::new(journal));
+        let tasks = tasks_of(&config, &db)?;
         let usage = Arc::new(db.usage(config.limits.max_usage_bytes)?);
         let host = Arc::new(Host::new(config, reach, workdir, metrics));
         let revisions: Revisions = Arc::default();
@@ -199,6 +131,18 @@ impl Gateway {
             peers: crate::peers::Peers::default(),
             usage,
         });
+        gw.start_all(tolerant)?;
+        Ok(gw)
+    }
+}
+
+impl Gateway {
+    /// Starts the config's pools, then its apps from their stored state
+    /// (read in one go where the store can, written in one batch). Under
+    /// the operator (`tolerant`) an app that cannot start is left out and
+    /// reported; otherwise it fails the start.
+    fn start_all(self: &Arc<Self>, tolerant: bool) -> anyhow::Result<()> {
+        let gw = self;
         for spec in &gw.host.config.pools {
             gw.changes.start_pool(spec.clone())?;
         }
@@ -209,9 +153,9 @@ impl Gateway {
         // leaves each app to be read alone, as before, so only the apps
         // that are served can fail the start.
         let mut stored = gw.store.load_all().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "the stored histories cannot be read at once; each app's is read alone");
-            None
-        });
+                tracing::warn!(error = %e, "the stored histories cannot be read at once; each app's is read alone");
+                None
+            });
         gw.store.batch(&mut || {
             for spec in &gw.host.config.apps {
                 let history = stored
@@ -239,8 +183,109 @@ impl Gateway {
         for app in &apps {
             gw.changes.watch_app(app);
         }
-        Ok(gw)
+        Ok(())
     }
+}
+
+/// The state folder, owner only: it holds the state database, replica
+/// logs and the weight cache.
+fn make_state_dir(config: &Config) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&config.state_dir)
+        .with_context(|| format!("create {}", config.state_dir.display()))
+}
+
+/// The tenants of `[[tenants]]`, their keys read from the environment.
+fn tenants_of(config: &Config) -> anyhow::Result<Option<crate::tenants::Tenants>> {
+    Ok(
+        crate::tenants::Tenants::from_config(&config.tenants, |v| std::env::var(v).ok())
+            .map_err(|(key, message)| anyhow::anyhow!("{key}: {message}"))?
+            .map(|t| {
+                t.with_byte_shares(
+                    config.limits.max_pending_task_bytes,
+                    config.limits.max_task_body_bytes,
+                )
+            }),
+    )
+}
+
+/// The checkpoints the gateway serves its workers (the weight cache, the
+/// file's allow-list, relative URIs against `base`), and the folders
+/// adapters are pulled into for the engines, which share the cache's byte
+/// budget.
+fn weights_of(
+    config: &Config,
+    base: std::path::PathBuf,
+) -> anyhow::Result<(
+    Arc<crate::weights::Weights>,
+    Arc<crate::serving::adapter_files::AdapterFiles>,
+)> {
+    let w = &config.weights;
+    // Adapters pulled for the engines share the cache's byte budget.
+    let adapters_dir = config.state_dir.join("adapters");
+    let cache =
+        warmgate_pool::weights::Cache::open(config.state_dir.join("cache"), w.cache_max_bytes)
+            .context("open the weight cache")?
+            .sharing_with(&adapters_dir);
+    let allowed =
+        warmgate_pool::weights::AllowList::new(&crate::weights::allowed_prefixes(&config), &base)
+            .context("weights.allowed_prefixes")?;
+    let stream = warmgate_pool::weights::StreamConfig {
+        concurrency: w.concurrency,
+        part_size: w.part_size_bytes,
+        memory_limit: w.memory_limit_bytes,
+    };
+    let weights = Arc::new(crate::weights::Weights::new(
+        cache.clone(),
+        stream.clone(),
+        allowed,
+        base,
+    ));
+    let adapter_files = Arc::new(crate::serving::adapter_files::AdapterFiles::new(
+        weights.clone(),
+        cache,
+        stream,
+        adapters_dir,
+    ));
+    Ok((weights, adapter_files))
+}
+
+/// Where workers reach the gateway: pods at its advertised address (its
+/// Service), workers on this machine on loopback when it listens on every
+/// interface.
+fn reach_of(config: &Config, addr: std::net::SocketAddr) -> String {
+    // interface.
+    match &config.backend.kubernetes.advertise {
+        Some(a) if config.backend.kind == warmgate_deploy::BackendKind::Kubernetes => a.clone(),
+        _ if addr.ip().is_unspecified() => {
+            std::net::SocketAddr::from(([127, 0, 0, 1], addr.port())).to_string()
+        }
+        _ => addr.to_string(),
+    }
+}
+
+/// The task store, bounded by the limits, with its journal in `state.db`:
+/// the async tasks of the last run that had not finished are marked failed.
+fn tasks_of(config: &Config, db: &StateDb) -> anyhow::Result<Arc<crate::tasks::store::TaskStore>> {
+    let tasks = Arc::new(crate::tasks::store::TaskStore::new(
+        crate::tasks::store::StoreLimits {
+            max_pending_bytes: config.limits.max_pending_task_bytes,
+            max_results_bytes: config.limits.max_task_results_bytes,
+        },
+    ));
+    let (journal, recovered) = db.journal(config.limits.max_journal_bytes)?;
+    if recovered.failed > 0 {
+        tracing::warn!(
+            tasks = recovered.failed,
+            "async tasks accepted before the last stop had not finished; they are marked failed (gateway_restarted)"
+        );
+    }
+    metrics::counter!("warmgate_tasks_failed_by_restart_total").increment(recovered.failed);
+    tasks.set_journal(Arc::new(journal));
+    Ok(tasks)
 }
 
 /// The changes made through the API laid over the file's `config`, one at
