@@ -292,10 +292,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "pool-manager/src/manager/actor.rs::on_event",
         "not split yet",
     ),
-    (
-        "pool-manager/src/manager/lifecycle.rs::run",
-        "not split yet",
-    ),
     ("pool-manager/src/weights/pull.rs::pull", "not split yet"),
     (
         "tests/src/bin/test-worker.rs::run",

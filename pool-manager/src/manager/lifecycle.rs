@@ -49,50 +49,104 @@ pub(super) struct ReplicaTask {
 
 impl ReplicaTask {
     /// Starts the replica (or takes over `adopted`, already running),
-    /// probes it until ready, then watches it.
+    /// probes it until ready, then watches it. Each phase that ends the
+    /// replica has told the actor why.
     pub(super) async fn run(
         self,
         launch: Launch,
         adopted: Option<Box<dyn Process>>,
         mut stop: oneshot::Receiver<()>,
     ) {
-        let seq = self.seq;
         let t0 = Instant::now();
         let was_running = adopted.is_some();
-        let spawned = match adopted {
-            Some(p) => Ok(p),
-            None => tokio::select! {
-                biased;
-                _ = &mut stop => {
-                    self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true, output: None }).await;
-                    return;
-                }
-                r = self.inner.backend.spawn(&launch) => r,
-            },
-        };
-        let mut proc = match spawned {
-            Ok(p) => p,
-            Err(error) => {
-                self.send(Event::StartFailed { seq, error }).await;
-                return;
-            }
+        let Some(mut proc) = self.spawn(&launch, adopted, &mut stop).await else {
+            return;
         };
         let spawn = t0.elapsed();
         let t_spawned = Instant::now();
         self.send(Event::Launched {
-            seq,
+            seq: self.seq,
             addr: proc.addr(),
             pid: proc.pid(),
             log: proc.log(),
         })
         .await;
+        let Some((addr, weights_version, weights_ms)) = self
+            .until_ready(&launch, proc.as_mut(), t0, &mut stop)
+            .await
+        else {
+            return;
+        };
+        let ready_at = Instant::now();
+        let startup = if was_running {
+            // A replica taken over did not cold-start: it teaches the
+            // autoscaler nothing about cold starts.
+            Duration::ZERO
+        } else {
+            ready_at.saturating_duration_since(t0)
+        };
+        let handle = self.handle_for(&launch, addr.clone(), ready_at, startup);
+        handle.weights_version.store(
+            weights_version.unwrap_or(0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.send(Event::Ready {
+            seq: self.seq,
+            handle: handle.clone(),
+            spawn,
+            ready: ready_at - t_spawned,
+            weights: weights_ms.map(Duration::from_millis),
+            adopted: was_running,
+        })
+        .await;
+        self.watch(proc, &handle, &addr, &mut stop).await;
+    }
 
-        // Readiness: probe fast, back off to a small cap.
+    /// The replica's process: the one taken over, or one the backend
+    /// starts. `None` when it was stopped first or failed to start (told).
+    async fn spawn(
+        &self,
+        launch: &Launch,
+        adopted: Option<Box<dyn Process>>,
+        stop: &mut oneshot::Receiver<()>,
+    ) -> Option<Box<dyn Process>> {
+        let seq = self.seq;
+        let spawned = match adopted {
+            Some(p) => Ok(p),
+            None => tokio::select! {
+                biased;
+                _ = stop => {
+                    self.send(Event::Exited { seq, how: "was stopped before it started".into(), asked: true, output: None }).await;
+                    return None;
+                }
+                r = self.inner.backend.spawn(launch) => r,
+            },
+        };
+        match spawned {
+            Ok(p) => Some(p),
+            Err(error) => {
+                self.send(Event::StartFailed { seq, error }).await;
+                None
+            }
+        }
+    }
+
+    /// Probes the process fast, backing off to a small cap, until it is
+    /// healthy: where it answered and the weights it reports. `None` when
+    /// it was stopped, exited, or its startup timeout passed (told).
+    async fn until_ready(
+        &self,
+        launch: &Launch,
+        proc: &mut dyn Process,
+        t0: Instant,
+        stop: &mut oneshot::Receiver<()>,
+    ) -> Option<(crate::Endpoint, Option<u64>, Option<u64>)> {
+        let seq = self.seq;
         let deadline = tokio::time::Instant::from_std(t0 + self.spec.startup_timeout);
         let mut attempt = 0u32;
         let mut last = String::from("no probe answered yet");
         let health = &self.spec.health;
-        let (addr, weights_version, weights_ms) = loop {
+        loop {
             // Asked each time: a replica offered both a port and a socket
             // is reached on the socket once it has made it.
             let addr = proc.addr();
@@ -102,15 +156,15 @@ impl ReplicaTask {
             };
             tokio::select! {
                 biased;
-                _ = &mut stop => {
-                    let how = stop_process(proc.as_mut(), None, self.spec.stop_grace).await;
+                _ = &mut *stop => {
+                    let how = stop_process(proc, None, self.spec.stop_grace).await;
                     self.send(Event::Exited { seq, how, asked: true, output: None }).await;
-                    return;
+                    return None;
                 }
                 how = proc.wait() => {
                     let error = Error::ExitedBeforeReady { exit: how, log: proc.log(), output: proc.tail() };
                     self.send(Event::StartFailed { seq, error }).await;
-                    return;
+                    return None;
                 }
                 _ = tokio::time::sleep_until(deadline) => {
                     // What held it back, when the backend knows (an image
@@ -122,63 +176,65 @@ impl ReplicaTask {
                     proc.wait().await;
                     let error = Error::StartupTimeout { after: self.spec.startup_timeout, last, log: proc.log(), output: proc.tail() };
                     self.send(Event::StartFailed { seq, error }).await;
-                    return;
+                    return None;
                 }
                 r = probe => match r {
-                    ProbeResult::Healthy { weights_version, weights_ms } => break (addr, weights_version, weights_ms),
+                    ProbeResult::Healthy { weights_version, weights_ms } => return Some((addr, weights_version, weights_ms)),
                     ProbeResult::Unhealthy(why) => {
                         last = why;
                         attempt = attempt.saturating_add(1);
                     }
                 }
             }
-        };
-        let ready_at = Instant::now();
+        }
+    }
+
+    /// The handle the gateway routes to once the replica is ready.
+    fn handle_for(
+        &self,
+        launch: &Launch,
+        addr: crate::Endpoint,
+        ready_at: Instant,
+        startup: Duration,
+    ) -> Arc<ReplicaHandle> {
+        let app = matches!(self.spec.id, TargetId::Revision { .. });
         let handle = Arc::new(
             ReplicaHandle::new(
                 launch.replica.clone(),
                 self.spec.id.clone(),
                 self.spec.revision.clone(),
-                addr.clone(),
+                addr,
                 self.spec.concurrency,
                 ready_at,
             )
             // Apps' replicas are served by every gateway replica; a
             // pool's tasks only by the one that leads.
-            .with_share(if matches!(self.spec.id, TargetId::Revision { .. }) {
+            .with_share(if app {
                 self.inner.share.clone()
             } else {
                 Arc::new(crate::replica::Share::default())
             })
-            // A replica taken over did not cold-start: it teaches the
-            // autoscaler nothing about cold starts.
-            .with_startup(if was_running {
-                Duration::ZERO
-            } else {
-                ready_at.saturating_duration_since(t0)
-            }),
+            .with_startup(startup),
         );
-        if matches!(self.spec.id, TargetId::Revision { .. }) {
+        if app {
             let mut v = self.inner.shared_handles.lock();
             v.retain(|w| w.strong_count() > 0);
             v.push(Arc::downgrade(&handle));
         }
-        handle.weights_version.store(
-            weights_version.unwrap_or(0),
-            std::sync::atomic::Ordering::Relaxed,
-        );
-        self.send(Event::Ready {
-            seq,
-            handle: handle.clone(),
-            spawn,
-            ready: ready_at - t_spawned,
-            weights: weights_ms.map(Duration::from_millis),
-            adopted: was_running,
-        })
-        .await;
+        handle
+    }
 
-        // Liveness, until it exits or is asked to stop; and the engine's
-        // load, when the app says where to read it.
+    /// Liveness, until the process exits or is asked to stop; and the
+    /// engine's load, when the app says where to read it.
+    async fn watch(
+        &self,
+        mut proc: Box<dyn Process>,
+        handle: &Arc<ReplicaHandle>,
+        addr: &crate::Endpoint,
+        stop: &mut oneshot::Receiver<()>,
+    ) {
+        let seq = self.seq;
+        let health = &self.spec.health;
         let mut rule = HealthRule::new(health.failure_threshold);
         let mut reported = false;
         let engine = &self.spec.engine;
@@ -189,15 +245,15 @@ impl ReplicaTask {
         let next_probe = || {
             Box::pin(async {
                 tokio::time::sleep(health.period).await;
-                self.inner.prober.probe(&addr, health).await
+                self.inner.prober.probe(addr, health).await
             })
         };
         let mut probe = next_probe();
         loop {
             tokio::select! {
                 biased;
-                _ = &mut stop => {
-                    let how = stop_process(proc.as_mut(), Some(&handle), self.spec.stop_grace).await;
+                _ = &mut *stop => {
+                    let how = stop_process(proc.as_mut(), Some(handle), self.spec.stop_grace).await;
                     self.send(Event::Exited { seq, how, asked: true, output: None }).await;
                     return;
                 }
@@ -207,31 +263,7 @@ impl ReplicaTask {
                     return;
                 }
                 _ = engine_tick.tick(), if engine.metrics_path.is_some() => {
-                    // Read aside, within one period, so a slow engine
-                    // delays neither the probe nor a stop.
-                    let prober = self.inner.prober.clone();
-                    let handle = handle.clone();
-                    let path = engine.metrics_path.clone().unwrap_or_default();
-                    let names = engine.names.clone();
-                    let period = engine.period;
-                    let addr = addr.clone();
-                    tokio::spawn(async move {
-                        // Stamped when asked: a slow answer is as old as the
-                        // question, and never replaces a newer reading.
-                        let at = Instant::now();
-                        let asked_with = handle.inflight();
-                        match prober.read_engine(&addr, &path, &names, period).await {
-                            Ok(load) if !load.is_empty() => {
-                                handle.set_engine(crate::engine::EngineReading {
-                                    load,
-                                    at,
-                                    local: asked_with.max(handle.inflight()),
-                                });
-                            }
-                            Ok(_) => tracing::debug!(replica = %handle.id, "the engine's metrics name no load signal"),
-                            Err(e) => tracing::debug!(replica = %handle.id, error = %e, "cannot read the engine's metrics"),
-                        }
-                    });
+                    self.read_engine_aside(handle, addr);
                 }
                 r = &mut probe, if !reported => {
                     probe = next_probe();
@@ -255,6 +287,39 @@ impl ReplicaTask {
                 }
             }
         }
+    }
+
+    /// Reads the engine's load in a task of its own, within one period, so
+    /// a slow engine delays neither the probe nor a stop.
+    fn read_engine_aside(&self, handle: &Arc<ReplicaHandle>, addr: &crate::Endpoint) {
+        let engine = &self.spec.engine;
+        let prober = self.inner.prober.clone();
+        let handle = handle.clone();
+        let path = engine.metrics_path.clone().unwrap_or_default();
+        let names = engine.names.clone();
+        let period = engine.period;
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            // Stamped when asked: a slow answer is as old as the
+            // question, and never replaces a newer reading.
+            let at = Instant::now();
+            let asked_with = handle.inflight();
+            match prober.read_engine(&addr, &path, &names, period).await {
+                Ok(load) if !load.is_empty() => {
+                    handle.set_engine(crate::engine::EngineReading {
+                        load,
+                        at,
+                        local: asked_with.max(handle.inflight()),
+                    });
+                }
+                Ok(_) => {
+                    tracing::debug!(replica = %handle.id, "the engine's metrics name no load signal")
+                }
+                Err(e) => {
+                    tracing::debug!(replica = %handle.id, error = %e, "cannot read the engine's metrics")
+                }
+            }
+        });
     }
 
     async fn send(&self, ev: Event) {
