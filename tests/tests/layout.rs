@@ -259,10 +259,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "benches/src/bin/weights-bench.rs::run",
         "a bench's sequence of measured phases; not split yet",
     ),
-    (
-        "deploy/src/config/pool.rs::validate_pool",
-        "one check per key of a pool; not split yet",
-    ),
     ("gateway/src/change/mod.rs::put_app_from", "not split yet"),
     ("gateway/src/http/inference.rs::read_model", "not split yet"),
     (

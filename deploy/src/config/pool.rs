@@ -259,6 +259,20 @@ impl Config {
         names: &mut HashSet<&'a str>,
     ) -> Result<(), (String, String)> {
         let at = |key: &str| format!("pools[{i}].{key}");
+        self.check_pool_name(pool, &at, names)?;
+        self.check_pool_runs_here(pool, &at)?;
+        self.check_pool_settings(pool, &at)
+    }
+
+    /// A pool's name: a DNS label no app or pool before it has, that no
+    /// app's revision runs as, and whose on-demand fallback's name (when it
+    /// is interruptible) is free.
+    fn check_pool_name<'a>(
+        &'a self,
+        pool: &'a PoolSpec,
+        at: &impl Fn(&str) -> String,
+        names: &mut HashSet<&'a str>,
+    ) -> Result<(), (String, String)> {
         check_dns_label(&pool.name).map_err(|m| (at("name"), m))?;
         if !names.insert(&pool.name) {
             return Err((
@@ -297,6 +311,16 @@ impl Config {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// What a pool's replicas need to run on this backend, and the name an
+    /// interruptible pool's on-demand replicas run as (room for it, free).
+    fn check_pool_runs_here(
+        &self,
+        pool: &PoolSpec,
+        at: &impl Fn(&str) -> String,
+    ) -> Result<(), (String, String)> {
         if self.backend.kind == BackendKind::Local
             && pool.command.first().is_none_or(|c| c.is_empty())
         {
@@ -334,6 +358,16 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// A pool's own settings: its replica bounds, limit, spares, GPUs,
+    /// timeouts, probes, command, queue and inference share.
+    fn check_pool_settings(
+        &self,
+        pool: &PoolSpec,
+        at: &impl Fn(&str) -> String,
+    ) -> Result<(), (String, String)> {
         let [min, max] = pool.replicas;
         if max == 0 {
             return Err((
@@ -399,7 +433,9 @@ impl Config {
         }
         Ok(())
     }
+}
 
+impl Config {
     /// An app served by a pool's replicas (`apps[i].pool`): the pool
     /// exists, serves no other app, and the app sets nothing that only its
     /// own replicas would use.
