@@ -284,10 +284,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "not split yet",
     ),
     ("pool-manager/src/backend/local.rs::spawn", "not split yet"),
-    (
-        "pool-manager/src/manager/actor.rs::on_event",
-        "not split yet",
-    ),
     ("pool-manager/src/weights/pull.rs::pull", "not split yet"),
     (
         "tests/src/bin/test-worker.rs::run",

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, watch};
+use warmgate_deploy::TargetId;
 
 use super::lifecycle::{ReplicaTask, launch_for};
 use super::state::{Shared, Slot};
@@ -300,63 +301,21 @@ impl Actor {
                 ready,
                 weights,
                 adopted,
-            } => {
-                let Some(slot) = shared.replicas.get_mut(&seq) else {
-                    return;
-                };
-                let Some(next) = slot.state.next(&Transition::BecameReady) else {
-                    // Asked to stop while it was starting: never route to it.
-                    return;
-                };
-                slot.state = next;
-                // Where it was found ready (a replica offered both a port
-                // and a socket is reached where it listened).
-                slot.addr = Some(handle.addr.clone());
-                slot.handle = Some(handle.clone());
-                self.inner.sink.replica_ready(handle.clone());
-                tracing::info!(
-                    target_name = %name,
-                    replica = %handle.id,
-                    spawn_ms = spawn.as_millis() as u64,
-                    ready_ms = ready.as_millis() as u64,
-                    weights_ms = weights.map(|w| w.as_millis() as u64),
-                    adopted,
-                    "replica ready"
-                );
-                shared.last_failure_at_start = false;
-                shared.backoff_until = None;
-                shared.crash_loop = false;
-                if adopted {
-                    // Not a cold start: nothing to measure.
-                    return;
-                }
-                if let Some(w) = weights {
-                    metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "weights")
-                        .record(w.as_secs_f64());
-                }
-                metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "spawn")
-                    .record(spawn.as_secs_f64());
-                metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "ready")
-                    .record(ready.as_secs_f64());
-                shared.last_cold_start = Some(ColdStart {
-                    replica: handle.id.clone(),
-                    spawn_seconds: spawn.as_secs_f64(),
-                    ready_seconds: ready.as_secs_f64(),
-                    weights_seconds: weights.map(|w| w.as_secs_f64()),
-                    at_unix: SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .map(|d| d.as_secs_f64())
-                        .unwrap_or(0.0),
-                });
-            }
+            } => self.on_ready(
+                &mut shared,
+                &name,
+                seq,
+                handle,
+                (spawn, ready, weights),
+                adopted,
+            ),
             Event::StartFailed { seq, error } => {
                 let Some(slot) = shared.replicas.remove(&seq) else {
                     return;
                 };
                 self.release_gpus(&slot.gpus);
                 self.inner.sink.replica_ended(&slot.id);
-                let asked = slot.state == ReplicaState::Draining;
-                if asked {
+                if slot.state == ReplicaState::Draining {
                     return;
                 }
                 tracing::warn!(target_name = %name, replica = %slot.id, %error, "replica failed to start");
@@ -371,37 +330,7 @@ impl Actor {
                 how,
                 asked,
                 output,
-            } => {
-                let Some(slot) = shared.replicas.remove(&seq) else {
-                    return;
-                };
-                self.release_gpus(&slot.gpus);
-                self.inner.sink.replica_ended(&slot.id);
-                if let Some(h) = &slot.handle {
-                    h.set_unroutable();
-                    self.inner.sink.replica_removed(h);
-                }
-                if asked || slot.state == ReplicaState::Draining {
-                    tracing::info!(target_name = %name, replica = %slot.id, %how, "replica stopped");
-                    return;
-                }
-                let ready_for = slot
-                    .handle
-                    .as_ref()
-                    .map_or(Duration::ZERO, |h| h.ready_at.elapsed());
-                let log = slot.log.clone().unwrap_or_default();
-                tracing::warn!(target_name = %name, replica = %slot.id, %how, log = %log, "replica crashed; replacing it");
-                shared.record_failure(
-                    format!(
-                        "replica {} {how}{}",
-                        slot.id,
-                        crate::last_output(&output, &log)
-                    ),
-                    format!("replica {} {how}", slot.id),
-                    false,
-                    ready_for,
-                );
-            }
+            } => self.on_exited(&mut shared, &name, seq, &how, asked, &output),
             Event::Replace { id, reason } => {
                 let Some(seq) = shared
                     .replicas
@@ -436,6 +365,109 @@ impl Actor {
                 }
             }
         }
+    }
+
+    /// A replica passed its readiness probe: routed to (unless it was asked
+    /// to stop meanwhile), the crash-loop state cleared, and its cold start
+    /// (spawn, ready, weights) measured unless it was taken over.
+    fn on_ready(
+        &self,
+        shared: &mut Shared,
+        name: &TargetId,
+        seq: u64,
+        handle: Arc<ReplicaHandle>,
+        (spawn, ready, weights): (Duration, Duration, Option<Duration>),
+        adopted: bool,
+    ) {
+        let Some(slot) = shared.replicas.get_mut(&seq) else {
+            return;
+        };
+        let Some(next) = slot.state.next(&Transition::BecameReady) else {
+            // Asked to stop while it was starting: never route to it.
+            return;
+        };
+        slot.state = next;
+        // Where it was found ready (a replica offered both a port
+        // and a socket is reached where it listened).
+        slot.addr = Some(handle.addr.clone());
+        slot.handle = Some(handle.clone());
+        self.inner.sink.replica_ready(handle.clone());
+        tracing::info!(
+            target_name = %name,
+            replica = %handle.id,
+            spawn_ms = spawn.as_millis() as u64,
+            ready_ms = ready.as_millis() as u64,
+            weights_ms = weights.map(|w| w.as_millis() as u64),
+            adopted,
+            "replica ready"
+        );
+        shared.last_failure_at_start = false;
+        shared.backoff_until = None;
+        shared.crash_loop = false;
+        if adopted {
+            // Not a cold start: nothing to measure.
+            return;
+        }
+        if let Some(w) = weights {
+            metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "weights")
+                .record(w.as_secs_f64());
+        }
+        metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "spawn")
+            .record(spawn.as_secs_f64());
+        metrics::histogram!("warmgate_cold_start_seconds", shared.spec.id.owner_label() => shared.spec.id.owner().to_string(), "phase" => "ready")
+            .record(ready.as_secs_f64());
+        shared.last_cold_start = Some(ColdStart {
+            replica: handle.id.clone(),
+            spawn_seconds: spawn.as_secs_f64(),
+            ready_seconds: ready.as_secs_f64(),
+            weights_seconds: weights.map(|w| w.as_secs_f64()),
+            at_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0),
+        });
+    }
+
+    /// A replica's process ended: out of routing, its GPUs freed; a crash
+    /// (not asked, not draining) is recorded as a failure.
+    fn on_exited(
+        &self,
+        shared: &mut Shared,
+        name: &TargetId,
+        seq: u64,
+        how: &str,
+        asked: bool,
+        output: &Option<String>,
+    ) {
+        let Some(slot) = shared.replicas.remove(&seq) else {
+            return;
+        };
+        self.release_gpus(&slot.gpus);
+        self.inner.sink.replica_ended(&slot.id);
+        if let Some(h) = &slot.handle {
+            h.set_unroutable();
+            self.inner.sink.replica_removed(h);
+        }
+        if asked || slot.state == ReplicaState::Draining {
+            tracing::info!(target_name = %name, replica = %slot.id, %how, "replica stopped");
+            return;
+        }
+        let ready_for = slot
+            .handle
+            .as_ref()
+            .map_or(Duration::ZERO, |h| h.ready_at.elapsed());
+        let log = slot.log.clone().unwrap_or_default();
+        tracing::warn!(target_name = %name, replica = %slot.id, %how, log = %log, "replica crashed; replacing it");
+        shared.record_failure(
+            format!(
+                "replica {} {how}{}",
+                slot.id,
+                crate::last_output(output, &log)
+            ),
+            format!("replica {} {how}", slot.id),
+            false,
+            ready_for,
+        );
     }
 }
 
