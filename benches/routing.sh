@@ -56,11 +56,38 @@
 #       STANDIN_DECODE_MS_PER_TOKEN (4), STANDIN_CACHE_TOKENS (64000),
 #       STANDIN_BLOCK_TOKENS (16), WARMGATE_BIN (default: cargo build --release)
 # The baselines alone need no build: ROUTING_TARGETS=direct-hash,direct-rr
+#   SMOKE=1: the stand-in engines only, 2 of them, every workload for a
+#       second at small sizes (4 groups of 200 words), warmgate the debug
+#       build; SGLang's router too when it is already installed (never
+#       installed by a smoke run: said on stderr); fails unless every
+#       target × workload answered every request it sent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 ENGINE=${ROUTING_ENGINE:-standin}
+SMOKE=${SMOKE:-0}
+SGLANG_VENV=$HOME/.cache/warmgate/sglang-router-venv
+sglang_installed() { [ -x "$SGLANG_VENV/bin/python" ] && "$SGLANG_VENV/bin/python" -c 'import sglang_router' 2>/dev/null; }
+if [ "$SMOKE" = 1 ]; then
+  [ "$ENGINE" = standin ] || { echo "SMOKE=1 runs the stand-in engines only" >&2; exit 64; }
+  export ROUTING_DURATION=${ROUTING_DURATION:-1} ROUTING_DRAIN=${ROUTING_DRAIN:-30}
+  export ROUTING_RATE=${ROUTING_RATE:-20} ROUTING_CHAT_RATE=${ROUTING_CHAT_RATE:-30}
+  export ROUTING_THINK_S=${ROUTING_THINK_S:-0.05} ROUTING_MAX_TOKENS=${ROUTING_MAX_TOKENS:-4}
+  export ROUTING_GROUPS=${ROUTING_GROUPS:-4} ROUTING_SYSTEM_WORDS=${ROUTING_SYSTEM_WORDS:-200}
+  export ROUTING_QUESTION_WORDS=${ROUTING_QUESTION_WORDS:-20} ROUTING_UNIQUE_WORDS=${ROUTING_UNIQUE_WORDS:-100}
+  ENGINES=${ENGINES:-2}
+  ROUTING_TARGETS=${ROUTING_TARGETS:-warmgate-prefix,warmgate-least_loaded,direct-hash,direct-rr,sglang-router}
+  if [[ ",$ROUTING_TARGETS," == *",sglang-router,"* ]] && ! sglang_installed; then
+    echo "routing smoke: SGLang's router is not installed ($SGLANG_VENV; a full run with" \
+      "ROUTING_TARGETS=...,sglang-router installs it from PyPI): running warmgate's and the direct targets only" >&2
+    ROUTING_TARGETS=$(echo ",$ROUTING_TARGETS," | sed 's/,sglang-router,/,/; s/^,//; s/,$//')
+  fi
+  if [ -z "${WARMGATE_BIN:-}" ] && [[ ",$ROUTING_TARGETS," == *",warmgate-"* ]]; then
+    cargo build --workspace --bins -q
+    WARMGATE_BIN=$ROOT/target/debug/warmgate
+  fi
+fi
 LOAD_BOUND=${LOAD_BOUND:-1.25}
 PYTHON=$(python3 -c 'import sys; print(sys.executable)')
 if [ "$ENGINE" = vllm ]; then
@@ -158,8 +185,8 @@ run_direct() { # engine-urls (comma separated): every direct target on these eng
 }
 # SGLang's router (PyPI `sglang-router`), cache_aware, in front of the engines.
 run_sglang_router() { # engine-urls
-  local venv=$HOME/.cache/warmgate/sglang-router-venv port log=$WORK/sglang-router.log pid
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sglang_router' 2>/dev/null; then
+  local venv=$SGLANG_VENV port log=$WORK/sglang-router.log pid
+  if ! sglang_installed; then
     python3 -m venv "$venv" && "$venv/bin/pip" install -q sglang-router
   fi
   port=$(free_port)
@@ -304,3 +331,26 @@ fi
 "$PYTHON" benches/routing_load.py report "$RAW" --order "$TARGETS" \
   --json "$OUT/routing.json" --md "$OUT/routing.md"
 echo "($(( $(date +%s) - START )) s; $OUT/routing.json)" >&2
+if [ "$SMOKE" = 1 ]; then
+  # The smoke run's figures mean nothing; that every target ran every
+  # workload, and every request it sent was answered, does.
+  python3 - "$OUT/routing.json" "$TARGETS" "$WORKLOADS" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+by = {(r["target"], r["workload"]): r for r in rows}
+bad = []
+for t in sys.argv[2].split(","):
+    for w in sys.argv[3].split(","):
+        r = by.get((t, w))
+        if r is None:
+            bad.append(f"{t}/{w}: no result")
+        elif r["sent"] == 0 or r["errors"] or r["ok"] != r["sent"]:
+            bad.append(f"{t}/{w}: {r['ok']} of {r['sent']} answered, errors {r['error_kinds']}")
+        elif not r["prompt_tokens"] or r["ttft_ms"]["p50"] is None:
+            bad.append(f"{t}/{w}: no usage or no first token")
+        elif not r["engines_idle_after"]:
+            bad.append(f"{t}/{w}: the engines were still busy after the phase")
+assert not bad, "routing smoke: " + "; ".join(bad)
+print(f"routing smoke: ok ({len(by)} target × workload phases)", file=sys.stderr)
+PY
+fi

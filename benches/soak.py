@@ -7,10 +7,15 @@ an app and a pool, a promotion with a canary rolled back, SIGHUP, and once a
 accounted for and the gateway's resources are sampled for drift.
 
     python3 benches/soak.py --duration 600 --out target/bench-results
+    SMOKE=1 python3 benches/soak.py   (or --smoke: 20 s, a fault every 2 s,
+                                       the debug build, built first, no
+                                       embeddings app)
 
 writes `soak.json` and `soak.svg` (RSS and p99 over time) to `--out`, prints
 a summary, and exits 1 when a request or task was lost or answered twice,
-or a worker process outlived the run. Standard library only.
+or a worker process outlived the run; the smoke run also when a kind of
+fault did not run, a fault's own call went unanswered, or a traffic class
+had no answer at all. Standard library only.
 
 Accounting. Every request ends in an answer (a 2xx, or an error in the
 gateway's JSON format: a named error) or, while the gateway is down for its
@@ -24,10 +29,12 @@ is counted as answered twice.
 """
 
 import argparse
+import atexit
 import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -628,26 +635,44 @@ def main():
     ap.add_argument("--sample-every", type=float, default=10)
     ap.add_argument("--out", default=str(ROOT / "target" / "bench-results"))
     ap.add_argument("--profile", default="debug", help="target/<profile> holds the binaries")
+    ap.add_argument("--calibrate", type=float, default=5.0, help="seconds of measuring the capacity")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds, not minutes, on a fresh debug build (also SMOKE=1); "
+                         "the flags above still apply")
+    smoke = os.environ.get("SMOKE") == "1" or "--smoke" in sys.argv[1:]
+    if smoke:
+        ap.set_defaults(duration=20, period=2, sample_every=1, calibrate=2)
     args = ap.parse_args()
+    if smoke and args.profile == "debug":
+        subprocess.run(["cargo", "build", "--workspace", "--bins", "-q"], cwd=ROOT, check=True)
 
     bins = ROOT / "target" / args.profile
     warmgate, worker, embedder = bins / "warmgate", bins / "test-worker", bins / "embedder"
     minilm = ROOT / "checkpoints" / "minilm"
     has_embed = embedder.exists() and (minilm / "model.safetensors").exists()
+    if smoke and has_embed:
+        # A debug embedder takes about ten seconds of both cores to load,
+        # twice a run (the gateway's restart): most of a smoke run.
+        # benches/weights.sh's smoke run starts it.
+        print("soak smoke: without the embeddings app (its debug build loads for seconds)", file=sys.stderr)
+        has_embed = False
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="warmgate-soak-"))
+    atexit.register(shutil.rmtree, work, True)
     port = free_port()
     app_spec, pool_spec = write_config(
         work, port, worker, embedder if has_embed else None, minilm if has_embed else None
     )
     gw = Gateway(warmgate, work, port)
+    # Stopped (and its folder removed) however the run ends.
+    atexit.register(gw.stop)
     gw.start()
     ledger = Ledger()
     ctx = {"dir": work, "version": 0, "app_version": 1, "flip": False,
            "app_spec": app_spec, "pool_spec": pool_spec}
     try:
-        capacity = calibrate(gw)
+        capacity = calibrate(gw, args.calibrate)
         total = max(2.0, capacity * args.fraction)
         shares = {"chat": 0.35, "stream": 0.15, "task": 0.2, "async": 0.1, "batch": 0.05}
         if has_embed:
@@ -777,6 +802,27 @@ def main():
     bad = report["lost"] or report["duplicated"] or leaked or after_stop
     if bad:
         print("FAILED: lost, duplicated or leaked; see soak.json", file=sys.stderr)
+    if smoke:
+        # The smoke run's figures mean nothing; that every part ran, and
+        # nothing was lost, does.
+        kinds = ("kill -9 of a chat worker", "weight sync to", "live change", "promotion",
+                 "SIGHUP", "kill -9 of the gateway")
+        problems = [f"no fault '{k}'" for k in kinds if not any(k in f["what"] for f in faults)]
+        problems += [f"a fault went unanswered: {f['what']}" for f in faults if " failed: " in f["what"]]
+        problems += [f"no {c} request answered: {by_class.get(c)}" for c in rates
+                     if not by_class.get(c, {}).get("ok") and not by_class.get(c, {}).get("accepted")]
+        if not ended["done"]:
+            problems.append(f"no async task finished: {ended}")
+        if capacity <= 0:
+            problems.append("no chat request answered while measuring the capacity")
+        if not periods or not any(s["rss_mib"] for s in samples):
+            problems.append("no period or no RSS sample")
+        if problems or bad:
+            print("soak smoke: " + "; ".join(problems or ["see above"]), file=sys.stderr)
+            log = (work / "serve.log").read_bytes().decode("utf-8", "replace").splitlines()
+            print("the gateway's log (last lines):\n" + "\n".join(log[-30:]), file=sys.stderr)
+            return 1
+        print("soak smoke: ok", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -6,18 +6,33 @@
 # loading (the Python kit and the embedder's loader) from the cache, then
 # the embedder's cold start split into phases from a cold and a warm cache.
 #
-# Usage: benches/weights.sh   (env SIZE_MIB=2048, RATE=100m per connection)
+# Usage: benches/weights.sh   (env SIZE_MIB=2048, RATE=100m per connection;
+#                              SMOKE=1 reads a 64 MiB checkpoint, the
+#                              streamer at 2 settings, on the debug build,
+#                              and fails unless every part read it whole)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SMOKE=${SMOKE:-0}
+# The streamer's settings weights-bench tries (its defaults unless smoke).
+RUN_ARGS=()
+if [ "$SMOKE" = 1 ]; then
+  SIZE_MIB=${SIZE_MIB:-64} RATE=${RATE:-1000m} PROFILE=${PROFILE:-debug}
+  RUN_ARGS=(--concurrency 1,4 --part-mib 8)
+fi
 SIZE_MIB=${SIZE_MIB:-2048}
 RATE=${RATE:-100m}
+PROFILE=${PROFILE:-release}
 
 if ! command -v nginx >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null
 fi
-cargo build --release --workspace --bins -q
-BIN=$PWD/target/release
+if [ "$PROFILE" = release ]; then
+  cargo build --release --workspace --bins -q
+else
+  cargo build --workspace --bins -q
+fi
+BIN=$PWD/target/$PROFILE
 WORK=$(mktemp -d /tmp/warmgate-wbench.XXXXXX)
 OUT=${OUT:-$PWD/target/bench-results}
 mkdir -p "$OUT" "$WORK/www" "$WORK/nginx"
@@ -72,14 +87,15 @@ checkpoint = "$URL"
 CONF
 WARMGATE_LOG=warn "$BIN/warmgate" serve --config "$WORK/gw.toml" --listen 127.0.0.1:0 >"$WORK/gw.out" 2>"$WORK/gw.err" &
 PIDS+=($!)
-for _ in $(seq 1 200); do grep -q "listening on" "$WORK/gw.out" && break; sleep 0.02; done
+for _ in $(seq 1 200); do grep -q "listening on" "$WORK/gw.out" 2>/dev/null && break; sleep 0.02; done
 GW=$(sed -n 's/^warmgate listening on //p' "$WORK/gw.out")
+[ -n "$GW" ] || { cat "$WORK/gw.err" >&2; echo "warmgate did not start" >&2; exit 1; }
 
 {
   echo "## Weight streaming (nginx, limit_rate $RATE per connection, ${SIZE_MIB} MiB checkpoint)"
   echo
   "$BIN/weights-bench" run --url "$URL" --gateway-url "$GW/v1/weights/ck/ck-00001/model.safetensors" \
-    --cache-dir "$WORK/state/cache"
+    --cache-dir "$WORK/state/cache" "${RUN_ARGS[@]}"
 } | tee "$OUT/weights.md"
 
 # Tensor by tensor from the gateway's cache: the Python kit and the
@@ -87,7 +103,7 @@ GW=$(sed -n 's/^warmgate listening on //p' "$WORK/gw.out")
 # tensor" is when the first tensor was whole and handed on, and how much of
 # the file had arrived then; the rest of the download overlaps the load.
 GWF="$GW/v1/weights/ck/ck-00001/model.safetensors"
-PLAIN=$(curl -s -o /dev/null -w '%{time_total}' -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GWF")
+read -r PLAIN_CODE PLAIN <<<"$(curl -s -o /dev/null -w '%{http_code} %{time_total}' -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$GWF")"
 # A worker on the gateway's machine: the manifest offers the cached file's
 # path, and the kit reads it there. Against reading that file directly
 # (into one buffer, as a loader would, from the page cache) and the kit
@@ -120,7 +136,8 @@ median_json() { python3 -c 'import json,sys; r=sorted((json.loads(a) for a in sy
 RAW=$(printf '%s\n' "${RAWS[@]}" | sort -n | sed -n 2p)
 KIT=$(median_json "${KITS[@]}")
 KITL=$(median_json "${KITLS[@]}")
-RUST=$(WARMGATE_WEIGHTS_TOKEN="$WARMGATE_ADMIN_TOKEN" "$BIN/weights-bench" stream --url "$GWF")
+# The loader sends its token only to the gateway that started it: this one.
+RUST=$(WARMGATE_GATEWAY_URL="$GW" WARMGATE_WEIGHTS_TOKEN="$WARMGATE_ADMIN_TOKEN" "$BIN/weights-bench" stream --url "$GWF")
 {
   echo
   echo "## Tensor by tensor from the gateway's cache (${SIZE_MIB} MiB, 64 MiB tensors)"
@@ -173,30 +190,67 @@ panic_window = "1s"
 CONF
   WARMGATE_LOG=warn "$BIN/warmgate" serve --config "$WORK/mini.toml" --listen 127.0.0.1:0 >"$WORK/mini.out" 2>"$WORK/mini.err" &
   PIDS+=($!)
-  for _ in $(seq 1 200); do grep -q "listening on" "$WORK/mini.out" && break; sleep 0.02; done
+  for _ in $(seq 1 200); do grep -q "listening on" "$WORK/mini.out" 2>/dev/null && break; sleep 0.02; done
   MG=$(sed -n 's/^warmgate listening on //p' "$WORK/mini.out")
-  req() { curl -s -o /dev/null -w '%{time_total}' "$MG/v1/embeddings" -d '{"model":"minilm","input":"warm pools"}'; }
+  [ -n "$MG" ] || { cat "$WORK/mini.err" >&2; echo "warmgate (minilm) did not start" >&2; exit 1; }
+  # The status code, then the seconds.
+  req() { curl -s -o /dev/null -w '%{http_code} %{time_total}' "$MG/v1/embeddings" -d '{"model":"minilm","input":"warm pools"}'; }
   phases() { curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$MG/v1/status" | python3 -c '
 import json,sys
 c=json.load(sys.stdin)["apps"][0]["pool"]["last_cold_start"]
 s, r = c["spawn_seconds"] * 1e3, c["ready_seconds"] * 1e3
 print("spawn %.1f ms, spawn to ready %.0f ms" % (s, r))'; }
-  T1=$(req)
+  read -r C1 T1 <<<"$(req)"
   P1=$(phases)
   for _ in $(seq 1 300); do
     n=$(curl -s -H "authorization: Bearer $WARMGATE_ADMIN_TOKEN" "$MG/v1/status" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["apps"][0]["pool"]["replicas"]))')
     [ "$n" = 0 ] && break; sleep 0.05
   done
-  T2=$(req)
+  SCALED_TO_ZERO=$n
+  read -r C2 T2 <<<"$(req)"
   P2=$(phases)
+  mapfile -t LINES < <(grep -h "embedder:" "$WORK"/mini-state/logs/*.log)
   {
     echo
     echo "## Embedder cold start (all-MiniLM-L6-v2, 91 MB)"
     echo
     echo "| start | first request (s) | pool manager | worker log |"
     echo "|---|---:|---|---|"
-    mapfile -t LINES < <(grep -h "embedder:" "$WORK"/mini-state/logs/*.log)
     echo "| cold cache | $T1 | $P1 | ${LINES[0]:-?} |"
     echo "| warm cache | $T2 | $P2 | ${LINES[1]:-?} |"
   } | tee -a "$OUT/weights.md"
+fi
+
+if [ "$SMOKE" = 1 ]; then
+  # The smoke run's figures mean nothing; that every part read the whole
+  # checkpoint, and cleanly, does.
+  fail() { echo "weights smoke: $*" >&2; exit 1; }
+  [ "$PLAIN_CODE" = 200 ] || fail "the plain download from the gateway answered $PLAIN_CODE"
+  [ -n "$CACHED" ] && [ -f "$CACHED" ] || fail "the manifest offers no cached path ('$CACHED')"
+  BYTES=$(( ${SIZE_MIB} + 63 )); BYTES=$(( BYTES / 64 * 64 << 20 ))
+  python3 - "$BYTES" "$KIT" "$KITL" "$RUST" "$RAW" "$OUT/weights-local.json" <<'PY'
+import json, sys
+size = int(sys.argv[1])
+# Every tensor's bytes (the kit counts tensors' bytes, the loader holds them).
+for name, raw, key in (("kit over HTTP", sys.argv[2], "bytes"), ("kit, local path", sys.argv[3], "bytes"),
+                       ("embedder loader", sys.argv[4], "held")):
+    s = json.loads(raw)
+    assert s[key] == size and s["tensors"] == size >> 26, f"{name} read {s[key]} of {size} bytes: {s}"
+    assert s["first_tensor_s"] is not None, f"{name}: no first tensor: {s}"
+assert json.loads(sys.argv[3])["local_files"] >= 1, "the kit did not read the cached file where it lies"
+assert float(sys.argv[5]) > 0, "no direct read"
+json.load(open(sys.argv[6]))
+PY
+  for want in "one sequential GET" "raw ranges c=4" "streamer c=4 part=8MiB" "warmgate /v1/weights, cold" \
+      "warmgate /v1/weights, warm" "plain download (curl" "Python kit, local path"; do
+    grep -qF "$want" "$OUT/weights.md" || fail "no '$want' in weights.md"
+  done
+  if [ -f checkpoints/minilm/model.safetensors ]; then
+    [ "$C1" = 200 ] && [ "$C2" = 200 ] || fail "the embedder answered $C1 (cold cache), $C2 (warm cache)"
+    [ "$SCALED_TO_ZERO" = 0 ] || fail "the embedder did not scale to zero between its two starts"
+    [ -n "${LINES[0]:-}" ] && [ -n "${LINES[1]:-}" ] || fail "the embedder did not log both starts"
+  else
+    echo "weights smoke: no checkpoints/minilm (examples/fetch-minilm.sh): the embedder's cold start was not run" >&2
+  fi
+  echo "weights smoke: ok" >&2
 fi
