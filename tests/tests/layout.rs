@@ -279,10 +279,6 @@ const LONG_FUNCTIONS: &[(&str, &str)] = &[
         "gateway/src/tasks/pool/dispatch.rs::attempt",
         "not split yet",
     ),
-    (
-        "gateway/src/tasks/pool/sync.rs::sync_weights",
-        "not split yet",
-    ),
     ("pool-manager/src/backend/local.rs::spawn", "not split yet"),
     ("pool-manager/src/weights/pull.rs::pull", "not split yet"),
     (

@@ -231,7 +231,7 @@ fn weights_of(
             .context("open the weight cache")?
             .sharing_with(&adapters_dir);
     let allowed =
-        warmgate_pool::weights::AllowList::new(&crate::weights::allowed_prefixes(&config), &base)
+        warmgate_pool::weights::AllowList::new(&crate::weights::allowed_prefixes(config), &base)
             .context("weights.allowed_prefixes")?;
     let stream = warmgate_pool::weights::StreamConfig {
         concurrency: w.concurrency,

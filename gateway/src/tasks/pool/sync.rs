@@ -181,26 +181,7 @@ impl Pool {
                 rolled_back = true;
                 break;
             }
-            let batch: Vec<Arc<ReplicaHandle>> = {
-                let mut st = self.state.lock();
-                let picked: Vec<_> = st
-                    .replicas
-                    .iter()
-                    .filter(|r| {
-                        r.is_routable()
-                            && members.contains(&r.id)
-                            && !tried.contains(&r.id)
-                            && !st.syncing.contains(&r.id)
-                            && r.weights_version.load(Ordering::Relaxed) < version
-                    })
-                    .take(max_unavailable.max(1))
-                    .cloned()
-                    .collect();
-                for r in &picked {
-                    st.syncing.insert(r.id.clone());
-                }
-                picked
-            };
+            let batch = self.next_round(&members, &tried, version, max_unavailable);
             if batch.is_empty() {
                 break;
             }
@@ -221,14 +202,7 @@ impl Pool {
                 if !any_ok {
                     // One replica failing may be the replica's fault (a
                     // hang, a busy GPU); two say it is the checkpoint's.
-                    let failed = results.len();
-                    let untried = self
-                        .state
-                        .lock()
-                        .replicas
-                        .iter()
-                        .any(|r| members.contains(&r.id) && !tried.contains(&r.id));
-                    if failed >= FAILURES_BEFORE_ROLLBACK || !untried {
+                    if self.checkpoint_at_fault(results.len(), &members, &tried) {
                         rolled_back = true;
                         self.notify();
                         break;
@@ -251,15 +225,71 @@ impl Pool {
                 commit();
             }
         }
+        self.end_sync(&results);
+        SyncOutcome {
+            replicas: results,
+            rolled_back,
+        }
+    }
+
+    /// The next round of the sync: up to `max_unavailable` ready members
+    /// not tried yet, not syncing, and behind `version`, marked syncing.
+    fn next_round(
+        &self,
+        members: &HashSet<String>,
+        tried: &HashSet<String>,
+        version: u64,
+        max_unavailable: usize,
+    ) -> Vec<Arc<ReplicaHandle>> {
+        let mut st = self.state.lock();
+        let picked: Vec<_> = st
+            .replicas
+            .iter()
+            .filter(|r| {
+                r.is_routable()
+                    && members.contains(&r.id)
+                    && !tried.contains(&r.id)
+                    && !st.syncing.contains(&r.id)
+                    && r.weights_version.load(Ordering::Relaxed) < version
+            })
+            .take(max_unavailable.max(1))
+            .cloned()
+            .collect();
+        for r in &picked {
+            st.syncing.insert(r.id.clone());
+        }
+        picked
+    }
+
+    /// Whether `failed` replicas failing before any loaded the version say
+    /// it is the checkpoint's fault: one may be the replica's (a hang, a
+    /// busy GPU), [`FAILURES_BEFORE_ROLLBACK`] are not, nor is every
+    /// member failing.
+    fn checkpoint_at_fault(
+        &self,
+        failed: usize,
+        members: &HashSet<String>,
+        tried: &HashSet<String>,
+    ) -> bool {
+        let untried = self
+            .state
+            .lock()
+            .replicas
+            .iter()
+            .any(|r| members.contains(&r.id) && !tried.contains(&r.id));
+        failed >= FAILURES_BEFORE_ROLLBACK || !untried
+    }
+
+    /// The sync is over: replicas that became ready during it (a failed
+    /// replica's successor, started before the proof on the old weights)
+    /// were in no round and are caught up now; the counters are told.
+    fn end_sync(self: &Arc<Self>, results: &[ReplicaSync]) {
         let behind: Vec<Arc<ReplicaHandle>> = {
             let mut st = self.state.lock();
             st.syncing_to = None;
             st.syncing_url = None;
             st.replicas.clone()
         };
-        // Replicas that became ready during the sync (a failed replica's
-        // successor, started before the proof on the old weights) were in
-        // no round: caught up now.
         for r in &behind {
             self.catch_up(r);
         }
@@ -270,10 +300,6 @@ impl Pool {
             .increment(ok as u64);
         metrics::counter!("warmgate_weight_sync_replicas_total", "pool" => self.name.clone(), "outcome" => "replaced")
             .increment((results.len() - ok) as u64);
-        SyncOutcome {
-            replicas: results,
-            rolled_back,
-        }
     }
 
     /// `version` is the pool's latest from now on.

@@ -196,13 +196,14 @@ fn labels_of(launch: &Launch, settings: &KubeSettings) -> BTreeMap<String, Strin
     labels
 }
 
+/// A container's command, its variables and the secrets read whole into
+/// its environment.
+type Environment = (Vec<String>, Vec<EnvVar>, Vec<EnvFromSource>);
+
 /// The command expanded from the pod's own variables, the worker
 /// contract's environment with the secrets' variables, and the secrets
 /// read whole into it.
-fn environment(
-    launch: &Launch,
-    port: u16,
-) -> std::result::Result<(Vec<String>, Vec<EnvVar>, Vec<EnvFromSource>), PodError> {
+fn environment(launch: &Launch, port: u16) -> std::result::Result<Environment, PodError> {
     let spec = &launch.pod;
     let mut vars = launch.env.clone();
     vars.insert("PORT".into(), port.to_string());
