@@ -47,11 +47,13 @@ pub enum Changed {
 const MAX_DRAIN: Duration = Duration::from_secs(30 * 60);
 
 mod adapter_promote;
+mod api;
 mod apply;
 pub(crate) mod lock;
 mod start;
 
 pub use adapter_promote::AdapterPromoteRequest;
+pub(crate) use api::{AdapterChanged, PromoteAsked, Promoted};
 pub use apply::Applied;
 use lock::ChangeLock;
 

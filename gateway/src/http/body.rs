@@ -1,8 +1,16 @@
 //! Reading request bodies within their limits, and the small JSON pieces
 //! (a scalar, a duration) handlers share.
 
-#[allow(unused_imports)]
-use super::prelude::*;
+use std::time::Duration;
+
+use axum::extract::Request;
+use bytes::Bytes;
+use http::header;
+use http_body_util::{BodyExt as _, Limited};
+
+use crate::error::{Error, ErrorKind, too_large, too_large_for};
+use crate::server::{Gateway, MAX_CLIENT_DURATION};
+use crate::serving::buffered::Reading;
 
 /// The whole request body, within `limits.max_body_bytes` (413 past it).
 /// A body that trickles in is cut off at `limits.request_timeout`.

@@ -1,32 +1,46 @@
 //! The control plane for apps and pools: status, put and delete,
 //! promote, rollback and revision history.
 
-#[allow(unused_imports)]
-use super::prelude::*;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Request, State};
+use axum::response::IntoResponse;
+use http::StatusCode;
+use serde_json::{Value, json};
+
+use super::ErrorBody;
+use super::body::{MAX_ECHOED_CHARS, Scalar, duration_value, read_body};
+use crate::change::{AdapterChanged, Changed, PromoteAsked, Promoted};
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
+use crate::status::{AppStatus, GatewayStatus, PoolStatus};
 
 #[utoipa::path(get, path = "/v1/status", tag = "control",
     responses((status = 200, description = "Apps (with revisions and replicas) and pools", body = Object)))]
-pub(crate) async fn status(State(gw): State<Arc<Gateway>>) -> Response {
-    axum::Json(gw.status_report()).into_response()
+pub(crate) async fn status(State(gw): State<Arc<Gateway>>) -> Json<GatewayStatus> {
+    Json(gw.status_report())
 }
 
 #[utoipa::path(get, path = "/v1/apps", tag = "control",
     responses((status = 200, description = "Every app's status", body = Object)))]
-pub(crate) async fn list_apps(State(gw): State<Arc<Gateway>>) -> Response {
-    axum::Json(json!({"apps": gw.status()})).into_response()
+pub(crate) async fn list_apps(State(gw): State<Arc<Gateway>>) -> Json<Value> {
+    Json(json!({"apps": gw.status()}))
 }
 
 #[utoipa::path(get, path = "/v1/apps/{app}", tag = "control",
     params(("app" = String, Path, description = "App name or alias")),
     responses((status = 200, description = "The app's status", body = Object), (status = 404, description = "Unknown app", body = ErrorBody)))]
-pub(crate) async fn get_app(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
-    match gw.registry.load().app(&name) {
-        Some(app) => {
-            let targets = gw.pool.status();
-            axum::Json(gw.status_of(app, &crate::report::by_id(&targets))).into_response()
-        }
-        None => Error::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response(),
-    }
+pub(crate) async fn get_app(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Result<Json<AppStatus>, Error> {
+    let registry = gw.registry.load();
+    let app = registry
+        .app(&name)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("app '{name}' not found")))?;
+    let targets = gw.pool.status();
+    Ok(Json(gw.status_of(app, &crate::report::by_id(&targets))))
 }
 
 /// A name in a control-plane path: a DNS label, or 400 before anything
@@ -40,7 +54,8 @@ pub(crate) fn check_path_name(name: &str, what: &str) -> Result<(), Error> {
 
 /// A spec from a JSON body, as a `[[apps]]` or `[[pools]]` entry of the
 /// config file; its `name`, when given, must be the one in the path. Its
-/// relative paths are taken from the workers' folder.
+/// relative paths are left as written: the put reads them from the
+/// config's folder.
 pub(crate) fn spec_from_json<S: serde::de::DeserializeOwned>(
     bytes: &[u8],
     what: &str,
@@ -82,19 +97,21 @@ pub(crate) fn name_from_path(spec_name: &mut String, path: &str, what: &str) -> 
     Ok(())
 }
 
+/// The answer to a put: 201 for a new app or pool, 200 otherwise, with
+/// what was done.
 pub(crate) fn changed_response(
     kind: &str,
     name: &str,
-    changed: crate::change::Changed,
-) -> Response {
-    let status = if changed == crate::change::Changed::Created {
+    changed: Changed,
+) -> (StatusCode, Json<Value>) {
+    let status = if changed == Changed::Created {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
     let mut body = json!(changed);
     body[kind] = json!(name);
-    (status, axum::Json(body)).into_response()
+    (status, Json(body))
 }
 
 /// `PUT /v1/apps/{app}`: creates or changes an app. An unchanged spec
@@ -108,21 +125,14 @@ pub(crate) async fn put_app(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        check_path_name(&name, "app")?;
-        gw.changes.lock.check_api_allowed()?;
-        let (_, bytes) = read_body(req, &gw).await?;
-        let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
-        name_from_path(&mut spec.name, &name, "app")?;
-        if let Some(dir) = &gw.host.workdir {
-            spec.resolve_paths(dir);
-        }
-        let changed = gw.changes.put_app(spec).await?;
-        Ok(changed_response("app", &name, changed))
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+) -> Result<impl IntoResponse, Error> {
+    check_path_name(&name, "app")?;
+    let changes = gw.changes.through_api()?;
+    let (_, bytes) = read_body(req, &gw).await?;
+    let mut spec: warmgate_deploy::AppSpec = spec_from_json(&bytes, "an app")?;
+    name_from_path(&mut spec.name, &name, "app")?;
+    let changed = changes.put_app(spec).await?;
+    Ok(changed_response("app", &name, changed))
 }
 
 /// `DELETE /v1/apps/{app}`: the app takes no new request at once; those it
@@ -133,15 +143,10 @@ pub(crate) async fn put_app(
 pub(crate) async fn delete_app(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        check_path_name(&name, "app")?;
-        gw.changes.lock.check_api_allowed()?;
-        gw.changes.delete_app(&name).await?;
-        Ok(axum::Json(json!({"app": name, "change": "deleted"})).into_response())
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+) -> Result<Json<Value>, Error> {
+    check_path_name(&name, "app")?;
+    gw.changes.through_api()?.delete_app(&name).await?;
+    Ok(Json(json!({"app": name, "change": "deleted"})))
 }
 
 /// What `PUT /v1/apps/{app}/adapters/{name}` takes: an
@@ -167,42 +172,30 @@ pub(crate) async fn put_adapter(
     State(gw): State<Arc<Gateway>>,
     Path((app, name)): Path<(String, String)>,
     req: Request,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        check_path_name(&app, "app")?;
-        gw.changes.lock.check_api_allowed()?;
-        let (_, bytes) = read_body(req, &gw).await?;
-        let body: AdapterBody = spec_from_json(&bytes, "an adapter")?;
-        if body.name.as_ref().is_some_and(|n| *n != name) {
-            return Err(Error::new(
-                ErrorKind::BadRequest,
-                format!("the body names adapter {:?}, the path {name:?}", body.name),
-            ));
-        }
-        let mut spec = current_spec(&gw, &app)?;
-        let existed = spec.adapters.get(&name).is_some();
-        spec.adapters.models.retain(|a| a.name != name);
-        let mut adapter = warmgate_deploy::AdapterSpec::new(name.clone(), body.checkpoint);
-        adapter.aliases = body.aliases;
-        adapter.watch = body.watch;
-        spec.adapters.models.push(adapter);
-        if let Some(dir) = &gw.host.workdir {
-            spec.resolve_paths(dir);
-        }
-        let changed = gw.changes.put_app(spec).await?;
-        let (status, change) = match changed {
-            crate::change::Changed::Unchanged => (StatusCode::OK, "unchanged"),
-            _ if !existed => (StatusCode::CREATED, "created"),
-            _ => (StatusCode::OK, "in_place"),
-        };
-        Ok((
-            status,
-            axum::Json(json!({"app": app, "adapter": name, "change": change})),
-        )
-            .into_response())
+) -> Result<impl IntoResponse, Error> {
+    check_path_name(&app, "app")?;
+    let changes = gw.changes.through_api()?;
+    let (_, bytes) = read_body(req, &gw).await?;
+    let body: AdapterBody = spec_from_json(&bytes, "an adapter")?;
+    if body.name.as_ref().is_some_and(|n| *n != name) {
+        return Err(Error::new(
+            ErrorKind::BadRequest,
+            format!("the body names adapter {:?}, the path {name:?}", body.name),
+        ));
     }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    let mut adapter = warmgate_deploy::AdapterSpec::new(name.clone(), body.checkpoint);
+    adapter.aliases = body.aliases;
+    adapter.watch = body.watch;
+    let changed = changes.put_adapter(&app, adapter).await?;
+    let status = if changed == AdapterChanged::Created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        Json(json!({"app": app, "adapter": name, "change": changed.as_str()})),
+    ))
 }
 
 /// `DELETE /v1/apps/{app}/adapters/{name}`: the adapter is no longer
@@ -213,50 +206,31 @@ pub(crate) async fn put_adapter(
 pub(crate) async fn delete_adapter(
     State(gw): State<Arc<Gateway>>,
     Path((app, name)): Path<(String, String)>,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        check_path_name(&app, "app")?;
-        gw.changes.lock.check_api_allowed()?;
-        let mut spec = current_spec(&gw, &app)?;
-        if spec.adapters.get(&name).is_none() {
-            return Err(Error::new(
-                ErrorKind::NotFound,
-                format!("app '{app}' has no adapter {name:?}"),
-            ));
-        }
-        spec.adapters.models.retain(|a| a.name != name);
-        gw.changes.put_app(spec).await?;
-        Ok(axum::Json(json!({"app": app, "adapter": name, "change": "deleted"})).into_response())
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
-}
-
-/// The spec app `name` was put with (its name, not an alias), or 404.
-fn current_spec(gw: &Gateway, name: &str) -> Result<warmgate_deploy::AppSpec, Error> {
-    gw.registry
-        .load()
-        .apps()
-        .iter()
-        .find(|a| a.name == name)
-        .map(|a| (*a.spec()).clone())
-        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("app '{name}' not found")))
+) -> Result<Json<Value>, Error> {
+    check_path_name(&app, "app")?;
+    gw.changes
+        .through_api()?
+        .delete_adapter(&app, &name)
+        .await?;
+    Ok(Json(
+        json!({"app": app, "adapter": name, "change": "deleted"}),
+    ))
 }
 
 /// `GET /v1/pools/{pool}`: one pool's status, as in `/v1/status`.
 #[utoipa::path(get, path = "/v1/pools/{pool}", tag = "control",
     params(("pool" = String, Path, description = "Pool name")),
     responses((status = 200, description = "The pool's status", body = Object), (status = 404, description = "Unknown pool", body = ErrorBody)))]
-pub(crate) async fn get_pool(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
-    let found = gw
-        .status_report()
+pub(crate) async fn get_pool(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Result<Json<PoolStatus>, Error> {
+    gw.status_report()
         .pools
         .into_iter()
-        .find(|p| p.name == name);
-    match found {
-        Some(p) => axum::Json(p).into_response(),
-        None => Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response(),
-    }
+        .find(|p| p.name == name)
+        .map(Json)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")))
 }
 
 /// `PUT /v1/pools/{pool}`: creates a pool, or changes a running one in
@@ -270,21 +244,14 @@ pub(crate) async fn put_pool(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        check_path_name(&name, "pool")?;
-        gw.changes.lock.check_api_allowed()?;
-        let (_, bytes) = read_body(req, &gw).await?;
-        let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
-        name_from_path(&mut spec.name, &name, "pool")?;
-        if let Some(dir) = &gw.host.workdir {
-            spec.resolve_paths(dir);
-        }
-        let changed = gw.changes.put_pool(spec).await?;
-        Ok(changed_response("pool", &name, changed))
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+) -> Result<impl IntoResponse, Error> {
+    check_path_name(&name, "pool")?;
+    let changes = gw.changes.through_api()?;
+    let (_, bytes) = read_body(req, &gw).await?;
+    let mut spec: warmgate_deploy::PoolSpec = spec_from_json(&bytes, "a pool")?;
+    name_from_path(&mut spec.name, &name, "pool")?;
+    let changed = changes.put_pool(spec).await?;
+    Ok(changed_response("pool", &name, changed))
 }
 
 /// `DELETE /v1/pools/{pool}`: the pool takes no new task at once; the tasks
@@ -295,15 +262,10 @@ pub(crate) async fn put_pool(
 pub(crate) async fn delete_pool(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        check_path_name(&name, "pool")?;
-        gw.changes.lock.check_api_allowed()?;
-        gw.changes.delete_pool(&name).await?;
-        Ok(axum::Json(json!({"pool": name, "change": "deleted"})).into_response())
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+) -> Result<Json<Value>, Error> {
+    check_path_name(&name, "pool")?;
+    gw.changes.through_api()?.delete_pool(&name).await?;
+    Ok(Json(json!({"pool": name, "change": "deleted"})))
 }
 
 #[derive(serde::Deserialize, utoipa::ToSchema)]
@@ -328,10 +290,6 @@ pub(crate) struct PromoteBody<'a> {
     adapter: Option<String>,
 }
 
-pub(crate) fn served(gw: &Gateway, name: &str) -> Result<Arc<Served>, Error> {
-    gw.app(name)
-}
-
 /// `POST /v1/apps/{app}/promote`: a new revision from a checkpoint (of the
 /// app, or with `adapter` of one of its LoRA adapters); 202 with its id,
 /// or with `"wait": true` the promotion's outcome.
@@ -343,99 +301,64 @@ pub(crate) async fn promote(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        let app = served(&gw, &name)?;
-        let (_, bytes) = read_body(req, &gw).await?;
-        let mut body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
-            Error::new(
-                ErrorKind::BadRequest,
-                format!(
-                    "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?, \"in_place\"?, \"adapter\"?}} ({e})"
-                ),
-            )
-        })?;
-        // Relative to the config's folder, as in the file.
-        if let Some(dir) = &gw.host.workdir {
-            warmgate_deploy::resolve_checkpoint(&mut body.checkpoint, dir);
-        }
-        if body.canary.is_some_and(|c| c == 0 || c > 100) {
-            return Err(Error::new(ErrorKind::BadRequest, "canary must be 1 to 100 (percent)"));
-        }
-        let bake = duration_value(&body.bake, "bake")?;
-        if let Some(adapter) = body.adapter {
-            if body.in_place.is_some() {
-                return Err(Error::new(
-                    ErrorKind::BadRequest,
-                    "in_place is for the app's revisions: an adapter is always loaded into the running replicas",
-                ));
-            }
-            let c = gw
-                .changes
-                .promote_adapter(
-                    &app,
-                    crate::change::AdapterPromoteRequest {
-                        adapter,
-                        checkpoint: body.checkpoint,
-                        canary: body.canary,
-                        bake,
-                    },
-                )
-                .await?;
-            let answer = |c: &crate::serving::adapter_split::AdapterCanary| {
-                let p = c.promotion.lock().clone();
-                json!({"app": app.name, "adapter": p.adapter, "revision": &*c.engine, "promotion": p})
-            };
-            if !body.wait {
-                return Ok((StatusCode::ACCEPTED, axum::Json(answer(&c))).into_response());
-            }
-            while c.running() {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            return Ok(axum::Json(answer(&c)).into_response());
-        }
-        let id = gw
-            .promotions
-            .promote(
-                &app,
-                crate::promote::PromoteRequest {
-                    checkpoint: body.checkpoint,
-                    canary: body.canary,
-                    bake,
-                    in_place: body.in_place,
-                },
-            )
-            .await?;
-        if !body.wait {
-            return Ok((
-                StatusCode::ACCEPTED,
-                axum::Json(json!({"app": app.name, "revision": id})),
-            )
-                .into_response());
-        }
-        loop {
-            let p = app.history.lock().promotion.clone();
-            if let Some(p) = p.filter(|p| p.to == id && p.phase.is_terminal()) {
-                return Ok(axum::Json(json!({"app": app.name, "revision": id, "promotion": p}))
-                    .into_response());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+) -> Result<impl IntoResponse, Error> {
+    let app = gw.app(&name)?;
+    let (_, bytes) = read_body(req, &gw).await?;
+    let body: PromoteBody<'_> = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::new(
+            ErrorKind::BadRequest,
+            format!(
+                "the body must be {{\"checkpoint\": \"s3://…\", \"canary\"?: 1-100, \"bake\"?, \"wait\"?, \"in_place\"?, \"adapter\"?}} ({e})"
+            ),
+        )
+    })?;
+    if body.canary.is_some_and(|c| c == 0 || c > 100) {
+        return Err(Error::new(
+            ErrorKind::BadRequest,
+            "canary must be 1 to 100 (percent)",
+        ));
     }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    let asked = PromoteAsked {
+        bake: duration_value(&body.bake, "bake")?,
+        checkpoint: body.checkpoint,
+        canary: body.canary,
+        in_place: body.in_place,
+        adapter: body.adapter,
+        wait: body.wait,
+    };
+    let status = if asked.wait {
+        StatusCode::OK
+    } else {
+        StatusCode::ACCEPTED
+    };
+    let answer = match gw.changes.promote_as_asked(&app, asked).await? {
+        Promoted::Revision {
+            revision,
+            promotion: None,
+        } => json!({"app": app.name, "revision": revision}),
+        Promoted::Revision {
+            revision,
+            promotion: Some(p),
+        } => json!({"app": app.name, "revision": revision, "promotion": p}),
+        Promoted::Adapter {
+            revision,
+            promotion: p,
+        } => json!({"app": app.name, "adapter": p.adapter, "revision": revision, "promotion": p}),
+    };
+    Ok((status, Json(answer)))
 }
 
 /// `POST /v1/apps/{app}/rollback`.
 #[utoipa::path(post, path = "/v1/apps/{app}/rollback", tag = "promotion",
     params(("app" = String, Path, description = "App name")),
     responses((status = 200, description = "`{app, revision}`: the revision that will serve", body = Object), (status = 409, description = "No earlier revision", body = ErrorBody)))]
-pub(crate) async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<String>) -> Response {
-    let result = served(&gw, &name).and_then(|app| {
-        let id = gw.promotions.rollback(&app)?;
-        Ok(axum::Json(json!({"app": app.name, "revision": id})).into_response())
-    });
-    result.unwrap_or_else(IntoResponse::into_response)
+pub(crate) async fn rollback(
+    State(gw): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, Error> {
+    let app = gw.app(&name)?;
+    let id = gw.promotions.rollback(&app)?;
+    Ok(Json(json!({"app": app.name, "revision": id})))
 }
 
 /// `GET /v1/apps/{app}/revisions`: the history, newest first, with notes.
@@ -445,42 +368,117 @@ pub(crate) async fn rollback(State(gw): State<Arc<Gateway>>, Path(name): Path<St
 pub(crate) async fn revisions(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
-) -> Response {
-    let result = served(&gw, &name).and_then(|app| {
-        let h = app.history.lock().clone();
-        let notes = gw.store.notes(&app.name, 50).map_err(|e| {
-            Error::new(
-                ErrorKind::NoCapacity,
-                format!("cannot read the history: {e}"),
-            )
-        })?;
-        // Each revision's spec as the object it is, not a string of JSON.
-        let revisions: Vec<serde_json::Value> = h
-            .revisions
-            .iter()
-            .rev()
-            .map(|r| {
-                let mut v = json!(r);
-                if let Ok(spec) = serde_json::from_str::<serde_json::Value>(&r.spec) {
-                    v["spec"] = spec;
-                }
-                v
-            })
-            .collect();
-        Ok(axum::Json(json!({
-            "app": app.name,
-            "revisions": revisions,
-            "promotion": h.promotion,
-            "notes": notes,
-        }))
-        .into_response())
-    });
-    result.unwrap_or_else(IntoResponse::into_response)
+) -> Result<Json<Value>, Error> {
+    let app = gw.app(&name)?;
+    let h = app.history.lock().clone();
+    let notes = gw.store.notes(&app.name, 50).map_err(|e| {
+        Error::new(
+            ErrorKind::NoCapacity,
+            format!("cannot read the history: {e}"),
+        )
+    })?;
+    // Each revision's spec as the object it is, not a string of JSON.
+    let revisions: Vec<Value> = h
+        .revisions
+        .iter()
+        .rev()
+        .map(|r| {
+            let mut v = json!(r);
+            if let Ok(spec) = serde_json::from_str::<Value>(&r.spec) {
+                v["spec"] = spec;
+            }
+            v
+        })
+        .collect();
+    Ok(Json(json!({
+        "app": app.name,
+        "revisions": revisions,
+        "promotion": h.promotion,
+        "notes": notes,
+    })))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use http::StatusCode;
+    use tower::ServiceExt as _;
+
     use super::PromoteBody;
+    use crate::server::Gateway;
+
+    /// A gateway with no app or pool, its state in `dir`.
+    fn empty_gateway(dir: &std::path::Path) -> Arc<Gateway> {
+        let path = dir.join("warmgate.toml");
+        let state = dir.join("state");
+        std::fs::write(
+            &path,
+            format!("state_dir = {:?}\n", state.display().to_string()),
+        )
+        .expect("write the config");
+        let config = warmgate_deploy::Config::load(&path).expect("a valid config");
+        let backend = Arc::new(warmgate_pool::LocalBackend::new(dir.join("logs")));
+        Gateway::new(
+            config,
+            backend,
+            None,
+            "127.0.0.1:8080".parse().expect("addr"),
+        )
+        .expect("the gateway starts")
+    }
+
+    async fn status_of(
+        gw: &Arc<Gateway>,
+        method: &str,
+        uri: &str,
+        body: &'static str,
+    ) -> StatusCode {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::from(body))
+            .expect("a request");
+        let resp = crate::http::router(gw.clone())
+            .oneshot(req)
+            .await
+            .expect("infallible");
+        resp.status()
+    }
+
+    #[tokio::test]
+    async fn under_the_operator_a_change_is_refused_after_the_name_is_checked_and_before_the_body_is_read()
+     {
+        let dir = tempfile::tempdir().expect("a folder");
+        let gw = empty_gateway(dir.path());
+        // Before: a body that is no spec is a 400.
+        assert_eq!(
+            status_of(&gw, "PUT", "/v1/apps/a", "not json").await,
+            StatusCode::BAD_REQUEST
+        );
+        gw.changes().refuse_api_changes();
+        for (method, uri) in [
+            ("PUT", "/v1/apps/a"),
+            ("DELETE", "/v1/apps/a"),
+            ("PUT", "/v1/pools/p"),
+            ("DELETE", "/v1/pools/p"),
+            ("PUT", "/v1/apps/a/adapters/x"),
+            ("DELETE", "/v1/apps/a/adapters/x"),
+        ] {
+            assert_eq!(
+                status_of(&gw, method, uri, "not json").await,
+                StatusCode::CONFLICT,
+                "{method} {uri}"
+            );
+        }
+        // A bad name is still a 400 first.
+        assert_eq!(
+            status_of(&gw, "PUT", "/v1/apps/Not_A_Label", "not json").await,
+            StatusCode::BAD_REQUEST
+        );
+        gw.shutdown().await;
+    }
 
     #[test]
     fn canary_percent_is_the_same_as_canary_and_both_at_once_is_refused() {

@@ -13,15 +13,23 @@
 //! the router unchanged.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::response::{IntoResponse as _, Response};
 use futures_util::future::Either;
 use hyper::body::Incoming;
 use tower::ServiceExt as _;
 
+use super::inference::passthrough;
 use super::leftover;
-use super::prelude::*;
 use super::request_id::{self, WithId};
+use super::tasks::submit_task;
 use super::{admit_tenant, held};
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
 
 /// What the listener serves: the hot routes directly, the rest through
 /// [`super::router`].
@@ -134,7 +142,9 @@ async fn answer(gw: Arc<Gateway>, route: Hot, mut req: Request) -> Response {
         Hot::Passthrough => passthrough(State(gw), req).await,
         Hot::Task { pool } => {
             let query = req.uri().query().map(str::to_string);
-            submit_task(State(gw), Path(pool), axum::extract::RawQuery(query), req).await
+            submit_task(State(gw), Path(pool), axum::extract::RawQuery(query), req)
+                .await
+                .into_response()
         }
     };
     held(resp, guard)

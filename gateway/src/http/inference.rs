@@ -1,8 +1,20 @@
 //! The data plane for apps: OpenAI-compatible routes, the passthrough and
 //! the model list.
 
-#[allow(unused_imports)]
-use super::prelude::*;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use super::body::{BodyLimit, MAX_ECHOED_CHARS, Scalar, check_content_length};
+use super::{ErrorBody, within_deadline};
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
+use crate::serving::dispatch::App;
+use crate::serving::proxy::LimitedBody;
+use crate::serving::served::Served;
 
 // === handlers ===
 
@@ -687,7 +699,7 @@ pub(crate) fn finish(app: Option<&App>, result: Result<Response, Error>) -> Resp
 
 #[utoipa::path(get, path = "/v1/models", tag = "inference",
     responses((status = 200, description = "The apps and their aliases, as OpenAI models, and each app's LoRA adapters with `parent` set to the app", body = Object)))]
-pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Response {
+pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> axum::Json<serde_json::Value> {
     let mut data = Vec::new();
     for app in gw.registry.load().apps() {
         let spec = app.spec();
@@ -700,7 +712,7 @@ pub(crate) async fn models(State(gw): State<Arc<Gateway>>) -> Response {
             }
         }
     }
-    axum::Json(json!({"object": "list", "data": data})).into_response()
+    axum::Json(json!({"object": "list", "data": data}))
 }
 
 /// An adapter as vLLM lists one: a model whose `parent` is the base.
@@ -717,14 +729,17 @@ fn model_object(id: &str) -> serde_json::Value {
     params(("model" = String, Path, description = "An app's name or alias (may contain '/')")),
     responses((status = 200, description = "The model, as OpenAI's retrieve answers", body = Object),
               (status = 404, description = "No app answers to that name", body = ErrorBody)))]
-pub(crate) async fn model(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Response {
+pub(crate) async fn model(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<serde_json::Value>, Error> {
     let registry = gw.registry.load();
     if registry.app(&id).is_some() {
-        axum::Json(model_object(&id)).into_response()
+        Ok(axum::Json(model_object(&id)))
     } else if let Some(app) = registry.adapter(&id) {
-        axum::Json(adapter_object(&id, &app.name)).into_response()
+        Ok(axum::Json(adapter_object(&id, &app.name)))
     } else {
-        model_not_found(&gw, &id).into_response()
+        Err(model_not_found(&gw, &id))
     }
 }
 

@@ -2,8 +2,17 @@
 //! output through the API, for `warmgate logs` (admin only, like the rest
 //! of the control plane).
 
-use super::prelude::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Request, State};
+use serde_json::{Value, json};
+
+use super::ErrorBody;
+use crate::error::{Error, ErrorKind};
 use crate::replica_logs::{self, LogOwner, LogQuery};
+use crate::server::Gateway;
 
 #[utoipa::path(get, path = "/v1/apps/{app}/logs", tag = "control",
     params(
@@ -17,15 +26,13 @@ pub(crate) async fn app_logs(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let found = gw
+) -> Result<Json<Value>, Error> {
+    let (app, env) = gw
         .registry
         .load()
         .app(&name)
-        .map(|a| (a.name.clone(), a.spec().env.clone()));
-    let Some((app, env)) = found else {
-        return Error::new(ErrorKind::NotFound, format!("app '{name}' not found")).into_response();
-    };
+        .map(|a| (a.name.clone(), a.spec().env.clone()))
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("app '{name}' not found")))?;
     answer(&gw, LogOwner::App(app), &env, req.uri().query())
 }
 
@@ -41,15 +48,13 @@ pub(crate) async fn pool_logs(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let found = gw
+) -> Result<Json<Value>, Error> {
+    let (pool, env) = gw
         .registry
         .load()
         .pool(&name)
-        .map(|p| (p.name.clone(), p.spec().env.clone()));
-    let Some((pool, env)) = found else {
-        return Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")).into_response();
-    };
+        .map(|p| (p.name.clone(), p.spec().env.clone()))
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("pool '{name}' not found")))?;
     answer(&gw, LogOwner::Pool(pool), &env, req.uri().query())
 }
 
@@ -58,65 +63,62 @@ fn answer(
     owner: LogOwner,
     env: &BTreeMap<String, String>,
     query: Option<&str>,
-) -> Response {
-    let result = (|| -> Result<Response, Error> {
-        let q = LogQuery::parse(query)?;
-        let config = gw.config();
-        if config.backend.kind != warmgate_deploy::BackendKind::Local {
+) -> Result<Json<Value>, Error> {
+    let q = LogQuery::parse(query)?;
+    let config = gw.config();
+    if config.backend.kind != warmgate_deploy::BackendKind::Local {
+        return Err(Error::new(
+            ErrorKind::NotFound,
+            format!(
+                "the kubernetes backend keeps the logs of {}'s replicas in the cluster: `kubectl logs -n NAMESPACE pod/REPLICA` (the replicas are listed by `warmgate status`)",
+                owner.describe()
+            ),
+        ));
+    }
+    let dir = config.state_dir.join("logs");
+    let replicas = replica_logs::replicas(&dir, &owner);
+    let replica = match q.replica {
+        Some(r) if owner.owns(&r) => r,
+        Some(r) => {
             return Err(Error::new(
                 ErrorKind::NotFound,
-                format!(
-                    "the kubernetes backend keeps the logs of {}'s replicas in the cluster: `kubectl logs -n NAMESPACE pod/REPLICA` (the replicas are listed by `warmgate status`)",
-                    owner.describe()
-                ),
-            ));
+                format!("'{r}' is not a replica of {}", owner.describe()),
+            )
+            .param("replica"));
         }
-        let dir = config.state_dir.join("logs");
-        let replicas = replica_logs::replicas(&dir, &owner);
-        let replica = match q.replica {
-            Some(r) if owner.owns(&r) => r,
-            Some(r) => {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("'{r}' is not a replica of {}", owner.describe()),
-                )
-                .param("replica"));
-            }
-            None => replicas.first().cloned().ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotFound,
-                    format!("{} has no replica logs yet", owner.describe()),
-                )
-            })?,
-        };
-        // What the replicas' environment holds that looks like a secret:
-        // the spec's, and what the gateway passes on.
-        let secrets: Vec<String> = env
-            .iter()
-            .filter(|(k, _)| warmgate_pool::logs::is_secret_name(k))
-            .map(|(_, v)| v.clone())
-            .chain(config.backend.pass_env.iter().filter_map(|k| {
-                warmgate_pool::logs::is_secret_name(k)
-                    .then(|| std::env::var(k).ok())
-                    .flatten()
-            }))
-            .collect();
-        let chunk = replica_logs::read(
-            &dir,
-            &replica,
-            q.offset,
-            q.max_bytes.unwrap_or(replica_logs::DEFAULT_BYTES),
-            q.lines.unwrap_or(replica_logs::DEFAULT_LINES),
-            &secrets,
-        )?;
-        let (key, name) = match &owner {
-            LogOwner::App(n) => ("app", n),
-            LogOwner::Pool(n) => ("pool", n),
-        };
-        let mut body = serde_json::to_value(&chunk).unwrap_or_default();
-        body[key] = json!(name);
-        body["replicas"] = json!(replicas);
-        Ok(axum::Json(body).into_response())
-    })();
-    result.unwrap_or_else(IntoResponse::into_response)
+        None => replicas.first().cloned().ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("{} has no replica logs yet", owner.describe()),
+            )
+        })?,
+    };
+    // What the replicas' environment holds that looks like a secret:
+    // the spec's, and what the gateway passes on.
+    let secrets: Vec<String> = env
+        .iter()
+        .filter(|(k, _)| warmgate_pool::logs::is_secret_name(k))
+        .map(|(_, v)| v.clone())
+        .chain(config.backend.pass_env.iter().filter_map(|k| {
+            warmgate_pool::logs::is_secret_name(k)
+                .then(|| std::env::var(k).ok())
+                .flatten()
+        }))
+        .collect();
+    let chunk = replica_logs::read(
+        &dir,
+        &replica,
+        q.offset,
+        q.max_bytes.unwrap_or(replica_logs::DEFAULT_BYTES),
+        q.lines.unwrap_or(replica_logs::DEFAULT_LINES),
+        &secrets,
+    )?;
+    let (key, name) = match &owner {
+        LogOwner::App(n) => ("app", n),
+        LogOwner::Pool(n) => ("pool", n),
+    };
+    let mut body = serde_json::to_value(&chunk).unwrap_or_default();
+    body[key] = json!(name);
+    body["replicas"] = json!(replicas);
+    Ok(Json(body))
 }

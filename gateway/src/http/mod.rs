@@ -18,46 +18,27 @@ pub(crate) mod tasks;
 pub(crate) mod usage;
 pub(crate) mod weights;
 
-#[allow(unused_imports)]
-use prelude::*;
+use std::sync::Arc;
 
-/// What every handler module uses: the gateway, its constants, the
-/// shared body helpers and the other modules' handlers.
-pub(crate) mod prelude {
-    #![allow(unused_imports)]
-    pub(crate) use std::collections::{BTreeMap, HashMap};
-    pub(crate) use std::sync::Arc;
-    pub(crate) use std::sync::atomic::Ordering;
-    pub(crate) use std::time::{Duration, Instant};
+use axum::Json;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use http::{HeaderValue, header};
 
-    pub(crate) use axum::Router;
-    pub(crate) use axum::body::Body;
-    pub(crate) use axum::extract::{Path, Request, State};
-    pub(crate) use axum::middleware::{self, Next};
-    pub(crate) use axum::response::{IntoResponse, Response};
-    pub(crate) use axum::routing::{any, get, post};
-    pub(crate) use bytes::Bytes;
-    pub(crate) use futures_util::StreamExt;
-    pub(crate) use http::{HeaderValue, StatusCode, header};
-    pub(crate) use http_body_util::{BodyExt, Limited};
-    pub(crate) use serde_json::json;
-
-    pub(crate) use crate::error::{Error, ErrorKind, too_large, too_large_for};
-    pub(crate) use crate::server::*;
-    pub(crate) use crate::serving::buffered::Reading;
-    pub(crate) use crate::serving::dispatch::App;
-    pub(crate) use crate::serving::proxy::LimitedBody;
-    pub(crate) use crate::serving::served::Served;
-    pub(crate) use crate::tenants::Tenant;
-
-    pub(crate) use super::body::*;
-    pub(crate) use super::control::*;
-    pub(crate) use super::inference::*;
-    pub(crate) use super::ops::*;
-    pub(crate) use super::tasks::*;
-    pub(crate) use super::weights::*;
-    pub(crate) use super::{ErrorBody, ErrorDetail, within_deadline};
-}
+use crate::error::{Error, ErrorKind};
+use crate::server::{Gateway, X_TENANT};
+use control::{
+    delete_adapter, delete_app, delete_pool, get_app, get_pool, list_apps, promote, put_adapter,
+    put_app, put_pool, revisions, rollback, status,
+};
+use inference::{model, models, openai, passthrough};
+use ops::{dashboard, healthz, metrics_text, readyz};
+use tasks::{cancel_batch, cancel_task, get_task, submit_batch, submit_task, sync_weights};
+use weights::{weights_file, weights_manifest};
 
 /// The routes whose JSON body names an app in `model`, forwarded to the
 /// same path on one of its replicas: OpenAI's, and those of the stock
@@ -159,13 +140,12 @@ async fn peer_report(
     State(gw): State<Arc<Gateway>>,
     headers: http::HeaderMap,
     body: axum::body::Body,
-) -> Response {
+) -> Result<Json<crate::peers::Table>, Error> {
     let Some(token) = gw.peers.token() else {
-        return Error::new(
+        return Err(Error::new(
             ErrorKind::NotFound,
             "this gateway serves alone (WARMGATE_PEER_TOKEN is not set)",
-        )
-        .into_response();
+        ));
     };
     let presented = headers
         .get(header::AUTHORIZATION)
@@ -173,48 +153,39 @@ async fn peer_report(
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     if !crate::tenants::same_secret(presented, token) {
-        return Error::new(
+        return Err(Error::new(
             ErrorKind::Unauthorized,
             "this endpoint needs Authorization: Bearer <the operator's WARMGATE_PEER_TOKEN>",
-        )
-        .into_response();
+        ));
     }
     if gw.peers.follower().is_some() {
-        return Error::new(
+        return Err(Error::new(
             ErrorKind::Conflict,
             "this gateway replica does not lead; report to the leader",
-        )
-        .into_response();
+        ));
     }
-    let bytes = match axum::body::to_bytes(body, crate::peers::MAX_REPORT_BYTES).await {
-        Ok(b) => b,
-        Err(_) => {
-            return Error::new(
+    let bytes = axum::body::to_bytes(body, crate::peers::MAX_REPORT_BYTES)
+        .await
+        .map_err(|_| {
+            Error::new(
                 ErrorKind::TooLarge,
                 format!(
                     "a peer report is at most {} bytes",
                     crate::peers::MAX_REPORT_BYTES
                 ),
             )
-            .into_response();
-        }
-    };
-    match serde_json::from_slice::<crate::peers::Report>(&bytes) {
-        Ok(report) => match gw.answer_peer(&report) {
-            Some(table) => axum::Json(table).into_response(),
-            None => Error::new(
-                ErrorKind::Conflict,
-                format!(
-                    "{} gateway replicas serve already, the most counted",
-                    crate::peers::MAX_PEERS
-                ),
-            )
-            .into_response(),
-        },
-        Err(e) => {
-            Error::new(ErrorKind::BadRequest, format!("not a peer report: {e}")).into_response()
-        }
-    }
+        })?;
+    let report: crate::peers::Report = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::new(ErrorKind::BadRequest, format!("not a peer report: {e}")))?;
+    gw.answer_peer(&report).map(Json).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "{} gateway replicas serve already, the most counted",
+                crate::peers::MAX_PEERS
+            ),
+        )
+    })
 }
 
 /// Lets a control-plane request through when no admin token is configured,
@@ -373,40 +344,47 @@ pub(crate) struct ErrorDetail {
 #[openapi(
     info(title = "warmgate", description = "The warmgate gateway's HTTP API."),
     paths(
-        openai,
-        passthrough,
-        models,
-        model,
-        status,
-        list_apps,
-        get_app,
-        put_app,
-        delete_app,
-        put_adapter,
-        delete_adapter,
-        get_pool,
-        put_pool,
-        delete_pool,
-        promote,
-        rollback,
-        revisions,
+        inference::openai,
+        inference::passthrough,
+        inference::models,
+        inference::model,
+        control::status,
+        control::list_apps,
+        control::get_app,
+        control::put_app,
+        control::delete_app,
+        control::put_adapter,
+        control::delete_adapter,
+        control::get_pool,
+        control::put_pool,
+        control::delete_pool,
+        control::promote,
+        control::rollback,
+        control::revisions,
         logs::app_logs,
         logs::pool_logs,
         usage::usage,
-        submit_task,
-        submit_batch,
-        sync_weights,
-        get_task,
-        cancel_task,
-        cancel_batch,
-        weights_manifest,
-        weights_file,
-        dashboard,
-        healthz,
-        readyz,
-        metrics_text
+        tasks::submit_task,
+        tasks::submit_batch,
+        tasks::sync_weights,
+        tasks::get_task,
+        tasks::cancel_task,
+        tasks::cancel_batch,
+        weights::weights_manifest,
+        weights::weights_file,
+        ops::dashboard,
+        ops::healthz,
+        ops::readyz,
+        ops::metrics_text
     ),
-    components(schemas(ErrorBody, ErrorDetail, PromoteBody, TaskBody, BatchBody, SyncBody))
+    components(schemas(
+        ErrorBody,
+        ErrorDetail,
+        control::PromoteBody,
+        tasks::TaskBody,
+        tasks::BatchBody,
+        tasks::SyncBody
+    ))
 )]
 pub struct ApiDoc;
 
@@ -439,8 +417,8 @@ pub fn api_document() -> serde_json::Value {
     doc
 }
 
-pub(crate) async fn openapi() -> Response {
-    axum::Json(api_document()).into_response()
+pub(crate) async fn openapi() -> Json<serde_json::Value> {
+    Json(api_document())
 }
 
 pub(crate) async fn not_found(req: Request) -> Response {
@@ -461,7 +439,15 @@ pub(crate) async fn method_not_allowed(req: Request) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use bytes::Bytes;
+    use http::HeaderValue;
+
+    use super::body::{Scalar, duration_value, max_unavailable, parse_json};
+    use super::inference::model_field;
+    use super::tasks::{BatchBody, RawElements, SyncBody, TaskBody, task_options};
+    use crate::error::ErrorKind;
+    use crate::server::MAX_CLIENT_DURATION;
+    use crate::serving::served::Served;
 
     #[test]
     fn model_field_errors_are_clear() {

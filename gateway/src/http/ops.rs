@@ -1,7 +1,16 @@
 //! Health, readiness, metrics and the dashboard.
 
-#[allow(unused_imports)]
-use super::prelude::*;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use http::{StatusCode, header};
+use serde_json::{Value, json};
+
+use super::ErrorBody;
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
 
 /// The live dashboard: one static page, embedded in the binary, that reads
 /// `/v1/status` like the CLI does.
@@ -20,20 +29,19 @@ pub(crate) async fn dashboard() -> Response {
 
 #[utoipa::path(get, path = "/healthz", tag = "control",
     responses((status = 200, description = "The process is up", body = Object)))]
-pub(crate) async fn healthz() -> Response {
-    axum::Json(json!({"status": "ok"})).into_response()
+pub(crate) async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
 }
 
 #[utoipa::path(get, path = "/readyz", tag = "control",
     responses((status = 200, description = "Taking traffic"), (status = 503, description = "Shutting down", body = ErrorBody)))]
-pub(crate) async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
+pub(crate) async fn readyz(State(gw): State<Arc<Gateway>>) -> Result<Json<Value>, Error> {
     if gw.host.draining() {
-        Error::new(ErrorKind::NoCapacity, "the gateway is shutting down")
-            .retry_after(1)
-            .into_response()
-    } else {
-        axum::Json(json!({"status": "ready"})).into_response()
+        return Err(
+            Error::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1),
+        );
     }
+    Ok(Json(json!({"status": "ready"})))
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "control",

@@ -1,13 +1,26 @@
 //! Pool tasks: submission (one, async, or a batch), results, and weight
 //! syncs.
 
-#[allow(unused_imports)]
-use super::prelude::*;
 use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
 
-use futures_util::FutureExt as _;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{FutureExt as _, StreamExt as _};
+use http::{HeaderValue, StatusCode, header};
+use serde_json::json;
 
+use super::ErrorBody;
+use super::body::{
+    BodyLimit, Scalar, duration_value, max_unavailable, parse_json, read_body_within,
+};
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
 use crate::tasks::ordered::Ordered;
+use crate::tenants::Tenant;
 
 /// The pool named in the path, the request's headers, and its body, read
 /// within the `which` limit (parse it with [`parse_json`]).
@@ -91,95 +104,91 @@ pub(crate) async fn submit_task(
     Path(name): Path<String>,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
     req: Request,
-) -> Response {
-    let result: Result<Response, Error> = async {
-        let q = TaskQuery::parse(query.as_deref())?;
-        let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
-        let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
-        let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
-        let body: TaskBody<'_> = parse_json(
-            &bytes,
-            "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
-        )?;
-        let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
-        let priority = tenant_key
-            .as_ref()
-            .map_or(priority, |t| t.priority(priority));
-        let input = Bytes::copy_from_slice(body.input.get().as_bytes());
-        let (retries, min_weights_version) = (body.retries, body.min_weights_version);
-        // The request's body is not kept while the task waits and runs:
-        // its input, copied, is what the task's charge counts.
-        drop(body);
-        drop(bytes);
-        let hold = tenant_key
-            .map(|t| t.pending_permit(input.len() as u64))
-            .transpose()?;
-        // An async task is on disk before it is queued: one that cannot be
-        // recorded is refused and never runs, and a crash after the 202
-        // cannot lose it silently (it reads back as failed after the
-        // restart).
-        let journal = gw.tasks.journal().filter(|_| q.is_async);
-        let id = match journal {
-            Some(j) => {
-                let id = pool.new_id();
-                let record = crate::tasks::pool::TaskRecord {
-                    id: id.clone(),
-                    pool: pool.name.clone(),
-                    state: crate::tasks::pool::TaskState::Pending,
-                    output: None,
-                    error: None,
-                    attempts: 0,
-                    replica: None,
-                    weights_version: None,
-                    owner: tenant_owner,
-                    durable: true,
-                };
-                j.accept(&record).await.map_err(|e| {
-                    tracing::error!(pool = %pool.name, error = %e, "could not journal an async task; refused it");
-                    Error::new(
-                        ErrorKind::Internal,
-                        "the gateway could not record the task, so it was not accepted",
-                    )
-                })?;
-                Some(id)
-            }
-            None => None,
-        };
-        let submit = crate::tasks::pool::Submit {
-            input,
-            priority,
-            tenant,
-            timeout,
-            retries,
-            min_weights_version,
-            traceparent: traceparent(&headers),
-            hold,
-            durable: q.is_async,
-            id: id.clone(),
-            cancel: None,
-        };
-        let (id, rx) = match gw.enqueue(&pool, submit) {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                if let (Some(j), Some(id)) = (journal, &id) {
-                    j.forget(id);
-                }
-                return Err(e);
-            }
-        };
-        if q.is_async {
-            return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
+) -> Result<Response, Error> {
+    let q = TaskQuery::parse(query.as_deref())?;
+    let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
+    let tenant_owner = tenant_key.as_ref().map(|t| t.name.clone());
+    let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
+    let body: TaskBody<'_> = parse_json(
+        &bytes,
+        "{\"input\": …, \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}",
+    )?;
+    let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
+    let priority = tenant_key
+        .as_ref()
+        .map_or(priority, |t| t.priority(priority));
+    let input = Bytes::copy_from_slice(body.input.get().as_bytes());
+    let (retries, min_weights_version) = (body.retries, body.min_weights_version);
+    // The request's body is not kept while the task waits and runs:
+    // its input, copied, is what the task's charge counts.
+    drop(body);
+    drop(bytes);
+    let hold = tenant_key
+        .map(|t| t.pending_permit(input.len() as u64))
+        .transpose()?;
+    // An async task is on disk before it is queued: one that cannot be
+    // recorded is refused and never runs, and a crash after the 202
+    // cannot lose it silently (it reads back as failed after the
+    // restart).
+    let journal = gw.tasks.journal().filter(|_| q.is_async);
+    let id = match journal {
+        Some(j) => {
+            let id = pool.new_id();
+            let record = crate::tasks::pool::TaskRecord {
+                id: id.clone(),
+                pool: pool.name.clone(),
+                state: crate::tasks::pool::TaskState::Pending,
+                output: None,
+                error: None,
+                attempts: 0,
+                replica: None,
+                weights_version: None,
+                owner: tenant_owner,
+                durable: true,
+            };
+            j.accept(&record).await.map_err(|e| {
+                tracing::error!(pool = %pool.name, error = %e, "could not journal an async task; refused it");
+                Error::new(
+                    ErrorKind::Internal,
+                    "the gateway could not record the task, so it was not accepted",
+                )
+            })?;
+            Some(id)
         }
-        // A client that leaves before the answer cancels its task.
-        let mut left = CancelOnDrop::new(pool.clone(), id);
-        let record = rx.await.map_err(|_| {
-            Error::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
-        });
-        left.disarm();
-        Ok(axum::Json(Finished::of(&record??)).into_response())
+        None => None,
+    };
+    let submit = crate::tasks::pool::Submit {
+        input,
+        priority,
+        tenant,
+        timeout,
+        retries,
+        min_weights_version,
+        traceparent: traceparent(&headers),
+        hold,
+        durable: q.is_async,
+        id: id.clone(),
+        cancel: None,
+    };
+    let (id, rx) = match gw.enqueue(&pool, submit) {
+        Ok(accepted) => accepted,
+        Err(e) => {
+            if let (Some(j), Some(id)) = (journal, &id) {
+                j.forget(id);
+            }
+            return Err(e);
+        }
+    };
+    if q.is_async {
+        return Ok((StatusCode::ACCEPTED, axum::Json(json!({"id": id}))).into_response());
     }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    // A client that leaves before the answer cancels its task.
+    let mut left = CancelOnDrop::new(pool.clone(), id);
+    let record = rx.await.map_err(|_| {
+        Error::new(ErrorKind::NoCapacity, "the gateway is shutting down").retry_after(1)
+    });
+    left.disarm();
+    Ok(axum::Json(Finished::of(&record??)).into_response())
 }
 
 /// The answer to a task run to its end: written straight from the record,
@@ -327,89 +336,92 @@ pub(crate) async fn submit_batch(
     State(gw): State<Arc<Gateway>>,
     Path(name): Path<String>,
     req: Request,
-) -> Response {
-    let result = async {
-        let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
-        let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
-        let shape = "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}";
-        let body: BatchBody<'_> = parse_json(&bytes, shape)?;
-        let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
-        let priority = tenant_key.as_ref().map_or(priority, |t| t.priority(priority));
-        let inputs = RawElements::new(bytes.clone(), body.inputs.get()).ok_or_else(|| {
-            Error::new(
-                ErrorKind::BadRequest,
-                format!("the body must be {shape} (inputs is not an array)"),
-            )
-        })?;
-        let window = pool.spec().replicas[1]
-            .saturating_mul(pool.spec().concurrency)
-            .saturating_mul(2)
-            .clamp(1, 1024) as usize;
-        let retries = body.retries;
-        pool.check_retries(retries)?;
-        let min_version = body.min_weights_version;
-        let traceparent = traceparent(&headers);
-        let batch = gw
-            .tasks
-            .batches
-            .begin(tenant_key.as_ref().map(|t| t.name.clone()), pool.clone());
-        let batch_id = batch.id().to_string();
-        let tasks = inputs.enumerate().map(move |(index, input)| {
-                let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
-                let traceparent = traceparent.clone();
-                let tenant_key = tenant_key.clone();
-                let batch = batch.clone();
-                async move {
-                    let submit = BatchTask {
-                        tenant_key,
-                        traceparent,
-                        priority,
-                        tenant,
-                        timeout,
-                        retries,
-                        min_weights_version: min_version,
-                    };
-                    // Written from the record: the output stays the text the
-                    // worker sent (a tree of it would cost many times its size,
-                    // and one nested past serde_json's depth limit would not
-                    // convert at all).
-                    let mut line = match batch_one(&gw, &pool, input, submit, &batch).await {
-                        Ok(r) => serde_json::to_vec(&BatchLine {
-                            index,
-                            id: &r.id,
-                            output: r.output.as_ref(),
-                            replica: r.replica.as_deref(),
-                            weights_version: r.weights_version,
-                            attempts: r.attempts,
-                        })
-                        .unwrap_or_else(|e| {
-                            error_line(index, Some(&r.id), &Error::new(ErrorKind::Internal, e.to_string()))
-                        }),
-                        Err((id, e)) => error_line(index, id.as_deref(), &e),
-                    };
-                    line.push(b'\n');
-                    Bytes::from(line)
-                }
-                .boxed()
-            });
-        let lines = Ordered::new(tasks, window, BATCH_HELD_BYTES).map(Ok::<_, Infallible>);
-        Ok::<_, Error>(
-            (
-                [
-                    (header::CONTENT_TYPE, HeaderValue::from_static("application/x-ndjson")),
-                    (
-                        http::HeaderName::from_static(X_BATCH_ID),
-                        HeaderValue::from_str(&batch_id)
-                            .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?,
-                    ),
-                ],
-                Body::from_stream(lines),
-            )
-                .into_response(),
+) -> Result<impl IntoResponse, Error> {
+    let tenant_key = req.extensions().get::<Arc<Tenant>>().cloned();
+    let (pool, headers, bytes) = pool_request(&gw, &name, req, BodyLimit::Task).await?;
+    let shape =
+        "{\"inputs\": [...], \"priority\"?, \"timeout\"?, \"retries\"?, \"min_weights_version\"?}";
+    let body: BatchBody<'_> = parse_json(&bytes, shape)?;
+    let (priority, tenant, timeout) = task_options(&headers, body.priority, &body.timeout)?;
+    let priority = tenant_key
+        .as_ref()
+        .map_or(priority, |t| t.priority(priority));
+    let inputs = RawElements::new(bytes.clone(), body.inputs.get()).ok_or_else(|| {
+        Error::new(
+            ErrorKind::BadRequest,
+            format!("the body must be {shape} (inputs is not an array)"),
         )
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    })?;
+    let window = pool.spec().replicas[1]
+        .saturating_mul(pool.spec().concurrency)
+        .saturating_mul(2)
+        .clamp(1, 1024) as usize;
+    let retries = body.retries;
+    pool.check_retries(retries)?;
+    let min_version = body.min_weights_version;
+    let traceparent = traceparent(&headers);
+    let batch = gw
+        .tasks
+        .batches
+        .begin(tenant_key.as_ref().map(|t| t.name.clone()), pool.clone());
+    let batch_id = batch.id().to_string();
+    let tasks = inputs.enumerate().map(move |(index, input)| {
+        let (gw, pool, tenant) = (gw.clone(), pool.clone(), tenant.clone());
+        let traceparent = traceparent.clone();
+        let tenant_key = tenant_key.clone();
+        let batch = batch.clone();
+        async move {
+            let submit = BatchTask {
+                tenant_key,
+                traceparent,
+                priority,
+                tenant,
+                timeout,
+                retries,
+                min_weights_version: min_version,
+            };
+            // Written from the record: the output stays the text the
+            // worker sent (a tree of it would cost many times its size,
+            // and one nested past serde_json's depth limit would not
+            // convert at all).
+            let mut line = match batch_one(&gw, &pool, input, submit, &batch).await {
+                Ok(r) => serde_json::to_vec(&BatchLine {
+                    index,
+                    id: &r.id,
+                    output: r.output.as_ref(),
+                    replica: r.replica.as_deref(),
+                    weights_version: r.weights_version,
+                    attempts: r.attempts,
+                })
+                .unwrap_or_else(|e| {
+                    error_line(
+                        index,
+                        Some(&r.id),
+                        &Error::new(ErrorKind::Internal, e.to_string()),
+                    )
+                }),
+                Err((id, e)) => error_line(index, id.as_deref(), &e),
+            };
+            line.push(b'\n');
+            Bytes::from(line)
+        }
+        .boxed()
+    });
+    let lines = Ordered::new(tasks, window, BATCH_HELD_BYTES).map(Ok::<_, Infallible>);
+    Ok((
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/x-ndjson"),
+            ),
+            (
+                http::HeaderName::from_static(X_BATCH_ID),
+                HeaderValue::from_str(&batch_id)
+                    .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?,
+            ),
+        ],
+        Body::from_stream(lines),
+    ))
 }
 
 /// The options every task of a batch shares.

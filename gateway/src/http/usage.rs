@@ -2,10 +2,17 @@
 //! and time. The admin sees every tenant's; a tenant's API key sees its
 //! own only.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::prelude::*;
-use crate::usage::ledger::{Bucket, Dim, Query};
+use axum::Json;
+use axum::extract::{Request, State};
+use http::header;
+
+use super::ErrorBody;
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
+use crate::usage::ledger::{Bucket, Dim, Query, Report};
 
 /// Who asks: everyone's usage, or one tenant's.
 enum Scope {
@@ -26,35 +33,34 @@ enum Scope {
     responses((status = 200, description = "`{since, until, bucket, data: [{start, tenant, app, model, requests, requests_without_usage, prompt_tokens, cached_tokens, completion_tokens, total_tokens}], truncated}`", body = crate::usage::ledger::Report),
               (status = 400, description = "A parameter that cannot be read", body = ErrorBody),
               (status = 401, description = "Neither the admin token nor a tenant's key", body = ErrorBody)))]
-pub(crate) async fn usage(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+pub(crate) async fn usage(
+    State(gw): State<Arc<Gateway>>,
+    req: Request,
+) -> Result<Json<Report>, Error> {
     let (parts, _) = req.into_parts();
-    let result = async {
-        let scope = caller(&gw, &parts)?;
-        let mut q = parse(parts.uri.query(), unix_now())?;
-        if let Scope::Tenant(name) = scope {
-            if q.tenant.as_ref().is_some_and(|t| *t != name) {
-                return Err(Error::new(
-                    ErrorKind::Unauthorized,
-                    format!("a tenant's key reads its own usage only ('{name}')"),
-                )
-                .param("tenant"));
-            }
-            q.tenant = Some(name);
+    let scope = caller(&gw, &parts)?;
+    let mut q = parse(parts.uri.query(), unix_now())?;
+    if let Scope::Tenant(name) = scope {
+        if q.tenant.as_ref().is_some_and(|t| *t != name) {
+            return Err(Error::new(
+                ErrorKind::Unauthorized,
+                format!("a tenant's key reads its own usage only ('{name}')"),
+            )
+            .param("tenant"));
         }
-        let ledger = gw.usage.clone();
-        let report = tokio::task::spawn_blocking(move || ledger.query(&q))
-            .await
-            .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Internal,
-                    format!("could not read the usage ledger: {e}"),
-                )
-            })?;
-        Ok::<_, Error>(axum::Json(report).into_response())
+        q.tenant = Some(name);
     }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
+    let ledger = gw.usage.clone();
+    let report = tokio::task::spawn_blocking(move || ledger.query(&q))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::Internal,
+                format!("could not read the usage ledger: {e}"),
+            )
+        })?;
+    Ok(Json(report))
 }
 
 /// The caller's scope: a tenant's key (with tenants configured), else the

@@ -1,7 +1,16 @@
 //! `/v1/weights`: checkpoints served to workers, under their tokens.
 
-#[allow(unused_imports)]
-use super::prelude::*;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::IntoResponse;
+use http::{HeaderValue, header};
+use serde_json::{Value, json};
+
+use super::ErrorBody;
+use crate::error::{Error, ErrorKind};
+use crate::server::Gateway;
 
 /// Lets a weights read through with `Authorization: Bearer` and the
 /// admin token, or a worker's `WARMGATE_WEIGHTS_TOKEN` whose grant covers
@@ -40,37 +49,30 @@ pub(crate) async fn weights_manifest(
     State(gw): State<Arc<Gateway>>,
     Path((target, revision)): Path<(String, String)>,
     headers: http::HeaderMap,
-) -> Response {
-    let result = async {
-        let target = gw.target_name(&target);
-        weights_auth(&gw, &headers, &target, &revision)?;
-        let files = gw.weights.files(&target, &revision).await?;
-        // Workers on this machine may read a file where it lies, at the
-        // page cache's speed; on Kubernetes they are on other nodes.
-        let local = gw.config().backend.kind == warmgate_deploy::BackendKind::Local;
-        let list: Vec<_> = files
-            .items
-            .iter()
-            .map(|f| {
-                let mut entry = json!({"name": f.relative.to_string_lossy(), "size": f.meta.size});
-                if let Some(path) = local.then(|| gw.weights.local_path(f)).flatten() {
-                    entry["path"] = json!(path.to_string_lossy());
-                }
-                entry
-            })
-            .collect();
-        Ok::<_, Error>(axum::Json(json!({
-            "target": target,
-            "revision": revision,
-            "checkpoint": gw.weights.uri(&target, &revision),
-            "files": list,
-        })))
-    }
-    .await;
-    match result {
-        Ok(j) => j.into_response(),
-        Err(e) => e.into_response(),
-    }
+) -> Result<Json<Value>, Error> {
+    let target = gw.target_name(&target);
+    weights_auth(&gw, &headers, &target, &revision)?;
+    let files = gw.weights.files(&target, &revision).await?;
+    // Workers on this machine may read a file where it lies, at the
+    // page cache's speed; on Kubernetes they are on other nodes.
+    let local = gw.config().backend.kind == warmgate_deploy::BackendKind::Local;
+    let list: Vec<_> = files
+        .items
+        .iter()
+        .map(|f| {
+            let mut entry = json!({"name": f.relative.to_string_lossy(), "size": f.meta.size});
+            if let Some(path) = local.then(|| gw.weights.local_path(f)).flatten() {
+                entry["path"] = json!(path.to_string_lossy());
+            }
+            entry
+        })
+        .collect();
+    Ok(Json(json!({
+        "target": target,
+        "revision": revision,
+        "checkpoint": gw.weights.uri(&target, &revision),
+        "files": list,
+    })))
 }
 
 /// One file of a revision's checkpoint, streamed.
@@ -81,23 +83,18 @@ pub(crate) async fn weights_file(
     State(gw): State<Arc<Gateway>>,
     Path((target, revision, file)): Path<(String, String, String)>,
     headers: http::HeaderMap,
-) -> Response {
+) -> Result<impl IntoResponse, Error> {
     let target = gw.target_name(&target);
-    if let Err(e) = weights_auth(&gw, &headers, &target, &revision) {
-        return e.into_response();
-    }
-    match gw.weights.file(&target, &revision, &file).await {
-        Ok((body, size)) => (
-            [
-                (
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/octet-stream"),
-                ),
-                (header::CONTENT_LENGTH, HeaderValue::from(size)),
-            ],
-            body,
-        )
-            .into_response(),
-        Err(e) => e.into_response(),
-    }
+    weights_auth(&gw, &headers, &target, &revision)?;
+    let (body, size) = gw.weights.file(&target, &revision, &file).await?;
+    Ok((
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            ),
+            (header::CONTENT_LENGTH, HeaderValue::from(size)),
+        ],
+        body,
+    ))
 }
