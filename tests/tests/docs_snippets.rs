@@ -120,20 +120,18 @@ fn make_what_it_names(config: &str, dir: &Path) -> Result<Vec<(String, String)>,
                 .expect("chmod");
         }
     }
-    let folders = parsed.apps.iter().flat_map(|a| {
-        let adapters = a
-            .adapters
-            .models
-            .iter()
-            .flat_map(|m| std::iter::once(&m.checkpoint).chain(m.watch.iter()));
-        a.checkpoint
-            .iter()
-            .chain(a.promotion.watch.iter())
-            .chain(adapters)
-    });
-    let folders = folders
-        .chain(parsed.pools.iter().filter_map(|p| p.checkpoint.as_ref()))
-        .chain(parsed.weights.allowed_prefixes.iter().flatten());
+    // Every checkpoint and watched prefix it names (what the gateway
+    // allows when `[weights] allowed_prefixes` is unset), and that list.
+    let named = warmgate_deploy::Config {
+        weights: warmgate_deploy::WeightsConfig {
+            allowed_prefixes: None,
+            ..parsed.weights.clone()
+        },
+        ..parsed.clone()
+    };
+    let folders = warmgate_gateway::weights::allowed_prefixes(&named)
+        .into_iter()
+        .chain(parsed.weights.allowed_prefixes.iter().flatten().cloned());
     for uri in folders {
         if let Some(path) = uri.strip_prefix("file://")
             && Path::new(path).starts_with(dir)
