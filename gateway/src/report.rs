@@ -6,10 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use warmgate_deploy::TargetId;
+use warmgate_deploy::{AppSpec, TargetId};
 use warmgate_pool::TargetStatus;
 
 use crate::server::Gateway;
+use crate::serving::dispatch::App;
 use crate::serving::served::Served;
 use crate::status::{AppStatus, GatewayStatus, PoolStatus, RevisionStatus};
 
@@ -28,32 +29,7 @@ impl Gateway {
     pub(crate) fn status_of(&self, served: &Served, targets: &Targets<'_>) -> AppStatus {
         let spec = served.spec();
         if let Some(name) = &spec.pool {
-            let p = self.registry.load().pool(name).map(|p| p.status());
-            let target = targets.get(&TargetId::Pool(name.clone())).copied();
-            let p = p.unwrap_or_default();
-            return AppStatus {
-                name: served.name.clone(),
-                aliases: spec.aliases.clone(),
-                revision: String::new(),
-                desired: target.map_or(0, |t| t.desired),
-                ready: p.ready,
-                inflight: p.requests_inflight,
-                queued: p.requests_waiting,
-                capacity: p.ready as u32 * p.concurrency,
-                concurrency: p.concurrency,
-                max_pending: spec.queue.max_pending,
-                min: p.min,
-                max: p.max,
-                handoff_ms: None,
-                // A pool's idle replicas go by its `idle_ttl`.
-                scale_to_zero_after_s: None,
-                pool: target.cloned(),
-                revisions: Vec::new(),
-                promotion: None,
-                watch_scans: None,
-                served_by: Some(name.clone()),
-                adapters: Vec::new(),
-            };
+            return self.pool_app_status(served, &spec, name, targets);
         }
         let shares = served.shares();
         let serving = served.serving();
@@ -65,44 +41,7 @@ impl Gateway {
             inflight += i;
             queued += q;
             let t = targets.get(&app.target).copied();
-            // Two revisions share a target while one is promoted in place:
-            // each shows the replicas it routes to, the target's own
-            // revision the rest (those starting among them).
-            let elsewhere: std::collections::HashSet<String> = live
-                .iter()
-                .filter(|o| !Arc::ptr_eq(o, app) && o.target == app.target)
-                .flat_map(|o| o.replicas())
-                .map(|r| r.id.clone())
-                .collect();
-            let own: std::collections::HashSet<String> =
-                app.replicas().iter().map(|r| r.id.clone()).collect();
-            let replicas = t
-                .map(|t| {
-                    t.replicas
-                        .iter()
-                        .filter(|r| {
-                            own.contains(&r.id) || (!app.is_guest() && !elsewhere.contains(&r.id))
-                        })
-                        .cloned()
-                        .collect()
-                })
-                .unwrap_or_default();
-            revisions.push(RevisionStatus {
-                id: app.revision.clone(),
-                traffic: shares
-                    .iter()
-                    .find(|(id, _)| *id == app.revision)
-                    .map_or(0, |(_, p)| *p),
-                ready: app.ready_replicas(),
-                desired: if app.is_guest() {
-                    own.len() as u32
-                } else {
-                    t.map_or(0, |t| t.desired)
-                },
-                inflight: i,
-                queued: q,
-                replicas,
-            });
+            revisions.push(revision_status(app, &live, &shares, t, (i, q)));
         }
         let (revision, ready, target, handoff, linger) = match &serving {
             Some(a) => (
@@ -115,39 +54,7 @@ impl Gateway {
             None => (String::new(), 0, None, None, None),
         };
         let promotion = served.history.lock().promotion.clone();
-        let adapters = spec
-            .adapters
-            .models
-            .iter()
-            .map(|a| {
-                let engine = a.engine_name();
-                let promotion = served.adapter_promotion(&a.name);
-                crate::status::AdapterStatus {
-                    name: a.name.clone(),
-                    aliases: a.aliases.clone(),
-                    revision: a.revision,
-                    checkpoint: a.checkpoint.clone(),
-                    requests: served.adapter_requests(&a.name),
-                    replicas: live
-                        .iter()
-                        .flat_map(|r| r.adapter_holders(&engine))
-                        .collect(),
-                    promotion: promotion.map(|c| {
-                        let mut p = c.promotion.lock().clone();
-                        if !p.phase.is_terminal() {
-                            (p.answered, p.failed) = c.counts();
-                        }
-                        crate::status::AdapterPromotionStatus {
-                            replicas: live
-                                .iter()
-                                .flat_map(|r| r.adapter_holders(&c.engine))
-                                .collect(),
-                            promotion: p,
-                        }
-                    }),
-                }
-            })
-            .collect();
+        let adapters = adapter_statuses(served, &spec, &live);
         AppStatus {
             name: served.name.clone(),
             aliases: spec.aliases.clone(),
@@ -175,6 +82,43 @@ impl Gateway {
                 .map(|_| served.watch_scans.load(Ordering::Relaxed)),
             served_by: None,
             adapters,
+        }
+    }
+
+    /// The status of an app served by a pool: the pool's figures, and no
+    /// revisions of its own.
+    fn pool_app_status(
+        &self,
+        served: &Served,
+        spec: &AppSpec,
+        name: &str,
+        targets: &Targets<'_>,
+    ) -> AppStatus {
+        let p = self.registry.load().pool(name).map(|p| p.status());
+        let target = targets.get(&TargetId::Pool(name.to_string())).copied();
+        let p = p.unwrap_or_default();
+        AppStatus {
+            name: served.name.clone(),
+            aliases: spec.aliases.clone(),
+            revision: String::new(),
+            desired: target.map_or(0, |t| t.desired),
+            ready: p.ready,
+            inflight: p.requests_inflight,
+            queued: p.requests_waiting,
+            capacity: p.ready as u32 * p.concurrency,
+            concurrency: p.concurrency,
+            max_pending: spec.queue.max_pending,
+            min: p.min,
+            max: p.max,
+            handoff_ms: None,
+            // A pool's idle replicas go by its `idle_ttl`.
+            scale_to_zero_after_s: None,
+            pool: target.cloned(),
+            revisions: Vec::new(),
+            promotion: None,
+            watch_scans: None,
+            served_by: Some(name.to_string()),
+            adapters: Vec::new(),
         }
     }
 
@@ -239,4 +183,90 @@ impl Gateway {
                 .unwrap_or_default(),
         }
     }
+}
+
+/// A live revision's status: its share, and the replicas it routes to.
+fn revision_status(
+    app: &Arc<App>,
+    live: &[Arc<App>],
+    shares: &[(String, u8)],
+    t: Option<&TargetStatus>,
+    (inflight, queued): (u32, usize),
+) -> RevisionStatus {
+    // Two revisions share a target while one is promoted in place:
+    // each shows the replicas it routes to, the target's own
+    // revision the rest (those starting among them).
+    let elsewhere: std::collections::HashSet<String> = live
+        .iter()
+        .filter(|o| !Arc::ptr_eq(o, app) && o.target == app.target)
+        .flat_map(|o| o.replicas())
+        .map(|r| r.id.clone())
+        .collect();
+    let own: std::collections::HashSet<String> =
+        app.replicas().iter().map(|r| r.id.clone()).collect();
+    let replicas = t
+        .map(|t| {
+            t.replicas
+                .iter()
+                .filter(|r| own.contains(&r.id) || (!app.is_guest() && !elsewhere.contains(&r.id)))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    RevisionStatus {
+        id: app.revision.clone(),
+        traffic: shares
+            .iter()
+            .find(|(id, _)| *id == app.revision)
+            .map_or(0, |(_, p)| *p),
+        ready: app.ready_replicas(),
+        desired: if app.is_guest() {
+            own.len() as u32
+        } else {
+            t.map_or(0, |t| t.desired)
+        },
+        inflight,
+        queued,
+        replicas,
+    }
+}
+
+/// The status of each of an app's adapters, and of its promotion.
+fn adapter_statuses(
+    served: &Served,
+    spec: &AppSpec,
+    live: &[Arc<App>],
+) -> Vec<crate::status::AdapterStatus> {
+    spec.adapters
+        .models
+        .iter()
+        .map(|a| {
+            let engine = a.engine_name();
+            let promotion = served.adapter_promotion(&a.name);
+            crate::status::AdapterStatus {
+                name: a.name.clone(),
+                aliases: a.aliases.clone(),
+                revision: a.revision,
+                checkpoint: a.checkpoint.clone(),
+                requests: served.adapter_requests(&a.name),
+                replicas: live
+                    .iter()
+                    .flat_map(|r| r.adapter_holders(&engine))
+                    .collect(),
+                promotion: promotion.map(|c| {
+                    let mut p = c.promotion.lock().clone();
+                    if !p.phase.is_terminal() {
+                        (p.answered, p.failed) = c.counts();
+                    }
+                    crate::status::AdapterPromotionStatus {
+                        replicas: live
+                            .iter()
+                            .flat_map(|r| r.adapter_holders(&c.engine))
+                            .collect(),
+                        promotion: p,
+                    }
+                }),
+            }
+        })
+        .collect()
 }

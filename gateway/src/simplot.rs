@@ -110,95 +110,115 @@ pub fn sweep_svg(
     let root = SVGBackend::new(file, (w, h)).into_drawing_area();
     root.fill(&WHITE)?;
     let (legend, grid) = root.split_vertically(60);
-    let colours = [BLUE, MAGENTA, RED, GREEN, BLACK];
     if let Some(first) = cells.first() {
-        let mut x = 10;
-        for (i, row) in first.rows.iter().enumerate() {
-            let colour = colours[i % colours.len()];
-            legend.draw(&Circle::new((x, 20), 5, colour.filled()))?;
-            // "always at peak (3)": the count differs per panel.
-            let name = row
-                .report
-                .policy
-                .split(" (")
-                .next()
-                .unwrap_or(&row.report.policy)
-                .to_string();
-            let width = 12 + 9 * name.len() as i32;
-            legend.draw(&Text::new(name, (x + 10, 12), ("sans-serif", 15)))?;
-            x += width;
-        }
-        legend.draw(&PathElement::new(
-            [(x, 20), (x + 20, 20)],
-            RGBColor(150, 150, 150).stroke_width(2),
-        ))?;
-        legend.draw(&Text::new(
-            "clairvoyant frontier",
-            (x + 25, 12),
-            ("sans-serif", 15),
-        ))?;
-        legend.draw(&Text::new(
-            "x: replica-seconds / Knative's   y: p99 wait (s)   lower left is better",
-            (10, 38),
-            ("sans-serif", 14),
-        ))?;
+        draw_legend(&legend, first)?;
     }
     let panels = grid.split_evenly((rows, cols));
     for c in cells {
         let r = workloads.iter().position(|w| *w == c.workload).unwrap_or(0);
         let k = colds.iter().position(|d| *d == c.cold_start).unwrap_or(0);
-        let panel = &panels[r * cols + k];
-        let knative = c.rows[warmgate_autoscaler::sim::sweep::KNATIVE]
-            .report
-            .replica_seconds
-            .max(1e-9);
-        let points: Vec<(f64, f64)> = c
-            .rows
-            .iter()
-            .map(|row| (row.report.replica_seconds / knative, row.report.p99()))
-            .collect();
-        let mut frontier: Vec<(f64, f64)> = c
-            .frontier
-            .points
-            .iter()
-            .map(|&(rs, p99)| (rs / knative, p99))
-            .collect();
-        frontier.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let xmax = points
-            .iter()
-            .chain(&frontier)
-            .map(|p| p.0)
-            .fold(1.2_f64, f64::max)
-            * 1.1;
-        let ymax = points.iter().map(|p| p.1).fold(1.0_f64, f64::max) * 1.15;
-        let mut chart = ChartBuilder::on(panel)
-            .caption(
-                format!(
-                    "{}, cold start {}",
-                    c.workload,
-                    humantime::format_duration(c.cold_start)
-                ),
-                ("sans-serif", 15),
-            )
-            .margin(8)
-            .x_label_area_size(25)
-            .y_label_area_size(35)
-            .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
-        chart
-            .configure_mesh()
-            .light_line_style(RGBColor(235, 235, 235))
-            .x_labels(5)
-            .y_labels(5)
-            .draw()?;
-        chart.draw_series(LineSeries::new(
-            frontier.into_iter().filter(|p| p.1 <= ymax),
-            RGBColor(150, 150, 150).stroke_width(2),
-        ))?;
-        for (i, p) in points.iter().enumerate() {
-            let colour = colours[i % colours.len()];
-            chart.draw_series(std::iter::once(Circle::new(*p, 5, colour.filled())))?;
-        }
+        draw_panel(&panels[r * cols + k], c)?;
     }
     root.present()?;
+    Ok(())
+}
+
+/// The colours of a sweep's policies, in the order of its rows.
+const COLOURS: [RGBColor; 5] = [BLUE, MAGENTA, RED, GREEN, BLACK];
+
+/// The sweep's legend: each policy's colour and name, the frontier's
+/// line, and what the axes are.
+fn draw_legend(
+    legend: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    first: &warmgate_autoscaler::sim::sweep::Cell,
+) -> anyhow::Result<()> {
+    let mut x = 10;
+    for (i, row) in first.rows.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        legend.draw(&Circle::new((x, 20), 5, colour.filled()))?;
+        // "always at peak (3)": the count differs per panel.
+        let name = row
+            .report
+            .policy
+            .split(" (")
+            .next()
+            .unwrap_or(&row.report.policy)
+            .to_string();
+        let width = 12 + 9 * name.len() as i32;
+        legend.draw(&Text::new(name, (x + 10, 12), ("sans-serif", 15)))?;
+        x += width;
+    }
+    legend.draw(&PathElement::new(
+        [(x, 20), (x + 20, 20)],
+        RGBColor(150, 150, 150).stroke_width(2),
+    ))?;
+    legend.draw(&Text::new(
+        "clairvoyant frontier",
+        (x + 25, 12),
+        ("sans-serif", 15),
+    ))?;
+    legend.draw(&Text::new(
+        "x: replica-seconds / Knative's   y: p99 wait (s)   lower left is better",
+        (10, 38),
+        ("sans-serif", 14),
+    ))?;
+    Ok(())
+}
+
+/// One cell's panel: each policy's point and the clairvoyant frontier.
+fn draw_panel(
+    panel: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    c: &warmgate_autoscaler::sim::sweep::Cell,
+) -> anyhow::Result<()> {
+    let knative = c.rows[warmgate_autoscaler::sim::sweep::KNATIVE]
+        .report
+        .replica_seconds
+        .max(1e-9);
+    let points: Vec<(f64, f64)> = c
+        .rows
+        .iter()
+        .map(|row| (row.report.replica_seconds / knative, row.report.p99()))
+        .collect();
+    let mut frontier: Vec<(f64, f64)> = c
+        .frontier
+        .points
+        .iter()
+        .map(|&(rs, p99)| (rs / knative, p99))
+        .collect();
+    frontier.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let xmax = points
+        .iter()
+        .chain(&frontier)
+        .map(|p| p.0)
+        .fold(1.2_f64, f64::max)
+        * 1.1;
+    let ymax = points.iter().map(|p| p.1).fold(1.0_f64, f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(panel)
+        .caption(
+            format!(
+                "{}, cold start {}",
+                c.workload,
+                humantime::format_duration(c.cold_start)
+            ),
+            ("sans-serif", 15),
+        )
+        .margin(8)
+        .x_label_area_size(25)
+        .y_label_area_size(35)
+        .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
+    chart
+        .configure_mesh()
+        .light_line_style(RGBColor(235, 235, 235))
+        .x_labels(5)
+        .y_labels(5)
+        .draw()?;
+    chart.draw_series(LineSeries::new(
+        frontier.into_iter().filter(|p| p.1 <= ymax),
+        RGBColor(150, 150, 150).stroke_width(2),
+    ))?;
+    for (i, p) in points.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        chart.draw_series(std::iter::once(Circle::new(*p, 5, colour.filled())))?;
+    }
     Ok(())
 }

@@ -60,39 +60,7 @@ pub struct Args {
 /// argument): the CLI exits with its usage code.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = app_spec(args.config.as_deref(), args.app.as_deref())?;
-    let mut shapes = args.shapes.clone();
-    if args.sweep.is_some() && shapes.is_empty() {
-        shapes = Shape::presets().collect();
-    }
-    shapes.extend(Shape::random_many(args.seed, args.random as usize));
-    if shapes.is_empty() && args.traces.is_empty() {
-        anyhow::bail!(
-            "nothing to replay: give --trace CSV, --shape NAME, --random N or --sweep DIR"
-        );
-    }
-    let mut workloads = Vec::new();
-    for shape in &shapes {
-        workloads.push(Workload {
-            name: shape.name(),
-            bursty: shape.bursty(),
-            requests: shape.generate(args.seed),
-        });
-    }
-    for trace in &args.traces {
-        let text = std::fs::read_to_string(trace)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
-        let requests =
-            parse_azure_trace(&text).map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
-        let name = trace
-            .file_stem()
-            .map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
-        // A replayed trace is judged bursty by its arrivals.
-        workloads.push(Workload {
-            name,
-            bursty: is_bursty(&requests),
-            requests,
-        });
-    }
+    let workloads = workloads(&args)?;
     let colds = if !args.colds.is_empty() {
         args.colds.clone()
     } else if args.sweep.is_some() {
@@ -101,28 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         vec![Duration::from_secs(20)]
     };
     let cfg = sweep_config(&spec, args.model);
-    println!(
-        "app '{}': concurrency {}, target {:.1} (baselines {:.1}), replicas {}..{}; service time = {:?} + {:?}/prompt token + {:?}/generated token",
-        spec.name,
-        spec.concurrency,
-        cfg.scaling.target,
-        cfg.baseline_target,
-        cfg.scaling.min,
-        cfg.scaling.max,
-        cfg.model.base,
-        cfg.model.per_context_token,
-        cfg.model.per_generated_token
-    );
-    for w in &workloads {
-        let span = w.requests.last().map_or(0.0, |r| r.arrival.as_secs_f64());
-        println!(
-            "workload {}: {} requests over {:.0} s{}",
-            w.name,
-            w.requests.len(),
-            span,
-            if w.bursty { ", bursty" } else { "" }
-        );
-    }
+    describe(&spec, &cfg, &workloads);
     let mut cells: Vec<Cell> = Vec::new();
     for w in &workloads {
         for cold in &colds {
@@ -170,6 +117,71 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("table: {}\nplot: {}", md.display(), svg.display());
     }
     Ok(())
+}
+
+/// The workloads replayed: the shapes asked for (every preset for a
+/// sweep that names none), the random ones, then the traces.
+fn workloads(args: &Args) -> anyhow::Result<Vec<Workload>> {
+    let mut shapes = args.shapes.clone();
+    if args.sweep.is_some() && shapes.is_empty() {
+        shapes = Shape::presets().collect();
+    }
+    shapes.extend(Shape::random_many(args.seed, args.random as usize));
+    if shapes.is_empty() && args.traces.is_empty() {
+        anyhow::bail!(
+            "nothing to replay: give --trace CSV, --shape NAME, --random N or --sweep DIR"
+        );
+    }
+    let mut workloads = Vec::new();
+    for shape in &shapes {
+        workloads.push(Workload {
+            name: shape.name(),
+            bursty: shape.bursty(),
+            requests: shape.generate(args.seed),
+        });
+    }
+    for trace in &args.traces {
+        let text = std::fs::read_to_string(trace)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
+        let requests =
+            parse_azure_trace(&text).map_err(|e| anyhow::anyhow!("{}: {e}", trace.display()))?;
+        let name = trace
+            .file_stem()
+            .map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
+        // A replayed trace is judged bursty by its arrivals.
+        workloads.push(Workload {
+            name,
+            bursty: is_bursty(&requests),
+            requests,
+        });
+    }
+    Ok(workloads)
+}
+
+/// Prints the app's policy and service time, and each workload.
+fn describe(spec: &AppSpec, cfg: &SweepConfig, workloads: &[Workload]) {
+    println!(
+        "app '{}': concurrency {}, target {:.1} (baselines {:.1}), replicas {}..{}; service time = {:?} + {:?}/prompt token + {:?}/generated token",
+        spec.name,
+        spec.concurrency,
+        cfg.scaling.target,
+        cfg.baseline_target,
+        cfg.scaling.min,
+        cfg.scaling.max,
+        cfg.model.base,
+        cfg.model.per_context_token,
+        cfg.model.per_generated_token
+    );
+    for w in workloads {
+        let span = w.requests.last().map_or(0.0, |r| r.arrival.as_secs_f64());
+        println!(
+            "workload {}: {} requests over {:.0} s{}",
+            w.name,
+            w.requests.len(),
+            span,
+            if w.bursty { ", bursty" } else { "" }
+        );
+    }
 }
 
 /// The app whose policy is simulated.

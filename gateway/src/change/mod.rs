@@ -168,16 +168,20 @@ impl Changes {
             .find(|a| a.name == name)
             .cloned();
         if let Some(app) = &current {
-            // An adapter whose checkpoint changed is a new revision, never
-            // one an engine may hold already.
-            let incoming = spec.adapters.clone();
-            spec.adapters.carry_revisions(&app.spec().adapters, |n| {
-                let given = incoming.get(n).map(|a| (a.revision, a.checkpoint.as_str()));
-                app.adapter_revision_floor(n, given)
-            });
+            carry_adapter_revisions(app, &mut spec);
         }
+        let json = self.vet_app(&spec)?;
+        match current {
+            None => self.create_app(spec, &json),
+            Some(app) => self.change_app(&app, spec, &json, adapters_only),
+        }
+    }
+
+    /// Checks a put app against the config it would make and the
+    /// checkpoints and adapter folders it names; its spec as saved.
+    fn vet_app(&self, spec: &AppSpec) -> Result<String, Error> {
         let mut candidate = self.desired_config();
-        let index = match candidate.apps.iter().position(|a| a.name == name) {
+        let index = match candidate.apps.iter().position(|a| a.name == spec.name) {
             Some(i) => {
                 candidate.apps[i] = spec.clone();
                 i
@@ -199,43 +203,41 @@ impl Changes {
         for a in &spec.adapters.models {
             self.weights.open(&a.checkpoint)?;
         }
-        let json = encode_spec(&spec)?;
-        let Some(app) = current else {
-            self.record(
-                SpecKind::App,
-                &name,
-                Some(&json),
-                &format!("app {name} put through the API"),
-            )?;
-            if let Err(e) = self.start_app(spec) {
-                // Not kept: a restart would trip on it.
-                let _ = self.store.forget_spec(SpecKind::App, &name);
-                return Err(Error::new(
-                    ErrorKind::Internal,
-                    format!("app '{name}': {e:#}"),
-                ));
-            }
-            return Ok(Changed::Created);
-        };
-        let old = app.spec();
-        if old.pool != spec.pool {
+        encode_spec(spec)
+    }
+
+    /// A put of an app of a new name: saved, then started.
+    fn create_app(self: &Arc<Self>, spec: AppSpec, json: &str) -> Result<Changed, Error> {
+        let name = spec.name.clone();
+        self.record(
+            SpecKind::App,
+            &name,
+            Some(json),
+            &format!("app {name} put through the API"),
+        )?;
+        if let Err(e) = self.start_app(spec) {
+            // Not kept: a restart would trip on it.
+            let _ = self.store.forget_spec(SpecKind::App, &name);
             return Err(Error::new(
-                ErrorKind::Conflict,
-                format!(
-                    "app '{name}' would move {} {}: delete it and put it again",
-                    old.pool
-                        .as_ref()
-                        .map_or("from its own replicas".to_string(), |p| format!(
-                            "from pool '{p}'"
-                        )),
-                    spec.pool
-                        .as_ref()
-                        .map_or("to replicas of its own".to_string(), |p| format!(
-                            "to pool '{p}'"
-                        )),
-                ),
+                ErrorKind::Internal,
+                format!("app '{name}': {e:#}"),
             ));
         }
+        Ok(Changed::Created)
+    }
+
+    /// A put of a running app: left as it is, retuned in place or
+    /// rolled to a new revision.
+    fn change_app(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        spec: AppSpec,
+        json: &str,
+        adapters_only: bool,
+    ) -> Result<Changed, Error> {
+        let name = spec.name.clone();
+        let old = app.spec();
+        refuse_pool_move(&name, &old, &spec)?;
         if spec.pool.is_some() {
             // Nothing of its own runs: its names and queue change in place.
             if *old == spec {
@@ -244,33 +246,23 @@ impl Changes {
             self.record(
                 SpecKind::App,
                 &name,
-                Some(&json),
+                Some(json),
                 &format!("app {name} retuned through the API"),
             )?;
             app.set_spec(spec);
             self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
             return Ok(Changed::InPlace);
         }
-        if *old == spec && serves(&app, &spec) {
+        if *old == spec && serves(app, &spec) {
             return Ok(Changed::Unchanged);
         }
         let old_json = serde_json::to_string(&*old).ok();
         let watch_changed = old.promotion.watch != spec.promotion.watch
             || old.promotion.marker != spec.promotion.marker
             || old.promotion.watch_interval != spec.promotion.watch_interval;
-        let mut tuned = (*old).clone();
-        tuned.autoscale = spec.autoscale.clone();
-        tuned.queue = spec.queue.clone();
-        tuned.aliases = spec.aliases.clone();
-        tuned.promotion = spec.promotion.clone();
-        // Routing is the gateway's alone; `engine` changes what the pool
-        // manager reads of each replica, so it rolls like the command.
-        tuned.routing = spec.routing.clone();
-        // Adapters are loaded where requests go, at runtime.
-        tuned.adapters = spec.adapters.clone();
-        let in_place = tuned == spec && serves(&app, &old);
+        let in_place = retunable(&old, &spec) && serves(app, &old);
         if !(adapters_only && in_place) {
-            self.promotions.refuse_if_promoting(&app)?;
+            self.promotions.refuse_if_promoting(app)?;
         }
         if adapters_only && !in_place {
             return Err(Error::new(
@@ -288,22 +280,22 @@ impl Changes {
             self.record(
                 SpecKind::App,
                 &name,
-                Some(&json),
+                Some(json),
                 &format!("app {name} retuned through the API"),
             )?;
-            self.retune_app(&app, spec).map_err(undo)?;
+            self.retune_app(app, spec).map_err(undo)?;
             Changed::InPlace
         } else {
-            self.record(SpecKind::App, &name, Some(&json), "")?;
+            self.record(SpecKind::App, &name, Some(json), "")?;
             let revision = self
                 .promotions
-                .roll(&app, spec, "the spec changed through the API")
+                .roll(app, spec, "the spec changed through the API")
                 .map_err(undo)?;
             Changed::Rolled { revision }
         };
         // Aliases may have changed: the app is routed by its new ones.
         self.registry.rcu(|r| Arc::new(r.with_app(app.clone())));
-        self.watch_adapters(&app);
+        self.watch_adapters(app);
         if watch_changed {
             // The running watcher sees a newer generation and stops.
             app.next_watcher();
@@ -620,6 +612,56 @@ impl Changes {
         });
         Ok(())
     }
+}
+
+/// Gives the put spec's adapters the revisions the running app's hold:
+/// an adapter whose checkpoint changed is a new revision, never one an
+/// engine may hold already.
+fn carry_adapter_revisions(app: &Served, spec: &mut AppSpec) {
+    let incoming = spec.adapters.clone();
+    spec.adapters.carry_revisions(&app.spec().adapters, |n| {
+        let given = incoming.get(n).map(|a| (a.revision, a.checkpoint.as_str()));
+        app.adapter_revision_floor(n, given)
+    });
+}
+
+/// Refuses a put that would move an app into or out of a pool.
+fn refuse_pool_move(name: &str, old: &AppSpec, spec: &AppSpec) -> Result<(), Error> {
+    if old.pool == spec.pool {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Conflict,
+        format!(
+            "app '{name}' would move {} {}: delete it and put it again",
+            old.pool
+                .as_ref()
+                .map_or("from its own replicas".to_string(), |p| format!(
+                    "from pool '{p}'"
+                )),
+            spec.pool
+                .as_ref()
+                .map_or("to replicas of its own".to_string(), |p| format!(
+                    "to pool '{p}'"
+                )),
+        ),
+    ))
+}
+
+/// Whether `spec` differs from `old` only in what running replicas can
+/// take in place.
+fn retunable(old: &AppSpec, spec: &AppSpec) -> bool {
+    let mut tuned = old.clone();
+    tuned.autoscale = spec.autoscale.clone();
+    tuned.queue = spec.queue.clone();
+    tuned.aliases = spec.aliases.clone();
+    tuned.promotion = spec.promotion.clone();
+    // Routing is the gateway's alone; `engine` changes what the pool
+    // manager reads of each replica, so it rolls like the command.
+    tuned.routing = spec.routing.clone();
+    // Adapters are loaded where requests go, at runtime.
+    tuned.adapters = spec.adapters.clone();
+    tuned == *spec
 }
 
 /// Whether the app's serving revision runs `spec` in what needs new

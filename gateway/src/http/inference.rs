@@ -125,42 +125,8 @@ pub(crate) async fn read_model(
         )
         .param(field));
     }
-    let registry = gw.registry.load();
-    let mut renamed = None;
-    let app = match registry.app(model.as_ref()) {
-        Some(app) => app.clone(),
-        None => {
-            // A LoRA adapter served on an app's replicas: the engine is
-            // asked for it by the name it holds the chosen revision under.
-            let app = registry.adapter(model.as_ref()).cloned();
-            let requested = app.as_ref().and_then(|a| a.adapter_request(model.as_ref()));
-            let (Some(app), Some(requested)) = (app, requested) else {
-                return Err(model_not_found(gw, &model));
-            };
-            if *requested.engine != *model {
-                renamed = Some(requested.engine.clone());
-            }
-            parts.extensions.insert(requested);
-            app
-        }
-    };
-    // A tenant's prompts share no cache with another's (unless the app
-    // says they may): indexed apart, and salted for the engine.
-    let salt = parts
-        .extensions
-        .get::<Arc<crate::tenants::Tenant>>()
-        .filter(|_| !app.spec().routing.share_cache_across_tenants)
-        .map(|t| cache_salt(gw, &t.name));
-    if let Some(key) = route_key(&app, path, &parts.headers, &bytes) {
-        let key = match &salt {
-            Some(s) => key.salted(s.seed),
-            None => key,
-        };
-        parts.extensions.insert(Arc::new(key));
-    }
-    let salted = salt
-        .as_ref()
-        .filter(|_| is_prompt_path(path) && crate::serving::engine_routes::is_engine(&app.spec()));
+    let (app, renamed) = find_model(gw, &model, &mut parts)?;
+    let salted = route_by_prompt(gw, &app, path, &mut parts, &bytes);
     // Tokens: the tenant's token rate and largest `max_tokens`, and a
     // stream asked for its usage so that it can be counted.
     let tenant = parts
@@ -168,39 +134,10 @@ pub(crate) async fn read_model(
         .get::<Arc<crate::tenants::Tenant>>()
         .cloned();
     let metered = crate::usage::is_metered(path);
-    let mut cap = None;
-    if metered && let Some(t) = &tenant {
-        if t.has_max_tokens()
-            && let Some(field) = asks.max_tokens_malformed
-        {
-            return Err(Error::new(
-                ErrorKind::BadRequest,
-                format!("\"{field}\" must be a whole number of tokens (or null)"),
-            )
-            .param(field));
-        }
-        cap = t
-            .admit_tokens(asks.max_tokens, gw.pool.share().get().1)?
-            .filter(|_| is_prompt_path(path));
-    }
+    let cap = token_cap(gw, tenant.as_deref(), &asks, path, metered)?;
     let strip =
         metered && asks.stream && !asks.include_usage && crate::usage::takes_include_usage(path);
-    use crate::serving::json_body::json;
-    // Each field to set, and whether the body is known not to have it.
-    let mut fields: Vec<(&str, Box<serde_json::value::RawValue>, bool)> = Vec::new();
-    if let Some(name) = &renamed {
-        fields.push(("model", json(&**name)?, false));
-    }
-    if let Some(s) = salted {
-        fields.push(("cache_salt", json(&s.text)?, false));
-    }
-    if strip {
-        let options = crate::serving::json_body::include_usage(asks.stream_options)?;
-        fields.push(("stream_options", options, asks.stream_options.is_none()));
-    }
-    if let Some(max) = cap {
-        fields.push((max_tokens_field(path), json(&max)?, !asks.max_tokens_sent));
-    }
+    let fields = fields_to_set(path, &asks, renamed, salted, strip, cap)?;
     if metered {
         let model_name = match parts
             .extensions
@@ -219,23 +156,145 @@ pub(crate) async fn read_model(
             tenant,
         });
     }
-    let bytes = if fields.is_empty() {
-        bytes
-    } else {
-        let body = if fields.iter().all(|f| f.2) {
-            crate::serving::json_body::prepend(&bytes, &fields)?
-        } else {
-            let values: Vec<_> = fields.into_iter().map(|(k, v, _)| (k, v)).collect();
-            crate::serving::json_body::with_values(&bytes, &values)?
-        };
-        parts.headers.insert(
-            http::header::CONTENT_LENGTH,
-            http::HeaderValue::from(body.len()),
-        );
-        body
-    };
+    let bytes = with_fields(&mut parts, bytes, fields)?;
     let body = reading.into_held(bytes);
     Ok((app, Request::from_parts(parts, Body::new(body))))
+}
+
+/// The app a request's `model` names, and the name the engine is to be
+/// asked for instead (an adapter's chosen revision), if another.
+fn find_model(
+    gw: &Gateway,
+    model: &str,
+    parts: &mut http::request::Parts,
+) -> Result<(Arc<Served>, Option<Arc<str>>), Error> {
+    let registry = gw.registry.load();
+    let mut renamed = None;
+    let app = match registry.app(model) {
+        Some(app) => app.clone(),
+        None => {
+            // A LoRA adapter served on an app's replicas: the engine is
+            // asked for it by the name it holds the chosen revision under.
+            let app = registry.adapter(model).cloned();
+            let requested = app.as_ref().and_then(|a| a.adapter_request(model));
+            let (Some(app), Some(requested)) = (app, requested) else {
+                return Err(model_not_found(gw, model));
+            };
+            if *requested.engine != *model {
+                renamed = Some(requested.engine.clone());
+            }
+            parts.extensions.insert(requested);
+            app
+        }
+    };
+    Ok((app, renamed))
+}
+
+/// Keys the request for routing (salted per tenant), and the tenant's
+/// cache salt when the engine is to be given it.
+fn route_by_prompt(
+    gw: &Gateway,
+    app: &Served,
+    path: &str,
+    parts: &mut http::request::Parts,
+    bytes: &[u8],
+) -> Option<CacheSalt> {
+    // A tenant's prompts share no cache with another's (unless the app
+    // says they may): indexed apart, and salted for the engine.
+    let salt = parts
+        .extensions
+        .get::<Arc<crate::tenants::Tenant>>()
+        .filter(|_| !app.spec().routing.share_cache_across_tenants)
+        .map(|t| cache_salt(gw, &t.name));
+    if let Some(key) = route_key(app, path, &parts.headers, bytes) {
+        let key = match &salt {
+            Some(s) => key.salted(s.seed),
+            None => key,
+        };
+        parts.extensions.insert(Arc::new(key));
+    }
+    salt.filter(|_| is_prompt_path(path) && crate::serving::engine_routes::is_engine(&app.spec()))
+}
+
+/// The `max_tokens` a metered request of `tenant` is given (a prompt's,
+/// capped by the tenant's), once admitted under its token rate.
+fn token_cap(
+    gw: &Gateway,
+    tenant: Option<&crate::tenants::Tenant>,
+    asks: &Asks<'_>,
+    path: &str,
+    metered: bool,
+) -> Result<Option<u64>, Error> {
+    let mut cap = None;
+    if metered && let Some(t) = tenant {
+        if t.has_max_tokens()
+            && let Some(field) = asks.max_tokens_malformed
+        {
+            return Err(Error::new(
+                ErrorKind::BadRequest,
+                format!("\"{field}\" must be a whole number of tokens (or null)"),
+            )
+            .param(field));
+        }
+        cap = t
+            .admit_tokens(asks.max_tokens, gw.pool.share().get().1)?
+            .filter(|_| is_prompt_path(path));
+    }
+    Ok(cap)
+}
+
+/// A field the gateway sets in the body: its key, its value, and whether
+/// the body is known not to have it.
+type SetField = (&'static str, Box<serde_json::value::RawValue>, bool);
+
+/// The fields the gateway sets in a request's body: the engine's name
+/// for the model, the cache salt, the stream's usage and the token cap.
+fn fields_to_set(
+    path: &str,
+    asks: &Asks<'_>,
+    renamed: Option<Arc<str>>,
+    salted: Option<CacheSalt>,
+    strip: bool,
+    cap: Option<u64>,
+) -> Result<Vec<SetField>, Error> {
+    use crate::serving::json_body::json;
+    let mut fields: Vec<SetField> = Vec::new();
+    if let Some(name) = &renamed {
+        fields.push(("model", json(&**name)?, false));
+    }
+    if let Some(s) = salted {
+        fields.push(("cache_salt", json(&s.text)?, false));
+    }
+    if strip {
+        let options = crate::serving::json_body::include_usage(asks.stream_options)?;
+        fields.push(("stream_options", options, asks.stream_options.is_none()));
+    }
+    if let Some(max) = cap {
+        fields.push((max_tokens_field(path), json(&max)?, !asks.max_tokens_sent));
+    }
+    Ok(fields)
+}
+
+/// The body with `fields` set (and its `Content-Length` to match).
+fn with_fields(
+    parts: &mut http::request::Parts,
+    bytes: bytes::Bytes,
+    fields: Vec<SetField>,
+) -> Result<bytes::Bytes, Error> {
+    if fields.is_empty() {
+        return Ok(bytes);
+    }
+    let body = if fields.iter().all(|f| f.2) {
+        crate::serving::json_body::prepend(&bytes, &fields)?
+    } else {
+        let values: Vec<_> = fields.into_iter().map(|(k, v, _)| (k, v)).collect();
+        crate::serving::json_body::with_values(&bytes, &values)?
+    };
+    parts.headers.insert(
+        http::header::CONTENT_LENGTH,
+        http::HeaderValue::from(body.len()),
+    );
+    Ok(body)
 }
 
 /// A tenant's cache salt: the engine's `cache_salt` and the seed its
@@ -458,8 +517,13 @@ pub(crate) fn request_fields(body: &[u8]) -> Result<(std::borrow::Cow<'_, str>, 
         max_tokens_sent: maxes.iter().any(|m| m.0.is_some()),
         max_tokens_malformed,
     };
-    match parsed.model {
-        Scalar::Str(s) if !s.is_empty() => Ok((s, asks)),
+    named_model(parsed.model).map(|model| (model, asks))
+}
+
+/// The app a body's `model` field names: a non-empty string.
+fn named_model(model: Scalar<'_>) -> Result<std::borrow::Cow<'_, str>, Error> {
+    match model {
+        Scalar::Str(s) if !s.is_empty() => Ok(s),
         Scalar::Str(_) => Err(Error::new(
             ErrorKind::BadRequest,
             "the \"model\" field is empty; name an app (see GET /v1/models)",

@@ -222,14 +222,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     // it cleanly rather than being lost.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("listen for SIGTERM")?;
-    let base = match &args.config {
-        Some(p) => Config::load(p).map_err(|e| anyhow::anyhow!("{e}"))?,
-        None => Config::default(),
-    };
-    anyhow::ensure!(
-        base.apps.is_empty() && base.pools.is_empty(),
-        "the operator's --config holds settings only; apps and pools come from ServingApp and WarmPool resources"
-    );
+    let base = base_config(&args)?;
     // Inferred once: the operator's client and the state store's own (on
     // its thread) are made from it.
     let kube_config = kube::Config::infer().await.map_err(|e| {
@@ -246,13 +239,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| client.default_namespace().to_string());
     let identity =
         std::env::var("POD_NAME").unwrap_or_else(|_| format!("warmgate-{:x}", fastrand::u64(..)));
-    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), LEASE)
-        .with_namespace(&ns)
-        .with_identity(&identity)
-        .build()
-        .await
-        .context("set up the leader election Lease")?;
-    let (mut leading, _lease_task) = manager.watch().await;
+    let (mut leading, _lease_task) = join_election(&client, &ns, &identity).await?;
 
     // Until this replica leads it follows: it serves the apps on the
     // leader's pods and passes the rest to the leader. Peers show each
@@ -269,73 +256,21 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         )?),
         _ => Standby::Idle(tokio::spawn(standby_server(args.listen))),
     };
-    while !*leading.borrow_and_update() {
-        tokio::select! {
-            r = leading.changed() => r.context("the lease manager stopped")?,
-            _ = term.recv() => {
-                standby.stop().await;
-                return Ok(());
-            }
-        }
+    if !wait_to_lead(standby, &mut leading, &mut term).await? {
+        return Ok(());
     }
-    standby.stop().await;
     tracing::info!(%identity, "leading");
 
     let apps_api: Api<ServingApp> = Api::namespaced(client.clone(), &ns);
     let pools_api: Api<WarmPool> = Api::namespaced(client.clone(), &ns);
-    let apps = apps_api
-        .list(&ListParams::default())
-        .await
-        .context("list ServingApps")?
-        .items;
-    let pools = pools_api
-        .list(&ListParams::default())
-        .await
-        .context("list WarmPools")?
-        .items;
-    let (mut config, refused) = config_from(base, &apps, &pools)
-        .map_err(|(key, m)| anyhow::anyhow!("the operator's config is not valid: {key}: {m}"))?;
-    for r in &refused {
-        tracing::warn!(kind = ?r.kind, name = %r.name, key = %r.key, reason = %r.message, "refused a resource");
-    }
-    config.listen = args.listen;
+    let (apps, pools) = list_resources(&apps_api, &pools_api).await?;
+    let (config, refused) = leader_config(base, &apps, &pools, args.listen)?;
     let instance = std::env::var("WARMGATE_INSTANCE").unwrap_or_else(|_| "warmgate".into());
-    let backend = KubeBackend::new(
-        client.clone(),
-        KubeSettings {
-            namespace: ns.clone(),
-            instance: instance.clone(),
-            config: config.backend.kubernetes.clone(),
-            stop_grace: config.backend.stop_grace,
-        },
-    );
-    // The pods an earlier leader left, to take over rather than start
-    // again (before any target starts).
-    crate::runtime::takeover::find_left(&backend).await;
-    for a in &apps {
-        if let Some(o) = owner_of(a) {
-            backend.set_owner(&a.name_any(), o);
-        }
-    }
-    for p in &pools {
-        if let Some(o) = owner_of(p) {
-            backend.set_owner(&p.name_any(), o);
-        }
-    }
+    let backend = leader_backend(&client, &ns, &instance, &config, &apps, &pools).await;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
-    // Revision histories and promotions as the last leader left them.
-    let state_secret =
-        std::env::var("WARMGATE_STATE_SECRET").unwrap_or_else(|_| format!("{instance}-state"));
-    let state = state::KubeState::load(
-        move || kube::Client::try_from(kube_config).map_err(|e| e.to_string()),
-        &ns,
-        &state_secret,
-        &identity,
-    )
-    .await
-    .context("read and claim the apps' revision histories in the cluster")?;
+    let state = claim_state(kube_config, &ns, &instance, &identity).await?;
     let backend = Arc::new(backend);
     let sweeper = backend.clone();
     let leaver = backend.clone();
@@ -375,6 +310,149 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         },
     )
     .await
+}
+
+/// The operator's own config (`--config`, or the defaults): settings
+/// only, no apps or pools.
+fn base_config(args: &OperatorArgs) -> anyhow::Result<Config> {
+    let base = match &args.config {
+        Some(p) => Config::load(p).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => Config::default(),
+    };
+    anyhow::ensure!(
+        base.apps.is_empty() && base.pools.is_empty(),
+        "the operator's --config holds settings only; apps and pools come from ServingApp and WarmPool resources"
+    );
+    Ok(base)
+}
+
+/// Joins the election for the leader lease: whether this replica leads,
+/// as it changes, and the task that keeps the lease.
+async fn join_election(
+    client: &kube::Client,
+    ns: &str,
+    identity: &str,
+) -> anyhow::Result<(
+    tokio::sync::watch::Receiver<bool>,
+    tokio::task::JoinHandle<kube_lease_manager::Result<kube_lease_manager::LeaseManager>>,
+)> {
+    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), LEASE)
+        .with_namespace(ns)
+        .with_identity(identity)
+        .build()
+        .await
+        .context("set up the leader election Lease")?;
+    Ok(manager.watch().await)
+}
+
+/// The namespace's `ServingApp`s and `WarmPool`s as they are now.
+async fn list_resources(
+    apps_api: &Api<ServingApp>,
+    pools_api: &Api<WarmPool>,
+) -> anyhow::Result<(Vec<ServingApp>, Vec<WarmPool>)> {
+    let apps = apps_api
+        .list(&ListParams::default())
+        .await
+        .context("list ServingApps")?
+        .items;
+    let pools = pools_api
+        .list(&ListParams::default())
+        .await
+        .context("list WarmPools")?
+        .items;
+    Ok((apps, pools))
+}
+
+/// The leader's config: the base with the resources' apps and pools,
+/// listening on `listen`; and the resources refused (each logged).
+fn leader_config(
+    base: Config,
+    apps: &[ServingApp],
+    pools: &[WarmPool],
+    listen: std::net::SocketAddr,
+) -> anyhow::Result<(Config, Vec<Refusal>)> {
+    let (mut config, refused) = config_from(base, apps, pools)
+        .map_err(|(key, m)| anyhow::anyhow!("the operator's config is not valid: {key}: {m}"))?;
+    for r in &refused {
+        tracing::warn!(kind = ?r.kind, name = %r.name, key = %r.key, reason = %r.message, "refused a resource");
+    }
+    config.listen = listen;
+    Ok((config, refused))
+}
+
+/// Stands by (following or idle) until this replica takes the lease:
+/// true once it leads, false on SIGTERM. The standby is stopped either way.
+async fn wait_to_lead(
+    standby: Standby,
+    leading: &mut tokio::sync::watch::Receiver<bool>,
+    term: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<bool> {
+    while !*leading.borrow_and_update() {
+        tokio::select! {
+            r = leading.changed() => r.context("the lease manager stopped")?,
+            _ = term.recv() => {
+                standby.stop().await;
+                return Ok(false);
+            }
+        }
+    }
+    standby.stop().await;
+    Ok(true)
+}
+
+/// The leader's backend, holding the pods an earlier leader left and
+/// owning each resource's pods by it.
+async fn leader_backend(
+    client: &kube::Client,
+    ns: &str,
+    instance: &str,
+    config: &Config,
+    apps: &[ServingApp],
+    pools: &[WarmPool],
+) -> KubeBackend {
+    let backend = KubeBackend::new(
+        client.clone(),
+        KubeSettings {
+            namespace: ns.to_string(),
+            instance: instance.to_string(),
+            config: config.backend.kubernetes.clone(),
+            stop_grace: config.backend.stop_grace,
+        },
+    );
+    // The pods an earlier leader left, to take over rather than start
+    // again (before any target starts).
+    crate::runtime::takeover::find_left(&backend).await;
+    for a in apps {
+        if let Some(o) = owner_of(a) {
+            backend.set_owner(&a.name_any(), o);
+        }
+    }
+    for p in pools {
+        if let Some(o) = owner_of(p) {
+            backend.set_owner(&p.name_any(), o);
+        }
+    }
+    backend
+}
+
+/// Revision histories and promotions as the last leader left them, read
+/// from the cluster and claimed for `identity`.
+async fn claim_state(
+    kube_config: kube::Config,
+    ns: &str,
+    instance: &str,
+    identity: &str,
+) -> anyhow::Result<state::KubeState> {
+    let state_secret =
+        std::env::var("WARMGATE_STATE_SECRET").unwrap_or_else(|_| format!("{instance}-state"));
+    state::KubeState::load(
+        move || kube::Client::try_from(kube_config).map_err(|e| e.to_string()),
+        ns,
+        &state_secret,
+        identity,
+    )
+    .await
+    .context("read and claim the apps' revision histories in the cluster")
 }
 
 /// Reconciles the namespace's `ServingApp`s and `WarmPool`s into `gw`,

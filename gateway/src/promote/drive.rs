@@ -172,7 +172,7 @@ impl Promotions {
         let mut baseline = (0u64, 0u64);
         // A step whose save failed: taken again, as it was decided, until
         // it is saved or the promotion moves on (an operator's rollback).
-        let mut unsaved: Option<(Promotion, Promotion, Vec<Effect>, String)> = None;
+        let mut unsaved: Option<Unsaved> = None;
         loop {
             let Some(p) = app.history.lock().promotion.clone() else {
                 return;
@@ -214,21 +214,7 @@ impl Promotions {
                 match p.phase {
                     Phase::Warming if p.plan.in_place => match self.warm_in_place(&app, &p).await {
                         _ if moved_on(&app) => continue,
-                        Event::Ready => {
-                            let mut gate = self.gate(&app, Evaluated::Revision(&p.to)).await;
-                            // Judged on replicas it no longer has (one
-                            // crashed): the verdict was not about them.
-                            if gate == Event::Ready
-                                && app.revision(&p.to).is_some_and(|a| a.ready_replicas() == 0)
-                            {
-                                gate = Event::Unhealthy("the gate's replicas were lost".into());
-                            }
-                            if gate == Event::Ready && p.plan.canary.is_none() && !moved_on(&app) {
-                                // Nothing to bake: every replica moves now.
-                                self.commit_in_place(&app, &p).await;
-                            }
-                            Some(gate)
-                        }
+                        Event::Ready => Some(self.gate_in_place(&app, &p).await),
                         other => Some(other),
                     },
                     Phase::Warming => match self.warming(&app, &p, since) {
@@ -262,41 +248,55 @@ impl Promotions {
                 other => other,
             };
             if let Some(event) = event {
-                let note = match &event {
-                    Event::Ready => format!("{} is ready", p.to),
-                    Event::StartFailed(r) => format!("{} failed to start: {r}", p.to),
-                    Event::BakeElapsed => format!("{} baked; it takes all traffic", p.to),
-                    Event::Unhealthy(r) if p.phase == Phase::Warming => {
-                        format!("{} not promoted: {r}", p.to)
-                    }
-                    Event::Unhealthy(r) => format!("{} rolled back: {r}", p.to),
-                    Event::Rollback(r) => format!("{} rolled back: {r}", p.to),
-                    Event::InPlaceUnsupported(r) => {
-                        format!(
-                            "{} starts new replicas instead of swapping in place: {r}",
-                            p.to
-                        )
-                    }
-                };
-                match p.on(event) {
-                    Ok((next, fx)) => match self.step(&app, &p, &next, fx.clone(), &note) {
-                        Err(e) if e.kind == ErrorKind::Internal => {
-                            unsaved = Some((p, next, fx, note));
-                            tokio::time::sleep(STEP).await;
-                        }
-                        Err(e) => {
-                            tracing::debug!(app = %app.name, error = %e.message, "promotion step overtaken")
-                        }
-                        Ok(()) => {}
-                    },
-                    Err(e) => {
-                        tracing::warn!(app = %app.name, error = %e, "promotion event ignored")
-                    }
-                }
+                unsaved = self.take_event(&app, p, event).await;
                 continue;
             }
             tokio::time::sleep(STEP).await;
         }
+    }
+
+    /// The gate's verdict on a revision warmed in place; when it passes
+    /// and there is no canary to bake, every replica moves to it.
+    async fn gate_in_place(self: &Arc<Self>, app: &Arc<Served>, p: &Promotion) -> Event {
+        let mut gate = self.gate(app, Evaluated::Revision(&p.to)).await;
+        // Judged on replicas it no longer has (one crashed): the verdict
+        // was not about them.
+        if gate == Event::Ready && app.revision(&p.to).is_some_and(|a| a.ready_replicas() == 0) {
+            gate = Event::Unhealthy("the gate's replicas were lost".into());
+        }
+        let moved_on = app.history.lock().promotion.as_ref() != Some(p);
+        if gate == Event::Ready && p.plan.canary.is_none() && !moved_on {
+            // Nothing to bake: every replica moves now.
+            self.commit_in_place(app, p).await;
+        }
+        gate
+    }
+
+    /// Takes the step `event` leads `p` to; the step, when its save
+    /// failed, to be taken again.
+    async fn take_event(
+        self: &Arc<Self>,
+        app: &Arc<Served>,
+        p: Promotion,
+        event: Event,
+    ) -> Option<Unsaved> {
+        let note = note_of(&p, &event);
+        match p.on(event) {
+            Ok((next, fx)) => match self.step(app, &p, &next, fx.clone(), &note) {
+                Err(e) if e.kind == ErrorKind::Internal => {
+                    tokio::time::sleep(STEP).await;
+                    return Some((p, next, fx, note));
+                }
+                Err(e) => {
+                    tracing::debug!(app = %app.name, error = %e.message, "promotion step overtaken")
+                }
+                Ok(()) => {}
+            },
+            Err(e) => {
+                tracing::warn!(app = %app.name, error = %e, "promotion event ignored")
+            }
+        }
+        None
     }
 
     /// During warming: ready, failed, or not yet.
@@ -317,6 +317,30 @@ impl Promotions {
                 humantime::format_duration(app.spec().startup_timeout)
             ))
         })
+    }
+}
+
+/// A step whose save failed, as it was decided: the promotion it was
+/// taken from, the one it leads to, its effects and its note.
+type Unsaved = (Promotion, Promotion, Vec<Effect>, String);
+
+/// The history's note of the step `event` leads `p` to.
+fn note_of(p: &Promotion, event: &Event) -> String {
+    match event {
+        Event::Ready => format!("{} is ready", p.to),
+        Event::StartFailed(r) => format!("{} failed to start: {r}", p.to),
+        Event::BakeElapsed => format!("{} baked; it takes all traffic", p.to),
+        Event::Unhealthy(r) if p.phase == Phase::Warming => {
+            format!("{} not promoted: {r}", p.to)
+        }
+        Event::Unhealthy(r) => format!("{} rolled back: {r}", p.to),
+        Event::Rollback(r) => format!("{} rolled back: {r}", p.to),
+        Event::InPlaceUnsupported(r) => {
+            format!(
+                "{} starts new replicas instead of swapping in place: {r}",
+                p.to
+            )
+        }
     }
 }
 

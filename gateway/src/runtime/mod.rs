@@ -216,28 +216,9 @@ where
         .increment(ORPHANS.load(std::sync::atomic::Ordering::Relaxed));
     let grace = config.backend.stop_grace;
     let conn_limits = crate::listener::ConnLimits::from(&config.limits);
-    let tls = match &config.tls {
-        Some(files) => Some(Arc::new(
-            crate::tls::ServerTls::load(files).context("load the TLS certificate")?,
-        )),
-        None => None,
-    };
+    let tls = load_tls(&config)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
-    // Workers hold no CA to trust: with TLS they read their weights over
-    // plain HTTP from a listener of their own (loopback by default).
-    let worker_listener = match &config.tls {
-        Some(t) => {
-            let at = t
-                .worker_listen
-                .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-            Some(
-                tokio::net::TcpListener::bind(at)
-                    .await
-                    .with_context(|| format!("listen for workers on {at}"))?,
-            )
-        }
-        None => None,
-    };
+    let worker_listener = bind_worker_listener(&config).await?;
     let worker_addr = match &worker_listener {
         Some(l) => l.local_addr().context("read the workers' address")?,
         None => addr,
@@ -279,28 +260,7 @@ where
     // Before the gateway says it listens: a SIGTERM right after must
     // drain it, not kill it (its default).
     let stop = shutdown_signal();
-    tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
-    println!("warmgate listening on {scheme}://{addr}");
-    // A token the gateway made is shown to the user who started it, as
-    // Jupyter shows its URL: the dashboard needs it.
-    // Only to a terminal: stdout sent to a file or a pipe may be read by
-    // others (a shared log, a CI job's output).
-    if let Some(token) = crate::access::generated_admin_token() {
-        use std::io::IsTerminal as _;
-        let file = gw.config().state_dir.join(admin_token::FILE_NAME);
-        if std::io::stdout().is_terminal() {
-            println!(
-                "dashboard: {scheme}://{addr}/ui#token={token} (admin token in {})",
-                file.display()
-            );
-        } else {
-            println!(
-                "dashboard: {scheme}://{addr}/ui (open it with #token=<the admin token in {}>)",
-                file.display()
-            );
-        }
-    }
-    let _ = std::io::stdout().flush();
+    announce(&gw, scheme, addr);
 
     tokio::select! {
         r = &mut server => {
@@ -334,6 +294,60 @@ where
     gw.shutdown().await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The TLS certificate the config names, loaded.
+fn load_tls(config: &Config) -> anyhow::Result<Option<Arc<crate::tls::ServerTls>>> {
+    Ok(match &config.tls {
+        Some(files) => Some(Arc::new(
+            crate::tls::ServerTls::load(files).context("load the TLS certificate")?,
+        )),
+        None => None,
+    })
+}
+
+/// The workers' own listener, with TLS: workers hold no CA to trust, so
+/// they read their weights over plain HTTP from it (loopback by default).
+async fn bind_worker_listener(config: &Config) -> anyhow::Result<Option<tokio::net::TcpListener>> {
+    Ok(match &config.tls {
+        Some(t) => {
+            let at = t
+                .worker_listen
+                .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+            Some(
+                tokio::net::TcpListener::bind(at)
+                    .await
+                    .with_context(|| format!("listen for workers on {at}"))?,
+            )
+        }
+        None => None,
+    })
+}
+
+/// Says that the gateway listens, and where its dashboard is.
+fn announce(gw: &Gateway, scheme: &str, addr: std::net::SocketAddr) {
+    tracing::info!(%addr, apps = gw.config().apps.len(), "warmgate listening");
+    println!("warmgate listening on {scheme}://{addr}");
+    // A token the gateway made is shown to the user who started it, as
+    // Jupyter shows its URL: the dashboard needs it.
+    // Only to a terminal: stdout sent to a file or a pipe may be read by
+    // others (a shared log, a CI job's output).
+    if let Some(token) = crate::access::generated_admin_token() {
+        use std::io::IsTerminal as _;
+        let file = gw.config().state_dir.join(admin_token::FILE_NAME);
+        if std::io::stdout().is_terminal() {
+            println!(
+                "dashboard: {scheme}://{addr}/ui#token={token} (admin token in {})",
+                file.display()
+            );
+        } else {
+            println!(
+                "dashboard: {scheme}://{addr}/ui (open it with #token=<the admin token in {}>)",
+                file.display()
+            );
+        }
+    }
+    let _ = std::io::stdout().flush();
 }
 
 /// The process's Prometheus recorder, installed at the first call: the

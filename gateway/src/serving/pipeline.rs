@@ -63,6 +63,15 @@ pub struct Pipeline {
     adapter_files: Arc<super::adapter_files::AdapterFiles>,
 }
 
+/// A slot [`Pipeline::take_slot`] took: the revision whose replica it
+/// is, how long the request queued for it, and whether it woke the app.
+struct Taken {
+    app: Arc<App>,
+    slot: super::dispatch::SlotGuard,
+    queued: Duration,
+    cold: bool,
+}
+
 impl Pipeline {
     /// Checkpoints as folders on this machine, for engines that read one
     /// (vLLM's adapters and in-place weight reloads).
@@ -231,72 +240,13 @@ impl Pipeline {
         avoid: &[Arc<ReplicaHandle>],
         wants: &Wants,
     ) -> Result<Response, Forward> {
-        use super::dispatch::Slotted;
         use Forward::Failed;
-        // A revision whose last replica went to another (swapped in place)
-        // sends its requests there: followed a few times at most, since
-        // two revisions could hand a replica back and forth.
-        let mut app = app.clone();
-        let mut hops = 0;
-        let (slot, queued, cold) = loop {
-            if app.ready_replicas() == 0 && !app.is_redirected() {
-                self.refuse_if_failing(&app).map_err(Failed)?;
-            }
-            let next = match app
-                .acquire_avoiding_for(
-                    avoid,
-                    wants.key.as_ref(),
-                    wants.adapter.as_ref(),
-                    wants.tenant.as_ref(),
-                )
-                .map_err(Failed)?
-            {
-                Acquire::Ready(slot) => break (slot, Duration::ZERO, false),
-                Acquire::Moved(to) => to,
-                Acquire::Held { pending, cold } => {
-                    if cold && !app.is_guest() {
-                        let pool = &self.pool;
-                        app.wake(self.started.elapsed(), |n| {
-                            if pool.desired(&app.target).unwrap_or(0) < n {
-                                pool.scale(&app.target, n);
-                            }
-                        });
-                    }
-                    match pending
-                        .wait(app.spec().queue.timeout)
-                        .await
-                        .map_err(Failed)?
-                    {
-                        Slotted::Slot(slot, waited) => break (slot, waited, cold),
-                        Slotted::Moved(to) => to,
-                    }
-                }
-            };
-            if pinned {
-                return Err(Failed(
-                    Error::new(
-                        ErrorKind::NoCapacity,
-                        format!(
-                            "revision '{}' has no replica now (they moved to '{}'); a pinned request is not sent to another revision",
-                            app.revision, next.revision
-                        ),
-                    )
-                    .retry_after(1),
-                ));
-            }
-            hops += 1;
-            if hops > MAX_MOVES {
-                return Err(Failed(
-                    Error::new(
-                        ErrorKind::NoCapacity,
-                        format!("app '{}' is moving between revisions; try again", app.name),
-                    )
-                    .retry_after(1),
-                ));
-            }
-            app = next;
-        };
-        let mut slot = slot;
+        let Taken {
+            app,
+            mut slot,
+            queued,
+            cold,
+        } = self.take_slot(app, pinned, avoid, wants).await?;
         // An adapter's request reaches its replica only once the adapter
         // is loaded there.
         let adapter_wait = super::adapter_load::prepare(
@@ -326,6 +276,97 @@ impl Pipeline {
             h.insert(X_COLD_START, HeaderValue::from_static("true"));
         }
         Ok(resp)
+    }
+
+    /// A slot on one of `app`'s replicas, waited for in its queue (and
+    /// woken for, when it has none), following its replicas to the
+    /// revision they moved to unless `pinned`.
+    async fn take_slot(
+        &self,
+        app: &Arc<App>,
+        pinned: bool,
+        avoid: &[Arc<ReplicaHandle>],
+        wants: &Wants,
+    ) -> Result<Taken, Forward> {
+        use super::dispatch::Slotted;
+        use Forward::Failed;
+        // A revision whose last replica went to another (swapped in place)
+        // sends its requests there: followed a few times at most, since
+        // two revisions could hand a replica back and forth.
+        let mut app = app.clone();
+        let mut hops = 0;
+        loop {
+            if app.ready_replicas() == 0 && !app.is_redirected() {
+                self.refuse_if_failing(&app).map_err(Failed)?;
+            }
+            let next = match app
+                .acquire_avoiding_for(
+                    avoid,
+                    wants.key.as_ref(),
+                    wants.adapter.as_ref(),
+                    wants.tenant.as_ref(),
+                )
+                .map_err(Failed)?
+            {
+                Acquire::Ready(slot) => {
+                    return Ok(Taken {
+                        app,
+                        slot,
+                        queued: Duration::ZERO,
+                        cold: false,
+                    });
+                }
+                Acquire::Moved(to) => to,
+                Acquire::Held { pending, cold } => {
+                    if cold && !app.is_guest() {
+                        let pool = &self.pool;
+                        app.wake(self.started.elapsed(), |n| {
+                            if pool.desired(&app.target).unwrap_or(0) < n {
+                                pool.scale(&app.target, n);
+                            }
+                        });
+                    }
+                    match pending
+                        .wait(app.spec().queue.timeout)
+                        .await
+                        .map_err(Failed)?
+                    {
+                        Slotted::Slot(slot, queued) => {
+                            return Ok(Taken {
+                                app,
+                                slot,
+                                queued,
+                                cold,
+                            });
+                        }
+                        Slotted::Moved(to) => to,
+                    }
+                }
+            };
+            if pinned {
+                return Err(Failed(
+                    Error::new(
+                        ErrorKind::NoCapacity,
+                        format!(
+                            "revision '{}' has no replica now (they moved to '{}'); a pinned request is not sent to another revision",
+                            app.revision, next.revision
+                        ),
+                    )
+                    .retry_after(1),
+                ));
+            }
+            hops += 1;
+            if hops > MAX_MOVES {
+                return Err(Failed(
+                    Error::new(
+                        ErrorKind::NoCapacity,
+                        format!("app '{}' is moving between revisions; try again", app.name),
+                    )
+                    .retry_after(1),
+                ));
+            }
+            app = next;
+        }
     }
 
     /// With no replica ready and the last starts failing, a new request is

@@ -122,6 +122,7 @@ impl Pool {
         Some((task, replica))
     }
 
+    /// Runs `task` once on `replica`, then ends it or has it tried again.
     async fn attempt(self: Arc<Self>, mut task: Task, replica: Arc<ReplicaHandle>) {
         task.attempts += 1;
         if task.dispatched.is_none() {
@@ -183,78 +184,86 @@ impl Pool {
                 self.state.lock().queue.done(&task.tenant);
                 self.finish(task, Ok(output), Some(&replica));
             }
-            Ok(Err(Failure::System(why))) => {
-                task.system_failures += 1;
-                metrics::counter!("warmgate_task_retries_total", "pool" => self.name.clone(), "cause" => "system").increment(1);
-                if task.system_failures > MAX_SYSTEM_RETRIES {
-                    self.state.lock().queue.done(&task.tenant);
-                    let msg = format!(
-                        "the task lost {} replicas in a row (last: {why})",
-                        task.system_failures
-                    );
-                    self.finish(
-                        task,
-                        Err(Error::new(ErrorKind::ReplicaFailed, msg)),
-                        Some(&replica),
-                    );
-                } else {
-                    tracing::warn!(task = %id, replica = %replica.id, %why, "replica lost under a task; requeued");
-                    // Give the pool manager a moment to take the lost
-                    // replica out of rotation before the task is retried.
-                    self.store.update(&id, |r| r.state = TaskState::Pending);
-                    let pause = SYSTEM_RETRY_PAUSE * task.system_failures;
-                    if self.paused_or_cancelled(&task, pause).await {
-                        self.finish(task, Err(cancelled("before its retry")), Some(&replica));
-                        return;
-                    }
-                    if task.system_failures == MAX_SYSTEM_RETRIES
-                        && self.ondemand_target().is_some()
-                    {
-                        // The last try of an interruptible pool's task runs
-                        // on on-demand capacity, out of the preemptions' reach.
-                        tracing::warn!(task = %id, "last try: on an on-demand replica");
-                        metrics::counter!("warmgate_task_ondemand_fallbacks_total", "pool" => self.name.clone()).increment(1);
-                        let mut st = self.state.lock();
-                        st.queue.retry_elsewhere();
-                        st.fallback.push_back(task);
-                        drop(st);
-                        if let Some(start) = self.wants_ondemand.get() {
-                            start();
-                        }
-                    } else {
-                        self.requeue(task, &replica);
-                    }
-                    self.notify();
-                }
-            }
-            Ok(Err(Failure::User(why))) => {
-                if task.retries_left == 0 {
-                    self.state.lock().queue.done(&task.tenant);
-                    let msg = format!(
-                        "the task failed in the worker after {} attempt(s): {why}",
-                        task.attempts
-                    );
-                    self.finish(
-                        task,
-                        Err(Error::new(ErrorKind::ReplicaFailed, msg)),
-                        Some(&replica),
-                    );
-                    return;
-                }
-                task.retries_left -= 1;
-                metrics::counter!("warmgate_task_retries_total", "pool" => self.name.clone(), "cause" => "user").increment(1);
-                let backoff =
-                    RETRY_BASE.saturating_mul(1 << task.attempts.saturating_sub(1).min(10));
-                self.store.update(&id, |r| r.state = TaskState::Pending);
-                let pause = backoff.min(task.deadline.saturating_duration_since(Instant::now()));
-                if self.paused_or_cancelled(&task, pause).await {
-                    self.finish(task, Err(cancelled("before its retry")), Some(&replica));
-                    return;
-                }
-                self.requeue(task, &replica);
-                self.notify();
-            }
+            Ok(Err(Failure::System(why))) => self.after_lost_replica(task, &replica, why).await,
+            Ok(Err(Failure::User(why))) => self.after_worker_error(task, &replica, why).await,
         }
+    }
+
+    /// After the task's replica was lost under it: requeued (its last try
+    /// on an on-demand replica, when the pool has them) unless it lost too
+    /// many in a row.
+    async fn after_lost_replica(&self, mut task: Task, replica: &Arc<ReplicaHandle>, why: String) {
+        let id = task.id.clone();
+        task.system_failures += 1;
+        metrics::counter!("warmgate_task_retries_total", "pool" => self.name.clone(), "cause" => "system").increment(1);
+        if task.system_failures > MAX_SYSTEM_RETRIES {
+            self.state.lock().queue.done(&task.tenant);
+            let msg = format!(
+                "the task lost {} replicas in a row (last: {why})",
+                task.system_failures
+            );
+            self.finish(
+                task,
+                Err(Error::new(ErrorKind::ReplicaFailed, msg)),
+                Some(replica),
+            );
+        } else {
+            tracing::warn!(task = %id, replica = %replica.id, %why, "replica lost under a task; requeued");
+            // Give the pool manager a moment to take the lost
+            // replica out of rotation before the task is retried.
+            self.store.update(&id, |r| r.state = TaskState::Pending);
+            let pause = SYSTEM_RETRY_PAUSE * task.system_failures;
+            if self.paused_or_cancelled(&task, pause).await {
+                self.finish(task, Err(cancelled("before its retry")), Some(replica));
+                return;
+            }
+            if task.system_failures == MAX_SYSTEM_RETRIES && self.ondemand_target().is_some() {
+                // The last try of an interruptible pool's task runs
+                // on on-demand capacity, out of the preemptions' reach.
+                tracing::warn!(task = %id, "last try: on an on-demand replica");
+                metrics::counter!("warmgate_task_ondemand_fallbacks_total", "pool" => self.name.clone()).increment(1);
+                let mut st = self.state.lock();
+                st.queue.retry_elsewhere();
+                st.fallback.push_back(task);
+                drop(st);
+                if let Some(start) = self.wants_ondemand.get() {
+                    start();
+                }
+            } else {
+                self.requeue(task, replica);
+            }
+            self.notify();
+        }
+    }
+
+    /// After the worker failed the task: tried again after a backoff
+    /// while it has retries left.
+    async fn after_worker_error(&self, mut task: Task, replica: &Arc<ReplicaHandle>, why: String) {
+        let id = task.id.clone();
+        if task.retries_left == 0 {
+            self.state.lock().queue.done(&task.tenant);
+            let msg = format!(
+                "the task failed in the worker after {} attempt(s): {why}",
+                task.attempts
+            );
+            self.finish(
+                task,
+                Err(Error::new(ErrorKind::ReplicaFailed, msg)),
+                Some(replica),
+            );
+            return;
+        }
+        task.retries_left -= 1;
+        metrics::counter!("warmgate_task_retries_total", "pool" => self.name.clone(), "cause" => "user").increment(1);
+        let backoff = RETRY_BASE.saturating_mul(1 << task.attempts.saturating_sub(1).min(10));
+        self.store.update(&id, |r| r.state = TaskState::Pending);
+        let pause = backoff.min(task.deadline.saturating_duration_since(Instant::now()));
+        if self.paused_or_cancelled(&task, pause).await {
+            self.finish(task, Err(cancelled("before its retry")), Some(replica));
+            return;
+        }
+        self.requeue(task, replica);
+        self.notify();
     }
 
     /// Puts a task back at the head of its queue after its pause, unless it
