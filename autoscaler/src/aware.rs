@@ -165,6 +165,47 @@ impl Aware {
         // Replicas recent demand needed are kept (never started) for a few
         // cold starts.
         let need = replicas_for(recent, i.slots);
+        let held = self.held(i, need, cap);
+
+        // A burst: recent demand needs more (at full slots) than the
+        // offered load does (at the target).
+        self.track_burst(i, need > replicas_for(lasting, i.target), need, tau, cold);
+
+        // The backlog: work still waiting one cold start from now, and
+        // demand in flight over the stable window (the queue not in it).
+        let left = self.backlog_left(i, lasting, current, tau, cold);
+        let queued = f64::from(i.queued);
+        let lasts = queued > 0.0 && left > 0.0;
+        let lasting_need = self.lasting_need(i, cap);
+
+        if self.standby.is_some_and(|(_, until)| now >= until) {
+            self.standby = None;
+        }
+        let standby = self.standby.map_or(0, |(n, _)| n);
+        // Replicas with work in hand or waiting for them are kept (never
+        // started): dropping one that is up while requests queue for its
+        // slots saves little and makes them wait for the rest.
+        let tick = self.tick().as_secs_f64();
+        let busy_now = if i.busy.is_finite() && i.busy > 0.0 {
+            i.busy / tick
+        } else {
+            0.0
+        };
+        let working = replicas_for(busy_now + queued, i.slots).min(i.desired);
+        let base = lasting_need.max(held).max(standby).max(working);
+        if lasts {
+            let burst = i.ready.saturating_add(to_start(left, tau, i.slots, cold));
+            Some((base.max(burst), true))
+        } else {
+            Some((base, false))
+        }
+    }
+
+    /// Remembers the replicas recent demand needs (`need`) for
+    /// [`HOLD_COLD_STARTS`] cold starts; returns the most of them within
+    /// the hold, at most the last decision (they are kept, never started).
+    fn held(&mut self, i: &Inputs, need: u32, cap: usize) -> u32 {
+        let now = i.now;
         let hold = i
             .cold
             .map_or(Duration::ZERO, |c| c.mul_f64(HOLD_COLD_STARTS));
@@ -176,19 +217,19 @@ impl Aware {
         {
             self.recent_need.pop_front();
         }
-        let held = self
-            .recent_need
+        self.recent_need
             .iter()
             .map(|&(_, n)| n)
             .max()
             .unwrap_or(0)
-            .min(i.desired);
+            .min(i.desired)
+    }
 
-        // A burst: recent demand needs more (at full slots) than the
-        // offered load does (at the target).
-        self.track_burst(i, need > replicas_for(lasting, i.target), need, tau, cold);
-
-        // The backlog: work still waiting one cold start from now.
+    /// The backlog: the slot-seconds of work still waiting one cold start
+    /// from now, once the ready replicas have drained what they can (zero
+    /// or less: they will have drained it all).
+    fn backlog_left(&mut self, i: &Inputs, lasting: f64, current: f64, tau: f64, cold: f64) -> f64 {
+        let now = i.now;
         let before = if i.queued > 0 {
             self.backlog.get_or_insert((now, self.prev_lasting)).1
         } else {
@@ -207,14 +248,18 @@ impl Aware {
         let goes_on = self.expected_rest(age).min(cold);
         let arriving = current * goes_on + before * (cold - goes_on);
         let queued = f64::from(i.queued);
-        let left = queued * tau + arriving - f64::from(i.ready) * i.slots * cold;
-        let lasts = queued > 0.0 && left > 0.0;
+        queued * tau + arriving - f64::from(i.ready) * i.slots * cold
+    }
 
-        // Demand in flight, averaged over the stable window as Knative does.
-        // The queue is not in it: a backlog is the backlog rule's, which
-        // sizes its replicas once; counted here too, a queue that sits
-        // through a cold start would raise the count every tick for work
-        // the replicas already starting will take.
+    /// Replicas for the demand in flight, averaged over the stable window
+    /// as Knative does.
+    ///
+    /// The queue is not in it: a backlog is the backlog rule's, which
+    /// sizes its replicas once; counted here too, a queue that sits
+    /// through a cold start would raise the count every tick for work
+    /// the replicas already starting will take.
+    fn lasting_need(&mut self, i: &Inputs, cap: usize) -> u32 {
+        let now = i.now;
         let tick = self.tick().as_secs_f64();
         let inflight = if i.busy.is_finite() && i.busy > 0.0 {
             i.busy / tick
@@ -236,28 +281,7 @@ impl Aware {
         // Knative at no lower p99 (the daily ramp, the conversation trace);
         // demand beyond the ready replicas queues, and the queue is the
         // backlog rule's.
-        let lasting_need = replicas_for(mean_demand, i.target);
-
-        if self.standby.is_some_and(|(_, until)| now >= until) {
-            self.standby = None;
-        }
-        let standby = self.standby.map_or(0, |(n, _)| n);
-        // Replicas with work in hand or waiting for them are kept (never
-        // started): dropping one that is up while requests queue for its
-        // slots saves little and makes them wait for the rest.
-        let busy_now = if i.busy.is_finite() && i.busy > 0.0 {
-            i.busy / tick
-        } else {
-            0.0
-        };
-        let working = replicas_for(busy_now + queued, i.slots).min(i.desired);
-        let base = lasting_need.max(held).max(standby).max(working);
-        if lasts {
-            let burst = i.ready.saturating_add(to_start(left, tau, i.slots, cold));
-            Some((base.max(burst), true))
-        } else {
-            Some((base, false))
-        }
+        replicas_for(mean_demand, i.target)
     }
 
     /// Counts one more observation in the run of raised arrivals, or ends

@@ -381,6 +381,48 @@ impl Autoscaler {
     pub fn observe(&mut self, obs: Observation) -> Decision {
         let now = obs.now;
         let concurrency = sanitize_concurrency(obs.concurrency);
+        let linger = self.record_activity(&obs, concurrency);
+        let stable_concurrency = self.window_mean(now, self.config.stable_window);
+        let panic_concurrency = self.window_mean(now, self.config.panic_window);
+        let (mut desired, mut panicking) =
+            self.base_count(&obs, linger, stable_concurrency, panic_concurrency);
+
+        // The engines' queues and caches: only ever more replicas.
+        if let Some(need) = obs
+            .engine
+            .and_then(|e| engine::replicas_needed(&e, &self.config.engine, obs.ready))
+        {
+            desired = desired.max(need);
+        }
+
+        // Predictive: a replica started now is ready one cold start from
+        // now, so plan for the demand then, when it is rising.
+        let predicted_concurrency = self.predict(now);
+        if let Some(p) = predicted_concurrency {
+            desired = desired.max(replicas_for(p, self.target()));
+        }
+
+        desired = self.rate_limited(obs.ready, desired, panicking);
+        desired = self.delayed_scale_down(now, desired);
+        desired = self.keep_adopted(now, desired);
+        let idle_now = concurrency == 0.0 && obs.queued == 0;
+        (desired, panicking) = self.scale_to_zero(now, idle_now, linger, desired, panicking);
+        (desired, panicking) = self.suspend_or_clamp(now, idle_now, desired, panicking);
+        self.desired = self.keep_commitments(now, obs.ready, desired);
+        Decision {
+            desired: self.desired,
+            panicking,
+            stable_concurrency,
+            panic_concurrency,
+            predicted_concurrency,
+        }
+    }
+
+    /// Records the tick's sample and activity (the idle spells, the last
+    /// activity, commitments whose replicas are all ready now); returns
+    /// how long the app may stay idle before its last replica goes.
+    fn record_activity(&mut self, obs: &Observation, concurrency: f64) -> Duration {
+        let now = obs.now;
         self.record(now, concurrency);
         // Engines that hold requests (another gateway's, or sent to them
         // directly) keep the app awake when it scales on their signals.
@@ -398,20 +440,28 @@ impl Autoscaler {
         if self.committed.is_some_and(|(n, _)| obs.ready >= n) {
             self.committed = None;
         }
+        linger
+    }
 
-        let target = self.target();
-        let stable_concurrency = self.window_mean(now, self.config.stable_window);
-        let panic_concurrency = self.window_mean(now, self.config.panic_window);
-
+    /// The count before limits, and whether it panics: the
+    /// cold-start-aware rules when they can be measured
+    /// ([`aware::Aware::decide`]), the windowed KPA rules otherwise.
+    fn base_count(
+        &mut self,
+        obs: &Observation,
+        linger: Duration,
+        stable_concurrency: f64,
+        panic_concurrency: f64,
+    ) -> (u32, bool) {
         let aware = self.config.cold_start_aware.then(|| aware::Inputs {
-            now,
+            now: obs.now,
             ready: obs.ready,
             queued: obs.queued,
             arrivals: obs.arrivals,
             completions: obs.completions,
             busy: obs.busy,
             cold: self.cold_start,
-            target,
+            target: self.target(),
             slots: self.slots(),
             stable_window: self.config.stable_window,
             panic_window: self.config.panic_window,
@@ -419,33 +469,20 @@ impl Autoscaler {
             desired: self.desired,
         });
         let decided = aware.and_then(|inputs| self.aware.decide(&inputs, self.sample_cap));
-        let (mut desired, mut panicking) = match decided {
+        match decided {
             Some(d) => {
                 self.panic_until = None;
                 d
             }
-            None => self.windowed(&obs, stable_concurrency, panic_concurrency),
-        };
-
-        // The engines' queues and caches: only ever more replicas.
-        if let Some(need) = obs
-            .engine
-            .and_then(|e| engine::replicas_needed(&e, &self.config.engine, obs.ready))
-        {
-            desired = desired.max(need);
+            None => self.windowed(obs, stable_concurrency, panic_concurrency),
         }
+    }
 
-        // Predictive: a replica started now is ready one cold start from
-        // now, so plan for the demand then, when it is rising.
-        let predicted_concurrency = self.predict(now);
-        if let Some(p) = predicted_concurrency {
-            desired = desired.max(replicas_for(p, target));
-        }
-
-        // Rate limits, as Knative applies them: relative to what is ready;
-        // at zero ready replicas a wake-up is not limited.
-        if obs.ready > 0 {
-            let ready = f64::from(obs.ready);
+    /// Rate limits, as Knative applies them: relative to what is ready;
+    /// at zero ready replicas a wake-up is not limited.
+    fn rate_limited(&self, ready: u32, mut desired: u32, panicking: bool) -> u32 {
+        if ready > 0 {
+            let ready = f64::from(ready);
             let up = self.config.max_scale_up_rate;
             if up.is_finite() && up >= 1.0 {
                 // It limits growth; it never takes back what was granted.
@@ -457,81 +494,100 @@ impl Autoscaler {
                 desired = desired.max((ready / down).floor() as u32);
             }
         }
+        desired
+    }
 
-        // Scale-down delay: the highest recommendation within the delay.
-        if !self.config.scale_down_delay.is_zero() {
-            let delay = self.config.scale_down_delay;
-            while self
-                .recommendations
-                .front()
-                .is_some_and(|&(t, _)| now.saturating_sub(t) >= delay || t > now)
-            {
-                self.recommendations.pop_front();
-            }
-            self.recommendations.push_back((now, desired));
-            while self.recommendations.len() > self.sample_cap {
-                self.recommendations.pop_front();
-            }
-            desired = self
-                .recommendations
-                .iter()
-                .map(|&(_, d)| d)
-                .max()
-                .unwrap_or(desired);
+    /// Scale-down delay: the highest recommendation within the delay.
+    fn delayed_scale_down(&mut self, now: Duration, desired: u32) -> u32 {
+        if self.config.scale_down_delay.is_zero() {
+            return desired;
         }
+        let delay = self.config.scale_down_delay;
+        while self
+            .recommendations
+            .front()
+            .is_some_and(|&(t, _)| now.saturating_sub(t) >= delay || t > now)
+        {
+            self.recommendations.pop_front();
+        }
+        self.recommendations.push_back((now, desired));
+        while self.recommendations.len() > self.sample_cap {
+            self.recommendations.pop_front();
+        }
+        self.recommendations
+            .iter()
+            .map(|&(_, d)| d)
+            .max()
+            .unwrap_or(desired)
+    }
 
-        // Taken over: kept until a whole stable window has seen the demand.
-        if let Some((n, at)) = self.adopted {
-            if now.saturating_sub(at) < self.config.stable_window {
-                desired = desired.max(n);
-            } else {
+    /// Taken over: kept until a whole stable window has seen the demand.
+    fn keep_adopted(&mut self, now: Duration, desired: u32) -> u32 {
+        match self.adopted {
+            Some((n, at)) if now.saturating_sub(at) < self.config.stable_window => desired.max(n),
+            Some(_) => {
                 self.adopted = None;
+                desired
             }
+            None => desired,
         }
+    }
 
-        // Idle is measured from the last activity rather than from the
-        // window averages, so a long stable window cannot keep a replica
-        // alive past `scale_to_zero_after`. In-flight requests are never idle.
-        let idle = concurrency == 0.0
-            && obs.queued == 0
+    /// Scale-to-zero and keep-one-alive; `idle_now`: nothing in flight or
+    /// queued this tick.
+    ///
+    /// Idle is measured from the last activity rather than from the
+    /// window averages, so a long stable window cannot keep a replica
+    /// alive past `scale_to_zero_after`. In-flight requests are never idle.
+    fn scale_to_zero(
+        &mut self,
+        now: Duration,
+        idle_now: bool,
+        linger: Duration,
+        desired: u32,
+        panicking: bool,
+    ) -> (u32, bool) {
+        let idle = idle_now
             && self
                 .last_active
                 .is_none_or(|last| now.saturating_sub(last) >= linger);
         if idle && self.config.min == 0 {
             // A whole idle period ends any panic that was still running.
-            desired = 0;
-            panicking = false;
             self.panic_until = None;
+            (0, false)
         } else if !idle {
             // Recent activity (which includes requests in flight right now):
             // keep the last replica until the idle period has passed, even
             // if the averages already read ~0. Never 0 while requests wait.
-            desired = desired.max(1);
+            (desired.max(1), panicking)
+        } else {
+            (desired, panicking)
         }
+    }
 
+    /// Suspends the app below `min` once it has been quiet for
+    /// `suspend_after` (until a request wakes it); otherwise clamps the
+    /// count into `[min, max]`.
+    fn suspend_or_clamp(
+        &mut self,
+        now: Duration,
+        idle_now: bool,
+        desired: u32,
+        panicking: bool,
+    ) -> (u32, bool) {
         let since = *self.first_seen.get_or_insert(now);
         let quiet = now.saturating_sub(self.last_active.unwrap_or(since).max(since));
-        if concurrency == 0.0
-            && obs.queued == 0
+        if idle_now
             && self
                 .config
                 .suspend_after
                 .is_some_and(|after| quiet >= after)
         {
             // Suspended: below `min`, until a request wakes it.
-            desired = 0;
-            panicking = false;
             self.panic_until = None;
+            (0, false)
         } else {
-            desired = self.clamp(desired);
-        }
-        self.desired = self.keep_commitments(now, obs.ready, desired);
-        Decision {
-            desired: self.desired,
-            panicking,
-            stable_concurrency,
-            panic_concurrency,
-            predicted_concurrency,
+            (self.clamp(desired), panicking)
         }
     }
 

@@ -238,54 +238,7 @@ fn functions(code: &str) -> Vec<(String, usize, usize)> {
 /// The functions over 100 lines outside tests that stay whole for now,
 /// and why. "Not split yet" is a debt (issue 58), not a reason: the list
 /// only shrinks.
-const LONG_FUNCTIONS: &[(&str, &str)] = &[
-    (
-        "autoscaler/src/aware.rs::decide",
-        "the cold-start-aware policy's one decision, rule by rule in the order docs/autoscaling.md gives them; not split yet",
-    ),
-    (
-        "autoscaler/src/lib.rs::observe",
-        "one tick of the KPA's windows, panic mode and scale-down steps in order; not split yet",
-    ),
-    (
-        "autoscaler/src/sim/engine.rs::simulate_engines",
-        "one event loop of the engine simulator; not split yet",
-    ),
-    (
-        "autoscaler/src/sim/mod.rs::simulate",
-        "one event loop of the simulator; not split yet",
-    ),
-    (
-        "benches/src/bin/weights-bench.rs::run",
-        "a bench's sequence of measured phases; not split yet",
-    ),
-    ("gateway/src/change/mod.rs::put_app_from", "not split yet"),
-    ("gateway/src/http/inference.rs::read_model", "not split yet"),
-    (
-        "gateway/src/http/inference.rs::request_fields",
-        "not split yet",
-    ),
-    ("gateway/src/operator/mod.rs::run", "not split yet"),
-    ("gateway/src/promote/drive.rs::drive", "not split yet"),
-    ("gateway/src/report.rs::status_of", "not split yet"),
-    ("gateway/src/runtime/mod.rs::serve_with", "not split yet"),
-    (
-        "gateway/src/serving/pipeline.rs::serve_once_or_refused",
-        "not split yet",
-    ),
-    ("gateway/src/simplot.rs::sweep_svg", "not split yet"),
-    ("gateway/src/simulate.rs::run", "not split yet"),
-    (
-        "gateway/src/tasks/pool/dispatch.rs::attempt",
-        "not split yet",
-    ),
-    ("pool-manager/src/backend/local.rs::spawn", "not split yet"),
-    ("pool-manager/src/weights/pull.rs::pull", "not split yet"),
-    (
-        "tests/src/bin/test-worker.rs::run",
-        "the fixture worker's routes, one match arm each; not split yet",
-    ),
-];
+const LONG_FUNCTIONS: &[(&str, &str)] = &[];
 
 #[test]
 fn no_function_outside_tests_is_over_100_lines() {

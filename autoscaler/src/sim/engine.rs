@@ -108,22 +108,7 @@ pub fn simulate_engines(
     policy: &mut dyn Policy,
     cfg: &SimConfig,
 ) -> SimReport {
-    let mut s = Engines {
-        cfg: *cfg,
-        engine: *engine,
-        replicas: Vec::new(),
-        queue: VecDeque::new(),
-        now: Duration::ZERO,
-        area_replicas: 0.0,
-        area_demand: 0.0,
-        area_busy: 0.0,
-        delays: Vec::with_capacity(trace.len()),
-        served: 0,
-        timed_out: 0,
-        rejected: 0,
-        cold_starts: 0,
-        completed: 0,
-    };
+    let mut s = Engines::new(*cfg, *engine, trace.len());
     let mut timeline = Vec::new();
     let mut next = 0usize;
     let mut next_tick = cfg.tick;
@@ -136,16 +121,7 @@ pub fn simulate_engines(
             break;
         }
         let t_arrival = trace.get(next).map(|r| r.arrival);
-        let t_ready = s
-            .replicas
-            .iter()
-            .filter(|r| r.alive)
-            .filter_map(|r| match r.state {
-                State::Starting(at) => Some(at),
-                _ => None,
-            })
-            .min();
-        let t_done = s.next_completion();
+        let (t_ready, t_done) = (s.next_ready(), s.next_completion());
         let t = [t_arrival, t_ready, t_done, Some(next_tick)]
             .into_iter()
             .flatten()
@@ -153,64 +129,19 @@ pub fn simulate_engines(
             .expect("the tick is always there");
         s.advance(t);
         s.finish(trace);
-        for i in 0..s.replicas.len() {
-            let r = &mut s.replicas[i];
-            if r.alive && matches!(r.state, State::Starting(at) if at <= t) {
-                r.state = State::Ready;
-                r.idle_since = t;
-                policy.replica_ready(cfg.cold_start);
-            }
-        }
+        s.replicas_up(policy);
         while next < trace.len() && trace[next].arrival <= t {
-            if s.queue.len() >= cfg.max_pending {
-                s.rejected += 1;
-            } else {
-                s.queue.push_back(next);
-                if s.live() == 0 {
-                    let n = policy.wake(t);
-                    s.scale_to(n);
-                }
-            }
+            s.arrive(next, policy);
             next += 1;
         }
         if t >= next_tick {
-            let (demand, busy, arrivals, completions) = since.take(
-                Totals {
-                    demand: s.area_demand,
-                    busy: s.area_busy,
-                    arrivals: next,
-                    completed: s.completed,
-                },
-                cfg.tick,
-            );
-            s.expire(trace);
-            idle.clear();
-            idle.extend(s.replicas.iter().filter(|r| r.ready()).map(|r| {
-                if r.inflight() == 0 {
-                    t.saturating_sub(r.idle_since)
-                } else {
-                    Duration::ZERO
-                }
-            }));
-            let view = Tick {
-                now: t,
-                demand,
-                queued: s.queue.len() as u32,
-                inflight: s.replicas.iter().map(Replica::inflight).sum(),
-                ready: s.replicas.iter().filter(|r| r.ready()).count() as u32,
-                starting: s
-                    .replicas
-                    .iter()
-                    .filter(|r| r.alive && matches!(r.state, State::Starting(_)))
-                    .count() as u32,
-                arrivals,
-                completions,
-                busy,
-                idle: &idle,
-                engine: s.signals(),
+            let totals = Totals {
+                demand: s.area_demand,
+                busy: s.area_busy,
+                arrivals: next,
+                completed: s.completed,
             };
-            let n = policy.tick(&view);
-            s.scale_to(n);
+            let demand = s.tick(policy, trace, since.take(totals, cfg.tick), &mut idle);
             timeline.push((t.as_secs_f64(), demand, s.live()));
             next_tick += cfg.tick;
             if t > end + Duration::from_secs(3600) {
@@ -219,20 +150,7 @@ pub fn simulate_engines(
         }
         s.dispatch(trace);
     }
-    let unserved = s.timed_out + s.queue.len() as u64;
-    SimReport::of(
-        policy.name(),
-        Counts {
-            replica_seconds: s.area_replicas,
-            served: s.served,
-            rejected: s.rejected,
-            timed_out: unserved,
-            cold_starts: s.cold_starts,
-        },
-        std::mem::take(&mut s.delays),
-        cfg.queue_timeout,
-        timeline,
-    )
+    s.report(policy.name(), timeline)
 }
 
 struct Engines {
@@ -256,6 +174,129 @@ struct Engines {
 const DONE: f64 = 1e-6;
 
 impl Engines {
+    /// A platform of `engine` replicas, none yet, for a trace of
+    /// `requests`.
+    fn new(cfg: SimConfig, engine: EngineModel, requests: usize) -> Self {
+        Engines {
+            cfg,
+            engine,
+            replicas: Vec::new(),
+            queue: VecDeque::new(),
+            now: Duration::ZERO,
+            area_replicas: 0.0,
+            area_demand: 0.0,
+            area_busy: 0.0,
+            delays: Vec::with_capacity(requests),
+            served: 0,
+            timed_out: 0,
+            rejected: 0,
+            cold_starts: 0,
+            completed: 0,
+        }
+    }
+
+    /// When the next starting replica is ready, if any starts.
+    fn next_ready(&self) -> Option<Duration> {
+        self.replicas
+            .iter()
+            .filter(|r| r.alive)
+            .filter_map(|r| match r.state {
+                State::Starting(at) => Some(at),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// The replicas whose cold start is over take traffic, and the policy
+    /// hears each one's cold start.
+    fn replicas_up(&mut self, policy: &mut dyn Policy) {
+        let t = self.now;
+        for r in &mut self.replicas {
+            if r.alive && matches!(r.state, State::Starting(at) if at <= t) {
+                r.state = State::Ready;
+                r.idle_since = t;
+                policy.replica_ready(self.cfg.cold_start);
+            }
+        }
+    }
+
+    /// Request `req` arrives: refused when the gateway's queue is full,
+    /// else queued, waking the policy when no replica is live.
+    fn arrive(&mut self, req: usize, policy: &mut dyn Policy) {
+        if self.queue.len() >= self.cfg.max_pending {
+            self.rejected += 1;
+        } else {
+            self.queue.push_back(req);
+            if self.live() == 0 {
+                let n = policy.wake(self.now);
+                self.scale_to(n);
+            }
+        }
+    }
+
+    /// One policy tick with what changed since the last (demand, busy
+    /// slot-seconds, arrivals, completions): expires what waited too long,
+    /// shows the policy the platform and the engines' signals, and scales
+    /// to its answer. Returns the tick's demand; `idle` is scratch space
+    /// for the replicas' idle times.
+    fn tick(
+        &mut self,
+        policy: &mut dyn Policy,
+        trace: &[TraceRequest],
+        (demand, busy, arrivals, completions): (f64, f64, u32, u32),
+        idle: &mut Vec<Duration>,
+    ) -> f64 {
+        let t = self.now;
+        self.expire(trace);
+        idle.clear();
+        idle.extend(self.replicas.iter().filter(|r| r.ready()).map(|r| {
+            if r.inflight() == 0 {
+                t.saturating_sub(r.idle_since)
+            } else {
+                Duration::ZERO
+            }
+        }));
+        let view = Tick {
+            now: t,
+            demand,
+            queued: self.queue.len() as u32,
+            inflight: self.replicas.iter().map(Replica::inflight).sum(),
+            ready: self.replicas.iter().filter(|r| r.ready()).count() as u32,
+            starting: self
+                .replicas
+                .iter()
+                .filter(|r| r.alive && matches!(r.state, State::Starting(_)))
+                .count() as u32,
+            arrivals,
+            completions,
+            busy,
+            idle,
+            engine: self.signals(),
+        };
+        let n = policy.tick(&view);
+        self.scale_to(n);
+        demand
+    }
+
+    /// The report of the run: what is still queued at the end counts as
+    /// timed out.
+    fn report(&mut self, policy: String, timeline: Vec<(f64, f64, u32)>) -> SimReport {
+        let unserved = self.timed_out + self.queue.len() as u64;
+        SimReport::of(
+            policy,
+            Counts {
+                replica_seconds: self.area_replicas,
+                served: self.served,
+                rejected: self.rejected,
+                timed_out: unserved,
+                cold_starts: self.cold_starts,
+            },
+            std::mem::take(&mut self.delays),
+            self.cfg.queue_timeout,
+            timeline,
+        )
+    }
+
     /// When the next running request finishes, if any runs.
     fn next_completion(&self) -> Option<Duration> {
         self.replicas

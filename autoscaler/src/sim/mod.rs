@@ -135,24 +135,7 @@ pub fn simulate(
     policy: &mut dyn Policy,
     cfg: &SimConfig,
 ) -> SimReport {
-    let mut sim = Sim {
-        cfg: *cfg,
-        replicas: Vec::new(),
-        queue: VecDeque::new(),
-        completions: BinaryHeap::new(),
-        ready_at: BinaryHeap::new(),
-        now: Duration::ZERO,
-        area_replicas: 0.0,
-        area_demand: 0.0,
-        area_busy: 0.0,
-        delays: Vec::with_capacity(trace.len()),
-        served: 0,
-        rejected: 0,
-        timed_out: 0,
-        cold_starts: 0,
-        inflight: 0,
-        completed: 0,
-    };
+    let mut sim = Sim::new(*cfg, trace.len());
     let mut timeline = Vec::new();
     let mut next = 0usize;
     let mut next_tick = cfg.tick;
@@ -179,65 +162,19 @@ pub fn simulate(
             sim.complete(i);
             sim.dispatch(trace, model);
         } else if t_ready == Some(t) {
-            let Reverse((_, i)) = sim.ready_at.pop().expect("peeked");
-            if sim.replicas[i].alive && sim.replicas[i].state == RState::Starting {
-                sim.replicas[i].state = RState::Ready;
-                sim.replicas[i].idle_since = t;
-                policy.replica_ready(cfg.cold_start);
-            }
+            sim.replica_up(policy);
             sim.dispatch(trace, model);
         } else if t_arrival == Some(t) {
-            let idx = next;
+            sim.arrive(next, policy, trace, model);
             next += 1;
-            if sim.queue.len() >= cfg.max_pending {
-                sim.rejected += 1;
-            } else {
-                sim.queue.push_back(idx);
-                if sim.live() == 0 {
-                    let n = policy.wake(t);
-                    sim.scale_to(n);
-                }
-                sim.dispatch(trace, model);
-            }
         } else {
-            let (demand, busy, arrivals, completions) = since.take(
-                Totals {
-                    demand: sim.area_demand,
-                    busy: sim.area_busy,
-                    arrivals: next,
-                    completed: sim.completed,
-                },
-                cfg.tick,
-            );
-            sim.expire(trace);
-            idle.clear();
-            idle.extend(
-                sim.replicas
-                    .iter()
-                    .filter(|r| r.alive && r.state == RState::Ready)
-                    .map(|r| {
-                        if r.inflight == 0 {
-                            t.saturating_sub(r.idle_since)
-                        } else {
-                            Duration::ZERO
-                        }
-                    }),
-            );
-            let view = Tick {
-                now: t,
-                demand,
-                queued: sim.queue.len() as u32,
-                inflight: sim.inflight,
-                ready: sim.count(RState::Ready),
-                starting: sim.count(RState::Starting),
-                arrivals,
-                completions,
-                busy,
-                idle: &idle,
-                engine: None,
+            let totals = Totals {
+                demand: sim.area_demand,
+                busy: sim.area_busy,
+                arrivals: next,
+                completed: sim.completed,
             };
-            let n = policy.tick(&view);
-            sim.scale_to(n);
+            let demand = sim.tick(policy, trace, since.take(totals, cfg.tick), &mut idle);
             sim.dispatch(trace, model);
             timeline.push((t.as_secs_f64(), demand, sim.live()));
             next_tick += cfg.tick;
@@ -246,20 +183,7 @@ pub fn simulate(
             }
         }
     }
-    let unserved = sim.timed_out + sim.queue.len() as u64;
-    SimReport::of(
-        policy.name(),
-        Counts {
-            replica_seconds: sim.area_replicas,
-            served: sim.served,
-            rejected: sim.rejected,
-            timed_out: unserved,
-            cold_starts: sim.cold_starts,
-        },
-        std::mem::take(&mut sim.delays),
-        cfg.queue_timeout,
-        timeline,
-    )
+    sim.report(policy.name(), timeline)
 }
 
 /// What a run has counted so far: the areas under the demand and the
@@ -354,6 +278,123 @@ struct Sim {
 }
 
 impl Sim {
+    /// A platform with no replicas yet, for a trace of `requests`.
+    fn new(cfg: SimConfig, requests: usize) -> Self {
+        Sim {
+            cfg,
+            replicas: Vec::new(),
+            queue: VecDeque::new(),
+            completions: BinaryHeap::new(),
+            ready_at: BinaryHeap::new(),
+            now: Duration::ZERO,
+            area_replicas: 0.0,
+            area_demand: 0.0,
+            area_busy: 0.0,
+            delays: Vec::with_capacity(requests),
+            served: 0,
+            rejected: 0,
+            timed_out: 0,
+            cold_starts: 0,
+            inflight: 0,
+            completed: 0,
+        }
+    }
+
+    /// The next replica due up takes traffic (unless it was let go while
+    /// starting), and the policy hears its cold start.
+    fn replica_up(&mut self, policy: &mut dyn Policy) {
+        let Reverse((_, i)) = self.ready_at.pop().expect("peeked");
+        if self.replicas[i].alive && self.replicas[i].state == RState::Starting {
+            self.replicas[i].state = RState::Ready;
+            self.replicas[i].idle_since = self.now;
+            policy.replica_ready(self.cfg.cold_start);
+        }
+    }
+
+    /// Request `idx` arrives: refused when the queue is full, else queued
+    /// (waking the policy when no replica is live) and dispatched.
+    fn arrive(
+        &mut self,
+        idx: usize,
+        policy: &mut dyn Policy,
+        trace: &[TraceRequest],
+        model: &ServiceModel,
+    ) {
+        if self.queue.len() >= self.cfg.max_pending {
+            self.rejected += 1;
+        } else {
+            self.queue.push_back(idx);
+            if self.live() == 0 {
+                let n = policy.wake(self.now);
+                self.scale_to(n);
+            }
+            self.dispatch(trace, model);
+        }
+    }
+
+    /// One policy tick with what changed since the last (demand, busy
+    /// slot-seconds, arrivals, completions): expires what waited too long,
+    /// shows the policy the platform and scales to its answer. Returns the
+    /// tick's demand; `idle` is scratch space for the replicas' idle times.
+    fn tick(
+        &mut self,
+        policy: &mut dyn Policy,
+        trace: &[TraceRequest],
+        (demand, busy, arrivals, completions): (f64, f64, u32, u32),
+        idle: &mut Vec<Duration>,
+    ) -> f64 {
+        let t = self.now;
+        self.expire(trace);
+        idle.clear();
+        idle.extend(
+            self.replicas
+                .iter()
+                .filter(|r| r.alive && r.state == RState::Ready)
+                .map(|r| {
+                    if r.inflight == 0 {
+                        t.saturating_sub(r.idle_since)
+                    } else {
+                        Duration::ZERO
+                    }
+                }),
+        );
+        let view = Tick {
+            now: t,
+            demand,
+            queued: self.queue.len() as u32,
+            inflight: self.inflight,
+            ready: self.count(RState::Ready),
+            starting: self.count(RState::Starting),
+            arrivals,
+            completions,
+            busy,
+            idle,
+            engine: None,
+        };
+        let n = policy.tick(&view);
+        self.scale_to(n);
+        demand
+    }
+
+    /// The report of the run: what is still queued at the end counts as
+    /// timed out.
+    fn report(&mut self, policy: String, timeline: Vec<(f64, f64, u32)>) -> SimReport {
+        let unserved = self.timed_out + self.queue.len() as u64;
+        SimReport::of(
+            policy,
+            Counts {
+                replica_seconds: self.area_replicas,
+                served: self.served,
+                rejected: self.rejected,
+                timed_out: unserved,
+                cold_starts: self.cold_starts,
+            },
+            std::mem::take(&mut self.delays),
+            self.cfg.queue_timeout,
+            timeline,
+        )
+    }
+
     fn advance(&mut self, t: Duration) {
         let dt = t.saturating_sub(self.now).as_secs_f64();
         let alive = self.replicas.iter().filter(|r| r.alive).count() as f64;

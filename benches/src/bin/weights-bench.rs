@@ -6,6 +6,7 @@
 //! `weights-bench gen --out FILE --size-mib N` writes the checkpoint;
 //! `weights-bench run --url URL` measures and prints a markdown table.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,7 +18,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use object_store::ObjectStoreExt;
-use object_store::http::HttpBuilder;
+use object_store::http::{HttpBuilder, HttpStore};
 use object_store::path::Path;
 use warmgate_pool::weights::{Source, StreamConfig};
 
@@ -210,8 +211,41 @@ async fn run(
     let mut rows = Vec::new();
 
     rows.push(measure("one sequential GET".into(), || http_get_all(&url)).await?);
-    let mut raw_by_conc = std::collections::HashMap::new();
-    for &c in &concurrency {
+    let raw_by_conc = raw_ranges(&store, &path, size, &concurrency, &mut rows).await?;
+    let (best, ratios) =
+        streamer(&src, size, &concurrency, &part_mib, &raw_by_conc, &mut rows).await?;
+    if let Some(g) = &gateway_url {
+        rows.push(
+            measure(
+                "warmgate /v1/weights, cold (store -> cache -> client)".into(),
+                || http_get_all(g),
+            )
+            .await?,
+        );
+        rows.push(
+            measure(
+                "warmgate /v1/weights, warm (cache -> client)".into(),
+                || http_get_all(g),
+            )
+            .await?,
+        );
+    }
+    disk_baselines(cache_dir, size, &mut rows).await?;
+    print_table(&rows, size, best, ratios);
+    Ok(())
+}
+
+/// Raw parallel ranged reads of 8 MiB parts at each concurrency, pushed
+/// to `rows`; the GB/s of each concurrency.
+async fn raw_ranges(
+    store: &Arc<HttpStore>,
+    path: &Path,
+    size: u64,
+    concurrency: &[usize],
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<HashMap<usize, f64>> {
+    let mut raw_by_conc = HashMap::new();
+    for &c in concurrency {
         let (store, path) = (store.clone(), path.clone());
         let part = 8u64 << 20;
         let row = measure(format!("raw ranges c={c} part=8MiB"), || async move {
@@ -232,10 +266,24 @@ async fn run(
         raw_by_conc.insert(c, row.gbps);
         rows.push(row);
     }
+    Ok(raw_by_conc)
+}
+
+/// The streamer at each concurrency and part size, pushed to `rows`;
+/// the best GB/s, and at 8 MiB parts the ratio to the raw ranges at the
+/// same concurrency.
+async fn streamer(
+    src: &Source,
+    size: u64,
+    concurrency: &[usize],
+    part_mib: &[u64],
+    raw_by_conc: &HashMap<usize, f64>,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<(f64, Vec<(usize, f64)>)> {
     let mut best = 0.0f64;
     let mut ratios = Vec::new();
-    for &c in &concurrency {
-        for &p in &part_mib {
+    for &c in concurrency {
+        for &p in part_mib {
             let cfg = StreamConfig {
                 concurrency: c,
                 part_size: p << 20,
@@ -259,22 +307,17 @@ async fn run(
             rows.push(row);
         }
     }
-    if let Some(g) = &gateway_url {
-        rows.push(
-            measure(
-                "warmgate /v1/weights, cold (store -> cache -> client)".into(),
-                || http_get_all(g),
-            )
-            .await?,
-        );
-        rows.push(
-            measure(
-                "warmgate /v1/weights, warm (cache -> client)".into(),
-                || http_get_all(g),
-            )
-            .await?,
-        );
-    }
+    Ok((best, ratios))
+}
+
+/// The disk baselines, pushed to `rows`, when a cache folder is given:
+/// writing a new file of the object's size next to the cache's largest
+/// file, then reading that file.
+async fn disk_baselines(
+    cache_dir: Option<std::path::PathBuf>,
+    size: u64,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
     let largest = cache_dir.and_then(|d| {
         std::fs::read_dir(d)
             .ok()?
@@ -336,10 +379,14 @@ async fn run(
             .await?,
         );
     }
+    Ok(())
+}
 
+/// Prints the markdown table of `rows` and the ratios against the goals.
+fn print_table(rows: &[Row], size: u64, best: f64, ratios: Vec<(usize, f64)>) {
     println!("| read | GB/s | CPU-s per GB |");
     println!("|---|---:|---:|");
-    for r in &rows {
+    for r in rows {
         println!("| {} | {:.3} | {:.2} |", r.what, r.gbps, r.cpu_per_gb);
     }
     println!();
@@ -355,5 +402,4 @@ async fn run(
             r
         );
     }
-    Ok(())
 }

@@ -235,6 +235,39 @@ impl LocalBackend {
         }
     }
 
+    /// The worker's whole environment, later entries winning: what the
+    /// gateway passes on, the spec's, then the contract's (where it
+    /// listens, which replica of which target it is, its GPUs and
+    /// checkpoint).
+    fn worker_env(
+        &self,
+        launch: &Launch,
+        port: Option<u16>,
+        socket: Option<&Path>,
+    ) -> BTreeMap<String, String> {
+        let mut vars: BTreeMap<String, String> = inherited(std::env::vars_os(), &self.pass_env)
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect();
+        vars.extend(launch.env.clone());
+        if let Some(port) = port {
+            vars.insert("PORT".into(), port.to_string());
+        }
+        if let Some(socket) = socket {
+            vars.insert(
+                "WARMGATE_SOCKET".into(),
+                socket.to_string_lossy().into_owned(),
+            );
+        }
+        vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
+        vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
+        vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
+        vars.insert("CUDA_VISIBLE_DEVICES".into(), gpu_list(&launch.gpus));
+        if let Some(c) = &launch.checkpoint {
+            vars.insert("WARMGATE_CHECKPOINT".into(), c.clone());
+        }
+        vars
+    }
+
     /// Makes the log folder and deletes the oldest logs of ended replicas
     /// past their budget; `<replica>.log`'s path.
     async fn prepare_log(&self, replica: &str) -> Result<PathBuf> {
@@ -279,28 +312,7 @@ impl Backend for LocalBackend {
         // In use from now: no other start prunes it, even before it opens.
         let live = self.live.hold(&launch.replica);
         let log_path = self.prepare_log(&launch.replica).await?;
-        // The worker's whole environment, later entries winning: what the
-        // gateway passes on, the spec's, then the contract's.
-        let mut vars: BTreeMap<String, String> = inherited(std::env::vars_os(), &self.pass_env)
-            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-            .collect();
-        vars.extend(launch.env.clone());
-        if let Some(port) = port {
-            vars.insert("PORT".into(), port.to_string());
-        }
-        if let Some(socket) = &socket {
-            vars.insert(
-                "WARMGATE_SOCKET".into(),
-                socket.to_string_lossy().into_owned(),
-            );
-        }
-        vars.insert("WARMGATE_REPLICA".into(), launch.replica.clone());
-        vars.insert("WARMGATE_TARGET".into(), launch.target.clone());
-        vars.insert("WARMGATE_REVISION".into(), launch.revision.clone());
-        vars.insert("CUDA_VISIBLE_DEVICES".into(), gpu_list(&launch.gpus));
-        if let Some(c) = &launch.checkpoint {
-            vars.insert("WARMGATE_CHECKPOINT".into(), c.clone());
-        }
+        let vars = self.worker_env(launch, port, socket.as_deref());
         let command =
             expand_command(&launch.command, &vars).map_err(|reason| Error::SpawnFailed {
                 program: launch.command.first().cloned().unwrap_or_default(),

@@ -118,15 +118,6 @@ pub async fn pull(
             .to_str()
             .and_then(|r| sums.get(r))
             .map(String::as_str);
-        let mismatch = |e: Error| match e {
-            Error::Cache { reason, .. } if reason.starts_with("sha256 mismatch") => {
-                Error::Weights {
-                    uri: item.source.uri().to_string(),
-                    reason,
-                }
-            }
-            other => other,
-        };
         let target = dest.join(&item.relative);
         if let Some(parent) = target.parent() {
             tokio::fs::create_dir_all(parent)
@@ -141,74 +132,127 @@ pub async fn pull(
             item.source.header(size).await?;
         }
         let key = Cache::key(item.source.uri(), &item.meta);
-        let cached = match cache.and_then(|c| c.lookup(&key, size)) {
-            Some(path) => match expected {
-                Some(want) if !super::cache::matches(&path, want).await? => {
-                    tracing::warn!(path = %path.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
-                    let _ = tokio::fs::remove_file(&path).await;
-                    None
-                }
-                _ => Some(path),
-            },
-            None => None,
+        let fetch = Fetch {
+            item,
+            target: &target,
+            expected,
+            cfg,
+            on_bytes,
         };
-        if let Some(cached) = cached {
+        if let Some(cached) = cached_entry(cache, &key, size, expected).await? {
             place(&cached, &target).await?;
             on_bytes(size);
             report.from_cache += size;
         } else if let Some(cache) = cache.filter(|c| c.fits(size)) {
-            let mut w = cache.writer(&key).await?;
-            if expected.is_none() {
-                w = w.without_digest();
-            }
-            let mut parts = item.source.parts(0..size, cfg);
-            while let Some(part) = parts.next().await {
-                let part = part?;
-                w.write(&part).await?;
-                on_bytes(part.len() as u64);
-            }
-            let entry = w.commit(size, expected).await.map_err(mismatch)?;
-            place(&entry, &target).await?;
+            fetch.through_cache(cache, &key).await?;
         } else {
-            let tmp = target.with_extension("warmgate-partial");
-            let mut f = tokio::fs::File::create(&tmp)
-                .await
-                .map_err(|e| io_error(&tmp, e))?;
-            let mut hasher = Sha256::new();
-            let mut parts = item.source.parts(0..size, cfg);
-            while let Some(part) = parts.next().await {
-                let part = match part {
-                    Ok(p) => p,
-                    Err(e) => {
-                        let _ = tokio::fs::remove_file(&tmp).await;
-                        return Err(e);
-                    }
-                };
-                f.write_all(&part).await.map_err(|e| io_error(&tmp, e))?;
-                hasher.update(&part);
-                on_bytes(part.len() as u64);
-            }
-            if let Some(want) = expected {
-                let got = hex(&hasher.finalize());
-                if !got.eq_ignore_ascii_case(want) {
-                    let _ = tokio::fs::remove_file(&tmp).await;
-                    return Err(Error::Weights {
-                        uri: item.source.uri().to_string(),
-                        reason: format!(
-                            "sha256 mismatch: the checkpoint's SHA256SUMS says {want}, the bytes hash to {got}"
-                        ),
-                    });
-                }
-            }
-            f.sync_all().await.map_err(|e| io_error(&tmp, e))?;
-            tokio::fs::rename(&tmp, &target)
-                .await
-                .map_err(|e| io_error(&target, e))?;
+            fetch.direct().await?;
         }
         report.files += 1;
         report.bytes += size;
     }
     Ok(report)
+}
+
+/// The cache entry for `key`, when there is one of `size` bytes; an entry
+/// whose SHA-256 is not the `expected` one is removed, not used.
+async fn cached_entry(
+    cache: Option<&Cache>,
+    key: &str,
+    size: u64,
+    expected: Option<&str>,
+) -> Result<Option<PathBuf>> {
+    Ok(match cache.and_then(|c| c.lookup(key, size)) {
+        Some(path) => match expected {
+            Some(want) if !super::cache::matches(&path, want).await? => {
+                tracing::warn!(path = %path.display(), "removing a cache entry whose SHA-256 does not match the checkpoint's SHA256SUMS");
+                let _ = tokio::fs::remove_file(&path).await;
+                None
+            }
+            _ => Some(path),
+        },
+        None => None,
+    })
+}
+
+/// One item to download into `target`, verified against `expected`
+/// when the checkpoint's SHA256SUMS names it.
+struct Fetch<'a> {
+    item: &'a PullItem,
+    target: &'a Path,
+    expected: Option<&'a str>,
+    cfg: &'a StreamConfig,
+    on_bytes: &'a (dyn Fn(u64) + Sync),
+}
+
+impl Fetch<'_> {
+    /// Streams the object into a new cache entry under `key` (verified
+    /// on commit), then places the entry at the target.
+    async fn through_cache(&self, cache: &Cache, key: &str) -> Result<()> {
+        let (item, size) = (self.item, self.item.meta.size);
+        let mismatch = |e: Error| match e {
+            Error::Cache { reason, .. } if reason.starts_with("sha256 mismatch") => {
+                Error::Weights {
+                    uri: item.source.uri().to_string(),
+                    reason,
+                }
+            }
+            other => other,
+        };
+        let mut w = cache.writer(key).await?;
+        if self.expected.is_none() {
+            w = w.without_digest();
+        }
+        let mut parts = item.source.parts(0..size, self.cfg);
+        while let Some(part) = parts.next().await {
+            let part = part?;
+            w.write(&part).await?;
+            (self.on_bytes)(part.len() as u64);
+        }
+        let entry = w.commit(size, self.expected).await.map_err(mismatch)?;
+        place(&entry, self.target).await
+    }
+
+    /// Streams the object straight to a partial file beside the target,
+    /// hashing it on the way, and renames it into place once verified; the
+    /// partial file is removed when the stream fails or the hash differs.
+    async fn direct(&self) -> Result<()> {
+        let (item, size, target) = (self.item, self.item.meta.size, self.target);
+        let tmp = target.with_extension("warmgate-partial");
+        let mut f = tokio::fs::File::create(&tmp)
+            .await
+            .map_err(|e| io_error(&tmp, e))?;
+        let mut hasher = Sha256::new();
+        let mut parts = item.source.parts(0..size, self.cfg);
+        while let Some(part) = parts.next().await {
+            let part = match part {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = tokio::fs::remove_file(&tmp).await;
+                    return Err(e);
+                }
+            };
+            f.write_all(&part).await.map_err(|e| io_error(&tmp, e))?;
+            hasher.update(&part);
+            (self.on_bytes)(part.len() as u64);
+        }
+        if let Some(want) = self.expected {
+            let got = hex(&hasher.finalize());
+            if !got.eq_ignore_ascii_case(want) {
+                let _ = tokio::fs::remove_file(&tmp).await;
+                return Err(Error::Weights {
+                    uri: item.source.uri().to_string(),
+                    reason: format!(
+                        "sha256 mismatch: the checkpoint's SHA256SUMS says {want}, the bytes hash to {got}"
+                    ),
+                });
+            }
+        }
+        f.sync_all().await.map_err(|e| io_error(&tmp, e))?;
+        tokio::fs::rename(&tmp, target)
+            .await
+            .map_err(|e| io_error(target, e))
+    }
 }
 
 /// Hard-links a cache entry into place (no second copy on disk), copying

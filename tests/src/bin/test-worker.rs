@@ -115,22 +115,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let bind = config.bind.clone();
     let listener = listen(&bind).await?;
 
-    let mut loaded = Loaded::default();
-    let mut weights_seconds = None;
-    if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
-        let version = std::env::var("WARMGATE_WEIGHTS_VERSION")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        loaded = load_weights(&reqwest::Client::new(), &url, version)
-            .await
-            .with_context(|| format!("loading the weights at {url}"))?;
-        eprintln!(
-            "test-worker: loaded weights version {version} ({} bytes)",
-            loaded.bytes
-        );
-        weights_seconds = Some(loaded.finished_ms.saturating_sub(loaded.started_ms) as f64 / 1e3);
-    }
+    let (loaded, weights_seconds) = load_startup_weights().await?;
     let close = Arc::new(tokio::sync::Notify::new());
     let state = Arc::new(AppState {
         config,
@@ -164,7 +149,46 @@ async fn run(config: Config) -> anyhow::Result<()> {
             stop.notify_one();
         });
     }
-    let mut listener = listener;
+    serve_until_stopped(listener, &bind, app, &state, &close, &stop).await?;
+    eprintln!("test-worker: stopped");
+    Ok(())
+}
+
+/// Loads `$WARMGATE_WEIGHTS_URL` (version `$WARMGATE_WEIGHTS_VERSION`)
+/// when it is set; what was loaded (nothing when unset) and how many
+/// seconds loading took.
+async fn load_startup_weights() -> anyhow::Result<(Loaded, Option<f64>)> {
+    let mut loaded = Loaded::default();
+    let mut weights_seconds = None;
+    if let Ok(url) = std::env::var("WARMGATE_WEIGHTS_URL") {
+        let version = std::env::var("WARMGATE_WEIGHTS_VERSION")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        loaded = load_weights(&reqwest::Client::new(), &url, version)
+            .await
+            .with_context(|| format!("loading the weights at {url}"))?;
+        eprintln!(
+            "test-worker: loaded weights version {version} ({} bytes)",
+            loaded.bytes
+        );
+        weights_seconds = Some(loaded.finished_ms.saturating_sub(loaded.started_ms) as f64 / 1e3);
+    }
+    Ok((loaded, weights_seconds))
+}
+
+/// Serves `app` on `listener` until `stop` (a signal) is notified. A
+/// `POST /close-listener` (`close`) closes the listener but keeps the
+/// worker alive: for good (until a signal), or for its `reopen_after`,
+/// then listening again where it was.
+async fn serve_until_stopped(
+    mut listener: Listening,
+    bind: &Bind,
+    app: Router,
+    state: &AppState,
+    close: &Arc<tokio::sync::Notify>,
+    stop: &Arc<tokio::sync::Notify>,
+) -> anyhow::Result<()> {
     loop {
         let by_request = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (flag, close, signalled) = (by_request.clone(), close.clone(), stop.clone());
@@ -204,12 +228,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
             () = tokio::time::sleep(after) => {}
             () = stop.notified() => break,
         }
-        if let Bind::Socket(path) = &bind {
+        if let Bind::Socket(path) = bind {
             let _ = std::fs::remove_file(path);
         }
-        listener = listen(&bind).await?;
+        listener = listen(bind).await?;
     }
-    eprintln!("test-worker: stopped");
     Ok(())
 }
 
