@@ -182,6 +182,16 @@ impl Config {
         }
     }
 
+    /// The config's folder: where workers run, and where a relative
+    /// `file://` given later (through the API, or in a resource the
+    /// operator serves) resolves, as one in the file does. For a config
+    /// not read from a file, the state folder's parent.
+    pub fn workers_folder(&self) -> Option<PathBuf> {
+        self.folder
+            .clone()
+            .or_else(|| self.state_dir.parent().map(Path::to_path_buf))
+    }
+
     /// The app with this name or alias.
     pub fn app(&self, name: &str) -> Option<&AppSpec> {
         self.apps

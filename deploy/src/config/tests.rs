@@ -524,3 +524,18 @@ fn node_affinity_needs_an_operator_kubernetes_knows_and_values_that_fit_it() {
         assert_eq!(err.key(), Some(key), "{req}: {err}");
     }
 }
+
+#[test]
+fn relative_paths_given_later_resolve_against_the_config_s_folder() {
+    let text = "state_dir = \"/var/lib/warmgate/state\"\n";
+    let c = Config::parse(text, Path::new("/etc/wg/w.toml"), Path::new("/etc/wg")).expect("valid");
+    assert_eq!(c.workers_folder().as_deref(), Some(Path::new("/etc/wg")));
+    let built = Config {
+        state_dir: "/srv/wg/state".into(),
+        ..Config::default()
+    };
+    assert_eq!(
+        built.workers_folder().as_deref(),
+        Some(Path::new("/srv/wg"))
+    );
+}

@@ -97,11 +97,10 @@ pub fn config_from(
     base.pools.clear();
     base.validate()?;
     // Relative URIs resolve as the gateway resolves them: against the
-    // state folder's parent (the config's folder).
+    // config's folder.
     let base_dir = base
-        .state_dir
-        .parent()
-        .map_or_else(|| std::path::PathBuf::from("."), |p| p.to_path_buf());
+        .workers_folder()
+        .unwrap_or_else(|| std::path::PathBuf::from("."));
     let allowed = warmgate_pool::weights::AllowList::new(&allowed, &base_dir)
         .map_err(|e| ("weights.allowed_prefixes".to_string(), e.to_string()))?;
     // Allowed, and one the store can open: a URI that passes the list but

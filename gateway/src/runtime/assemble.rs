@@ -42,7 +42,7 @@ impl Gateway {
         addr: std::net::SocketAddr,
         state: Option<Box<dyn warmgate_deploy::store::StateStore>>,
     ) -> anyhow::Result<Arc<Self>> {
-        let workdir = workers_folder(&config);
+        let workdir = config.workers_folder();
         let base = workdir
             .clone()
             .unwrap_or_else(|| std::path::PathBuf::from("."));
@@ -257,7 +257,6 @@ fn weights_of(
 /// Service), workers on this machine on loopback when it listens on every
 /// interface.
 fn reach_of(config: &Config, addr: std::net::SocketAddr) -> String {
-    // interface.
     match &config.backend.kubernetes.advertise {
         Some(a) if config.backend.kind == warmgate_deploy::BackendKind::Kubernetes => a.clone(),
         _ if addr.ip().is_unspecified() => {
@@ -320,38 +319,4 @@ fn lay_over(mut config: Config, overlay: Overlay) -> Config {
         }
     }
     config
-}
-
-/// The config's folder: the workers' working folder, and where a relative
-/// `file://` given through the API (a promotion, a weight sync) resolves,
-/// as one in the file does. A config not read from a file: the state
-/// folder's parent.
-fn workers_folder(config: &Config) -> Option<std::path::PathBuf> {
-    config
-        .folder
-        .clone()
-        .or_else(|| config.state_dir.parent().map(|p| p.to_path_buf()))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    use super::*;
-
-    #[test]
-    fn relative_paths_given_later_resolve_against_the_config_s_folder() {
-        let text = "state_dir = \"/var/lib/warmgate/state\"\n";
-        let c =
-            Config::parse(text, Path::new("/etc/wg/w.toml"), Path::new("/etc/wg")).expect("valid");
-        assert_eq!(workers_folder(&c).as_deref(), Some(Path::new("/etc/wg")));
-        let built = Config {
-            state_dir: "/srv/wg/state".into(),
-            ..Config::default()
-        };
-        assert_eq!(
-            workers_folder(&built).as_deref(),
-            Some(Path::new("/srv/wg"))
-        );
-    }
 }

@@ -146,13 +146,15 @@ class Calls:
         api_key: Optional[str] = None,
         timeout: Optional[float] = 600.0,
         max_retries: int = 2,
-        max_connections: Optional[int] = None,
+        max_connections: Any = UNSET,
         headers: Optional[Mapping[str, str]] = None,
         transport: Any = None,
         cacert: Optional[str] = None,
     ) -> None:
         self._s = _core.Settings.of(url, token, api_key, max_retries, timeout, headers)
-        options = self._s.http_options(max_connections or self._max_connections, cacert)
+        # None: no limit, as httpx takes it; not given: the client's default.
+        limit = self._max_connections if max_connections is UNSET else max_connections
+        options = self._s.http_options(limit, cacert)
         self._http = self._http_class(transport=transport, **options)
 
     @property
