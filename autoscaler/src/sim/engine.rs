@@ -20,7 +20,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Counts, Policy, SimConfig, SimReport, SinceTick, Tick, Totals, TraceRequest};
+use super::{Policy, SimConfig, SimReport, SinceTick, Tally, Tick, TraceRequest};
 use crate::EngineSignals;
 
 /// One engine's costs and capacity.
@@ -135,12 +135,7 @@ pub fn simulate_engines(
             next += 1;
         }
         if t >= next_tick {
-            let totals = Totals {
-                demand: s.area_demand,
-                busy: s.area_busy,
-                arrivals: next,
-                completed: s.completed,
-            };
+            let totals = s.tally.totals(next);
             let demand = s.tick(policy, trace, since.take(totals, cfg.tick), &mut idle);
             timeline.push((t.as_secs_f64(), demand, s.live()));
             next_tick += cfg.tick;
@@ -154,20 +149,12 @@ pub fn simulate_engines(
 }
 
 struct Engines {
+    tally: Tally,
     cfg: SimConfig,
     engine: EngineModel,
     replicas: Vec<Replica>,
     queue: VecDeque<usize>,
     now: Duration,
-    area_replicas: f64,
-    area_demand: f64,
-    area_busy: f64,
-    delays: Vec<f64>,
-    served: u64,
-    timed_out: u64,
-    rejected: u64,
-    cold_starts: u64,
-    completed: u64,
 }
 
 /// Work below this is done (float noise of the batch's progress).
@@ -179,19 +166,11 @@ impl Engines {
     fn new(cfg: SimConfig, engine: EngineModel, requests: usize) -> Self {
         Engines {
             cfg,
+            tally: Tally::new(requests),
             engine,
             replicas: Vec::new(),
             queue: VecDeque::new(),
             now: Duration::ZERO,
-            area_replicas: 0.0,
-            area_demand: 0.0,
-            area_busy: 0.0,
-            delays: Vec::with_capacity(requests),
-            served: 0,
-            timed_out: 0,
-            rejected: 0,
-            cold_starts: 0,
-            completed: 0,
         }
     }
 
@@ -224,7 +203,7 @@ impl Engines {
     /// else queued, waking the policy when no replica is live.
     fn arrive(&mut self, req: usize, policy: &mut dyn Policy) {
         if self.queue.len() >= self.cfg.max_pending {
-            self.rejected += 1;
+            self.tally.rejected += 1;
         } else {
             self.queue.push_back(req);
             if self.live() == 0 {
@@ -278,23 +257,11 @@ impl Engines {
         demand
     }
 
-    /// The report of the run: what is still queued at the end counts as
-    /// timed out.
+    /// The report of the run (see [`Tally::report`]).
     fn report(&mut self, policy: String, timeline: Vec<(f64, f64, u32)>) -> SimReport {
-        let unserved = self.timed_out + self.queue.len() as u64;
-        SimReport::of(
-            policy,
-            Counts {
-                replica_seconds: self.area_replicas,
-                served: self.served,
-                rejected: self.rejected,
-                timed_out: unserved,
-                cold_starts: self.cold_starts,
-            },
-            std::mem::take(&mut self.delays),
-            self.cfg.queue_timeout,
-            timeline,
-        )
+        let queued = self.queue.len();
+        self.tally
+            .report(policy, queued, self.cfg.queue_timeout, timeline)
     }
 
     /// When the next running request finishes, if any runs.
@@ -316,9 +283,8 @@ impl Engines {
         let dt = t.saturating_sub(self.now).as_secs_f64();
         let alive = self.replicas.iter().filter(|r| r.alive).count() as f64;
         let inflight: u32 = self.replicas.iter().map(Replica::inflight).sum();
-        self.area_replicas += alive * dt;
-        self.area_demand += f64::from(inflight + self.queue.len() as u32) * dt;
-        self.area_busy += f64::from(inflight) * dt;
+        self.tally
+            .advance(dt, alive, inflight, self.queue.len() as u32);
         for r in self.replicas.iter_mut().filter(|r| r.alive) {
             if r.batch.is_empty() {
                 continue;
@@ -350,8 +316,8 @@ impl Engines {
                 }
             });
             let done = (before - r.batch.len()) as u64;
-            self.served += done;
-            self.completed += done;
+            self.tally.served += done;
+            self.tally.completed += done;
             if done > 0 && r.inflight() == 0 {
                 r.idle_since = now;
                 if r.state == State::Draining {
@@ -377,7 +343,8 @@ impl Engines {
             r.waiting.pop_front();
             r.kv_used += need;
             r.batch.push((req, engine.work(&trace[req])));
-            self.delays
+            self.tally
+                .delays
                 .push(now.saturating_sub(trace[req].arrival).as_secs_f64());
         }
     }
@@ -397,7 +364,7 @@ impl Engines {
             let Some(i) = best else { return };
             self.queue.pop_front();
             if self.now.saturating_sub(trace[req].arrival) > self.cfg.queue_timeout {
-                self.timed_out += 1;
+                self.tally.timed_out += 1;
                 continue;
             }
             self.replicas[i].waiting.push_back(req);
@@ -410,7 +377,7 @@ impl Engines {
         let before = self.queue.len();
         self.queue
             .retain(|&i| now.saturating_sub(trace[i].arrival) <= timeout);
-        self.timed_out += (before - self.queue.len()) as u64;
+        self.tally.timed_out += (before - self.queue.len()) as u64;
     }
 
     /// What the ready replicas' engines say, as the gateway reads them.
@@ -445,7 +412,7 @@ impl Engines {
                     batch: Vec::new(),
                     kv_used: 0,
                 });
-                self.cold_starts += 1;
+                self.tally.cold_starts += 1;
             }
             return;
         }

@@ -68,6 +68,75 @@ pub trait Policy {
     fn replica_ready(&mut self, _startup: Duration) {}
 }
 
+/// What a simulated run counts, the same on both platforms (fixed slots
+/// here, engines in [`engine`]): the areas under the replicas, the demand
+/// and the busy slots over time, each served request's wait, and how the
+/// requests ended.
+#[derive(Debug, Default)]
+struct Tally {
+    area_replicas: f64,
+    area_demand: f64,
+    area_busy: f64,
+    delays: Vec<f64>,
+    served: u64,
+    rejected: u64,
+    timed_out: u64,
+    cold_starts: u64,
+    completed: u64,
+}
+
+impl Tally {
+    /// Nothing counted yet, with room for `requests` waits.
+    fn new(requests: usize) -> Self {
+        Tally {
+            delays: Vec::with_capacity(requests),
+            ..Tally::default()
+        }
+    }
+
+    /// `dt` seconds pass with `alive` replicas, `inflight` requests
+    /// running and `queued` waiting.
+    fn advance(&mut self, dt: f64, alive: f64, inflight: u32, queued: u32) {
+        self.area_replicas += alive * dt;
+        self.area_demand += f64::from(inflight + queued) * dt;
+        self.area_busy += f64::from(inflight) * dt;
+    }
+
+    /// The totals at a tick, with `arrivals` requests arrived so far.
+    fn totals(&self, arrivals: usize) -> Totals {
+        Totals {
+            demand: self.area_demand,
+            busy: self.area_busy,
+            arrivals,
+            completed: self.completed,
+        }
+    }
+
+    /// The report of the run: the `queued` requests still waiting at the
+    /// end count as timed out.
+    fn report(
+        &mut self,
+        policy: String,
+        queued: usize,
+        queue_timeout: Duration,
+        timeline: Vec<(f64, f64, u32)>,
+    ) -> SimReport {
+        SimReport::of(
+            policy,
+            Counts {
+                replica_seconds: self.area_replicas,
+                served: self.served,
+                rejected: self.rejected,
+                timed_out: self.timed_out + queued as u64,
+                cold_starts: self.cold_starts,
+            },
+            std::mem::take(&mut self.delays),
+            queue_timeout,
+            timeline,
+        )
+    }
+}
+
 /// The simulated platform.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimConfig {
@@ -168,12 +237,7 @@ pub fn simulate(
             sim.arrive(next, policy, trace, model);
             next += 1;
         } else {
-            let totals = Totals {
-                demand: sim.area_demand,
-                busy: sim.area_busy,
-                arrivals: next,
-                completed: sim.completed,
-            };
+            let totals = sim.tally.totals(next);
             let demand = sim.tick(policy, trace, since.take(totals, cfg.tick), &mut idle);
             sim.dispatch(trace, model);
             timeline.push((t.as_secs_f64(), demand, sim.live()));
@@ -259,22 +323,14 @@ impl SimReport {
 }
 
 struct Sim {
+    tally: Tally,
     cfg: SimConfig,
     replicas: Vec<Replica>,
     queue: VecDeque<usize>,
     completions: BinaryHeap<Reverse<(Duration, usize)>>,
     ready_at: BinaryHeap<Reverse<(Duration, usize)>>,
     now: Duration,
-    area_replicas: f64,
-    area_demand: f64,
-    area_busy: f64,
-    delays: Vec<f64>,
-    served: u64,
-    rejected: u64,
-    timed_out: u64,
-    cold_starts: u64,
     inflight: u32,
-    completed: u64,
 }
 
 impl Sim {
@@ -282,21 +338,13 @@ impl Sim {
     fn new(cfg: SimConfig, requests: usize) -> Self {
         Sim {
             cfg,
+            tally: Tally::new(requests),
             replicas: Vec::new(),
             queue: VecDeque::new(),
             completions: BinaryHeap::new(),
             ready_at: BinaryHeap::new(),
             now: Duration::ZERO,
-            area_replicas: 0.0,
-            area_demand: 0.0,
-            area_busy: 0.0,
-            delays: Vec::with_capacity(requests),
-            served: 0,
-            rejected: 0,
-            timed_out: 0,
-            cold_starts: 0,
             inflight: 0,
-            completed: 0,
         }
     }
 
@@ -321,7 +369,7 @@ impl Sim {
         model: &ServiceModel,
     ) {
         if self.queue.len() >= self.cfg.max_pending {
-            self.rejected += 1;
+            self.tally.rejected += 1;
         } else {
             self.queue.push_back(idx);
             if self.live() == 0 {
@@ -376,31 +424,18 @@ impl Sim {
         demand
     }
 
-    /// The report of the run: what is still queued at the end counts as
-    /// timed out.
+    /// The report of the run (see [`Tally::report`]).
     fn report(&mut self, policy: String, timeline: Vec<(f64, f64, u32)>) -> SimReport {
-        let unserved = self.timed_out + self.queue.len() as u64;
-        SimReport::of(
-            policy,
-            Counts {
-                replica_seconds: self.area_replicas,
-                served: self.served,
-                rejected: self.rejected,
-                timed_out: unserved,
-                cold_starts: self.cold_starts,
-            },
-            std::mem::take(&mut self.delays),
-            self.cfg.queue_timeout,
-            timeline,
-        )
+        let queued = self.queue.len();
+        self.tally
+            .report(policy, queued, self.cfg.queue_timeout, timeline)
     }
 
     fn advance(&mut self, t: Duration) {
         let dt = t.saturating_sub(self.now).as_secs_f64();
         let alive = self.replicas.iter().filter(|r| r.alive).count() as f64;
-        self.area_replicas += alive * dt;
-        self.area_demand += f64::from(self.inflight + self.queue.len() as u32) * dt;
-        self.area_busy += f64::from(self.inflight) * dt;
+        self.tally
+            .advance(dt, alive, self.inflight, self.queue.len() as u32);
         self.now = t;
     }
 
@@ -432,7 +467,7 @@ impl Sim {
                 let i = self.replicas.len() - 1;
                 self.ready_at
                     .push(Reverse((self.now + self.cfg.cold_start, i)));
-                self.cold_starts += 1;
+                self.tally.cold_starts += 1;
             }
         } else if n < live {
             let mut excess = live - n;
@@ -475,7 +510,7 @@ impl Sim {
         let before = self.queue.len();
         self.queue
             .retain(|&i| now.saturating_sub(trace[i].arrival) <= timeout);
-        self.timed_out += (before - self.queue.len()) as u64;
+        self.tally.timed_out += (before - self.queue.len()) as u64;
     }
 
     fn dispatch(&mut self, trace: &[TraceRequest], model: &ServiceModel) {
@@ -494,10 +529,10 @@ impl Sim {
             let req = &trace[idx];
             let waited = self.now.saturating_sub(req.arrival);
             if waited > self.cfg.queue_timeout {
-                self.timed_out += 1;
+                self.tally.timed_out += 1;
                 continue;
             }
-            self.delays.push(waited.as_secs_f64());
+            self.tally.delays.push(waited.as_secs_f64());
             self.replicas[i].inflight += 1;
             self.inflight += 1;
             self.completions
@@ -510,8 +545,8 @@ impl Sim {
         let r = &mut self.replicas[i];
         r.inflight -= 1;
         self.inflight -= 1;
-        self.served += 1;
-        self.completed += 1;
+        self.tally.served += 1;
+        self.tally.completed += 1;
         if r.inflight == 0 {
             r.idle_since = now;
             if r.state == RState::Draining {
